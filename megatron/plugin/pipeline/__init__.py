@@ -1,0 +1,1 @@
+"""Pipeline runtime: schedule IR, passes, validation, simulator and the executor."""

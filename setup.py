@@ -1,0 +1,32 @@
+"""Packaging for the long-context pipeline-parallel extension of Megatron.
+
+``megatron/`` is a namespace portion: it adds ``megatron.plugin`` beside pip's
+``megatron.core`` and therefore has no ``__init__.py``.
+"""
+from setuptools import find_namespace_packages, setup
+
+setup(
+    name="megatron-longctx-pipelines",
+    version="0.1.0",
+    description="Elastic, Helix and SPPO pipeline schedules for Megatron-LM (drop-in pretrain_gpt)",
+    python_requires=">=3.11,<3.12",
+    packages=find_namespace_packages(
+        include=["megatron.plugin", "megatron.plugin.*", "elastic_pipe", "elastic_pipe.*",
+                 "helix", "helix.*", "sppo_offload", "sppo_offload.*"]
+    ),
+    py_modules=["pretrain_gpt_elastic"],
+    package_data={"elastic_pipe": ["profiles/*.json"]},
+    install_requires=[
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "ortools>=9.10",
+        "numpy",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout"],
+        # On CUDA clusters. NVIDIA apex is built from source (see README); the PyPI package
+        # named "apex" is an unrelated project and must never be installed.
+        "gpu": ["flash-attn", "transformer-engine"],
+    },
+)
