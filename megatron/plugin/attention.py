@@ -1,0 +1,236 @@
+"""Core attention for packed documents with optional K/V context, and its layer spec.
+
+Every schedule (Megatron's own included) feeds the model *packed* micro-batches: several
+documents concatenated in one row, each attending causally only to itself, with positions that
+restart at 0 per document. A document cut into slices (elastic chunks, SPPO subsequences) also
+attends to the K/V of its earlier slices, held in a :class:`~megatron.plugin.kv_store.KVStore`.
+
+How the batch layout reaches the attention: :class:`PackedDocuments` is a ``PackedSeqParams``
+(Megatron passes that object untouched from ``GPTModel.forward`` down to every core attention)
+with ``qkv_format="sbhd"``, so no Megatron code path treats it as THD.
+
+Positions: learned-absolute embeddings take the true ``position_ids`` through ``GPTModel``.
+RoPE is applied *here*, at the true positions (``PackedDocuments.position_ids``), with the
+frequency table of Megatron's own ``RotaryEmbedding`` (same base, percent and interleaving);
+the ``GPTModel`` is therefore built with ``position_embedding_type="none"`` when RoPE is asked
+for. RoPE has no parameters, so checkpoints are unaffected. K/V are stored after RoPE, so context
+keys carry their true positions.
+
+Backends: torch SDPA per document on any device (exact, device-agnostic), flash-attn varlen on
+CUDA when importable (``causal=True`` is bottom-right aligned there, which is the K/V-context
+semantics).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+
+from megatron.plugin.kv_store import KVStore
+
+try:  # optional GPU backend
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = None
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run ``[start, stop)`` of one document's tokens inside a packed row.
+
+    ``doc_key``/``slice_index`` name the document slice for the K/V store; ``doc_key=None``
+    means a whole document with no context (nothing is stored).
+    """
+
+    start: int
+    stop: int
+    doc_key: object = None
+    slice_index: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class PackedDocuments(PackedSeqParams):
+    """Layout of a packed micro-batch ``[s, b]``: per row, the document segments.
+
+    ``position_ids`` is ``[b, s]`` (true positions, offset by the context length for slices).
+    ``kv_store`` is required when a segment has ``slice_index > 0`` or will be continued.
+    """
+
+    segments: tuple[tuple[Segment, ...], ...] = ()
+    position_ids: torch.Tensor | None = None
+    kv_store: KVStore | None = None
+    record_kv: bool = field(default=False)
+
+    def __post_init__(self):
+        self.qkv_format = "sbhd"
+
+
+def document_segments(lengths, doc_keys=None, slice_indices=None) -> tuple[Segment, ...]:
+    """Segments of one packed row from consecutive document lengths."""
+    segments, start = [], 0
+    for i, length in enumerate(lengths):
+        key = None if doc_keys is None else doc_keys[i]
+        index = 0 if slice_indices is None else slice_indices[i]
+        segments.append(Segment(start, start + int(length), key, index))
+        start += int(length)
+    return tuple(segments)
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    """RoPE applied inside the core attention (see module docstring)."""
+
+    rotary_base: int = 10000
+    rotary_percent: float = 1.0
+    seq_len_interpolation_factor: float | None = None
+
+
+class DocumentAttention(MegatronModule):
+    """Drop-in ``core_attention`` for Megatron's ``SelfAttention`` (``ModuleSpec`` submodule).
+
+    Inputs are ``[s, b, heads, dim]`` query/key/value for this tensor-parallel rank; output is
+    ``[s, b, heads*dim]``. Without ``PackedDocuments`` each row is one causal sequence.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None,
+                 pg_collection=None, rope: RopeSettings | None = None):
+        super().__init__(config=config)
+        del attn_mask_type, attention_type, cp_comm_type, pg_collection
+        self.layer_number = layer_number
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+        self.rope = None
+        self._rope_table = None
+        if rope is not None:
+            self.rope = RotaryEmbedding(
+                kv_channels=config.kv_channels,
+                rotary_percent=rope.rotary_percent,
+                rotary_interleaved=config.rotary_interleaved,
+                seq_len_interpolation_factor=rope.seq_len_interpolation_factor,
+                rotary_base=rope.rotary_base,
+                use_cpu_initialization=True,
+            )
+
+    # ----------------------------------------------------------------------------- positions
+    def _rope_freqs(self, position_ids: torch.Tensor, device) -> torch.Tensor:
+        """``[s, b, 1, dim]`` rotary angles at the given true positions."""
+        needed = int(position_ids.max()) + 1
+        if self._rope_table is None or self._rope_table.shape[0] < needed \
+                or self._rope_table.device != device:
+            size = max(needed, 2 * (0 if self._rope_table is None else self._rope_table.shape[0]))
+            self.rope.inv_freq = self.rope.inv_freq.to(device)
+            freqs = self.rope.get_freqs_non_repeated(size)
+            if self.config.rotary_interleaved:
+                table = torch.stack((freqs, freqs), dim=-1).view(size, -1)
+            else:
+                table = torch.cat((freqs, freqs), dim=-1)
+            self._rope_table = table
+        return self._rope_table[position_ids.to(device)].transpose(0, 1).unsqueeze(2)
+
+    def _apply_rope(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=self.config.rotary_interleaved)
+
+    # ----------------------------------------------------------------------------- forward
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        del attention_mask, attn_mask_type
+        if attention_bias is not None:
+            raise ValueError("DocumentAttention does not support an attention bias")
+        seq, batch = query.shape[0], query.shape[1]
+        layout = packed_seq_params if isinstance(packed_seq_params, PackedDocuments) else None
+        if packed_seq_params is not None and layout is None:
+            raise ValueError("DocumentAttention needs PackedDocuments, got a THD PackedSeqParams")
+        if self.rope is not None:
+            if layout is not None and layout.position_ids is not None:
+                positions = layout.position_ids
+            else:
+                positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+            freqs = self._rope_freqs(positions, query.device)
+            query = self._apply_rope(query, freqs)
+            key = self._apply_rope(key, freqs)
+        rows = []
+        for b in range(batch):
+            segments = (layout.segments[b] if layout is not None and layout.segments
+                        else (Segment(0, seq),))
+            outs = [self._segment(query[:, b], key[:, b], value[:, b], seg, layout)
+                    for seg in segments]
+            covered = sum(seg.length for seg in segments)
+            if covered != seq:
+                raise ValueError(f"segments cover {covered} tokens of a {seq}-token row")
+            rows.append(torch.cat(outs, dim=0) if len(outs) > 1 else outs[0])
+        out = torch.stack(rows, dim=1)
+        return out.reshape(seq, batch, -1)
+
+    def _segment(self, q, k, v, seg: Segment, layout):
+        """Causal attention of one document segment ``[t, heads, dim]`` (+ K/V context)."""
+        q, k, v = q[seg.start:seg.stop], k[seg.start:seg.stop], v[seg.start:seg.stop]
+        context = None
+        if seg.doc_key is not None and layout is not None and layout.kv_store is not None:
+            context = layout.kv_store.context(seg.doc_key, seg.slice_index, self.layer_number)
+            if layout.record_kv:
+                layout.kv_store.record(seg.doc_key, seg.slice_index, self.layer_number, k, v)
+        elif seg.slice_index > 0:
+            raise ValueError(f"slice {seg.slice_index} of a document needs a KVStore for its context")
+        if context is not None:
+            k = torch.cat((context[0], k), dim=0)
+            v = torch.cat((context[1], v), dim=0)
+        dropout = self.dropout if self.training else 0.0
+        if q.is_cuda and flash_attn_varlen_func is not None:
+            return self._flash(q, k, v, dropout)
+        ctx_len = k.shape[0] - q.shape[0]
+        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if ctx_len == 0:
+            out = F.scaled_dot_product_attention(
+                qh, kh, vh, is_causal=True, dropout_p=dropout, scale=self.softmax_scale,
+                enable_gqa=qh.shape[0] != kh.shape[0])
+        else:
+            rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + ctx_len
+            mask = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= rows
+            out = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale,
+                enable_gqa=qh.shape[0] != kh.shape[0])
+        return out.transpose(0, 1)
+
+    def _flash(self, q, k, v, dropout):  # pragma: no cover - CUDA only
+        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+        cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0],
+                                      dropout_p=dropout, softmax_scale=self.softmax_scale,
+                                      causal=True)
+
+
+def document_layer_spec(num_layers: int, normalization: str = "LayerNorm",
+                        rope: RopeSettings | None = None, qk_layernorm: bool = False):
+    """Transformer-block spec: Megatron's local GPT layer with :class:`DocumentAttention` as
+    core attention and :class:`~megatron.plugin.norm.SequenceParallelNorm` norms.
+
+    ``num_layers`` is the number of layers this pipeline stage builds (Megatron's
+    ``get_num_layers_to_build``).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from megatron.plugin.norm import SequenceParallelNorm
+
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    layer = spec.submodules
+    layer.self_attention.submodules.core_attention = ModuleSpec(
+        module=DocumentAttention, params={"rope": rope})
+    layer.input_layernorm = SequenceParallelNorm
+    layer.pre_mlp_layernorm = SequenceParallelNorm
+    if qk_layernorm:
+        layer.self_attention.submodules.q_layernorm = SequenceParallelNorm
+        layer.self_attention.submodules.k_layernorm = SequenceParallelNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * num_layers,
+                                      layer_norm=SequenceParallelNorm)

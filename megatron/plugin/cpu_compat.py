@@ -1,0 +1,253 @@
+"""CPU compatibility layer for megatron-core 0.16.x.
+
+megatron-core hard-codes CUDA in a handful of places (token counters and autocast in the
+pipeline schedules, shape tensors, receive buffers and ``synchronize`` in the p2p code, DDP grad
+buffers and their communication stream, the optimizer's scale tensors, gradient clipping, the
+rotary embedding's ``inv_freq``, sequence-parallel gather buffers). On a machine without CUDA
+those spots fail, so the real ``GPTModel``, Megatron DDP, Megatron's optimizer and Megatron's own
+1F1B and interleaved schedules could not run under gloo.
+
+Choice: rather than editing megatron-core or monkey-patching ``torch`` globally, each affected
+megatron-core module gets its own module-level name ``torch`` rebound to a :class:`_CpuTorch`
+proxy. The proxy forwards every attribute to the real ``torch`` except:
+
+* tensor factories (``zeros``, ``ones``, ``empty``, ``tensor``, ``full``, ``arange``) whose
+  ``device`` names CUDA: the device becomes the CPU;
+* ``torch.autocast("cuda", ...)``: becomes CPU autocast;
+* ``torch.cuda``: a shim whose ``current_device()`` answers the CPU device, whose
+  ``synchronize``/``empty_cache`` do nothing and whose streams are no-op contexts.
+
+The patch is scoped (only the modules listed in :data:`PATCHED_MODULES`), pinned to the
+supported megatron-core version, installed only when CUDA is absent, and reversible
+(:func:`uninstall`). Every redirected call is counted in :data:`HITS` per module, so tests can
+prove that each patched spot is exercised.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib
+import logging
+import types
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MEGATRON_CORE = ("0.16.",)
+
+#: megatron-core modules whose global name ``torch`` is rebound, and why.
+PATCHED_MODULES = {
+    "megatron.core.pipeline_parallel.schedules": "token counters and autocast",
+    "megatron.core.pipeline_parallel.p2p_communication": "shape/receive buffers, synchronize",
+    "megatron.core.distributed.param_and_grad_buffer": "grad buffers, communication stream",
+    "megatron.core.distributed.distributed_data_parallel": "communication stream",
+    "megatron.core.optimizer.optimizer": "loss-scale tensors",
+    "megatron.core.optimizer.clip_grads": "grad-norm tensors",
+    "megatron.core.utils": "l2-norm result tensor, global memory buffer",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding": "inv_freq device",
+    "megatron.core.tensor_parallel.layers": "sequence-parallel gather buffers",
+    "megatron.core.tensor_parallel.mappings": "all-gather / reduce-scatter buffers",
+}
+
+#: ``HITS[module][what]``: how many calls the proxy redirected from CUDA to the CPU.
+HITS: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+
+_FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange")
+_originals: dict[str, object] = {}
+
+
+def _is_cuda(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _NullStream:
+    """Stands in for ``torch.cuda.Stream``: waits are no-ops, usable as a context."""
+
+    def __init__(self, *args, **kwargs):
+        del args, kwargs
+
+    def wait_stream(self, other):
+        del other
+
+    def synchronize(self):
+        return None
+
+
+class _CudaShim:
+    """``torch.cuda`` as seen by a patched module on a machine without CUDA."""
+
+    def __init__(self, module_name: str):
+        self._module = module_name
+
+    def current_device(self):
+        HITS[self._module]["cuda.current_device"] += 1
+        return torch.device("cpu")
+
+    def synchronize(self, *args, **kwargs):
+        HITS[self._module]["cuda.synchronize"] += 1
+
+    def empty_cache(self):
+        HITS[self._module]["cuda.empty_cache"] += 1
+
+    def is_available(self):
+        return False
+
+    def Stream(self, *args, **kwargs):  # noqa: N802 - mirrors torch.cuda.Stream
+        HITS[self._module]["cuda.Stream"] += 1
+        return _NullStream()
+
+    def default_stream(self, *args, **kwargs):
+        HITS[self._module]["cuda.default_stream"] += 1
+        return _NullStream()
+
+    def current_stream(self, *args, **kwargs):
+        HITS[self._module]["cuda.current_stream"] += 1
+        return _NullStream()
+
+    def stream(self, stream):
+        del stream
+        HITS[self._module]["cuda.stream"] += 1
+        return contextlib.nullcontext()
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch(types.ModuleType):
+    """A per-module stand-in for ``torch`` that sends CUDA requests to the CPU."""
+
+    def __init__(self, module_name: str):
+        super().__init__("torch")
+        self._module = module_name
+        self.cuda = _CudaShim(module_name)
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in _FACTORIES:
+            return self._factory(name, attr)
+        return attr
+
+    def _factory(self, name, fn):
+        module = self._module
+
+        def create(*args, **kwargs):
+            if _is_cuda(kwargs.get("device")):
+                kwargs["device"] = "cpu"
+                HITS[module][name] += 1
+            return fn(*args, **kwargs)
+
+        return create
+
+    def autocast(self, device_type="cuda", *args, **kwargs):
+        if device_type == "cuda":
+            HITS[self._module]["autocast"] += 1
+            device_type = "cpu"
+        return torch.autocast(device_type, *args, **kwargs)
+
+
+def megatron_core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def install(force: bool = False) -> bool:
+    """Install the proxies when CUDA is absent (or ``force``). Returns whether installed.
+
+    Idempotent. Raises ``RuntimeError`` on an unsupported megatron-core version, because the
+    list of patched spots is only known to be complete for the pinned version.
+    """
+    if torch.cuda.is_available() and not force:
+        return False
+    version = megatron_core_version()
+    if not version.startswith(SUPPORTED_MEGATRON_CORE):
+        raise RuntimeError(
+            f"The CPU compatibility layer supports megatron-core {SUPPORTED_MEGATRON_CORE}, "
+            f"found {version}: install megatron-core==0.16.1 or run on a CUDA machine."
+        )
+    for name in PATCHED_MODULES:
+        module = importlib.import_module(name)
+        if name in _originals:
+            continue
+        _originals[name] = module.torch
+        module.torch = _CpuTorch(name)
+    _replace_functions()
+    _patch_rng_tracker()
+    logger.debug("CPU compatibility layer installed for %d modules", len(_originals))
+    return True
+
+
+def uninstall() -> None:
+    """Restore the real ``torch`` in every patched module."""
+    for name, original in _originals.items():
+        module_name, _, attr = name.partition(":")
+        setattr(importlib.import_module(module_name), attr or "torch", original)
+    _originals.clear()
+
+
+def installed() -> bool:
+    return bool(_originals)
+
+
+def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Device-agnostic twin of ``clip_grad_by_total_norm_fp32`` (which asserts CUDA tensors).
+
+    Same arithmetic: every fp32 gradient is scaled in place by ``max_norm / (total_norm + 1e-6)``
+    when that coefficient is below one.
+    """
+    HITS["megatron.core.optimizer.optimizer"]["clip_grad_by_total_norm_fp32"] += 1
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr) for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if clip_coeff < 1.0:
+        for grad in grads:
+            grad.detach().mul_(clip_coeff)
+
+
+#: ``"module:function"`` -> CPU twin, rebound in that module's namespace.
+_FUNCTIONS = {
+    "megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32": _clip_grad_by_total_norm,
+}
+
+
+def _replace_functions() -> None:
+    for name, replacement in _FUNCTIONS.items():
+        if name in _originals:
+            continue
+        module_name, _, attr = name.partition(":")
+        module = importlib.import_module(module_name)
+        _originals[name] = getattr(module, attr)
+        setattr(module, attr, replacement)
+
+
+def _patch_rng_tracker() -> None:
+    """Let Megatron's CUDA RNG tracker ``fork()`` on CPU use the default generator.
+
+    Parameter initialisation of tensor-parallel layers forks the model-parallel RNG state.
+    Without CUDA the tracker has no states; we register none and make ``fork`` a no-op
+    context, so initialisation draws from the CPU generator seeded by the training script
+    (``use_cpu_initialization`` makes the draws independent of the TP layout).
+    """
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tracker = tp_random.get_cuda_rng_tracker()
+    if getattr(tracker, "_cpu_compat", False):
+        return
+
+    @contextlib.contextmanager
+    def fork(name=None):
+        del name
+        HITS["megatron.core.tensor_parallel.random"]["fork"] += 1
+        yield
+
+    tracker.fork = fork
+    tracker._cpu_compat = True
