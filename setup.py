@@ -22,6 +22,8 @@ setup(
         "ortools>=9.10",
         "numpy",
         "matplotlib",
+        # megatron-core's checkpoint writer needs it (Megatron-LM lists it too).
+        "psutil",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],

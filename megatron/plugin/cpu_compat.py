@@ -17,6 +17,12 @@ proxy. The proxy forwards every attribute to the real ``torch`` except:
 * ``torch.cuda``: a shim whose ``current_device()`` answers the CPU device, whose
   ``synchronize``/``empty_cache`` do nothing and whose streams are no-op contexts.
 
+Two spots are not reachable through a module's ``torch`` name: a method that calls
+``tensor.cuda()`` (the tied-embedding all-reduce in ``LanguageModule``), wrapped so that
+``Tensor.cuda`` is the identity for the duration of that call only (:data:`_METHODS`); and a
+function that asserts CUDA tensors (gradient clipping), replaced by a device-agnostic twin with
+the same arithmetic (:data:`_FUNCTIONS`).
+
 The patch is scoped (only the modules listed in :data:`PATCHED_MODULES`), pinned to the
 supported megatron-core version, installed only when CUDA is absent, and reversible
 (:func:`uninstall`). Every redirected call is counted in :data:`HITS` per module, so tests can
@@ -48,6 +54,9 @@ PATCHED_MODULES = {
     "megatron.core.models.common.embeddings.rotary_pos_embedding": "inv_freq device",
     "megatron.core.tensor_parallel.layers": "sequence-parallel gather buffers",
     "megatron.core.tensor_parallel.mappings": "all-gather / reduce-scatter buffers",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize before save",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver": "consistency-check tensors",
+    "megatron.core.dist_checkpointing.strategies.async_utils": "synchronize, status tensors",
 }
 
 #: ``HITS[module][what]``: how many calls the proxy redirected from CUDA to the CPU.
@@ -179,6 +188,7 @@ def install(force: bool = False) -> bool:
         _originals[name] = module.torch
         module.torch = _CpuTorch(name)
     _replace_functions()
+    _wrap_methods()
     _patch_rng_tracker()
     logger.debug("CPU compatibility layer installed for %d modules", len(_originals))
     return True
@@ -188,12 +198,22 @@ def uninstall() -> None:
     """Restore the real ``torch`` in every patched module."""
     for name, original in _originals.items():
         module_name, _, attr = name.partition(":")
-        setattr(importlib.import_module(module_name), attr or "torch", original)
+        owner = importlib.import_module(module_name)
+        path = (attr or "torch").split(".")
+        for part in path[:-1]:
+            owner = getattr(owner, part)
+        setattr(owner, path[-1], original)
     _originals.clear()
 
 
 def installed() -> bool:
     return bool(_originals)
+
+
+def patched_modules() -> set[str]:
+    """Every megatron-core module touched by the layer (proxies, twins, wrappers, RNG fork)."""
+    owners = {name.partition(":")[0] for name in (*_FUNCTIONS, *_METHODS)}
+    return set(PATCHED_MODULES) | owners | {"megatron.core.tensor_parallel.random"}
 
 
 def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
@@ -227,6 +247,46 @@ def _replace_functions() -> None:
         module = importlib.import_module(module_name)
         _originals[name] = getattr(module, attr)
         setattr(module, attr, replacement)
+
+
+#: ``"module:Class.method"`` during which ``Tensor.cuda`` returns the tensor itself.
+_METHODS = {
+    "megatron.core.models.common.language_module.language_module:"
+    "LanguageModule.setup_embeddings_and_output_layer": "tied-embedding all-reduce",
+}
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity(module_name: str):
+    original = torch.Tensor.cuda
+
+    def stay(tensor, *args, **kwargs):
+        del args, kwargs
+        HITS[module_name]["Tensor.cuda"] += 1
+        return tensor
+
+    torch.Tensor.cuda = stay
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def _wrap_methods() -> None:
+    for name in _METHODS:
+        if name in _originals:
+            continue
+        module_name, _, attr = name.partition(":")
+        class_name, method_name = attr.split(".")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        method = getattr(cls, method_name)
+        _originals[name] = method
+
+        def wrapped(*args, _method=method, _module=module_name, **kwargs):
+            with _tensor_cuda_is_identity(_module):
+                return _method(*args, **kwargs)
+
+        setattr(cls, method_name, wrapped)
 
 
 def _patch_rng_tracker() -> None:

@@ -1,0 +1,139 @@
+"""Micro-batches of packed documents, Megatron's ``forward_step`` and the per-token loss.
+
+Convention: a document of ``n + 1`` tokens gives ``n`` inputs (``tokens[:-1]``) and ``n``
+labels (``tokens[1:]``); positions restart at 0 for every document (or start at the slice's
+context length for a slice of a longer document).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from megatron.plugin.attention import PackedDocuments, Segment
+
+
+@dataclass
+class MicroBatch:
+    """A packed micro-batch ``[b, s]`` with its document layout."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    segments: tuple[tuple[Segment, ...], ...]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    @property
+    def seq_length(self) -> int:
+        return int(self.tokens.shape[1])
+
+    def to(self, device) -> "MicroBatch":
+        return MicroBatch(self.tokens.to(device), self.labels.to(device),
+                          self.loss_mask.to(device), self.position_ids.to(device), self.segments)
+
+    def layout(self, kv_store=None, record_kv=False) -> PackedDocuments:
+        return PackedDocuments(segments=self.segments, position_ids=self.position_ids,
+                               kv_store=kv_store, record_kv=record_kv)
+
+
+def pack_row(docs: Sequence[np.ndarray], pad_to: int | None = None,
+             slices: Sequence[tuple[object, int, int]] | None = None):
+    """One packed row from documents (each ``n + 1`` tokens), optionally padded.
+
+    ``slices`` gives, per document, ``(doc_key, slice_index, context_length)`` for slices of
+    longer documents (positions then start at ``context_length``). Padding forms its own
+    segment, masked out of the loss. Returns ``(tokens, labels, mask, positions, segments)``.
+    """
+    tokens, labels, mask, positions, segments = [], [], [], [], []
+    start = 0
+    for i, doc in enumerate(docs):
+        doc = np.asarray(doc, dtype=np.int64)
+        n = len(doc) - 1
+        if n < 1:
+            raise ValueError("a document needs at least 2 tokens (1 input, 1 label)")
+        key, index, offset = (None, 0, 0) if slices is None else slices[i]
+        tokens.append(doc[:-1])
+        labels.append(doc[1:])
+        mask.append(np.ones(n, dtype=np.float32))
+        positions.append(np.arange(offset, offset + n, dtype=np.int64))
+        segments.append(Segment(start, start + n, key, index))
+        start += n
+    if pad_to is not None:
+        if start > pad_to:
+            raise ValueError(f"{start} tokens do not fit a row of {pad_to}")
+        if start < pad_to:
+            pad = pad_to - start
+            tokens.append(np.zeros(pad, dtype=np.int64))
+            labels.append(np.zeros(pad, dtype=np.int64))
+            mask.append(np.zeros(pad, dtype=np.float32))
+            positions.append(np.arange(pad, dtype=np.int64))
+            segments.append(Segment(start, pad_to))
+    return (np.concatenate(tokens), np.concatenate(labels), np.concatenate(mask),
+            np.concatenate(positions), tuple(segments))
+
+
+def micro_batch(rows) -> MicroBatch:
+    """Stack rows from :func:`pack_row` (equal lengths) into a :class:`MicroBatch`."""
+    tokens, labels, mask, positions, segments = zip(*rows)
+    as_tensor = lambda arrays: torch.from_numpy(np.stack(arrays))  # noqa: E731
+    return MicroBatch(as_tensor(tokens), as_tensor(labels), as_tensor(mask),
+                      as_tensor(positions), tuple(segments))
+
+
+def pack_micro_batches(docs: Sequence[np.ndarray], seq_length: int,
+                       micro_batch_size: int = 1, multiple_of: int = 1) -> list[MicroBatch]:
+    """Megatron-style batches: documents packed first-fit (in order) into rows of at most
+    ``seq_length`` inputs, padded to ``seq_length``, ``micro_batch_size`` rows per micro-batch.
+
+    The number of micro-batches is rounded up to ``multiple_of`` (data-parallel size) with
+    all-padding micro-batches, which carry no loss tokens.
+    """
+    rows: list[list[np.ndarray]] = []
+    fill: list[int] = []
+    for doc in docs:
+        n = len(doc) - 1
+        if n > seq_length:
+            raise ValueError(f"a document of {n} inputs exceeds --seq-length {seq_length}")
+        for i, used in enumerate(fill):
+            if used + n <= seq_length:
+                rows[i].append(doc)
+                fill[i] += n
+                break
+        else:
+            rows.append([doc])
+            fill.append(n)
+    packed = [pack_row(row, pad_to=seq_length) for row in rows]
+    empty = pack_row([], pad_to=seq_length)
+    while len(packed) % micro_batch_size:
+        packed.append(empty)
+    batches = [micro_batch(packed[i:i + micro_batch_size])
+               for i in range(0, len(packed), micro_batch_size)]
+    while len(batches) % multiple_of:
+        batches.append(micro_batch([empty] * micro_batch_size))
+    return batches
+
+
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
+    """Per-token loss in Megatron's 3-tuple form: ``(sum, tokens, {"lm loss": [sum, tokens]})``."""
+    losses = output.float()
+    loss_sum = torch.sum(losses.view(-1) * loss_mask.view(-1).to(losses.dtype))
+    num_tokens = loss_mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach().clone(), num_tokens.detach().to(torch.float)])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model, kv_store=None, record_kv=False):
+    """Megatron ``forward_step_func``: next micro-batch through ``model``."""
+    batch: MicroBatch = next(data_iterator)
+    device = next(model.parameters()).device
+    batch = batch.to(device)
+    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
+                   packed_seq_params=batch.layout(kv_store, record_kv))
+    return output, partial(loss_func, batch.loss_mask)

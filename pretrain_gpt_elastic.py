@@ -1,0 +1,32 @@
+"""Drop-in for Megatron-LM's ``pretrain_gpt.py`` with long-context pipeline schedules.
+
+    torchrun --nproc-per-node 2 pretrain_gpt_elastic.py <Megatron-LM flags> \
+        --pipeline-schedule {default,1f1b,interleaved,1f1b-ir,elastic,helix,sppo}
+"""
+import logging
+import sys
+
+from megatron.plugin.arguments import parse_args
+from megatron.plugin.training import pretrain
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Megatron-style log lines: the training loop's INFO records, unprefixed, on stdout.
+    lines = logging.getLogger("megatron.plugin.training")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    lines.addHandler(handler)
+    lines.setLevel(logging.INFO)
+    lines.propagate = False
+    args = parse_args(argv)
+    try:
+        pretrain(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""Launch multi-process gloo runs with torchrun, with a timeout, from tests."""
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: A tiny GPT, fp32, no dropout: the model of every golden test.
+TINY_MODEL = [
+    "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "64", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+    "--global-batch-size", "12", "--train-iters", "1", "--lr", "1e-3",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, check=True):
+    """Run ``script`` on ``nprocs`` local ranks; returns the CompletedProcess."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO,
+                    TORCH_CPP_LOG_LEVEL="ERROR", PYTHONWARNINGS="ignore")
+    full_env.update(env or {})
+    try:
+        result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True,
+                                timeout=timeout)
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"{script} on {nprocs} ranks timed out after {timeout}s:\n"
+                    f"{(err.stdout or '')[-3000:]}\n{(err.stderr or '')[-3000:]}")
+    if check and result.returncode != 0:
+        pytest.fail(f"{script} on {nprocs} ranks failed ({result.returncode}):\n"
+                    f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
+    return result

@@ -1,0 +1,70 @@
+"""Schedule registry: Megatron's dispatcher (and every module that imported it) answers with
+the schedule named by ``--pipeline-schedule``."""
+import sys
+import types
+
+import pytest
+from megatron.core import pipeline_parallel
+from megatron.core.pipeline_parallel import schedules
+
+from megatron.plugin import registry
+
+
+@pytest.fixture(autouse=True)
+def restore_dispatcher():
+    yield
+    registry.use_schedule(registry.DEFAULT)
+    registry._REGISTRY.pop("test-schedule", None)
+
+
+def test_megatron_schedules_are_registered():
+    assert registry.get_schedule("1f1b") is schedules.forward_backward_pipelining_without_interleaving
+    assert registry.get_schedule("interleaved") is \
+        schedules.forward_backward_pipelining_with_interleaving
+    assert {"default", "1f1b", "interleaved"} <= set(registry.schedule_names())
+
+
+def test_dispatcher_returns_each_registered_schedule_everywhere():
+    def my_schedule(**kwargs):
+        return []
+
+    registry.register_schedule("test-schedule", my_schedule)
+    # A module that took the name with ``from ... import`` before the switch (Megatron-LM's
+    # training.py does).
+    user = types.ModuleType("user_training_script")
+    user.get_forward_backward_func = pipeline_parallel.get_forward_backward_func
+    sys.modules[user.__name__] = user
+    try:
+        for name in ("1f1b", "interleaved", "test-schedule"):
+            assert registry.use_schedule(name)() is registry.get_schedule(name)
+            for getter in (schedules.get_forward_backward_func,
+                           pipeline_parallel.get_forward_backward_func,
+                           user.get_forward_backward_func):
+                assert getter() is registry.get_schedule(name)
+            assert registry.active_schedule_name() == name
+    finally:
+        del sys.modules[user.__name__]
+
+
+def test_default_keeps_megatron_choice():
+    registry.use_schedule("1f1b")
+    registry.use_schedule(registry.DEFAULT)
+    assert schedules.get_forward_backward_func is registry._MEGATRON_DISPATCH
+    # Megatron's own choice: without pipeline parallelism, no pipelining.
+    assert schedules.get_forward_backward_func(pp_size=1) is \
+        schedules.forward_backward_no_pipelining
+    assert schedules.get_forward_backward_func(pp_size=2, vp_size=None) is \
+        schedules.forward_backward_pipelining_without_interleaving
+
+
+def test_unknown_name_lists_valid_names():
+    with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; valid names: "
+                                         r"default, 1f1b, interleaved"):
+        registry.use_schedule("zigzag")
+
+
+def test_conflicting_registration_is_refused():
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_schedule("1f1b", lambda **kwargs: [])
+    with pytest.raises(ValueError, match="invalid schedule name"):
+        registry.register_schedule("default", lambda **kwargs: [])
