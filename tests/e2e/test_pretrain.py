@@ -1,0 +1,91 @@
+"""End to end: ``pretrain_gpt_elastic.py`` on 2 CPU ranks (PP=2) with the embedded corpus."""
+import json
+import os
+
+import pytest
+
+from harness import REPO, torchrun
+
+SCRIPT = "pretrain_gpt_elastic.py"
+
+TINY = [
+    "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+    "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+    "--global-batch-size", "6", "--lr", "3e-3", "--lr-decay-style", "cosine",
+    "--lr-warmup-iters", "2", "--hidden-dropout", "0", "--attention-dropout", "0",
+    "--seed", "1234", "--log-interval", "1", "--eval-interval", "0",
+    "--pipeline-model-parallel-size", "2",
+]
+
+
+def metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_training_logs_megatron_lines_and_metrics(tmp_path):
+    out = tmp_path / "metrics.jsonl"
+    result = torchrun(2, SCRIPT, [*TINY, "--train-iters", "8", "--pipeline-schedule", "1f1b",
+                                  "--metrics-jsonl", str(out)])
+    lines = [line for line in result.stdout.splitlines() if " iteration " in line]
+    assert len(lines) == 8
+    assert "lm loss:" in lines[0] and "elapsed time per iteration (ms):" in lines[0]
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == list(range(1, 9))
+    for record in records:
+        assert {"lm_loss", "num_tokens", "iteration_time_s", "tokens_per_s",
+                "peak_activation_bytes"} <= set(record)
+        assert record["num_tokens"] > 0 and record["peak_activation_bytes"] > 0
+    assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 0.5
+
+
+def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path):
+    common = [*TINY, "--train-iters", "6", "--pipeline-schedule", "1f1b"]
+    whole = tmp_path / "whole.jsonl"
+    torchrun(2, SCRIPT, [*common, "--metrics-jsonl", str(whole)])
+    save = tmp_path / "ckpt"
+    part = tmp_path / "part.jsonl"
+    torchrun(2, SCRIPT, [*common, "--save", str(save), "--exit-interval", "3",
+                         "--metrics-jsonl", str(part)])
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert not [p for p in os.listdir(save) if p.endswith(".partial")]
+    torchrun(2, SCRIPT, [*common, "--load", str(save), "--metrics-jsonl", str(part)])
+    expected = [r["lm_loss"] for r in metrics(whole)]
+    resumed = [r["lm_loss"] for r in metrics(part)]
+    assert [r["iteration"] for r in metrics(part)] == list(range(1, 7))
+    assert resumed == expected
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--data-path", "/nonexistent/corpus"],
+     "--data-path /nonexistent/corpus: /nonexistent/corpus.bin, /nonexistent/corpus.idx not found"),
+    (["--tensor-model-parallel-size", "4"],
+     "world size 2 is not divisible by tensor x pipeline x context parallel sizes (4 x 2 x 1)"),
+])
+def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, message):
+    save = tmp_path / "ckpt"
+    result = torchrun(2, SCRIPT, [*TINY, "--train-iters", "2", "--save", str(save), *flags],
+                      check=False, timeout=180)
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert not save.exists()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--seq-length", "256"], "--seq-length 256 is larger than --max-position-embeddings 128"),
+    (["--num-layers", "3"], "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
+    (["--num-experts", "8"], "Megatron-LM flag --num-experts is not supported"),
+    (["--pipeline-schedule", "zigzag"], "valid names: default, 1f1b, interleaved"),
+    (["--not-a-megatron-flag"], "unrecognized arguments: --not-a-megatron-flag"),
+])
+def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
+    import subprocess
+    import sys
+
+    save = tmp_path / "ckpt"
+    result = subprocess.run([sys.executable, SCRIPT, *TINY, "--train-iters", "2", "--save",
+                             str(save), *flags], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert not save.exists()
