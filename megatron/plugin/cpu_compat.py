@@ -2,8 +2,8 @@
 
 megatron-core hard-codes CUDA in a handful of places (token counters and autocast in the
 pipeline schedules, shape tensors, receive buffers and ``synchronize`` in the p2p code, DDP grad
-buffers and their communication stream, the optimizer's scale tensors, gradient clipping, the
-rotary embedding's ``inv_freq``, sequence-parallel gather buffers). On a machine without CUDA
+buffers, the optimizer's scale tensors, gradient clipping, sequence-parallel gather buffers,
+the tied-embedding all-reduce, the checkpoint writer's synchronisation). On a machine without CUDA
 those spots fail, so the real ``GPTModel``, Megatron DDP, Megatron's optimizer and Megatron's own
 1F1B and interleaved schedules could not run under gloo.
 
@@ -22,6 +22,11 @@ Two spots are not reachable through a module's ``torch`` name: a method that cal
 ``Tensor.cuda`` is the identity for the duration of that call only (:data:`_METHODS`); and a
 function that asserts CUDA tensors (gradient clipping), replaced by a device-agnostic twin with
 the same arithmetic (:data:`_FUNCTIONS`).
+
+Spots that need no patch here: the rotary embedding's ``inv_freq`` (the project's attention
+builds Megatron's ``RotaryEmbedding`` with ``use_cpu_initialization``), DDP's communication
+stream (used only with ``--overlap-grad-reduce``, which the training script refuses) and
+asynchronous checkpoint saving (not used). Every listed patch is exercised by the golden tests.
 
 The patch is scoped (only the modules listed in :data:`PATCHED_MODULES`), pinned to the
 supported megatron-core version, installed only when CUDA is absent, and reversible
@@ -47,16 +52,13 @@ PATCHED_MODULES = {
     "megatron.core.pipeline_parallel.schedules": "token counters and autocast",
     "megatron.core.pipeline_parallel.p2p_communication": "shape/receive buffers, synchronize",
     "megatron.core.distributed.param_and_grad_buffer": "grad buffers, communication stream",
-    "megatron.core.distributed.distributed_data_parallel": "communication stream",
     "megatron.core.optimizer.optimizer": "loss-scale tensors",
     "megatron.core.optimizer.clip_grads": "grad-norm tensors",
     "megatron.core.utils": "l2-norm result tensor, global memory buffer",
-    "megatron.core.models.common.embeddings.rotary_pos_embedding": "inv_freq device",
     "megatron.core.tensor_parallel.layers": "sequence-parallel gather buffers",
     "megatron.core.tensor_parallel.mappings": "all-gather / reduce-scatter buffers",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize before save",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "consistency-check tensors",
-    "megatron.core.dist_checkpointing.strategies.async_utils": "synchronize, status tensors",
 }
 
 #: ``HITS[module][what]``: how many calls the proxy redirected from CUDA to the CPU.
@@ -233,9 +235,29 @@ def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_gra
             grad.detach().mul_(clip_coeff)
 
 
+def _get_device_rng_state(*args, **kwargs) -> torch.Tensor:
+    """CPU twin of ``_get_cuda_rng_state`` (activation recomputation saves RNG states).
+
+    There is no device generator without CUDA: the state is an empty tensor. The CPU
+    generator, which drives dropout on the CPU, is saved and restored by the caller
+    (``_get_all_rng_states`` / ``_set_all_rng_states``) already.
+    """
+    del args, kwargs
+    HITS["megatron.core.tensor_parallel.random"]["get_cuda_rng_state"] += 1
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _set_device_rng_state(new_state, *args, **kwargs) -> None:
+    """CPU twin of ``_set_cuda_rng_state``: nothing to restore (see the getter)."""
+    del new_state, args, kwargs
+    HITS["megatron.core.tensor_parallel.random"]["set_cuda_rng_state"] += 1
+
+
 #: ``"module:function"`` -> CPU twin, rebound in that module's namespace.
 _FUNCTIONS = {
     "megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32": _clip_grad_by_total_norm,
+    "megatron.core.tensor_parallel.random:_get_cuda_rng_state": _get_device_rng_state,
+    "megatron.core.tensor_parallel.random:_set_cuda_rng_state": _set_device_rng_state,
 }
 
 

@@ -64,6 +64,11 @@ def initialize_distributed(args: argparse.Namespace) -> None:
             backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
     if not cuda:
         cpu_compat.install()
+        if args.bf16 or args.fp16 or args.use_distributed_optimizer:
+            raise ValueError(
+                "--bf16, --fp16 and --use-distributed-optimizer need CUDA (megatron-core's "
+                "mixed-precision and distributed optimizers only wrap CUDA tensors): drop them "
+                "on a machine without a GPU")
     validate_args(args, dist.get_world_size())
     vp = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
@@ -311,11 +316,14 @@ class Trainer:
 
 def pretrain(args: argparse.Namespace) -> list[float]:
     """Entry point used by ``pretrain_gpt_elastic.py``."""
-    trainer = Trainer(args)
     try:
-        return trainer.train()
-    finally:
+        losses = Trainer(args).train()
+    except BaseException:
+        # No barrier: a peer may be blocked in a transfer this rank will never make. Exiting
+        # lets the launcher stop the other ranks at once instead of after the comm timeout.
         parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
+        raise
+    parallel_state.destroy_model_parallel()
+    dist.barrier()
+    dist.destroy_process_group()
+    return losses

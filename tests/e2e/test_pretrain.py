@@ -3,6 +3,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from harness import REPO, torchrun
 
@@ -61,6 +62,8 @@ def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path):
      "--data-path /nonexistent/corpus: /nonexistent/corpus.bin, /nonexistent/corpus.idx not found"),
     (["--tensor-model-parallel-size", "4"],
      "world size 2 is not divisible by tensor x pipeline x context parallel sizes (4 x 2 x 1)"),
+    pytest.param(["--bf16"], "--bf16, --fp16 and --use-distributed-optimizer need CUDA",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")),
 ])
 def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, message):
     save = tmp_path / "ckpt"
