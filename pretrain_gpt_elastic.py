@@ -1,7 +1,7 @@
 """Drop-in for Megatron-LM's ``pretrain_gpt.py`` with long-context pipeline schedules.
 
     torchrun --nproc-per-node 2 pretrain_gpt_elastic.py <Megatron-LM flags> \
-        --pipeline-schedule {default,1f1b,interleaved,1f1b-ir,elastic,helix,sppo}
+        --pipeline-schedule {default,1f1b,interleaved,1f1b-ir}
 """
 import logging
 import sys

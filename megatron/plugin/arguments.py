@@ -11,6 +11,7 @@ import argparse
 from typing import Callable
 
 from megatron.plugin import registry
+from megatron.plugin.pipeline import megatron_ir  # noqa: F401  (registers 1f1b-ir)
 
 _EXTRA_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = []
 
@@ -81,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default (Megatron's own choice), 1f1b, interleaved, or a registered "
                         "schedule (elastic, helix, sppo ...)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--pipeline-timeout-s", type=float, default=600.0,
+                   help="IR schedules: seconds a pipeline transfer may wait before failing "
+                        "with the rank, action and peer named")
 
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)

@@ -31,6 +31,8 @@ from megatron.plugin.arguments import validate_args
 from megatron.plugin.batches import forward_step, pack_micro_batches
 from megatron.plugin.memory import SavedTensorMeter, device_peak_bytes
 from megatron.plugin.model import build_model_chunks, transformer_config
+from megatron.plugin.pipeline import tracing
+from megatron.plugin.sources import build_document_sources
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +185,7 @@ class Trainer:
         self.args = args
         initialize_distributed(args)
         registry.use_schedule(args.pipeline_schedule)
-        from megatron.plugin.sources import build_document_sources
+        tracing.configure(args.pipeline_timeout_s, args.trace_dir)
 
         self.sources, vocab_size = build_document_sources(args)
         self.model, self.optimizer, self.scheduler, self.config = \

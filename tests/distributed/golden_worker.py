@@ -7,7 +7,10 @@ Modes:
   test over the fixed documents, then save the reduced gradients (``main_grad``) *as model
   weights* — dist_checkpointing then reshards them into any other layout — and the loss.
   Finally step Megatron's optimizer (grad-norm and clipping on CPU) and record which
-  CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``).
+  CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
+  native ``1f1b`` the order in which its loop called ``forward_step`` / ``backward_step`` on
+  each rank is recorded too (``order_<tag>_<rank>.json``), an independent oracle for the IR
+  generator of 1F1B.
 * ``reference`` (1 process): the single-process reference over whole documents, each document
   alone (no packing): per-token loss and gradients; then, for every tag given, load that run's
   gradient checkpoint into the single-process layout. Everything is written with ``torch.save``
@@ -21,6 +24,7 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron.plugin import checkpointing, cpu_compat
 from megatron.plugin.arguments import build_parser, validate_args
@@ -64,6 +68,25 @@ def grads_as_weights(model):
             param.data.copy_(grad.view_as(param) if grad is not None else torch.zeros_like(param))
 
 
+def record_call_order(order: list):
+    """Wrap megatron-core's ``forward_step``/``backward_step`` (as its schedules call them) to
+    append ``"F<microbatch>"`` / ``"B<k>"`` to ``order``. 1F1B runs backwards first-in first-out,
+    so the k-th backward is micro-batch k."""
+    from megatron.core.pipeline_parallel import schedules
+
+    forward, backward = schedules.forward_step, schedules.backward_step
+
+    def forward_step(*args, current_microbatch=None, **kwargs):
+        order.append(f"F{current_microbatch}")
+        return forward(*args, current_microbatch=current_microbatch, **kwargs)
+
+    def backward_step(*args, **kwargs):
+        order.append(f"B{sum(1 for step in order if step[0] == 'B')}")
+        return backward(*args, **kwargs)
+
+    schedules.forward_step, schedules.backward_step = forward_step, backward_step
+
+
 def main():
     args = parse()
     initialize_distributed(args)
@@ -80,6 +103,9 @@ def main():
         from megatron.core.pipeline_parallel import get_forward_backward_func
         schedule_fn = get_forward_backward_func()
         data_iterator, num_microbatches = schedule_input(schedule_fn, docs, args, model)
+        order: list[str] = []
+        if args.pipeline_schedule == "1f1b":
+            record_call_order(order)
         for chunk in model:
             chunk.zero_grad_buffer()
         losses = schedule_fn(forward_step_func=forward_step, data_iterator=data_iterator,
@@ -92,6 +118,12 @@ def main():
         if dist.get_rank() == 0:
             with open(os.path.join(args.golden_dir, f"loss_{args.golden_tag}.json"), "w") as f:
                 json.dump({"loss_sum": loss_sum, "tokens": tokens}, f)
+        if order:
+            name = f"order_{args.golden_tag}_{dist.get_rank()}.json"
+            with open(os.path.join(args.golden_dir, name), "w") as f:
+                json.dump({"pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                           "pp": args.pipeline_model_parallel_size,
+                           "microbatches": num_microbatches, "order": order}, f)
         optimizer.step()
         hits = {module: dict(counter) for module, counter in cpu_compat.HITS.items()}
         name = f"hits_{args.golden_tag}_{dist.get_rank()}.json"

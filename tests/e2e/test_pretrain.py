@@ -78,7 +78,7 @@ def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, mes
     (["--seq-length", "256"], "--seq-length 256 is larger than --max-position-embeddings 128"),
     (["--num-layers", "3"], "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
     (["--num-experts", "8"], "Megatron-LM flag --num-experts is not supported"),
-    (["--pipeline-schedule", "zigzag"], "valid names: default, 1f1b, interleaved"),
+    (["--pipeline-schedule", "zigzag"], "valid names: default, 1f1b, 1f1b-ir, interleaved"),
     (["--not-a-megatron-flag"], "unrecognized arguments: --not-a-megatron-flag"),
 ])
 def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
@@ -92,3 +92,22 @@ def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
     assert result.returncode == 2
     assert message in result.stderr
     assert not save.exists()
+
+
+def test_ir_schedule_prints_the_same_losses_and_writes_measured_traces(tmp_path):
+    """``1f1b-ir`` (the executor) trains exactly like Megatron's ``1f1b``, evaluation included,
+    and ``--trace-dir`` leaves one Chrome trace per rank and call with every action timed."""
+    common = [*TINY, "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1"]
+    native, ir = tmp_path / "native.jsonl", tmp_path / "ir.jsonl"
+    torchrun(2, SCRIPT, [*common, "--pipeline-schedule", "1f1b", "--metrics-jsonl", str(native)])
+    traces = tmp_path / "traces"
+    torchrun(2, SCRIPT, [*common, "--pipeline-schedule", "1f1b-ir", "--metrics-jsonl", str(ir),
+                         "--trace-dir", str(traces)])
+    assert [r["lm_loss"] for r in metrics(ir)] == [r["lm_loss"] for r in metrics(native)]
+    files = sorted(os.listdir(traces))
+    assert len(files) == 2 * (4 + 2)  # 4 training steps and 2 evaluations, on 2 ranks
+    with open(traces / files[0]) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
+    names = {e["name"] for e in events}
+    assert {"0F0", "0B0", "0SEND_F0>1", "0RECV_B0<1"} <= names
+    assert all(e["dur"] >= 0 for e in events)

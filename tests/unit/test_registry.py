@@ -58,8 +58,10 @@ def test_default_keeps_megatron_choice():
 
 
 def test_unknown_name_lists_valid_names():
+    from megatron.plugin.pipeline import megatron_ir  # noqa: F401  (registers 1f1b-ir)
+
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; valid names: "
-                                         r"default, 1f1b, interleaved"):
+                                         r"default, 1f1b, 1f1b-ir, interleaved"):
         registry.use_schedule("zigzag")
 
 

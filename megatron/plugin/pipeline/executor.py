@@ -1,0 +1,187 @@
+"""The one interpreter of schedule IR on real ranks, honouring Megatron's forward-backward contract.
+
+:func:`run_schedule` executes one rank's action list:
+
+* ``FORWARD``/``BACKWARD`` call megatron-core's own ``forward_step`` / ``backward_step`` (the
+  functions Megatron's 1F1B calls), so loss dicts, per-token loss (``num_tokens`` summed into the
+  global count handed to ``finalize_model_grads_func``), ``grad_scale_func`` and
+  ``deallocate_pipeline_outputs`` behave exactly as in Megatron's loop.
+* ``SEND_*``/``RECV_*``: each run of consecutive transfers is one batch posted and waited for
+  together through :class:`~megatron.plugin.pipeline.p2p.PeerChannel` (with a timeout), the
+  simulator's model of a step; receive buffers take their shapes from ``shape_of(action)``
+  (the plan), never from a runtime shape exchange. Activations are pseudo-deallocated
+  (``deallocate_pipeline_outputs``) once sent, as in Megatron. With ``forward_only`` the
+  gradient transfers and backwards are skipped.
+* Gradient synchronisation: ``no_sync_func`` is entered at the start; it is left just before
+  this rank's last backward (Megatron's rule, including "only rank 0 when a
+  ``grad_sync_func`` exists"), then ``grad_sync_func`` and ``finalize_model_grads_func`` run.
+
+Data order: every rank calls ``forward_step_func`` once per forward, so each rank's forwards
+must consume the data iterator in unit order (the validated schedules do). Per-action wall
+times (transfer batches under category ``comm``) are recorded as
+:class:`~megatron.plugin.pipeline.trace.TraceEvent` for the same Chrome trace the simulator
+writes.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from megatron.core.pipeline_parallel import schedules as megatron_schedules
+from megatron.core.utils import get_model_config, get_model_type
+
+from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.p2p import PeerChannel
+from megatron.plugin.pipeline.simulator import transfer_batches
+from megatron.plugin.pipeline.trace import TraceEvent
+
+
+@dataclass
+class StageContext:
+    """What an execution needs besides the actions (one model chunk, one pipeline rank)."""
+
+    forward_step_func: Callable
+    data_iterator: object
+    model: torch.nn.Module
+    num_microbatches: int
+    shape_of: Callable[[Action], tuple]
+    pp_group: object
+    pg_collection: object
+    is_first_stage: bool
+    is_last_stage: bool
+    forward_only: bool = False
+    collect_non_loss_data: bool = False
+    first_val_step: bool | None = None
+    timeout_s: float = 600.0
+    events: list = field(default_factory=list)
+
+
+class _GradSync:
+    """Megatron's ``disable_grad_sync`` / ``enable_grad_sync`` pair."""
+
+    def __init__(self, config):
+        self.no_sync = config.no_sync_func or contextlib.nullcontext
+        self.context = None
+
+    def disable(self):
+        if self.context is None:
+            self.context = self.no_sync()
+            self.context.__enter__()
+
+    def enable(self):
+        if self.context is not None:
+            self.context.__exit__(None, None, None)
+            self.context = None
+
+
+def run_schedule(actions: list[Action], ctx: StageContext) -> list:
+    """Execute ``actions`` (this rank's list); returns Megatron's ``forward_data_store``."""
+    model = ctx.model
+    config = get_model_config(model)
+    model_type = get_model_type(model)
+    dtype = config.pipeline_dtype or torch.float32
+    device = next(model.parameters()).device
+    rank = ctx.pp_group.rank()
+    channel = PeerChannel(ctx.pp_group, f"pipeline rank {rank}", ctx.timeout_s)
+    training = not ctx.forward_only
+    if training and config.finalize_model_grads_func is not None:
+        embedding_module = megatron_schedules.clear_embedding_activation_buffer(
+            config, model, ctx.is_last_stage)
+    sync = _GradSync(config)
+    sync.disable()
+    last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD),
+                        default=None)
+    batches = dict(transfer_batches(actions))
+
+    total_tokens = torch.zeros([], dtype=torch.int, device=device)
+    forward_data_store: list = []
+    inputs: dict[tuple, torch.Tensor | None] = {}
+    outputs: dict[tuple, torch.Tensor] = {}
+    received: dict[tuple, torch.Tensor] = {}
+    to_send: dict[tuple, torch.Tensor | None] = {}
+    forwards_done = 0
+    origin = time.perf_counter()
+
+    index = 0
+    while index < len(actions):
+        action = actions[index]
+        start = time.perf_counter()
+        if action.is_communication():
+            stop = batches[index]
+            batch = [a for a in actions[index:stop]
+                     if training or a.kind in (Kind.SEND_F, Kind.RECV_F)]
+            sends = [(a, to_send.pop((a.kind, a.unit, a.part))) for a in batch if a.is_send()]
+            recvs = [(a, torch.empty(ctx.shape_of(a), dtype=dtype, device=device))
+                     for a in batch if a.is_recv()]
+            channel.exchange(sends, recvs)
+            for a, buffer in recvs:
+                received[(a.kind, a.unit, a.part)] = buffer
+            for a, tensor in sends:
+                if a.kind is Kind.SEND_F and training:
+                    megatron_schedules.deallocate_output_tensor(
+                        tensor, config.deallocate_pipeline_outputs)
+            took = time.perf_counter() - start
+            ctx.events.extend(TraceEvent(rank, str(a), start - origin, took, "comm")
+                              for a in batch)
+            index = stop
+            continue
+        key = (action.unit, action.part)
+        if action.kind is Kind.FORWARD:
+            input_tensor = received.pop((Kind.RECV_F, *key), None)
+            if input_tensor is not None:
+                input_tensor.requires_grad_(training)
+            output, num_tokens = megatron_schedules.forward_step(
+                ctx.forward_step_func, ctx.data_iterator, model, ctx.num_microbatches,
+                input_tensor, forward_data_store, config,
+                cp_group_size=ctx.pg_collection.cp.size(),
+                collect_non_loss_data=ctx.collect_non_loss_data,
+                is_first_microbatch=megatron_schedules.check_first_val_step(
+                    ctx.first_val_step, ctx.forward_only, forwards_done == 0),
+                current_microbatch=action.unit,
+                is_last_stage=ctx.is_last_stage,
+            )
+            forwards_done += 1
+            total_tokens += num_tokens
+            if not ctx.is_last_stage:
+                to_send[(Kind.SEND_F, *key)] = output
+            if training:
+                inputs[key] = input_tensor
+                outputs[key] = output
+        elif action.kind is Kind.BACKWARD:
+            if not training:
+                index += 1
+                continue
+            if index == last_backward and (config.grad_sync_func is None or rank == 0):
+                sync.enable()
+            output_grad = received.pop((Kind.RECV_B, *key), None)
+            input_grad = megatron_schedules.backward_step(
+                inputs.pop(key), outputs.pop(key), output_grad, model_type, config)
+            if not ctx.is_first_stage:
+                to_send[(Kind.SEND_B, *key)] = input_grad
+        else:
+            raise ValueError(
+                f"{action}: the executor runs forward, backward and their transfers; "
+                f"{action.kind.name} actions come with the schedules that use them")
+        ctx.events.append(TraceEvent(rank, str(action), start - origin,
+                                     time.perf_counter() - start))
+        index += 1
+    if inputs or outputs or received or to_send:
+        left = sorted({k[0] for k in inputs} | {k[0] for k in outputs} |
+                      {k[1] for k in received} | {k[1] for k in to_send})
+        raise RuntimeError(f"pipeline rank {rank}: the schedule left stashed tensors of "
+                           f"units {left}: every forward needs its backward and transfers")
+    if training:
+        if sync.context is not None:
+            sync.enable()
+            if config.grad_sync_func is not None:
+                config.grad_sync_func(model.parameters())
+        if config.finalize_model_grads_func is not None:
+            megatron_schedules.finish_embedding_wgrad_compute(
+                config, embedding_module, ctx.is_last_stage, ctx.pg_collection.tp)
+            config.finalize_model_grads_func(
+                [model], total_tokens if config.calculate_per_token_loss else None,
+                pg_collection=ctx.pg_collection)
+    return forward_data_store

@@ -1,0 +1,79 @@
+"""``1f1b-ir``: Megatron's non-interleaved 1F1B as IR, run by the executor.
+
+The executor's proof: the same per-rank order as Megatron's warmup / steady / cooldown loop
+(:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`), transfers added by
+:func:`~megatron.plugin.pipeline.passes.add_communication`, validated once per
+``(pp, micro-batches)`` before anything runs, then interpreted by
+:func:`~megatron.plugin.pipeline.executor.run_schedule`. Transfers carry Megatron's fixed
+``[seq/TP (with SP), micro-batch, hidden]`` activation shape.
+"""
+from __future__ import annotations
+
+import functools
+
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import schedules as megatron_schedules
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
+
+from megatron.plugin.pipeline import tracing
+from megatron.plugin.pipeline.executor import StageContext, run_schedule
+from megatron.plugin.pipeline.passes import add_communication
+from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+from megatron.plugin.pipeline.validation import validate
+from megatron.plugin.registry import register_schedule
+
+
+@functools.lru_cache(maxsize=64)
+def planned_1f1b(pp: int, microbatches: int):
+    """Validated 1F1B schedule with transfers (cached: it depends on two numbers only)."""
+    schedule = add_communication(one_f_one_b(pp, microbatches))
+    validate(schedule)
+    return schedule
+
+
+def megatron_process_groups() -> ProcessGroupCollection:
+    """The groups Megatron's own schedules use, from ``parallel_state``."""
+    groups = ProcessGroupCollection()
+    groups.tp = parallel_state.get_tensor_model_parallel_group()
+    groups.cp = parallel_state.get_context_parallel_group()
+    groups.pp = parallel_state.get_pipeline_model_parallel_group()
+    groups.embd = parallel_state.get_embedding_group(check_initialized=False)
+    groups.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
+    groups.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    return groups
+
+
+def forward_backward_1f1b_ir(*, forward_step_func, data_iterator, model, num_microbatches,
+                             seq_length, micro_batch_size, decoder_seq_length=None,
+                             forward_only=False, collect_non_loss_data=False,
+                             first_val_step=None, **unused):
+    """Megatron forward-backward signature; see the module docstring."""
+    del unused
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError("1f1b-ir runs one model chunk per rank: drop "
+                             "--num-layers-per-virtual-pipeline-stage or use 'interleaved'")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    config = get_model_config(model)
+    groups = megatron_process_groups()
+    pp = groups.pp.size()
+    shape = megatron_schedules.get_tensor_shapes(
+        seq_length=seq_length, micro_batch_size=micro_batch_size,
+        decoder_seq_length=decoder_seq_length, config=config, tp_group=groups.tp,
+        cp_group=groups.cp)[0]
+    rank = groups.pp.rank()
+    ctx = StageContext(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, shape_of=lambda action: shape, pp_group=groups.pp,
+        pg_collection=groups, is_first_stage=rank == 0, is_last_stage=rank == pp - 1,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, timeout_s=tracing.settings().timeout_s)
+    result = run_schedule(planned_1f1b(pp, num_microbatches)[rank], ctx)
+    tracing.record(ctx.events)
+    return result
+
+
+register_schedule("1f1b-ir", forward_backward_1f1b_ir)

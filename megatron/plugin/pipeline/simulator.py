@@ -1,0 +1,204 @@
+"""Replay of schedule IR against a cost model: iteration time, bubbles, memory timeline.
+
+Execution model (the executor's): each rank runs its actions in order. Compute actions
+(forward, backward, recompute, foreign attention, offload, reload) occupy the rank for
+``costs.duration(action)``. A run of consecutive transfers is one *batch* (Megatron's
+``send_forward_recv_backward`` and friends): the rank posts all of them at once and waits until
+each has been posted by its peer too; a transfer completes ``costs.transfer_time(send)`` after
+the later of the two postings. This is how NCCL behaves (a send occupies the stream until the
+peer receives), so a schedule that finishes here cannot deadlock on NCCL or gloo. Waiting for
+a batch is the rank's idle time.
+
+Memory model: a ``FORWARD`` or ``RECOMPUTE`` adds ``costs.activation_bytes(action)`` to the
+stash of its ``(stage, unit, part)`` when it ends; the ``BACKWARD`` of that key releases the
+whole stash when it ends. Each rank starts at ``costs.static_bytes(rank)`` (model state). The
+timeline lists ``(time, bytes)`` after every change; its maximum is the rank's peak.
+
+The engine is a work list: a rank runs until a batch has a transfer whose peer has not posted
+it, parks, and is woken when the peer posts. Every action is visited once, so 64 stages x 512
+micro-batches replay in well under a second. A rank parked when the work list empties is a
+deadlock: :class:`Deadlock` names the blocked batch of every unfinished rank (the validator
+turns it into the grid).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.trace import TraceEvent
+
+Schedule = list[list[Action]]
+
+
+@dataclass(frozen=True)
+class UniformCosts:
+    """Unit costs: forward 1, backward 2 (the textbook 1F1B picture), free transfers, one
+    memory unit per stashed forward."""
+
+    forward: float = 1.0
+    """Duration of a forward (and of a foreign-attention forward)."""
+    backward: float = 2.0
+    """Duration of a backward (and of a foreign-attention backward)."""
+    recompute: float = 1.0
+    """Duration of a recomputation."""
+    transfer: float = 0.0
+    """Time from a send to the arrival of its data."""
+    activation: float = 1.0
+    """Memory a forward (or a recompute) stashes until its backward."""
+
+    def duration(self, action: Action) -> float:
+        if action.kind in (Kind.FORWARD, Kind.ATTN_F):
+            return self.forward
+        if action.kind in (Kind.BACKWARD, Kind.ATTN_B):
+            return self.backward
+        if action.kind is Kind.RECOMPUTE:
+            return self.recompute
+        return 0.0
+
+    def transfer_time(self, action: Action) -> float:
+        del action
+        return self.transfer
+
+    def activation_bytes(self, action: Action) -> float:
+        del action
+        return self.activation
+
+    def static_bytes(self, rank: int) -> float:
+        del rank
+        return 0.0
+
+
+class Deadlock(RuntimeError):
+    """Replay stopped with ranks parked on transfers that their peers never post."""
+
+    def __init__(self, blocked: dict[int, int]):
+        self.blocked = blocked
+        where = ", ".join(f"rank {r} at step {i}" for r, i in sorted(blocked.items()))
+        super().__init__(f"deadlock: {where}")
+
+
+@dataclass
+class SimResult:
+    iteration_time: float
+    busy: list[float]
+    """Per rank: time spent in compute actions."""
+    idle: list[float]
+    """Per rank: ``iteration_time - busy`` (waiting for data, or done early)."""
+    peak_memory: list[float]
+    memory_timeline: list[list[tuple[float, float]]]
+    events: list[TraceEvent] = field(default_factory=list)
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle share of the ranks' time: ``sum(idle) / (ranks x iteration_time)``."""
+        if self.iteration_time <= 0:
+            return 0.0
+        return sum(self.idle) / (len(self.idle) * self.iteration_time)
+
+
+_STASH = (Kind.FORWARD, Kind.RECOMPUTE)
+
+
+def transfer_batches(actions: list[Action]) -> list[tuple[int, int]]:
+    """``[start, stop)`` of every maximal run of consecutive transfers in one rank's list:
+    the groups the executor posts together (``batch_isend_irecv``) and waits for together."""
+    batches, i = [], 0
+    while i < len(actions):
+        if actions[i].is_communication():
+            j = i
+            while j < len(actions) and actions[j].is_communication():
+                j += 1
+            batches.append((i, j))
+            i = j
+        else:
+            i += 1
+    return batches
+
+
+def simulate(schedule: Schedule, costs=None, trace: bool = True) -> SimResult:
+    """Replay ``schedule`` (with its transfers) against ``costs`` (default
+    :class:`UniformCosts`). Raises :class:`Deadlock` when the schedule cannot finish."""
+    costs = costs or UniformCosts()
+    ranks = len(schedule)
+    batch_end = [dict(transfer_batches(actions)) for actions in schedule]
+    clock = [0.0] * ranks
+    busy = [0.0] * ranks
+    position = [0] * ranks
+    posted_batch = [False] * ranks
+    memory = [float(costs.static_bytes(r)) for r in range(ranks)]
+    timeline = [[(0.0, memory[r])] for r in range(ranks)]
+    peak = list(memory)
+    stash: list[dict] = [{} for _ in range(ranks)]
+    events: list[TraceEvent] = []
+    posted: dict[tuple, tuple[float, int, Action]] = {}
+    done: dict[tuple, float] = {}
+    parked = [False] * ranks
+    ready = deque(range(ranks))
+    while ready:
+        r = ready.popleft()
+        parked[r] = False
+        actions = schedule[r]
+        ends = batch_end[r]
+        i, now = position[r], clock[r]
+        while i < len(actions):
+            a = actions[i]
+            kind = a.kind
+            if a.is_communication():
+                stop = ends[i]
+                if not posted_batch[r]:
+                    posted_batch[r] = True
+                    for op in actions[i:stop]:
+                        key = op.transfer_key()
+                        other = posted.pop(key, None)
+                        if other is None:
+                            posted[key] = (now, r, op)
+                            continue
+                        send = op if op.is_send() else other[2]
+                        done[key] = max(now, other[0]) + costs.transfer_time(send)
+                        if parked[other[1]]:
+                            parked[other[1]] = False
+                            ready.append(other[1])
+                finish = now
+                for op in actions[i:stop]:
+                    at = done.get(op.transfer_key())
+                    if at is None:
+                        parked[r] = True
+                        break
+                    finish = max(finish, at)
+                if parked[r]:
+                    break
+                posted_batch[r] = False
+                now, i = finish, stop
+                continue
+            took = costs.duration(a)
+            if trace:
+                events.append(TraceEvent(r, str(a), now, took,
+                                         "memory" if a.is_memory() else "compute"))
+            now += took
+            busy[r] += took
+            if kind in _STASH or kind is Kind.BACKWARD:
+                held = stash[r]
+                slot = (a.stage, a.unit, a.part)
+                if kind is Kind.BACKWARD:
+                    memory[r] -= held.pop(slot, 0.0)
+                else:
+                    added = costs.activation_bytes(a)
+                    held[slot] = held.get(slot, 0.0) + added
+                    memory[r] += added
+                    if memory[r] > peak[r]:
+                        peak[r] = memory[r]
+                timeline[r].append((now, memory[r]))
+            i += 1
+        position[r], clock[r] = i, now
+    blocked = {r: position[r] for r in range(ranks) if position[r] < len(schedule[r])}
+    if blocked:
+        raise Deadlock(blocked)
+    total = max(clock, default=0.0)
+    return SimResult(iteration_time=total, busy=busy, idle=[total - b for b in busy],
+                     peak_memory=peak, memory_timeline=timeline, events=events)
+
+
+def dry_run(schedule: Schedule) -> None:
+    """Raise :class:`Deadlock` when ``schedule`` cannot run to completion (costs ignored)."""
+    simulate(schedule, UniformCosts(), trace=False)

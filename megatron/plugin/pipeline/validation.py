@@ -1,0 +1,172 @@
+"""Checks every schedule passes before it runs; a failure shows the grid with the step marked.
+
+:func:`validate` checks, in order:
+
+1. placement: every stage lives on exactly one rank, no action appears twice on a rank;
+2. pairing: every forward has exactly one backward after it on the same rank, every
+   backward and recompute follows its forward, a recompute precedes its backward;
+3. local order of transfers: a send of activations (gradients) follows the forward
+   (backward) that produced them, a receive precedes the compute that consumes it;
+4. matching: every send has exactly one receive on the peer's rank and vice versa, with equal
+   shapes when ``shape_of`` is given;
+5. channel order: between two ranks, receives are posted in the order of the sends. NCCL
+   matches point-to-point transfers by issue order only, so this is what makes a schedule
+   portable between gloo and NCCL;
+6. a dry run (:func:`~megatron.plugin.pipeline.simulator.dry_run`) proves there is no
+   deadlock with blocking receives and asynchronous sends.
+
+A failure raises :class:`ScheduleError` (a ``ValueError``) whose message holds the
+per-rank grid around the failing step, the failing cells marked ``<-- ERROR HERE``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.simulator import Deadlock, dry_run
+
+Schedule = list[list[Action]]
+
+#: Steps shown before and after the failing one.
+_CONTEXT = 4
+
+
+class ScheduleError(ValueError):
+    """An invalid schedule; ``marks`` are the ``(rank, step)`` cells at fault."""
+
+    def __init__(self, reason: str, schedule: Schedule, marks: list[tuple[int, int]]):
+        self.reason = reason
+        self.marks = marks
+        super().__init__(f"invalid schedule: {reason}\n{format_grid(schedule, marks)}")
+
+
+def format_grid(schedule: Schedule, marks: list[tuple[int, int]] = ()) -> str:
+    """Step x rank table of ``schedule``; rows near ``marks`` only, marked cells flagged."""
+    marks = set(marks)
+    height = max((len(actions) for actions in schedule), default=0)
+    if marks:
+        rows = sorted({i for _, step in marks
+                       for i in range(max(0, step - _CONTEXT), min(height, step + _CONTEXT + 1))})
+    else:
+        rows = list(range(height))
+    cells = [[""] * len(schedule) for _ in rows]
+    for line, step in enumerate(rows):
+        for rank, actions in enumerate(schedule):
+            if step < len(actions):
+                cells[line][rank] = str(actions[step])
+            if (rank, step) in marks:
+                cells[line][rank] += " <-- ERROR HERE"
+    widths = [max([len(f"rank {r}")] + [len(row[r]) for row in cells])
+              for r in range(len(schedule))]
+    header = "step | " + " | ".join(f"rank {r}".ljust(w) for r, w in enumerate(widths))
+    out = [header, "-" * len(header)]
+    previous = None
+    for line, step in enumerate(rows):
+        if previous is not None and step != previous + 1:
+            out.append("  ...")
+        out.append(f"{step:4d} | " + " | ".join(c.ljust(w) for c, w in zip(cells[line], widths)))
+        previous = step
+    return "\n".join(out)
+
+
+def validate(schedule: Schedule, shape_of: Callable[[Action], tuple] | None = None) -> None:
+    """Raise :class:`ScheduleError` unless ``schedule`` can run correctly (see module doc)."""
+    _check_placement(schedule)
+    for rank, actions in enumerate(schedule):
+        _check_rank(schedule, rank, actions)
+    _check_matching(schedule, shape_of)
+    try:
+        dry_run(schedule)
+    except Deadlock as err:
+        raise ScheduleError("deadlock: every unfinished rank waits for a receive whose send "
+                            "never comes (marked)", schedule,
+                            sorted(err.blocked.items())) from None
+
+
+def _check_placement(schedule: Schedule) -> None:
+    owner: dict[int, int] = {}
+    for rank, actions in enumerate(schedule):
+        seen: dict[Action, int] = {}
+        for step, a in enumerate(actions):
+            if owner.setdefault(a.stage, rank) != rank:
+                first = owner[a.stage]
+                raise ScheduleError(f"stage {a.stage} has actions on ranks {first} and {rank}",
+                                    schedule, [(rank, step)])
+            if a in seen:
+                raise ScheduleError(f"{a} appears twice on rank {rank}", schedule,
+                                    [(rank, seen[a]), (rank, step)])
+            seen[a] = step
+
+
+_PRODUCER = {Kind.SEND_F: Kind.FORWARD, Kind.SEND_B: Kind.BACKWARD}
+_CONSUMER = {Kind.RECV_F: Kind.FORWARD, Kind.RECV_B: Kind.BACKWARD}
+
+
+def _check_rank(schedule: Schedule, rank: int, actions: list[Action]) -> None:
+    where: dict[tuple, int] = {}
+    for step, a in enumerate(actions):
+        if a.is_compute():
+            where[(a.kind, a.stage, a.unit, a.part)] = step
+    for step, a in enumerate(actions):
+        key = (a.stage, a.unit, a.part)
+        forward = where.get((Kind.FORWARD, *key))
+        backward = where.get((Kind.BACKWARD, *key))
+        if a.kind is Kind.FORWARD and backward is None:
+            raise ScheduleError(f"{a} has no backward on rank {rank}", schedule, [(rank, step)])
+        if a.kind in (Kind.BACKWARD, Kind.RECOMPUTE) and (forward is None or forward > step):
+            raise ScheduleError(f"{a} comes before its forward", schedule, [(rank, step)])
+        if a.kind is Kind.RECOMPUTE and (backward is None or backward < step):
+            raise ScheduleError(f"{a} has no backward after it", schedule, [(rank, step)])
+        if a.kind in _PRODUCER:
+            made = where.get((_PRODUCER[a.kind], *key))
+            if made is None or made > step:
+                raise ScheduleError(f"{a} sends what no earlier {_PRODUCER[a.kind].name.lower()} "
+                                    f"on rank {rank} produced", schedule, [(rank, step)])
+        if a.kind in _CONSUMER:
+            used = where.get((_CONSUMER[a.kind], *key))
+            if used is None or used < step:
+                raise ScheduleError(f"{a} receives what no later {_CONSUMER[a.kind].name.lower()} "
+                                    f"on rank {rank} uses", schedule, [(rank, step)])
+
+
+def _check_matching(schedule: Schedule, shape_of) -> None:
+    rank_of = {a.stage: r for r, actions in enumerate(schedule) for a in actions}
+    sends: dict[tuple, tuple[int, int]] = {}
+    recvs: dict[tuple, tuple[int, int]] = {}
+    channel_sends = defaultdict(list)
+    channel_recvs = defaultdict(list)
+    for rank, actions in enumerate(schedule):
+        for step, a in enumerate(actions):
+            if not a.is_communication():
+                continue
+            if a.peer not in rank_of:
+                raise ScheduleError(f"{a}: peer stage {a.peer} runs nothing", schedule,
+                                    [(rank, step)])
+            key = a.transfer_key()
+            book, channels = (sends, channel_sends) if a.is_send() else (recvs, channel_recvs)
+            book[key] = (rank, step)
+            src, dst = (rank, rank_of[a.peer]) if a.is_send() else (rank_of[a.peer], rank)
+            channels[(src, dst)].append(key)
+    for key, (rank, step) in sends.items():
+        if key not in recvs:
+            raise ScheduleError(f"{schedule[rank][step]} has no matching receive on stage "
+                                f"{key[1]}", schedule, [(rank, step)])
+    for key, (rank, step) in recvs.items():
+        if key not in sends:
+            raise ScheduleError(f"{schedule[rank][step]} has no matching send on stage {key[0]}",
+                                schedule, [(rank, step)])
+        if shape_of is not None:
+            send = schedule[sends[key][0]][sends[key][1]]
+            recv = schedule[rank][step]
+            if tuple(shape_of(send)) != tuple(shape_of(recv)):
+                raise ScheduleError(f"{send} sends shape {tuple(shape_of(send))} but {recv} "
+                                    f"expects {tuple(shape_of(recv))}", schedule,
+                                    [sends[key], (rank, step)])
+    for channel, order in channel_sends.items():
+        for sent, received in zip(order, channel_recvs[channel]):
+            if sent != received:
+                raise ScheduleError(
+                    f"rank {channel[1]} receives from rank {channel[0]} out of send order "
+                    f"(NCCL matches transfers between two ranks by order only)", schedule,
+                    [sends[sent], recvs[received]])

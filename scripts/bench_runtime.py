@@ -1,0 +1,77 @@
+"""Benchmark: the executor (``1f1b-ir``) against Megatron's native ``1f1b`` loop, side by side.
+
+    python scripts/bench_runtime.py [--iters 12] [--pp 2] [model flags ...]
+
+Launches itself on ``--pp`` CPU ranks (one thread each). One model, one optimizer and the same
+document batches; iterations alternate between the two schedules (native, IR, native, ...) so
+that drift of the machine hits both alike, after one warm-up iteration of each. Prints the
+median iteration time of each and the throughput ratio IR / native (1.00 = the same speed).
+"""
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+         "--seq-length", "1024", "--max-position-embeddings", "1024",
+         "--global-batch-size", "16", "--train-iters", "1", "--lr", "1e-4",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def worker(argv) -> int:
+    import torch.distributed as dist
+
+    from megatron.plugin import registry
+    from megatron.plugin.arguments import parse_args
+    from megatron.plugin.sources import build_document_sources
+    from megatron.plugin.training import initialize_distributed, setup_model_and_optimizer, step
+
+    iters = int(os.environ["BENCH_ITERS"])
+    args = parse_args(argv)
+    initialize_distributed(args)
+    sources, vocab = build_document_sources(args)
+    model, optimizer, _, config = setup_model_and_optimizer(args, vocab)
+    times = {"1f1b": [], "1f1b-ir": []}
+    for i in range(2 * (iters + 1)):
+        name = ("1f1b", "1f1b-ir")[i % 2]
+        registry.use_schedule(name)
+        documents = sources["train"].documents(i // 2)
+        dist.barrier()
+        start = time.perf_counter()
+        step(model, optimizer, config, args, documents)
+        dist.barrier()
+        if i >= 2:
+            times[name].append(time.perf_counter() - start)
+    if dist.get_rank() == 0:
+        native, ir = (statistics.median(times[n]) for n in ("1f1b", "1f1b-ir"))
+        print(f"pp={args.pipeline_model_parallel_size} iterations={iters} each, "
+              f"CPU ranks with one thread")
+        print(f"native 1f1b : {1000 * native:8.1f} ms / iteration (median)")
+        print(f"1f1b-ir     : {1000 * ir:8.1f} ms / iteration (median)")
+        print(f"throughput ratio 1f1b-ir / 1f1b = {native / ir:.3f} "
+              f"(executor overhead {100 * (ir / native - 1):+.1f}%)")
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    if "RANK" in os.environ:
+        return worker(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--pp", type=int, default=2)
+    known, rest = parser.parse_known_args()
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={known.pp}",
+               "--master-addr=127.0.0.1", "--master-port=29531", os.path.abspath(__file__),
+               *MODEL, "--pipeline-model-parallel-size", str(known.pp), *rest]
+    env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_ITERS=str(known.iters),
+               PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
+    return subprocess.call(command, cwd=REPO, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

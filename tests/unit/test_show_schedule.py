@@ -1,0 +1,36 @@
+"""``scripts/show_schedule.py``: grid, bubble ratio, JSON, Gantt and trace outputs."""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def show(*args):
+    return subprocess.run([sys.executable, "scripts/show_schedule.py", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+
+
+def test_prints_grid_and_writes_outputs(tmp_path):
+    out = tmp_path / "s.json"
+    png = tmp_path / "s.png"
+    trace = tmp_path / "t.json"
+    result = show("--schedule", "1f1b", "--pp", "4", "--microbatches", "6", "--json", str(out),
+                  "--gantt", str(png), "--trace", str(trace))
+    assert result.returncode == 0, result.stderr
+    assert "step | rank 0" in result.stdout and "3RECV_F5<2" in result.stdout
+    assert "bubble ratio 0.3333" in result.stdout  # (p-1)/(m+p-1) = 3/9
+    summary = json.loads(out.read_text())
+    assert summary["schedule"] == "1f1b" and summary["pp"] == 4 and summary["microbatches"] == 6
+    assert summary["iteration_time"] == 27.0
+    assert summary["peak_memory_units"] == [4.0, 3.0, 2.0, 1.0]
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert len([e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]) == 48
+
+
+def test_unknown_schedule_lists_valid_names():
+    result = show("--schedule", "nope", "--pp", "2", "--microbatches", "2")
+    assert result.returncode == 2
+    assert "unknown schedule 'nope'; valid names: 1f1b" in result.stderr

@@ -1,0 +1,91 @@
+"""Simulator: exact 1F1B figures for uniform costs, memory timeline, traces and Gantt charts."""
+import json
+
+import pytest
+
+from megatron.plugin.pipeline.gantt import write_gantt
+from megatron.plugin.pipeline.ir import Action, Kind, parse_schedule
+from megatron.plugin.pipeline.passes import add_communication, add_recomputation
+from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+from megatron.plugin.pipeline.simulator import Deadlock, UniformCosts, simulate
+from megatron.plugin.pipeline.trace import read_chrome_trace, write_chrome_trace
+
+
+def planned(pp, m):
+    return add_communication(one_f_one_b(pp, m), num_stages=pp)
+
+
+@pytest.mark.parametrize("pp,m", [(1, 1), (2, 1), (2, 2), (2, 5), (3, 7), (4, 3), (4, 4),
+                                  (4, 9), (8, 8), (8, 33)])
+def test_1f1b_bubble_ratio_is_exact(pp, m):
+    result = simulate(planned(pp, m))
+    assert result.iteration_time == (m + pp - 1) * 3
+    assert result.bubble_ratio == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+    assert result.busy == [3.0 * m] * pp
+
+
+@pytest.mark.parametrize("pp,m", [(2, 5), (4, 3), (4, 9), (6, 6)])
+def test_1f1b_peak_stashed_units(pp, m):
+    result = simulate(planned(pp, m))
+    assert result.peak_memory == [float(min(pp - i, m)) for i in range(pp)]
+    for timeline in result.memory_timeline:
+        assert timeline[-1][1] == 0.0  # everything released at the end
+
+
+def test_costs_change_time_not_order():
+    costs = UniformCosts(forward=2.0, backward=3.0, transfer=0.5)
+    result = simulate(planned(3, 4), costs)
+    # first unit through 3 stages with 2 transfers, then the slowest stage's 1F1B steady state
+    # and the backward of the last unit back through 2 stages with 2 transfers
+    assert result.iteration_time > (4 + 3 - 1) * 5
+    events = [e for e in result.events if e.rank == 2]
+    assert [e.name for e in events][:2] == ["2F0", "2B0"]
+    assert events[0].start == pytest.approx(2 * 2.0 + 2 * 0.5)
+
+
+def test_recompute_costs_time_and_adds_memory():
+    schedule = add_communication(
+        add_recomputation(one_f_one_b(2, 3), lambda a: a.stage == 0), num_stages=2)
+
+    class Costs(UniformCosts):
+        def activation_bytes(self, action):
+            if action.stage == 0 and action.kind is Kind.FORWARD:
+                return 0.25  # only the checkpointed input is stashed
+            return 1.0
+
+        def static_bytes(self, rank):
+            return 10.0
+
+    result = simulate(schedule, Costs())
+    plain = simulate(planned(2, 3))
+    assert result.busy[0] == plain.busy[0] + 3 * 1.0
+    assert result.iteration_time > plain.iteration_time
+    # rank 0 holds 2 checkpointed units, then one re-materialised while its backward runs
+    assert result.peak_memory[0] == pytest.approx(10.0 + 0.25 + 0.25 + 1.0)
+    assert result.memory_timeline[0][-1][1] == pytest.approx(10.0)
+
+
+def test_deadlock_is_reported_with_blocked_ranks():
+    schedule = parse_schedule("0: 0RECV_B0<1 0F0 0SEND_F0>1 0B0\n"
+                              "1: 1RECV_F0<0 1F0 1B0 1SEND_B0>0")
+    with pytest.raises(Deadlock) as err:
+        simulate(schedule)
+    assert err.value.blocked == {0: 0, 1: 0}
+
+
+def test_trace_round_trips_and_gantt_is_drawn(tmp_path):
+    result = simulate(planned(3, 4))
+    path = tmp_path / "trace.json"
+    write_chrome_trace(result.events, str(path), name="1f1b")
+    document = json.loads(path.read_text())
+    assert {e["ph"] for e in document["traceEvents"]} == {"M", "X"}
+    assert read_chrome_trace(str(path)) == result.events
+    png = tmp_path / "gantt.png"
+    write_gantt(result.events, str(png), title="1f1b")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_foreign_kinds_take_their_costs():
+    schedule = [[Action(0, Kind.FORWARD, 0), Action(0, Kind.ATTN_F, 0, ".l1", 0),
+                 Action(0, Kind.ATTN_B, 0, ".l1", 0), Action(0, Kind.BACKWARD, 0)]]
+    assert simulate(schedule).iteration_time == 1 + 1 + 2 + 2
