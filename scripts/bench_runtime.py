@@ -6,6 +6,7 @@ Launches itself on ``--pp`` CPU ranks (one thread each). One model, one optimize
 document batches; iterations alternate between the two schedules (native, IR, native, ...) so
 that drift of the machine hits both alike, after one warm-up iteration of each. Prints the
 median iteration time of each and the throughput ratio IR / native (1.00 = the same speed).
+First it times the simulator on a 64-stage x 512-micro-batch 1F1B (validation separately).
 """
 import argparse
 import os
@@ -58,9 +59,31 @@ def worker(argv) -> int:
     return 0
 
 
+def simulator_timing(pp: int = 64, microbatches: int = 512) -> None:
+    from megatron.plugin.pipeline.passes import add_communication
+    from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+    from megatron.plugin.pipeline.simulator import simulate
+    from megatron.plugin.pipeline.validation import validate
+
+    schedule = add_communication(one_f_one_b(pp, microbatches))
+    actions = sum(len(row) for row in schedule)
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        result = simulate(schedule)
+        times.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    validate(schedule)
+    validation = time.perf_counter() - start
+    print(f"simulator: 1f1b pp={pp} m={microbatches} ({actions} actions): "
+          f"{statistics.median(times):.3f} s (median of 3), bubble ratio "
+          f"{result.bubble_ratio:.4f}; validation {validation:.3f} s", flush=True)
+
+
 def main() -> int:
     if "RANK" in os.environ:
         return worker(sys.argv[1:])
+    simulator_timing()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--pp", type=int, default=2)

@@ -4,12 +4,13 @@ Regenerate the golden files after an intended change with
 ``REGENERATE_GOLDEN=1 python -m pytest tests/unit/test_schedule_1f1b.py``.
 """
 import os
+import random
 
 import pytest
 
 from megatron.plugin.pipeline.ir import Kind, format_schedule
 from megatron.plugin.pipeline.passes import add_communication
-from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b, reversed_within_groups
 from megatron.plugin.pipeline.validation import validate
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden_schedules")
@@ -51,3 +52,40 @@ def test_shape_of_1f1b(pp, m):
 def test_bad_sizes_are_refused(pp, m):
     with pytest.raises(ValueError, match="1F1B needs"):
         one_f_one_b(pp, m)
+
+
+def test_slices_run_backward_last_slice_first():
+    """Units 0-2 are slices of one document: their backwards run 2, 1, 0 on every rank, and
+    each rank forwards all three before the backward of slice 2."""
+    order = reversed_within_groups([3, 1])
+    assert order == [2, 1, 0, 3]
+    schedule = one_f_one_b(2, 4, order)
+    assert [str(a) for a in schedule[0]] == ["0F0", "0F1", "0F2", "0B2", "0B1", "0F3", "0B0",
+                                             "0B3"]
+    assert [str(a) for a in schedule[1]] == ["1F0", "1F1", "1F2", "1B2", "1B1", "1B0", "1F3",
+                                             "1B3"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 5])
+def test_any_grouping_gives_a_valid_schedule(pp, seed):
+    rng = random.Random(seed * 10 + pp)
+    groups = [rng.randint(1, 5) for _ in range(rng.randint(1, 6))]
+    order = reversed_within_groups(groups)
+    schedule = one_f_one_b(pp, sum(groups), order)
+    for actions in schedule:
+        assert [a.unit for a in actions if a.kind is Kind.BACKWARD] == order
+        done = set()
+        for a in actions:  # a backward never precedes its own forward
+            if a.kind is Kind.FORWARD:
+                done.add(a.unit)
+            else:
+                assert a.unit in done
+    validate(add_communication(schedule, num_stages=pp))
+
+
+def test_bad_backward_orders_are_refused():
+    with pytest.raises(ValueError, match="permutation"):
+        one_f_one_b(2, 3, [0, 1, 1])
+    with pytest.raises(ValueError, match="positive"):
+        reversed_within_groups([2, 0])
