@@ -1,0 +1,121 @@
+"""Baselines and ablations of the elastic plan, priced by the same cost model and simulator.
+
+- ``seq1f1b`` (the paper's "enhanced Seq1F1B"): fixed-size chunks of ``S`` tokens -- documents
+  longer than ``S`` cut into ``S``-token slices, tails and short documents packed
+  first-fit-decreasing into ``S``-token chunks (never two tails together) -- in one 1F1B
+  pipeline, with the same number of checkpointed layers on every stage and chunk, the smallest
+  that fits the worst in-flight window. ``S = ceil(longest / k)`` with ``k`` tuned over the same
+  slice counts as the elastic planner by the same pipeline-time estimate.
+- ``1f1b_packed``: whole documents packed first-fit-decreasing into micro-batches of at most
+  the context length, one 1F1B pipeline, uniform checkpointing as above.
+- ``elastic_full_ckpt``: the elastic plan with every layer checkpointed.
+- ``elastic_no_grouping``: the elastic planner restricted to one pipeline.
+
+A baseline that does not fit even with every layer checkpointed is ``None`` (reported as OOM).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from elastic_pipe import checkpointing
+from elastic_pipe.chunks import Chunk, Piece
+from elastic_pipe.cost_model import CostModel
+from elastic_pipe.plan_types import Plan, PipelinePlan
+from elastic_pipe.scheduler import PipelineCase, SchedulerConfig, check_lengths, pipeline_case
+from elastic_pipe.sequence_processor import chunk_balance, layout, slice_candidates
+
+
+def uniform_plan(cost: CostModel, chunks: Sequence[Chunk], num_slices: int) -> Plan | None:
+    """One pipeline over ``chunks`` with the smallest global uniform checkpointing that fits."""
+    case = pipeline_case(cost, chunks)
+    for count in range(max(case.problem.layers) + 1):
+        table = tuple((min(count, layers),) * case.problem.chunks
+                      for layers in case.problem.layers)
+        if checkpointing.fits(case.problem, table):
+            return single_pipeline_plan(cost, case, table, num_slices)
+    return None
+
+
+def single_pipeline_plan(cost: CostModel, case: PipelineCase, table, num_slices: int) -> Plan:
+    """A plan of one uniformly checkpointed pipeline (predicted time and memory filled in)."""
+    seconds = case.time(table) * checkpointing.TIME_UNIT
+    peaks = checkpointing.memory_peaks(case.problem, table)
+    time_rsd, length_rsd = chunk_balance(case.chunks, cost)
+    return Plan((PipelinePlan(case.chunks, case.backward, table, seconds, "uniform",
+                              num_slices),),
+                seconds, tuple(cost.static_bytes(s) + peaks[s] * checkpointing.MEMORY_UNIT
+                               for s in range(cost.pp)),
+                time_rsd, length_rsd, 0.0)
+
+
+def fixed_chunks(lengths: Sequence[int], size: int) -> tuple[Chunk, ...]:
+    """Seq1F1B's chunks: ``size``-token slices and ``size``-token packed chunks."""
+    docs = sorted(enumerate(lengths), key=lambda d: (-d[1], d[0]))
+    heads, items = {}, []
+    for doc, length in docs:
+        cuts = list(range(0, length, size)) + [length]
+        pieces = [Piece(doc, j, cuts[j], cuts[j + 1], final=j + 2 == len(cuts))
+                  for j in range(len(cuts) - 1)]
+        if len(pieces) > 1:
+            heads[doc] = [Chunk((piece,)) for piece in pieces[:-1]]
+        items.append(pieces[-1])
+    return layout(heads, first_fit(items, size))
+
+
+def first_fit(items: list[Piece], size: int) -> list[Chunk]:
+    """First-fit-decreasing by tokens into bins of ``size`` tokens, at most one tail a bin."""
+    bins: list[list[Piece]] = []
+    loads: list[int] = []
+    for piece in sorted(items, key=lambda p: (-p.tokens, p.doc)):
+        for index, members in enumerate(bins):
+            if loads[index] + piece.tokens <= size and not (
+                    piece.is_tail and any(p.is_tail for p in members)):
+                members.append(piece)
+                loads[index] += piece.tokens
+                break
+        else:
+            bins.append([piece])
+            loads.append(piece.tokens)
+    return [Chunk(tuple(members)) for members in bins]
+
+
+def seq1f1b(lengths: Sequence[int], cost: CostModel, config: SchedulerConfig) -> Plan | None:
+    """The enhanced Seq1F1B baseline (best ``k`` by predicted time), or ``None`` when OOM."""
+    check_lengths(lengths)
+    longest = max(lengths)
+    best = None
+    for k in slice_candidates(longest, config.chunking):
+        plan = uniform_plan(cost, fixed_chunks(lengths, math.ceil(longest / k)), k)
+        if plan is not None and (best is None or plan.predicted_time_s < best.predicted_time_s):
+            best = plan
+    return best
+
+
+def packed_1f1b(lengths: Sequence[int], cost: CostModel, context: int) -> Plan | None:
+    """Whole documents packed into ``context``-token micro-batches, or ``None`` when OOM."""
+    check_lengths(lengths)
+    if max(lengths) > context:
+        raise ValueError(f"a document of {max(lengths)} tokens exceeds the context {context}; "
+                         f"truncate the lengths first")
+    items = [Piece(doc, 0, 0, length, final=True) for doc, length in enumerate(lengths)]
+    return uniform_plan(cost, first_fit(items, context), 1)
+
+
+def full_checkpointing(plan: Plan, cost: CostModel) -> Plan | None:
+    """``plan``'s pipelines with every layer checkpointed, or ``None`` when even that is OOM."""
+    pipelines, peaks = [], [0] * cost.pp
+    for pipeline in plan.pipelines:
+        case = pipeline_case(cost, pipeline.chunks)
+        table = checkpointing.full_table(case.problem)
+        if not checkpointing.fits(case.problem, table):
+            return None
+        pipelines.append(PipelinePlan(case.chunks, case.backward, table,
+                                      case.time(table) * checkpointing.TIME_UNIT, "full",
+                                      pipeline.num_slices))
+        peaks = [max(x, y) for x, y in zip(peaks, checkpointing.memory_peaks(case.problem,
+                                                                             table))]
+    return Plan(tuple(pipelines), sum(p.predicted_time_s for p in pipelines),
+                tuple(cost.static_bytes(s) + peaks[s] * checkpointing.MEMORY_UNIT
+                      for s in range(cost.pp)),
+                plan.chunk_time_rsd, plan.chunk_length_rsd, 0.0)

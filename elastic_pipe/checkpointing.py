@@ -1,0 +1,208 @@
+"""Stage-aware chunk-level checkpointing of one 1F1B pipeline as a CP-SAT model (eq. 15-20).
+
+Decision: ``ckpt[p][k]`` in ``[0, L_p]``, the number of leading layers of stage ``p`` whose
+activations chunk ``k`` drops and recomputes before its backward.
+
+Time: the 1F1B pipeline of ``n`` chunks on ``d`` stages takes ``n + d - 1`` steps; in step ``t``
+stage ``p`` works on chunk ``k = t - p`` (forward + backward + recomputation), so with integer
+``C_t >= base[p][k] + recompute[p][k] * ckpt[p][k]`` for every such pair the pipeline time is
+modelled as ``sum_t C_t``, minimised.
+
+Memory: at every backward of stage ``p`` (from :func:`elastic_pipe.pipeline_order.inflight_sets`,
+the 1F1B windows ``|W_p|`` with the split documents' prefill) the chunks in flight stash
+``full - saving * ckpt`` each, and the chunk about to run its backward rematerialises one layer
+(``saving``) when it has any checkpointed layer (boolean ``r[p][k]``); the sum stays within the
+stage's activation budget. Times are integers in microseconds; memory in MiB, rounded so that
+an integer-feasible table is feasible in bytes: budgets down, stashes and transients up, savings
+down.
+
+The search is made reproducible with one CP-SAT worker and a deterministic time limit; a wall
+clock limit of ``WALL_FACTOR`` times as long is the hard guard against hangs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from elastic_pipe.chunks import Chunk
+from elastic_pipe.cost_model import CostModel
+
+TIME_UNIT = 1e-6
+MEMORY_UNIT = float(2 ** 20)
+WALL_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class CheckpointProblem:
+    """Integer data of one pipeline's checkpointing problem."""
+
+    layers: tuple[int, ...]
+    """Layers per stage (upper bound of ``ckpt[p][k]``)."""
+    forward: tuple[tuple[int, ...], ...]
+    """``[p][k]`` forward time in microseconds."""
+    backward: tuple[tuple[int, ...], ...]
+    """``[p][k]`` backward time in microseconds."""
+    base: tuple[tuple[int, ...], ...]
+    """``[p][k]`` forward + backward time in microseconds."""
+    transfer: tuple[int, ...]
+    """``[k]`` stage-to-stage transfer time in microseconds."""
+    recompute: tuple[tuple[int, ...], ...]
+    """``[p][k]`` time to recompute one layer, microseconds."""
+    full: tuple[tuple[int, ...], ...]
+    """``[p][k]`` stash without checkpointing, MiB rounded up."""
+    saving: tuple[tuple[int, ...], ...]
+    """``[p][k]`` stash saved per checkpointed layer, MiB rounded down."""
+    transient: tuple[tuple[int, ...], ...]
+    """``[p][k]`` one rematerialised layer, MiB rounded up."""
+    budget: tuple[int, ...]
+    """Activation budget per stage, MiB rounded down."""
+    events: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
+    """Per stage: (chunk about to run its backward, chunks in flight)."""
+
+    @property
+    def stages(self) -> int:
+        return len(self.layers)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.base[0])
+
+
+@dataclass(frozen=True)
+class CheckpointSolution:
+    """A checkpointing table and how it was obtained."""
+
+    ckpt: tuple[tuple[int, ...], ...]
+    """``[p][k]`` checkpointed layers."""
+    objective: int
+    """``sum_t C_t`` in microseconds."""
+    status: str
+    """``optimal``, ``feasible`` (time limit hit), ``trivial`` (no checkpointing fits, no
+    solve), ``full`` (time limit hit without a solution: full checkpointing)."""
+
+
+def build_problem(cost: CostModel, chunks: list[Chunk],
+                  events: list[list[tuple[int, tuple[int, ...]]]]) -> CheckpointProblem:
+    """The integer problem for ``chunks`` (in forward order) with the given in-flight sets."""
+    stages = range(cost.pp)
+    up = lambda x: math.ceil(x / MEMORY_UNIT)  # noqa: E731 -- three tables share the rounding
+    forward = tuple(tuple(round(cost.stage_forward(p, c) / TIME_UNIT) for c in chunks)
+                    for p in stages)
+    backward = tuple(tuple(round(cost.stage_backward(p, c) / TIME_UNIT) for c in chunks)
+                     for p in stages)
+    return CheckpointProblem(
+        layers=tuple(cost.layers(p) for p in stages),
+        forward=forward, backward=backward,
+        base=tuple(tuple(f + b for f, b in zip(*rows)) for rows in zip(forward, backward)),
+        transfer=tuple(round(cost.p2p_time(c) / TIME_UNIT) for c in chunks),
+        recompute=tuple(tuple(round(cost.layer_forward(c) / TIME_UNIT) for c in chunks)
+                        for p in stages),
+        full=tuple(tuple(up(cost.stash_bytes(p, c)) for c in chunks) for p in stages),
+        saving=tuple(tuple(math.floor(cost.layer_saving(c) / MEMORY_UNIT) for c in chunks)
+                     for p in stages),
+        transient=tuple(tuple(up(cost.layer_saving(c)) for c in chunks) for p in stages),
+        budget=tuple(math.floor(cost.activation_budget(p) / MEMORY_UNIT) for p in stages),
+        events=tuple(tuple(stage_events) for stage_events in events))
+
+
+def objective(problem: CheckpointProblem, ckpt) -> int:
+    """``sum_t max_p`` stage time of the chunk in step ``t``."""
+    d, n = problem.stages, problem.chunks
+    return sum(max(problem.base[p][t - p] + problem.recompute[p][t - p] * ckpt[p][t - p]
+                   for p in range(d) if 0 <= t - p < n)
+               for t in range(n + d - 1))
+
+
+def memory_peaks(problem: CheckpointProblem, ckpt) -> list[int]:
+    """Per stage, the largest in-flight stash plus transient over all backwards (MiB)."""
+    peaks = []
+    for p, stage_events in enumerate(problem.events):
+        peak = 0
+        for unit, held in stage_events:
+            total = sum(problem.full[p][k] - problem.saving[p][k] * ckpt[p][k] for k in held)
+            if ckpt[p][unit]:
+                total += problem.transient[p][unit]
+            peak = max(peak, total)
+        peaks.append(peak)
+    return peaks
+
+
+def fits(problem: CheckpointProblem, ckpt) -> bool:
+    return all(peak <= budget for peak, budget in zip(memory_peaks(problem, ckpt),
+                                                      problem.budget))
+
+
+def full_table(problem: CheckpointProblem) -> tuple[tuple[int, ...], ...]:
+    """Every layer of every stage checkpointed for every chunk."""
+    return tuple((layers,) * problem.chunks for layers in problem.layers)
+
+
+def uniform_table(problem: CheckpointProblem) -> tuple[tuple[int, ...], ...] | None:
+    """Per stage the smallest uniform count that fits, or ``None`` when even all layers do not."""
+    table = []
+    for p, stage_events in enumerate(problem.events):
+        needed = 0
+        if any(sum(problem.full[p][k] for k in held) > problem.budget[p]
+               for _, held in stage_events):
+            for unit, held in stage_events:
+                over = (sum(problem.full[p][k] for k in held) + problem.transient[p][unit]
+                        - problem.budget[p])
+                saving = sum(problem.saving[p][k] for k in held)
+                if over > 0:
+                    if saving <= 0:
+                        return None
+                    needed = max(needed, math.ceil(over / saving))
+            needed = max(needed, 1)
+        if needed > problem.layers[p]:
+            return None
+        table.append((needed,) * problem.chunks)
+    return tuple(table)
+
+def solve(problem: CheckpointProblem, time_limit: float) -> CheckpointSolution | None:
+    """The best table CP-SAT finds within ``time_limit``; ``None`` when none fits at all."""
+    start = uniform_table(problem)
+    if start is None:
+        return None
+    if not any(any(row) for row in start):
+        return CheckpointSolution(start, objective(problem, start), "trivial")
+    d, n = problem.stages, problem.chunks
+    model = cp_model.CpModel()
+    ckpt = [[model.NewIntVar(0, problem.layers[p], f"c{p}_{k}") for k in range(n)]
+            for p in range(d)]
+    used = [[model.NewBoolVar(f"r{p}_{k}") for k in range(n)] for p in range(d)]
+    for p in range(d):
+        for k in range(n):
+            model.Add(ckpt[p][k] <= problem.layers[p] * used[p][k])
+            model.AddHint(ckpt[p][k], start[p][k])
+            model.AddHint(used[p][k], int(start[p][k] > 0))
+    steps = []
+    for t in range(n + d - 1):
+        pairs = [(p, t - p) for p in range(d) if 0 <= t - p < n]
+        top = max(problem.base[p][k] + problem.recompute[p][k] * problem.layers[p]
+                  for p, k in pairs)
+        step = model.NewIntVar(0, top, f"C{t}")
+        for p, k in pairs:
+            model.Add(step >= problem.base[p][k] + problem.recompute[p][k] * ckpt[p][k])
+        steps.append(step)
+    for p, stage_events in enumerate(problem.events):
+        for unit, held in stage_events:
+            full = sum(problem.full[p][k] for k in held)
+            if full + problem.transient[p][unit] <= problem.budget[p]:
+                continue
+            model.Add(sum(problem.saving[p][k] * ckpt[p][k] for k in held) * -1
+                      + problem.transient[p][unit] * used[p][unit]
+                      <= problem.budget[p] - full)
+    model.Minimize(sum(steps))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_deterministic_time = time_limit
+    solver.parameters.max_time_in_seconds = time_limit * WALL_FACTOR
+    status = solver.Solve(model)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        table = tuple(tuple(int(solver.Value(v)) for v in row) for row in ckpt)
+        return CheckpointSolution(table, objective(problem, table),
+                                  "optimal" if status == cp_model.OPTIMAL else "feasible")
+    table = full_table(problem)
+    return CheckpointSolution(table, objective(problem, table), "full")

@@ -1,0 +1,256 @@
+"""InfiniPipe's cost model (paper eq. 1-11): time and memory of a chunk on a pipeline stage.
+
+Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the same work):
+
+- forward compute of one layer on chunk ``{C, S}``:
+  ``sum over pieces (alpha1 * ((c+s)^2 - c^2) + alpha2 * s) + beta`` where a piece of ``s``
+  tokens attends causally to ``c`` context tokens (eq. 1). Derived from FLOPs unless the profile
+  is measured: causal attention does ``4h`` FLOPs per (query, key) pair and a slice has
+  ``((c+s)^2 - c^2) / 2`` pairs, so ``alpha1 = 2h / (sp tp peak attention_efficiency)``; the
+  GEMMs do ``2 (4h^2 + 2hf)`` FLOPs per token, so ``alpha2 = that / (sp tp peak
+  matmul_efficiency)``; ``beta`` is the profile's fixed per-layer overhead.
+- backward compute = ``backward_factor`` x forward compute;
+- collectives (eq. 2-3): Ulysses moves Q, K, V and the attention output with four all-to-alls per
+  layer and direction, each ``latency + bytes (sp-1)/sp / bandwidth`` with ``bytes = tokens h 2
+  / (sp tp)``; tensor parallelism with sequence parallelism adds two all-gathers and two
+  reduce-scatters per layer and direction, each ``latency + bytes (tp-1)/tp / bandwidth``.
+  Collectives are not overlapped with compute (they sit between dependent kernels);
+- recomputing a checkpointed layer costs one more forward of it, collectives included (eq. 11);
+- the last stage also runs the output layer (``2 h V`` FLOPs per token forward) and keeps the
+  logits; the embedding lookup of stage 0 is free.
+
+Memory (bytes per GPU; activations in BF16, Korthikanti et al.'s accounting with flash
+attention, so no ``s^2`` term), per token and layer, divided by ``sp tp``:
+
+- not checkpointed: ``18h + 4f`` (``34h`` for ``f = 4h``: LayerNorm inputs, Q/K/V, attention
+  output, projection input, MLP input, activations before and after GeLU, dropout masks);
+- checkpointed: the layer input ``2h``; a piece with later slices also keeps its K/V ``4h``
+  (later slices attend to them and a recomputation must not rebuild them);
+- dK/dV accumulator of a piece with later slices: ``4h`` (BF16). It is charged from the piece's
+  forward to its backward -- the simulator's stash model releases memory only at a backward --
+  which over-estimates the peak by at most that buffer between the forward and the backward of
+  the document's last slice (conservative, the same number for the solver and the simulator);
+- recomputing a checkpointed layer rematerialises that one layer (Megatron's per-layer "block"
+  recomputation runs each layer's forward right before its backward), so the transient extra of
+  a checkpointed chunk is one layer's difference between the two states;
+- last stage: FP32 logits, ``4 V / tp`` bytes per local token;
+- model state per stage (eq. 10): BF16 weights (2 bytes/param), FP32 main gradients (4), FP32
+  master weights and Adam moments (12, sharded over the ``dp x sp`` replicas when the
+  distributed optimizer is on), weights split over ``tp``; stage 0 holds the embedding, the
+  last stage the (untied) output layer; plus ``reserved_gb`` of runtime overhead.
+
+Layers per stage: ``L // pp``, the remainder going one each to the last stages (stage 0 holds
+the most in-flight chunks in 1F1B, so it gets the fewest layers).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from elastic_pipe.chunks import Chunk
+from elastic_pipe.hardware import HardwareProfile
+from elastic_pipe.models import ModelConfig
+
+ACT_BYTES = 2
+"""Bytes of a BF16 activation element."""
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The parallel layout of the job and the memory budget of one GPU."""
+
+    pp: int
+    """Pipeline stages d."""
+    sp: int = 1
+    """Ulysses sequence-parallel degree (inside a stage, splits the tokens of every chunk)."""
+    tp: int = 1
+    """Tensor-parallel degree (with Megatron sequence parallelism)."""
+    dp: int = 1
+    """Data-parallel replicas (each runs its own global batch share; shards optimizer states)."""
+    memory_gb: float = 80.0
+    """Device memory per GPU, GB (10^9 bytes)."""
+    reserved_gb: float = 2.0
+    """Runtime overhead that is never available to the planner (CUDA context, NCCL buffers,
+    allocator fragmentation), GB."""
+    distributed_optimizer: bool = True
+    """Shard FP32 master weights and Adam moments over the dp x sp replicas."""
+
+    def __post_init__(self):
+        for name in ("pp", "sp", "tp", "dp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.memory_gb <= 0:
+            raise ValueError(f"memory_gb must be > 0, got {self.memory_gb}")
+        if not 0 <= self.reserved_gb < self.memory_gb:
+            raise ValueError(f"reserved_gb must be in [0, memory_gb), got {self.reserved_gb}")
+
+
+class CostModel:
+    """Time and memory of chunks on stages for one model, profile and layout."""
+
+    def __init__(self, model: ModelConfig, hardware: HardwareProfile, parallel: ParallelConfig):
+        if model.num_heads % (parallel.sp * parallel.tp):
+            raise ValueError(f"{model.name}: {model.num_heads} heads are not divisible by "
+                             f"sp x tp = {parallel.sp * parallel.tp}; choose sp and tp whose "
+                             f"product divides the head count")
+        if model.num_layers < parallel.pp:
+            raise ValueError(f"{model.name} has {model.num_layers} layers, fewer than pp="
+                             f"{parallel.pp} stages; lower --pp")
+        self.model, self.hardware, self.parallel = model, hardware, parallel
+        h, f, shard = model.hidden_size, model.ffn_hidden_size, parallel.sp * parallel.tp
+        fit = hardware.layer_coefficients
+        if fit is not None:
+            if (fit.hidden_size, fit.sp, fit.tp) != (h, parallel.sp, parallel.tp):
+                raise ValueError(
+                    f"profile {hardware.name} was fitted for hidden {fit.hidden_size}, sp "
+                    f"{fit.sp}, tp {fit.tp}, not hidden {h}, sp {parallel.sp}, tp "
+                    f"{parallel.tp}; profile this layout or use a spec-derived profile")
+            self.alpha1, self.alpha2, self.beta = fit.alpha1, fit.alpha2, fit.beta
+        else:
+            peak = hardware.peak_tflops * 1e12
+            self.alpha1 = 2 * h / (shard * peak * hardware.attention_efficiency)
+            self.alpha2 = 2 * (4 * h * h + 2 * h * f) / (shard * peak * hardware.matmul_efficiency)
+            self.beta = hardware.layer_overhead_s
+        self.head_per_token = 2 * h * model.vocab_size / (shard * peak_flops(hardware))
+        self.full_per_token = ACT_BYTES * (9 * h + 2 * f) / shard
+        self.ckpt_per_token = ACT_BYTES * h / shard
+        self.kv_per_token = ACT_BYTES * 2 * h / shard
+        self.dkv_per_token = ACT_BYTES * 2 * h / shard
+        self.logits_per_token = 4 * model.vocab_size / shard
+        self.comm_latency = self.comm_per_token = 0.0
+        for degree, span in ((parallel.sp, parallel.tp * parallel.sp), (parallel.tp, parallel.tp)):
+            if degree > 1:
+                bandwidth, latency = self._link(span)
+                self.comm_latency += 4 * latency
+                self.comm_per_token += 4 * ACT_BYTES * h / shard * (degree - 1) / degree / bandwidth
+        self.linear_per_token = self.alpha2 + self.comm_per_token
+        self.chunk_constant = self.beta + self.comm_latency
+        self._layers = stage_layers(model.num_layers, parallel.pp)
+        self.signature_cache = lru_cache(maxsize=None)(self._chunk_costs)
+
+    # -- layout -----------------------------------------------------------------------------
+
+    def layers(self, stage: int) -> int:
+        """Transformer layers of ``stage``."""
+        return self._layers[stage]
+
+    @property
+    def pp(self) -> int:
+        return self.parallel.pp
+
+    def _link(self, group_span: int) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency s) of a group whose ranks span ``group_span`` GPUs."""
+        hw = self.hardware
+        if group_span <= hw.gpus_per_node:
+            return hw.intra_node_gbps * GB, hw.intra_node_latency_s
+        return hw.inter_node_gbps * GB, hw.inter_node_latency_s
+
+    # -- time -------------------------------------------------------------------------------
+
+    def layer_compute(self, chunk: Chunk) -> float:
+        """Forward compute of one layer on ``chunk`` (eq. 1), seconds."""
+        return self._costs(chunk)[0]
+
+    def layer_collectives(self, chunk: Chunk) -> float:
+        """Ulysses all-to-alls and TP/SP collectives of one layer, one direction (eq. 2-3)."""
+        return self._costs(chunk)[1]
+
+    def layer_forward(self, chunk: Chunk) -> float:
+        """Forward of one layer: compute plus collectives; also the recompute time (eq. 11)."""
+        compute, comm = self._costs(chunk)[:2]
+        return compute + comm
+
+    def layer_backward(self, chunk: Chunk) -> float:
+        return self.hardware.backward_factor * self.layer_compute(chunk) + \
+            self.layer_collectives(chunk)
+
+    def stage_forward(self, stage: int, chunk: Chunk) -> float:
+        time = self.layers(stage) * self.layer_forward(chunk)
+        if stage == self.pp - 1:
+            time += self.head_per_token * chunk.tokens
+        return time
+
+    def stage_backward(self, stage: int, chunk: Chunk) -> float:
+        time = self.layers(stage) * self.layer_backward(chunk)
+        if stage == self.pp - 1:
+            time += self.hardware.backward_factor * self.head_per_token * chunk.tokens
+        return time
+
+    def stage_time(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
+        """Forward + backward + recomputation of ``checkpointed`` layers of ``stage``."""
+        return (self.stage_forward(stage, chunk) + self.stage_backward(stage, chunk)
+                + checkpointed * self.layer_forward(chunk))
+
+    def p2p_time(self, chunk: Chunk) -> float:
+        """Sending one chunk's activations (or their gradients) to the next stage."""
+        p = self.parallel
+        bandwidth, latency = self._link(p.tp * p.sp * p.dp * p.pp)
+        return latency + ACT_BYTES * chunk.tokens * self.model.hidden_size / (p.sp * p.tp) \
+            / bandwidth
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def layer_activation(self, chunk: Chunk) -> float:
+        """Bytes one non-checkpointed layer stashes for ``chunk`` (dK/dV buffers included)."""
+        return self._costs(chunk)[2]
+
+    def layer_saving(self, chunk: Chunk) -> float:
+        """Bytes saved by checkpointing one layer; also the transient of recomputing it."""
+        return self._costs(chunk)[3]
+
+    def stash_bytes(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
+        """Bytes ``stage`` keeps for ``chunk`` between its forward and its backward."""
+        full = self.layers(stage) * self.layer_activation(chunk)
+        if stage == self.pp - 1:
+            full += self.logits_per_token * chunk.tokens
+        return full - checkpointed * self.layer_saving(chunk)
+
+    def static_bytes(self, stage: int) -> float:
+        """Model state of ``stage`` plus the reserved runtime overhead (eq. 10)."""
+        p, m = self.parallel, self.model
+        params = self.layers(stage) * m.params_per_layer()
+        if stage == 0:
+            params += m.vocab_size * m.hidden_size
+        if stage == self.pp - 1:
+            params += m.vocab_size * m.hidden_size + 2 * m.hidden_size
+        params /= p.tp
+        optimizer = 12 / (p.dp * p.sp) if p.distributed_optimizer else 12
+        return params * (2 + 4 + optimizer) + p.reserved_gb * GB
+
+    def activation_budget(self, stage: int) -> float:
+        """Bytes left for activations on ``stage``."""
+        return self.parallel.memory_gb * GB - self.static_bytes(stage)
+
+    # -- per-chunk quantities, memoised by signature ------------------------------------------
+
+    def _costs(self, chunk: Chunk) -> tuple[float, float, float, float]:
+        return self.signature_cache(chunk.signature)
+
+    def piece_work(self, context: int, tokens: int) -> float:
+        """Forward seconds of one layer that grow with a piece (chunk constant excluded)."""
+        return self.alpha1 * ((context + tokens) ** 2 - context * context) + \
+            self.linear_per_token * tokens
+
+    def _chunk_costs(self, signature: tuple) -> tuple[float, float, float, float]:
+        """(forward compute, collectives, stash per layer, saving per layer) of a signature."""
+        tokens = sum(s for _, s, _ in signature)
+        compute = self.beta + sum(self.alpha1 * ((c + s) ** 2 - c * c) + self.alpha2 * s
+                                  for c, s, _ in signature)
+        comm = self.comm_latency + self.comm_per_token * tokens
+        stash = saving = 0.0
+        for _, s, final in signature:
+            stash += s * (self.full_per_token + (0 if final else self.dkv_per_token))
+            saving += s * (self.full_per_token - self.ckpt_per_token
+                           - (0 if final else self.kv_per_token))
+        return compute, comm, stash, saving
+
+def peak_flops(hardware: HardwareProfile) -> float:
+    """Achievable GEMM FLOP/s of one GPU."""
+    return hardware.peak_tflops * 1e12 * hardware.matmul_efficiency
+
+
+def stage_layers(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Layers per stage: ``L // pp`` each, the remainder one each on the last stages."""
+    base, extra = divmod(num_layers, pp)
+    return tuple(base + (1 if stage >= pp - extra else 0) for stage in range(pp))

@@ -1,0 +1,116 @@
+"""Per-rank compute order of one elastic 1F1B pipeline and the chunks each rank holds.
+
+Slices of a split document must run their backwards in reverse slice order (slice ``j``'s
+backward needs the dK/dV that later slices accumulate), while Megatron's 1F1B runs backwards in
+forward order. The chunks of a pipeline are therefore laid out so that the slices of a document
+sit in consecutive positions (a *block*, its last chunk holding the tail), and the backward order
+is the forward order with every block reversed.
+
+Each rank ``r`` of ``d`` follows the 1F1B rule generalised to that backward order. In 1F1B the
+``j``-th backward (of chunk ``j``) follows ``j + d - r`` forwards; here the ``j``-th backward, of
+chunk ``border[j]``, follows ``max(m_j + 1, j + d - r)`` forwards (all of them when fewer
+remain), where ``m_j`` is the highest chunk among the first ``j + 1`` backwards: the chunk must
+have been forwarded, and otherwise the usual warm-up window applies: the runtime's
+``megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`` with ``backward_order``, which without
+blocks is Megatron's 1F1B. A block of ``k > d - r``
+slices makes rank ``r`` hold ``k`` chunks (the paper's ``|W_p| = d - p + N_prefill``) and run
+backwards back to back until it is down to its 1F1B window again. Forwarding further chunks
+while a block's first gradient travels back would fill that bubble but deadlocks with
+blocking sends: the next rank, busy with the same block's backwards, would not receive them.
+
+The exact in-flight set at every backward is what the
+checkpointing model constrains and what the simulator replays.
+"""
+from __future__ import annotations
+
+from megatron.plugin.pipeline.ir import Kind
+from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+
+from elastic_pipe.chunks import Chunk
+
+FORWARD, BACKWARD = "F", "B"
+
+
+def backward_order(chunks: list[Chunk]) -> list[int]:
+    """Local chunk indices in backward order: forward order with each document's block reversed.
+
+    Raises ``ValueError`` when a document's slices are not in consecutive chunks in slice order.
+    """
+    order, block = [], []
+    for index, chunk in enumerate(chunks):
+        block.append(index)
+        if not chunk.pieces[0].final:
+            following = chunks[index + 1] if index + 1 < len(chunks) else None
+            piece = chunk.pieces[0]
+            if following is None or not any(p.doc == piece.doc and p.slice == piece.slice + 1
+                                            for p in following.pieces):
+                raise ValueError(f"slice {piece.slice + 1} of document {piece.doc} must follow "
+                                 f"slice {piece.slice} in the next chunk")
+            continue
+        order.extend(reversed(block))
+        block = []
+    return order
+
+
+def rank_orders(pp: int, border: list[int]) -> list[list[tuple[str, int]]]:
+    """Per-rank ``(FORWARD|BACKWARD, local chunk)`` lists for ``len(border)`` chunks: the
+    runtime's 1F1B with a backward order
+    (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`), in the planner's light form."""
+    return [[(FORWARD if a.kind is Kind.FORWARD else BACKWARD, a.unit) for a in row]
+            for row in one_f_one_b(pp, len(border), border)]
+
+
+def inflight_sets(orders: list[list[tuple[str, int]]]) -> list[list[tuple[int, tuple[int, ...]]]]:
+    """Per rank, for each backward: (its chunk, chunks forwarded but not yet backwarded)."""
+    result = []
+    for actions in orders:
+        held, events = [], []
+        for kind, unit in actions:
+            if kind == FORWARD:
+                held.append(unit)
+            else:
+                events.append((unit, tuple(held)))
+                held.remove(unit)
+        result.append(events)
+    return result
+
+
+def makespan(orders: list[list[tuple[str, int]]], forward, backward, recompute,
+             transfer) -> float:
+    """Finish time of the per-rank ``orders`` with ``[rank][chunk]`` forward, backward and
+    recomputation durations and ``[chunk]`` stage-to-stage transfer times.
+
+    A forward waits for the previous stage's forward of the chunk plus the transfer; a
+    recomputation runs as soon as its rank is free (it needs no gradient) and the backward then
+    waits for the next stage's backward plus the transfer. Sends are taken as non-blocking, so
+    this is the dependency-graph time the simulator reaches when no rank stalls on a send.
+    """
+    pp = len(orders)
+    f_end = [dict() for _ in range(pp)]
+    b_end = [dict() for _ in range(pp)]
+    position, clock = [0] * pp, [0.0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for rank in range(pp):
+            actions = orders[rank]
+            while position[rank] < len(actions):
+                kind, unit = actions[position[rank]]
+                if kind == FORWARD:
+                    if rank > 0 and unit not in f_end[rank - 1]:
+                        break
+                    ready = f_end[rank - 1][unit] + transfer[unit] if rank > 0 else 0.0
+                    start = max(clock[rank], ready)
+                    clock[rank] = f_end[rank][unit] = start + forward[rank][unit]
+                else:
+                    if rank < pp - 1 and unit not in b_end[rank + 1]:
+                        break
+                    ready = b_end[rank + 1][unit] + transfer[unit] if rank < pp - 1 else 0.0
+                    start = max(clock[rank] + recompute[rank][unit], ready)
+                    clock[rank] = b_end[rank][unit] = start + backward[rank][unit]
+                position[rank] += 1
+                progress = True
+    if any(position[r] < len(orders[r]) for r in range(pp)):
+        raise ValueError("the per-rank orders deadlock (a forward or backward never becomes "
+                         "ready)")
+    return max(clock)

@@ -1,0 +1,67 @@
+"""Document-length workloads: files, Megatron datasets, sampling, and a GitHub-like generator."""
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+
+GITHUB_MIXTURE = ((0.85, 500.0, 1.2), (0.15, 8000.0, 1.2))
+"""(weight, median tokens, log-space sigma) of the two log-normal components. Fitted to the
+InfiniPipe paper's GitHub figures: the mixture has 91.8% of documents at most 8K tokens (paper
+91.5%), 0.60% over 64K (0.6%), and those hold 21.5% of the tokens (21.6%); mean 3.3K tokens."""
+
+
+def read_lengths(path: str) -> list[int]:
+    """One integer a line (``.gz`` allowed); blank lines skipped; bad lines raise ValueError."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    if not Path(path).is_file():
+        raise ValueError(f"lengths file {path!r} does not exist")
+    lengths = []
+    with opener(path, "rt") as handle:
+        for number, line in enumerate(handle, 1):
+            if line.strip():
+                try:
+                    lengths.append(int(line))
+                except ValueError:
+                    raise ValueError(f"{path}:{number}: {line.strip()!r} is not an integer "
+                                     f"length") from None
+    return lengths
+
+
+def dataset_lengths(prefix: str) -> list[int]:
+    """Document lengths of a Megatron ``.bin/.idx`` dataset (megatron-core, imported lazily)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    if not Path(prefix + ".idx").is_file():
+        raise ValueError(f"no Megatron dataset at {prefix!r} (expected {prefix}.idx and .bin)")
+    return [int(n) for n in IndexedDataset(prefix).sequence_lengths]
+
+
+def sample(lengths: list[int], count: int, seed: int) -> list[int]:
+    """``count`` lengths drawn without replacement (with, if the file is smaller), seeded."""
+    if count < 1:
+        raise ValueError(f"global batch size must be >= 1, got {count}")
+    if not lengths:
+        raise ValueError("no document lengths to sample from")
+    rng = np.random.default_rng(seed)
+    picks = rng.choice(len(lengths), size=count, replace=count > len(lengths))
+    return [lengths[i] for i in picks]
+
+
+def truncate(lengths: list[int], context: int) -> tuple[list[int], int]:
+    """Lengths cut to ``context`` and how many were cut."""
+    if context < 1:
+        raise ValueError(f"seq-length must be >= 1, got {context}")
+    return [min(n, context) for n in lengths], sum(n > context for n in lengths)
+
+
+def github_like(count: int, seed: int) -> list[int]:
+    """``count`` lengths from :data:`GITHUB_MIXTURE` (at least 1 token each), seeded."""
+    rng = np.random.default_rng(seed)
+    weights = [w for w, _, _ in GITHUB_MIXTURE]
+    component = rng.choice(len(GITHUB_MIXTURE), size=count, p=weights)
+    medians = np.array([m for _, m, _ in GITHUB_MIXTURE])[component]
+    sigmas = np.array([s for _, _, s in GITHUB_MIXTURE])[component]
+    values = medians * np.exp(sigmas * rng.standard_normal(count))
+    return [max(1, int(v)) for v in values]

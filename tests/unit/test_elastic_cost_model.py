@@ -1,0 +1,119 @@
+"""Cost model formulas against hand-computed values; profiles and presets."""
+import json
+
+import pytest
+
+from elastic_pipe.chunks import Chunk, Piece
+from elastic_pipe.cost_model import CostModel, ParallelConfig, stage_layers
+from elastic_pipe.hardware import builtin_profiles, load_profile
+from elastic_pipe.models import ModelConfig, get_model
+
+TINY = ModelConfig("tiny", 6, 64, 4, 256, 100)
+
+
+def hand_profile(tmp_path, **over):
+    data = {"name": "hand", "source": "spec-derived", "peak_tflops": 1.0,
+            "matmul_efficiency": 0.5, "attention_efficiency": 0.25, "layer_overhead_s": 0.001,
+            "backward_factor": 2.0, "hbm_gb": 1.0, "intra_node_gbps": 1.0,
+            "intra_node_latency_s": 1e-5, "inter_node_gbps": 0.5, "inter_node_latency_s": 2e-5,
+            "gpus_per_node": 8}
+    data.update(over)
+    path = tmp_path / "hand.json"
+    path.write_text(json.dumps(data))
+    return load_profile(str(path))
+
+
+def test_forward_time_matches_eq1_by_hand(tmp_path):
+    cost = CostModel(TINY, hand_profile(tmp_path), ParallelConfig(pp=2, sp=1))
+    # alpha1 = 2h / (peak * attention efficiency) = 128 / 0.25e12; alpha2 = 2 (4h^2 + 2hf) /
+    # (peak * matmul efficiency) = 2 * (16384 + 32768) / 0.5e12.
+    alpha1, alpha2 = 128 / 0.25e12, 98304 / 0.5e12
+    chunk = Chunk((Piece(0, 1, 100, 300, True), Piece(1, 0, 0, 50, True)))
+    expected = alpha1 * ((100 + 200) ** 2 - 100 ** 2) + alpha2 * 200 \
+        + alpha1 * 50 ** 2 + alpha2 * 50 + 0.001
+    assert cost.layer_compute(chunk) == pytest.approx(expected, rel=1e-12)
+    assert cost.layer_collectives(chunk) == 0.0
+    assert cost.layer_backward(chunk) == pytest.approx(2 * expected, rel=1e-12)
+    # stage 1 is the last: it adds the output layer, 2 h V FLOPs per token at matmul speed.
+    head = 2 * 64 * 100 * 250 / 0.5e12
+    assert cost.stage_forward(1, chunk) == pytest.approx(3 * expected + head, rel=1e-12)
+    assert cost.stage_time(0, chunk, 2) == pytest.approx(3 * expected * 3 + 2 * expected,
+                                                         rel=1e-12)
+
+
+def test_ulysses_all_to_all_time_by_hand(tmp_path):
+    cost = CostModel(TINY, hand_profile(tmp_path), ParallelConfig(pp=2, sp=4))
+    chunk = Chunk((Piece(0, 0, 0, 400, True),))
+    # four all-to-alls, each latency + (400 tokens * 64 * 2 bytes / 4) * 3/4 / 1 GB/s.
+    expected = 4 * (1e-5 + 400 * 64 * 2 / 4 * 0.75 / 1e9)
+    assert cost.layer_collectives(chunk) == pytest.approx(expected, rel=1e-12)
+    # pp neighbours: 4 x 2 = 8 GPUs fit a node -> NVLink figures for the p2p too.
+    assert cost.p2p_time(chunk) == pytest.approx(1e-5 + 400 * 64 * 2 / 4 / 1e9, rel=1e-12)
+
+
+def test_activation_memory_by_hand(tmp_path):
+    cost = CostModel(TINY, hand_profile(tmp_path), ParallelConfig(pp=2, sp=2))
+    h, f = 64, 256
+    head = Chunk((Piece(0, 0, 0, 10, False),))       # keeps K/V and a dK/dV buffer
+    whole = Chunk((Piece(1, 0, 0, 10, True),))
+    full = (18 * h + 4 * f) / 2
+    assert cost.layer_activation(whole) == pytest.approx(10 * full)
+    assert cost.layer_activation(head) == pytest.approx(10 * (full + 4 * h / 2))
+    assert cost.layer_saving(whole) == pytest.approx(10 * (full - 2 * h / 2))
+    assert cost.layer_saving(head) == pytest.approx(10 * (full - 2 * h / 2 - 4 * h / 2))
+    # stage 0 has 3 layers; checkpointing 2 of them keeps 1 full layer and 2 inputs.
+    assert cost.stash_bytes(0, whole, 2) == pytest.approx(10 * (full + 2 * h))
+    # last stage also keeps FP32 logits: 4 V / sp bytes per token.
+    assert cost.stash_bytes(1, whole) == pytest.approx(30 * full + 10 * 4 * 100 / 2)
+
+
+def test_model_state_by_hand(tmp_path):
+    parallel = ParallelConfig(pp=2, sp=2, memory_gb=1.0, reserved_gb=0.0)
+    cost = CostModel(TINY, hand_profile(tmp_path), parallel)
+    per_layer = 4 * 64 * 64 + 4 * 64 + 2 * 64 * 256 + 256 + 64 + 4 * 64
+    params0 = 3 * per_layer + 100 * 64
+    assert cost.static_bytes(0) == pytest.approx(params0 * (2 + 4 + 12 / 2))
+    params1 = 3 * per_layer + 100 * 64 + 2 * 64
+    assert cost.static_bytes(1) == pytest.approx(params1 * (2 + 4 + 12 / 2))
+    assert cost.activation_budget(0) == pytest.approx(1e9 - cost.static_bytes(0))
+
+
+def test_stage_layers_put_the_remainder_on_late_stages():
+    assert stage_layers(10, 4) == (2, 2, 3, 3)
+    assert stage_layers(48, 4) == (12, 12, 12, 12)
+
+
+def test_presets_and_profiles_exist_and_are_spec_derived():
+    assert get_model("gpt-30b").num_layers == 48
+    assert builtin_profiles() == ["a800", "h100", "h20"]
+    for name in builtin_profiles():
+        profile = load_profile(name)
+        assert profile.source == "spec-derived"
+        for figure in ("peak_tflops", "hbm_gb", "intra_node_gbps", "inter_node_gbps",
+                       "gpus_per_node"):
+            assert figure in profile.notes, (name, figure)
+        assert profile.gpus_per_node == 8
+
+
+def test_measured_profile_coefficients_are_used(tmp_path):
+    fit = {"alpha1": 1e-9, "alpha2": 1e-6, "beta": 1e-3, "hidden_size": 64, "sp": 1, "tp": 1}
+    profile = hand_profile(tmp_path, source="measured", layer_coefficients=fit,
+                           machine="test box")
+    cost = CostModel(TINY, profile, ParallelConfig(pp=2))
+    chunk = Chunk((Piece(0, 0, 0, 100, True),))
+    assert cost.layer_compute(chunk) == pytest.approx(1e-9 * 100 ** 2 + 1e-6 * 100 + 1e-3)
+    with pytest.raises(ValueError, match="fitted for hidden 64, sp 1"):
+        CostModel(TINY, profile, ParallelConfig(pp=2, sp=2))
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: get_model("gpt-99b"), "valid: gpt-13b, gpt-30b, gpt-7b"),
+    (lambda: load_profile("tpu"), "valid: a800, h100, h20"),
+    (lambda: ParallelConfig(pp=0), "pp must be >= 1"),
+    (lambda: CostModel(TINY, load_profile("a800"), ParallelConfig(pp=2, sp=8)),
+     "not divisible by sp x tp"),
+    (lambda: ModelConfig("odd", 2, 65, 4, 10, 10), "divisible by num_heads"),
+])
+def test_bad_configuration_says_what_to_change(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
