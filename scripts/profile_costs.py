@@ -1,0 +1,363 @@
+"""Measure one transformer layer and write a *measured* hardware profile for the elastic planner.
+
+    python scripts/profile_costs.py --num-layers-profiled 1 --hidden-size 256 \
+        --num-attention-heads 8 [--ffn-hidden-size F] --tokens 512 1024 2048 \
+        --contexts 0 2048 --repeats 3 --base-profile a800 --output PROFILE.json
+
+What is measured and how (every choice made here):
+
+- The layer is a real Megatron ``TransformerLayer`` built from the project's spec
+  (:func:`megatron.plugin.attention.document_layer_spec`, core attention
+  :class:`~megatron.plugin.attention.DocumentAttention`) with the ``TransformerConfig`` that
+  :func:`megatron.plugin.model.transformer_config` builds from the training flags (parsed by
+  :func:`megatron.plugin.arguments.parse_args`, so the defaults -- LayerNorm, GeLU, biases,
+  learned-absolute positions, FP32 on CPU, dropout 0.1 -- are those of a training run with the
+  same model flags). ``--num-layers-profiled N`` builds N layers run back to back; the times
+  are divided by N, so the result is per layer.
+- Process groups: a 1-rank gloo group and ``parallel_state.initialize_model_parallel`` (as
+  ``megatron/plugin/training.py`` does); on a machine without CUDA the project's
+  ``cpu_compat.install()`` is applied first. TP = SP = 1, so the fit is stamped ``sp=1, tp=1``.
+- Grid point ``(s, C)``: one document with a packed row of ``s`` tokens (micro-batch 1). For
+  ``C = 0`` it is slice 0 with no context. For ``C > 0`` slice 0 of ``C`` tokens is first run
+  forward with grad enabled and ``record_kv=True`` into a :class:`KVStore` (not timed), then the
+  timed work is slice 1 (``slice_index=1``, positions ``C..C+s-1``) attending to that context;
+  its backward therefore also produces the dK/dV of the context (the store's leaves require
+  grad), as in training. The timed slice does not record its own K/V (it is the last slice).
+- Timing: wall clock (``time.perf_counter``; ``torch.cuda.synchronize`` around it on CUDA) of
+  the forward (graph built, training mode) and, separately, of ``torch.autograd.backward`` with
+  a fixed random output gradient. One untimed warm-up forward+backward per grid point, then
+  ``--repeats`` timed ones; the median of each is kept. Parameter gradients are dropped between
+  repeats. Threads: ``torch.set_num_threads(OMP_NUM_THREADS)`` when that variable is set,
+  otherwise torch's default.
+- Fit of eq. 1 for one piece: ``forward(s, C) = alpha1 ((C+s)^2 - C^2) + alpha2 s + beta``.
+  Least squares on *relative* residuals (each row divided by its measured time), because the
+  grid spans orders of magnitude and the planner compares chunk times by ratio; columns are
+  scaled to unit norm before solving. Non-negativity is exact NNLS for three unknowns: every
+  subset of the coefficients is solved unconstrained (the others fixed at 0) and the feasible
+  (all >= 0) solution with the lowest residual is kept -- that is the constrained optimum,
+  since the optimum is the unconstrained optimum of its own support. No scipy is needed.
+- ``backward_factor``: the least-squares slope through the origin of backward against forward
+  time, weighted like the fit (``sum(b/f) / n``, the mean per-point ratio, which is the same
+  thing on relative residuals).
+- Report: per grid point the measured forward/backward, the fitted forward and its relative
+  error; then the max and mean relative error (printed as ``fit relative error: max ... mean``).
+- Output JSON: every field of ``--base-profile`` (a shipped profile name or a JSON path), then
+  ``name`` and ``machine`` = the machine description (host, processor, torch threads),
+  ``source = "measured"``, ``backward_factor`` = the fitted ratio, ``layer_coefficients`` =
+  the fit with ``hidden_size``, ``sp = 1``, ``tp = 1``, and ``notes`` recording what was measured
+  and which fields are inherited from the base profile (not measured: peak/efficiencies,
+  ``layer_overhead_s``, memory, bandwidths, latencies, ``gpus_per_node``). When
+  ``layer_coefficients`` is present the cost model uses it in place of the FLOP-derived
+  alpha/beta, so the inherited efficiencies only price the output layer.
+
+Only ``main`` prints; the other functions return values.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+MEASURED_FIELDS = ("name", "machine", "source", "backward_factor", "layer_coefficients", "notes")
+
+
+# ------------------------------------------------------------------------------------- fitting
+def design_matrix(tokens, contexts) -> np.ndarray:
+    """Rows ``[(C+s)^2 - C^2, s, 1]`` of eq. 1 for one piece of ``s`` tokens after ``C``."""
+    s = np.asarray(tokens, dtype=np.float64)
+    c = np.asarray(contexts, dtype=np.float64)
+    return np.stack([(c + s) ** 2 - c * c, s, np.ones_like(s)], axis=1)
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Exact non-negative least squares ``min |a x - b|, x >= 0`` for a few columns.
+
+    Enumerates the supports (2^n subsets, n = 3 here): the constrained optimum equals the
+    unconstrained optimum on its own support, so the best feasible subset solution is it.
+    Columns are scaled to unit norm for conditioning.
+    """
+    a = np.asarray(a, dtype=np.float64)
+    b = np.asarray(b, dtype=np.float64)
+    n = a.shape[1]
+    if n > 12:
+        raise ValueError("nnls enumerates supports; use it for a few columns only")
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    scaled = a / norms
+    best, best_residual = np.zeros(n), float(np.dot(b, b))
+    for size in range(1, n + 1):
+        for support in itertools.combinations(range(n), size):
+            cols = list(support)
+            sol, *_ = np.linalg.lstsq(scaled[:, cols], b, rcond=None)
+            if np.any(sol < 0):
+                continue
+            x = np.zeros(n)
+            x[cols] = sol
+            residual = float(np.sum((scaled @ x - b) ** 2))
+            if residual < best_residual:
+                best, best_residual = x, residual
+    return best / norms
+
+
+def fit_coefficients(tokens, contexts, forward_s) -> tuple[float, float, float]:
+    """``(alpha1, alpha2, beta) >= 0`` of eq. 1 minimising the relative residuals."""
+    y = np.asarray(forward_s, dtype=np.float64)
+    if np.any(y <= 0):
+        raise ValueError("forward times must be positive")
+    a = design_matrix(tokens, contexts) / y[:, None]
+    alpha1, alpha2, beta = nnls(a, np.ones_like(y))
+    return float(alpha1), float(alpha2), float(beta)
+
+
+def predict(coefficients, tokens, contexts) -> np.ndarray:
+    return design_matrix(tokens, contexts) @ np.asarray(coefficients, dtype=np.float64)
+
+
+def fit_backward_factor(forward_s, backward_s) -> float:
+    """Mean of backward/forward (least squares through the origin on relative residuals)."""
+    f = np.asarray(forward_s, dtype=np.float64)
+    b = np.asarray(backward_s, dtype=np.float64)
+    return float(np.mean(b / f))
+
+
+# ------------------------------------------------------------------------------------ measuring
+def build_layers(args):
+    """Process groups, CPU compatibility and ``args.num_layers_profiled`` Megatron layers."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron.plugin import cpu_compat
+    from megatron.plugin.arguments import parse_args
+    from megatron.plugin.attention import document_layer_spec
+    from megatron.plugin.model import transformer_config
+
+    longest = max(args.tokens) + max(args.contexts)
+    flags = ["--num-layers", str(args.num_layers_profiled), "--hidden-size", str(args.hidden_size),
+             "--num-attention-heads", str(args.num_attention_heads),
+             "--seq-length", str(longest), "--global-batch-size", "1", "--train-iters", "1",
+             "--lr", "1e-4", "--seed", str(args.seed)]
+    if args.ffn_hidden_size is not None:
+        flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
+    train_args = parse_args(flags)
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
+        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    if not cuda:
+        cpu_compat.install()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
+                                             pipeline_model_parallel_size=1)
+    torch.manual_seed(args.seed)
+    if cuda:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(args.seed)
+    config = transformer_config(train_args)
+    spec = document_layer_spec(args.num_layers_profiled, train_args.normalization)
+    device = torch.device("cuda") if cuda else torch.device("cpu")
+    layers = [build_module(layer_spec, config=config, layer_number=i + 1).to(device).train()
+              for i, layer_spec in enumerate(spec.layer_specs)]
+    return layers, config, train_args, device
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _run(layers, x, layout):
+    for layer in layers:
+        x, _ = layer(x, attention_mask=None, packed_seq_params=layout)
+    return x
+
+
+def measure_point(layers, hidden, tokens, context, repeats, device, dtype, seed=0):
+    """Median ``(forward_s, backward_s)`` of all layers on slice ``(tokens, context)``."""
+    import torch
+
+    from megatron.plugin.attention import PackedDocuments, Segment
+    from megatron.plugin.kv_store import KVStore
+
+    g = torch.Generator().manual_seed(seed)
+    store = KVStore()
+    if context > 0:
+        first = torch.randn(context, 1, hidden, generator=g, dtype=dtype).to(device)
+        record = PackedDocuments(segments=((Segment(0, context, "doc", 0),),),
+                                 position_ids=torch.arange(context).unsqueeze(0),
+                                 kv_store=store, record_kv=True)
+        _run(layers, first.requires_grad_(), record)
+    x = torch.randn(tokens, 1, hidden, generator=g, dtype=dtype).to(device)
+    grad = torch.randn(tokens, 1, hidden, generator=g, dtype=dtype).to(device)
+    layout = PackedDocuments(
+        segments=((Segment(0, tokens, "doc", 1 if context else 0),),),
+        position_ids=torch.arange(context, context + tokens).unsqueeze(0),
+        kv_store=store, record_kv=False)
+    forwards, backwards = [], []
+    for step in range(repeats + 1):  # step 0 is the warm-up
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        inp = x.detach().requires_grad_()
+        _sync(device)
+        start = time.perf_counter()
+        out = _run(layers, inp, layout)
+        _sync(device)
+        middle = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        _sync(device)
+        end = time.perf_counter()
+        if step:
+            forwards.append(middle - start)
+            backwards.append(end - middle)
+    store.clear()
+    n = len(layers)
+    return statistics.median(forwards) / n, statistics.median(backwards) / n
+
+
+def machine_description(threads: int, device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(0)
+    else:
+        hardware = platform.processor() or platform.machine() or "unknown CPU"
+    return f"{platform.node()} {hardware} (torch {torch.__version__}, {threads} threads)"
+
+
+def base_profile_dict(name_or_path: str) -> dict:
+    from elastic_pipe.hardware import load_profile
+
+    profile = load_profile(name_or_path)
+    return dataclasses.asdict(profile)
+
+
+def build_profile(base: dict, base_name: str, description: str, coefficients, backward_factor,
+                  hidden_size: int, grid: str, fit_error: tuple[float, float]) -> dict:
+    """The measured profile's JSON object (see the module docstring)."""
+    alpha1, alpha2, beta = coefficients
+    data = dict(base)
+    data.update(
+        name=description,
+        machine=description,
+        source="measured",
+        backward_factor=backward_factor,
+        layer_coefficients=dict(alpha1=alpha1, alpha2=alpha2, beta=beta,
+                                hidden_size=hidden_size, sp=1, tp=1),
+    )
+    inherited = [key for key in base if key not in MEASURED_FIELDS]
+    notes = {
+        "measured": (f"wall-clock forward and backward of one Megatron transformer layer "
+                     f"(document_layer_spec, DocumentAttention) on {description}, {grid}; "
+                     f"{datetime.date.today().isoformat()}"),
+        "layer_coefficients": (f"NNLS fit of eq. 1 (alpha1 ((C+s)^2-C^2) + alpha2 s + beta) on "
+                               f"relative residuals; fit relative error max {fit_error[0]:.4f} "
+                               f"mean {fit_error[1]:.4f}; hidden {hidden_size}, sp 1, tp 1"),
+        "backward_factor": "measured: mean of backward/forward time over the grid",
+        "inherited": (f"copied from base profile {base_name!r}, NOT measured: "
+                      f"{', '.join(inherited)}"),
+    }
+    for key, text in (base.get("notes") or {}).items():
+        if key not in MEASURED_FIELDS:
+            notes[key] = f"inherited from {base_name} (not measured): {text}"
+    data["notes"] = notes
+    return data
+
+
+def parse(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-layers-profiled", type=int, default=1)
+    parser.add_argument("--hidden-size", type=int, required=True)
+    parser.add_argument("--num-attention-heads", type=int, required=True)
+    parser.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    parser.add_argument("--tokens", type=int, nargs="+", required=True,
+                        help="slice lengths s of the grid")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[0],
+                        help="context lengths C (K/V of earlier slices) of the grid")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--base-profile", default="a800",
+                        help="shipped profile name or JSON path the unmeasured fields come from")
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+    if args.num_layers_profiled < 1 or args.repeats < 1:
+        parser.error("--num-layers-profiled and --repeats must be >= 1")
+    if min(args.tokens) < 1 or min(args.contexts) < 0:
+        parser.error("--tokens must be >= 1 and --contexts >= 0")
+    if len(args.tokens) * len(args.contexts) < 3 or len(set(args.tokens)) < 2:
+        parser.error("the grid needs at least 3 points and 2 distinct --tokens to fit 3 "
+                     "coefficients")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    threads = torch.get_num_threads()
+    try:
+        base = base_profile_dict(args.base_profile)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    layers, config, _, device = build_layers(args)
+    description = machine_description(threads, device)
+    print(f"profiling {args.num_layers_profiled} layer(s), hidden {args.hidden_size}, "
+          f"heads {args.num_attention_heads}, ffn {config.ffn_hidden_size} on {description}")
+    points = [(s, c) for c in args.contexts for s in args.tokens]
+    forwards, backwards = [], []
+    for s, c in points:
+        f, b = measure_point(layers, args.hidden_size, s, c, args.repeats, device,
+                             config.params_dtype, seed=args.seed)
+        forwards.append(f)
+        backwards.append(b)
+    tokens = [s for s, _ in points]
+    contexts = [c for _, c in points]
+    coefficients = fit_coefficients(tokens, contexts, forwards)
+    factor = fit_backward_factor(forwards, backwards)
+    fitted = predict(coefficients, tokens, contexts)
+    errors = np.abs(fitted - np.asarray(forwards)) / np.asarray(forwards)
+    print(f"{'tokens':>7} {'context':>8} {'fwd ms':>10} {'bwd ms':>10} {'fit ms':>10} "
+          f"{'rel err':>8}")
+    for (s, c), f, b, p, e in zip(points, forwards, backwards, fitted, errors):
+        print(f"{s:>7} {c:>8} {f * 1e3:>10.3f} {b * 1e3:>10.3f} {p * 1e3:>10.3f} {e:>8.4f}")
+    alpha1, alpha2, beta = coefficients
+    print(f"alpha1 {alpha1:.6e} s  alpha2 {alpha2:.6e} s  beta {beta:.6e} s  "
+          f"backward_factor {factor:.4f}")
+    fit_error = (float(errors.max()), float(errors.mean()))
+    print(f"fit relative error: max {fit_error[0]:.4f} mean {fit_error[1]:.4f}")
+    grid = (f"tokens {args.tokens} x contexts {args.contexts}, median of {args.repeats} after a "
+            f"warm-up, {args.num_layers_profiled} layer(s), ffn {config.ffn_hidden_size}, "
+            f"{str(config.params_dtype).replace('torch.', '')}")
+    data = build_profile(base, args.base_profile, description, coefficients, factor,
+                         args.hidden_size, grid, fit_error)
+    from elastic_pipe.hardware import profile_from_dict
+
+    profile_from_dict(data)  # refuse to write a profile the loader would reject
+    Path(args.output).write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {args.output}")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

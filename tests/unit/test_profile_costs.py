@@ -1,0 +1,78 @@
+"""``scripts/profile_costs.py``: the NNLS fit and a tiny end-to-end measured profile."""
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from scripts.profile_costs import design_matrix, fit_backward_factor, fit_coefficients, nnls  # noqa: E402
+
+from elastic_pipe.chunks import Chunk, Piece  # noqa: E402
+from elastic_pipe.cost_model import CostModel, ParallelConfig  # noqa: E402
+from elastic_pipe.hardware import load_profile  # noqa: E402
+from elastic_pipe.models import ModelConfig  # noqa: E402
+
+TOKENS = [64, 128, 256, 512, 1024] * 3
+CONTEXTS = [0] * 5 + [1024] * 5 + [4096] * 5
+
+
+@pytest.mark.parametrize("truth", [(3e-11, 2e-6, 1e-4), (1e-9, 5e-7, 0.0), (0.0, 4e-6, 2e-5)])
+def test_fit_recovers_known_coefficients(truth):
+    times = design_matrix(TOKENS, CONTEXTS) @ np.array(truth)
+    fitted = fit_coefficients(TOKENS, CONTEXTS, times)
+    for got, want in zip(fitted, truth):
+        assert got >= 0
+        assert abs(got - want) <= 1e-6 * max(abs(want), 1e-30) + (1e-18 if want == 0 else 0)
+
+
+def test_nnls_clamps_a_negative_unconstrained_solution():
+    a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    b = np.array([1.0, -1.0, 0.0])
+    x = nnls(a, b)
+    assert np.all(x >= 0) and x[1] == 0
+    np.testing.assert_allclose(x, [0.5, 0.0])  # argmin over x0 of (x0-1)^2 + 1 + x0^2
+
+
+def test_backward_factor_is_the_mean_ratio():
+    assert fit_backward_factor([1.0, 2.0], [2.0, 5.0]) == pytest.approx(2.25)
+
+
+def test_script_writes_a_loadable_measured_profile(tmp_path):
+    out = tmp_path / "measured.json"
+    result = subprocess.run(
+        [sys.executable, "scripts/profile_costs.py", "--num-layers-profiled", "1",
+         "--hidden-size", "64", "--num-attention-heads", "4", "--tokens", "64", "128", "256",
+         "--contexts", "0", "128", "--repeats", "1", "--base-profile", "a800",
+         "--output", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS",
+                                                                             "1")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    match = re.search(r"fit relative error: max (\S+) mean (\S+)", result.stdout)
+    assert match, result.stdout
+    assert float(match.group(1)) >= float(match.group(2)) >= 0
+    assert len(re.findall(r"^\s+\d+\s+\d+\s", result.stdout, re.M)) == 6  # one row per point
+
+    profile = load_profile(str(out))
+    assert profile.source == "measured"
+    fit = profile.layer_coefficients
+    assert fit is not None and (fit.hidden_size, fit.sp, fit.tp) == (64, 1, 1)
+    assert min(fit.alpha1, fit.alpha2, fit.beta) >= 0 and fit.alpha2 > 0
+    assert profile.backward_factor > 0
+    assert "inherited" in profile.notes and "hbm_gb" in profile.notes["inherited"]
+    base = load_profile("a800")
+    assert profile.hbm_gb == base.hbm_gb and profile.intra_node_gbps == base.intra_node_gbps
+
+    model = ModelConfig("custom", num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256,
+                        vocab_size=512)
+    costs = CostModel(model, profile, ParallelConfig(pp=1))
+    chunk = Chunk((Piece(0, 1, 128, 256, True),))
+    expected = fit.alpha1 * (256 ** 2 - 128 ** 2) + fit.alpha2 * 128 + fit.beta
+    assert costs.layer_compute(chunk) == pytest.approx(expected)
+    assert costs.layer_backward(chunk) == pytest.approx(profile.backward_factor * expected)
