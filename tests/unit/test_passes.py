@@ -2,7 +2,7 @@
 import pytest
 
 from megatron.plugin.pipeline.ir import Kind, parse_schedule
-from megatron.plugin.pipeline.passes import add_communication, add_recomputation, compute_only
+from megatron.plugin.pipeline.passes import add_communication, add_recomputation
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.validation import validate
 
@@ -18,12 +18,6 @@ def test_add_communication_places_transfers_around_compute():
 def test_add_communication_refuses_a_schedule_with_transfers():
     with pytest.raises(ValueError, match="compute actions only"):
         add_communication(add_communication(one_f_one_b(2, 2)))
-
-
-@pytest.mark.parametrize("pp,m", [(2, 3), (4, 6)])
-def test_compute_only_inverts_add_communication(pp, m):
-    schedule = one_f_one_b(pp, m)
-    assert compute_only(add_communication(schedule)) == schedule
 
 
 def test_add_recomputation_before_backward_and_its_receive():

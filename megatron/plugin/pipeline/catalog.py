@@ -3,7 +3,7 @@
 
 A generator takes ``(pp, microbatches)`` and returns the compute-only schedule; the catalog
 adds the transfers (:func:`~megatron.plugin.pipeline.passes.add_communication`) and validates.
-Schedule packages register theirs with :func:`register_generator` when imported.
+Schedules defined by ``(pp, microbatches)`` alone belong in :data:`_GENERATORS`.
 """
 from __future__ import annotations
 
@@ -17,13 +17,6 @@ from megatron.plugin.pipeline.validation import validate
 Generator = Callable[[int, int], list[list[Action]]]
 
 _GENERATORS: dict[str, Generator] = {"1f1b": one_f_one_b}
-
-
-def register_generator(name: str, generator: Generator) -> None:
-    existing = _GENERATORS.get(name)
-    if existing is not None and existing is not generator:
-        raise ValueError(f"schedule generator {name!r} is already registered")
-    _GENERATORS[name] = generator
 
 
 def generator_names() -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
@@ -34,14 +33,8 @@ def planned_1f1b(pp: int, microbatches: int):
 
 def megatron_process_groups() -> ProcessGroupCollection:
     """The groups Megatron's own schedules use, from ``parallel_state``."""
-    groups = ProcessGroupCollection()
-    groups.tp = parallel_state.get_tensor_model_parallel_group()
-    groups.cp = parallel_state.get_context_parallel_group()
-    groups.pp = parallel_state.get_pipeline_model_parallel_group()
-    groups.embd = parallel_state.get_embedding_group(check_initialized=False)
-    groups.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
-    groups.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    return groups
+    return ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp_cp"])
 
 
 def forward_backward_1f1b_ir(*, forward_step_func, data_iterator, model, num_microbatches,

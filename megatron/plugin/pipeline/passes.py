@@ -73,8 +73,3 @@ def add_recomputation(schedule: Schedule, recomputed: Callable[[Action], bool]) 
             row.append(a)
         out.append(row)
     return out
-
-
-def compute_only(schedule: Schedule) -> Schedule:
-    """The schedule without its transfers (the generator's view)."""
-    return [[a for a in actions if not a.is_communication()] for actions in schedule]

@@ -39,11 +39,3 @@ def chrome_trace(events: Iterable[TraceEvent], name: str = "schedule", pid: int 
 def write_chrome_trace(events: Iterable[TraceEvent], path: str, name: str = "schedule") -> None:
     with open(path, "w") as f:
         json.dump(chrome_trace(events, name), f)
-
-
-def read_chrome_trace(path: str) -> list[TraceEvent]:
-    """Inverse of :func:`write_chrome_trace` (complete events only)."""
-    with open(path) as f:
-        document = json.load(f)
-    return [TraceEvent(e["tid"], e["name"], e["ts"] / 1e6, e["dur"] / 1e6, e.get("cat", ""))
-            for e in document["traceEvents"] if e.get("ph") == "X"]
