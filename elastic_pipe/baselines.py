@@ -44,7 +44,7 @@ def single_pipeline_plan(cost: CostModel, case: PipelineCase, table, num_slices:
     time_rsd, length_rsd = chunk_balance(case.chunks, cost)
     return Plan((PipelinePlan(case.chunks, case.backward, table, seconds, "uniform",
                               num_slices),),
-                seconds, tuple(cost.static_bytes(s) + peaks[s] * checkpointing.MEMORY_UNIT
+                seconds, tuple(cost.static_bytes(s) + peaks[s] * case.problem.memory_unit
                                for s in range(cost.pp)),
                 time_rsd, length_rsd, 0.0)
 
@@ -116,6 +116,6 @@ def full_checkpointing(plan: Plan, cost: CostModel) -> Plan | None:
         peaks = [max(x, y) for x, y in zip(peaks, checkpointing.memory_peaks(case.problem,
                                                                              table))]
     return Plan(tuple(pipelines), sum(p.predicted_time_s for p in pipelines),
-                tuple(cost.static_bytes(s) + peaks[s] * checkpointing.MEMORY_UNIT
+                tuple(cost.static_bytes(s) + peaks[s] * case.problem.memory_unit
                       for s in range(cost.pp)),
                 plan.chunk_time_rsd, plan.chunk_length_rsd, 0.0)

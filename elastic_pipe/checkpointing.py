@@ -18,6 +18,10 @@ down.
 
 The search is made reproducible with one CP-SAT worker and a deterministic time limit; a wall
 clock limit of ``WALL_FACTOR`` times as long is the hard guard against hangs.
+
+Memory unit: a power of two chosen per problem so that the largest stage budget is at most
+``2**20`` units (one byte at least): MiB-scale for 80 GB devices, bytes for the tiny models of
+the CPU tests, whose whole activation budget is a few hundred KiB.
 """
 from __future__ import annotations
 
@@ -30,7 +34,7 @@ from elastic_pipe.chunks import Chunk
 from elastic_pipe.cost_model import CostModel
 
 TIME_UNIT = 1e-6
-MEMORY_UNIT = float(2 ** 20)
+BUDGET_UNITS = 2 ** 20
 WALL_FACTOR = 4.0
 
 
@@ -51,13 +55,15 @@ class CheckpointProblem:
     recompute: tuple[tuple[int, ...], ...]
     """``[p][k]`` time to recompute one layer, microseconds."""
     full: tuple[tuple[int, ...], ...]
-    """``[p][k]`` stash without checkpointing, MiB rounded up."""
+    """``[p][k]`` stash without checkpointing, memory units rounded up."""
     saving: tuple[tuple[int, ...], ...]
-    """``[p][k]`` stash saved per checkpointed layer, MiB rounded down."""
+    """``[p][k]`` stash saved per checkpointed layer, memory units rounded down."""
     transient: tuple[tuple[int, ...], ...]
-    """``[p][k]`` one rematerialised layer, MiB rounded up."""
+    """``[p][k]`` one rematerialised layer, memory units rounded up."""
     budget: tuple[int, ...]
-    """Activation budget per stage, MiB rounded down."""
+    """Activation budget per stage, memory units rounded down."""
+    memory_unit: float
+    """Bytes per memory unit (see the module docstring)."""
     events: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
     """Per stage: (chunk about to run its backward, chunks in flight)."""
 
@@ -87,7 +93,8 @@ def build_problem(cost: CostModel, chunks: list[Chunk],
                   events: list[list[tuple[int, tuple[int, ...]]]]) -> CheckpointProblem:
     """The integer problem for ``chunks`` (in forward order) with the given in-flight sets."""
     stages = range(cost.pp)
-    up = lambda x: math.ceil(x / MEMORY_UNIT)  # noqa: E731 -- three tables share the rounding
+    unit = memory_unit(max(cost.activation_budget(p) for p in stages))
+    up = lambda x: math.ceil(x / unit)  # noqa: E731 -- three tables share the rounding
     forward = tuple(tuple(round(cost.stage_forward(p, c) / TIME_UNIT) for c in chunks)
                     for p in stages)
     backward = tuple(tuple(round(cost.stage_backward(p, c) / TIME_UNIT) for c in chunks)
@@ -100,11 +107,19 @@ def build_problem(cost: CostModel, chunks: list[Chunk],
         recompute=tuple(tuple(round(cost.layer_forward(c) / TIME_UNIT) for c in chunks)
                         for p in stages),
         full=tuple(tuple(up(cost.stash_bytes(p, c)) for c in chunks) for p in stages),
-        saving=tuple(tuple(math.floor(cost.layer_saving(c) / MEMORY_UNIT) for c in chunks)
+        saving=tuple(tuple(math.floor(cost.layer_saving(c) / unit) for c in chunks)
                      for p in stages),
         transient=tuple(tuple(up(cost.layer_saving(c)) for c in chunks) for p in stages),
-        budget=tuple(math.floor(cost.activation_budget(p) / MEMORY_UNIT) for p in stages),
+        budget=tuple(math.floor(cost.activation_budget(p) / unit) for p in stages),
+        memory_unit=unit,
         events=tuple(tuple(stage_events) for stage_events in events))
+
+
+def memory_unit(largest_budget: float) -> float:
+    """The power-of-two byte count that keeps ``largest_budget`` within ``BUDGET_UNITS``."""
+    if largest_budget <= BUDGET_UNITS:
+        return 1.0
+    return float(2 ** math.ceil(math.log2(largest_budget / BUDGET_UNITS)))
 
 
 def objective(problem: CheckpointProblem, ckpt) -> int:
@@ -116,7 +131,7 @@ def objective(problem: CheckpointProblem, ckpt) -> int:
 
 
 def memory_peaks(problem: CheckpointProblem, ckpt) -> list[int]:
-    """Per stage, the largest in-flight stash plus transient over all backwards (MiB)."""
+    """Per stage, the largest in-flight stash plus transient over all backwards (units)."""
     peaks = []
     for p, stage_events in enumerate(problem.events):
         peak = 0

@@ -269,7 +269,7 @@ def plan_elastic(lengths: Sequence[int], cost: CostModel,
     all_chunks = [chunk for pipeline in pipelines for chunk in pipeline.chunks]
     time_rsd, length_rsd = chunk_balance(all_chunks, cost)
     return Plan(tuple(pipelines), sum(p.predicted_time_s for p in pipelines),
-                tuple(cost.static_bytes(s) + peaks[s] * checkpointing.MEMORY_UNIT
+                tuple(cost.static_bytes(s) + peaks[s] * case.problem.memory_unit
                       for s in range(cost.pp)),
                 time_rsd, length_rsd, time.perf_counter() - started, tuple(fallbacks))
 
@@ -301,7 +301,7 @@ def _infeasible_message(docs, cost: CostModel, chunking: ChunkingConfig,
             problem = pipeline_case(cost, make_chunks(group, slices, cost).chunks).problem
             peaks = checkpointing.memory_peaks(problem, checkpointing.full_table(problem))
             need[(points[a], points[b])] = max(
-                cost.static_bytes(s) + (peaks[s] + 1) * checkpointing.MEMORY_UNIT
+                cost.static_bytes(s) + (peaks[s] + 1) * problem.memory_unit
                 for s in range(cost.pp))
             finest[(points[a], points[b])] = slices
     best = {points[0]: 0.0}

@@ -57,7 +57,7 @@ def random_problem(seed):
         transient=tuple(tuple(s + 1 for s in row) for row in saving),
         budget=tuple(int(sum(sorted(full[p])[-2:]) * rng.uniform(0.55, 0.95))
                      for p in range(d)),
-        events=tuple(events))
+        memory_unit=1.0, events=tuple(events))
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -93,3 +93,10 @@ def test_uniform_table_is_feasible_and_minimal():
                 lower = [list(row) for row in table]
                 lower[p] = [table[p][0] - 1] * problem.chunks
                 assert not checkpointing.fits(problem, lower)
+
+
+@pytest.mark.parametrize("budget,unit", [(1e3, 1.0), (2.0 ** 20, 1.0), (2.0 ** 20 + 1, 2.0),
+                                         (80e9, 2.0 ** 17)])
+def test_memory_unit_keeps_budgets_within_range(budget, unit):
+    assert checkpointing.memory_unit(budget) == unit
+    assert budget / unit <= checkpointing.BUDGET_UNITS
