@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from megatron.plugin.pipeline.ir import Kind, format_schedule
 
 from elastic_pipe import baselines
-from elastic_pipe.cost_model import GB, CostModel
+from elastic_pipe.cost_model import GB, CostModel, ParallelConfig
+from elastic_pipe.hardware import HardwareProfile
+from elastic_pipe.models import ModelConfig
 from elastic_pipe.lowering import ElasticCosts, simulate_plan
 from elastic_pipe.plan_types import Plan
 from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
@@ -74,3 +76,26 @@ def _or_none(make):
         return make()
     except ValueError:
         return None
+
+
+RUNTIME_SCHEDULES = ("elastic", "seq1f1b")
+
+
+def plan_schedule(lengths: tuple[int, ...], name: str, model: ModelConfig,
+                  hardware: HardwareProfile, parallel: ParallelConfig,
+                  config: SchedulerConfig) -> Plan:
+    """The plan a training run of schedule ``name`` executes for documents of ``lengths``.
+
+    Takes the cost model's parts (it is rebuilt here) so that it can run in a worker process.
+    """
+    cost = CostModel(model, hardware, parallel)
+    if name == "elastic":
+        return plan_elastic(list(lengths), cost, config)
+    if name != "seq1f1b":
+        raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(RUNTIME_SCHEDULES)}")
+    plan = baselines.seq1f1b(list(lengths), cost, config)
+    if plan is None:
+        raise ValueError(f"seq1f1b: no fixed chunk size fits {parallel.memory_gb:g} GB per "
+                         f"device even with every layer checkpointed; raise the memory budget "
+                         f"(--elastic-memory-gb), add pipeline stages or shorten --seq-length")
+    return plan

@@ -310,6 +310,12 @@ def _infeasible_message(docs, cost: CostModel, chunking: ChunkingConfig,
     have = cost.parallel.memory_gb
     return (f"no plan fits {have:g} GB per GPU even with full checkpointing at the finest "
             f"split (N={finest[(points[0], points[-1])]} for the longest document); the "
-            f"smallest budget that fits is {math.ceil(best[points[-1]] / GB * 100) / 100:.2f} "
-            f"GB: raise --memory-gb, add pipeline stages or sequence parallelism, or shorten "
-            f"--seq-length")
+            f"smallest budget that fits is {_round_up(best[points[-1]] / GB):g} GB: raise the "
+            f"memory budget (--memory-gb, or --elastic-memory-gb when training), add pipeline "
+            f"stages or sequence parallelism, or shorten --seq-length")
+
+
+def _round_up(value: float, digits: int = 3) -> float:
+    """``value`` rounded up to ``digits`` significant digits."""
+    scale = 10 ** (digits - 1 - math.floor(math.log10(value)))
+    return math.ceil(value * scale) / scale

@@ -3,17 +3,16 @@
 Only flags whose behaviour is implemented are accepted. A Megatron-LM flag that this script
 does not implement is refused with a message naming it (never silently ignored); anything else
 unknown is refused by argparse. Schedules add their own argument groups through
-:func:`register_argument_group`.
+:func:`megatron.plugin.registry.register_argument_group`.
 """
 from __future__ import annotations
 
 import argparse
-from typing import Callable
 
 from megatron.plugin import registry
 from megatron.plugin.pipeline import megatron_ir  # noqa: F401  (registers 1f1b-ir)
+import elastic_pipe.runtime  # noqa: F401,E402  (registers elastic, seq1f1b and their flags)
 
-_EXTRA_GROUPS: list[Callable[[argparse.ArgumentParser], None]] = []
 
 #: Megatron-LM flags users commonly pass that this script does not implement.
 UNSUPPORTED_MEGATRON_FLAGS = {
@@ -30,12 +29,6 @@ UNSUPPORTED_MEGATRON_FLAGS = {
 
 
 MEGATRON_SCHEDULES = (registry.DEFAULT, "1f1b", "interleaved")
-
-
-def register_argument_group(add: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Let a schedule package add its flags (called at import time of the package)."""
-    if add not in _EXTRA_GROUPS:
-        _EXTRA_GROUPS.append(add)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write one JSON object per iteration to this file (rank 0)")
     g.add_argument("--trace-dir", default=None,
                    help="write Chrome-trace JSON of the executor's actions per rank")
-    for add in _EXTRA_GROUPS:
+    for add in registry.argument_groups():
         add(parser)
     return parser
 

@@ -6,8 +6,8 @@ slices ``0..j-1`` of the same document, layer by layer. The store keeps, for eve
 
 * the K and V produced by that slice's forward, still attached to its autograd graph, so that
   the slice's backward can push the K/V gradients coming from later slices into it;
-* a detached leaf copy (``requires_grad=True``, sharing storage) handed to later slices as
-  context. Autograd accumulates the gradients of every later slice into the leaf's ``.grad``:
+* a detached leaf copy (``requires_grad=True``, sharing storage; also when the slice ran
+  without autograd, as checkpointed layers do) handed to later slices as context. Autograd accumulates the gradients of every later slice into the leaf's ``.grad``:
   that sum is exactly the dK/dV the slice's own backward needs.
 
 Backward of slice ``i`` is therefore one multi-tensor call
@@ -46,11 +46,8 @@ class KVStore:
         layers = self._entries.setdefault((doc_key, slice_index), {})
         entry = layers.get(layer)
         if entry is None:
-            layers[layer] = _Entry(
-                key, value,
-                key.detach().requires_grad_(key.requires_grad),
-                value.detach().requires_grad_(value.requires_grad),
-            )
+            layers[layer] = _Entry(key, value, key.detach().requires_grad_(True),
+                                   value.detach().requires_grad_(True))
         else:
             entry.key, entry.value = key, value
 
@@ -76,10 +73,13 @@ class KVStore:
             return keys[0], values[0]
         return torch.cat(keys, dim=0), torch.cat(values, dim=0)
 
-    def backward_targets(self, doc_key, slice_index: int):
-        """``(tensors, grads)``: this slice's K/V and the gradients later slices sent to them."""
+    def backward_targets(self, doc_key, slice_index: int, layers=None):
+        """``(tensors, grads)``: this slice's K/V and the gradients later slices sent to them,
+        at every recorded layer or only at the layer numbers in ``layers``."""
         tensors, grads = [], []
-        for entry in self._entries.get((doc_key, slice_index), {}).values():
+        for layer, entry in self._entries.get((doc_key, slice_index), {}).items():
+            if layers is not None and layer not in layers:
+                continue
             for tensor, leaf in ((entry.key, entry.key_leaf), (entry.value, entry.value_leaf)):
                 if leaf.grad is not None and tensor.requires_grad:
                     tensors.append(tensor)

@@ -23,6 +23,7 @@ from megatron.core.pipeline_parallel import schedules as _schedules
 
 _MEGATRON_DISPATCH = _schedules.get_forward_backward_func
 
+_ARGUMENT_GROUPS: list[Callable] = []
 _REGISTRY: dict[str, Callable] = {
     "1f1b": _schedules.forward_backward_pipelining_without_interleaving,
     "interleaved": _schedules.forward_backward_pipelining_with_interleaving,
@@ -38,6 +39,16 @@ def register_schedule(name: str, fn: Callable) -> None:
     if existing is not None and existing is not fn:
         raise ValueError(f"schedule {name!r} is already registered")
     _REGISTRY[name] = fn
+
+
+def register_argument_group(add: Callable) -> None:
+    """Let a schedule package add its flags: ``add(parser)`` runs when the parser is built."""
+    if add not in _ARGUMENT_GROUPS:
+        _ARGUMENT_GROUPS.append(add)
+
+
+def argument_groups() -> list[Callable]:
+    return list(_ARGUMENT_GROUPS)
 
 
 def schedule_names() -> list[str]:

@@ -157,10 +157,17 @@ def reduce_losses(losses_reduced) -> tuple[float, float]:
     return float(totals[0]), float(totals[1])
 
 
-def step(model, optimizer, config, args, documents, forward_only=False):
-    """One forward-backward over the documents (plus optimizer step unless forward_only)."""
+def step(model, optimizer, config, args, documents, forward_only=False, next_documents=None):
+    """One forward-backward over the documents (plus optimizer step unless forward_only).
+
+    ``next_documents`` (the next training batch) goes to a schedule's ``prefetch_input`` when it
+    has one, so that it can plan that batch while this one runs.
+    """
     schedule_fn = megatron_schedules.get_forward_backward_func()
     data_iterator, num_microbatches = schedule_input(schedule_fn, documents, args, model)
+    prefetch = getattr(schedule_fn, "prefetch_input", None)
+    if prefetch is not None and next_documents is not None:
+        prefetch(next_documents, args, model)
     if not forward_only:
         for chunk in model:
             chunk.zero_grad_buffer()
@@ -172,6 +179,9 @@ def step(model, optimizer, config, args, documents, forward_only=False):
     )
     loss_sum, tokens = reduce_losses(losses)
     result = {"loss_sum": loss_sum, "tokens": tokens, "num_microbatches": num_microbatches}
+    timing = getattr(data_iterator, "timing", None)
+    if timing is not None:
+        result.update(plan_solve_s=timing.solve_s, plan_wait_s=timing.waited_s)
     if not forward_only:
         ok, grad_norm, _ = optimizer.step()
         result.update(update_successful=ok, grad_norm=grad_norm)
@@ -241,13 +251,18 @@ class Trainer:
         for chunk in self.model:
             chunk.train()
         start = time.perf_counter()
+        upcoming = None
+        if self.iteration + 1 < args.train_iters:
+            upcoming = self.sources["train"].documents(self.iteration + 1)
         with self.meter.active():
-            result = step(self.model, self.optimizer, self.config, args, documents)
+            result = step(self.model, self.optimizer, self.config, args, documents,
+                          next_documents=upcoming)
         self.scheduler.step(increment=1)
         elapsed = time.perf_counter() - start
         self.iteration += 1
-        peak = torch.tensor([self.meter.peak], dtype=torch.float64)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        # Peak, and bytes still saved after the step (0 unless something leaks), over ranks.
+        held = torch.tensor([self.meter.peak, self.meter.current], dtype=torch.float64)
+        dist.all_reduce(held, op=dist.ReduceOp.MAX)
         loss = result["loss_sum"] / max(result["tokens"], 1.0)
         record = {
             "iteration": self.iteration,
@@ -255,11 +270,15 @@ class Trainer:
             "num_tokens": int(result["tokens"]),
             "iteration_time_s": elapsed,
             "tokens_per_s": result["tokens"] / elapsed if elapsed > 0 else 0.0,
-            "peak_activation_bytes": int(peak.item()),
+            "peak_activation_bytes": int(held[0]),
+            "live_activation_bytes": int(held[1]),
             "num_microbatches": result["num_microbatches"],
             "grad_norm": result["grad_norm"],
             "learning_rate": self.optimizer.param_groups[0]["lr"],
         }
+        for key in ("plan_solve_s", "plan_wait_s"):
+            if key in result:
+                record[key] = result[key]
         device_peak = device_peak_bytes()
         if device_peak is not None:
             record["device_peak_bytes"] = device_peak
@@ -286,6 +305,8 @@ class Trainer:
             f" grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f} |"
             f" tokens per second: {record['tokens_per_s']:.1f} |"
             f" peak activation bytes: {record['peak_activation_bytes']} |"
+            + (f" plan solve / wait (ms): {1000 * record['plan_solve_s']:.1f} /"
+               f" {1000 * record['plan_wait_s']:.1f} |" if "plan_solve_s" in record else "")
         )
 
     def evaluate(self) -> float:

@@ -1,4 +1,5 @@
-"""Golden: Megatron's native schedules and ``1f1b-ir`` (the executor) on CPU (gloo) equal the
+"""Golden: Megatron's native schedules, ``1f1b-ir`` (the executor), ``elastic`` and ``seq1f1b``
+(document chunks with K/V context and per-chunk checkpointing) on CPU (gloo) equal the
 single-process reference, and ``1f1b-ir`` equals Megatron's native 1F1B.
 
 Loss and every parameter gradient of one training step over a fixed set of documents
@@ -17,6 +18,17 @@ from megatron.plugin import cpu_compat
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 
 WORKER = "tests/distributed/golden_worker.py"
+
+ELASTIC = ["--pipeline-schedule", "elastic", "--elastic-slices", "3"]
+#: tag -> what its plan must contain: chunk kinds, and the checkpointing ("none": no layer,
+#: "uniform": the same partial count everywhere, "adaptive": counts that differ by chunk).
+ELASTIC_EXPECTED = {
+    "pp2_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_elastic_adaptive": ({"split", "hybrid", "batched"}, "adaptive"),
+    "pp4_elastic_adaptive": ({"split", "hybrid", "batched"}, "adaptive"),
+    "pp2_seq1f1b_uniform": ({"split", "hybrid"}, "uniform"),
+    "pp2_tp2_sp_elastic": ({"split", "hybrid", "batched"}, "none"),
+}
 
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
 #: own initial weights and its own single-process reference.
@@ -37,6 +49,19 @@ VARIANTS = {
         "pp2_vp2_interleaved": (2, ["--pipeline-model-parallel-size", "2",
                                     "--num-layers-per-virtual-pipeline-stage", "1",
                                     "--pipeline-schedule", "interleaved"]),
+        # Document chunks; the memory budgets (GB, tiny model) are chosen so that the plan
+        # needs checkpointing: see ELASTIC_EXPECTED for what each run must exercise.
+        "pp2_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
+        "pp2_elastic_adaptive": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC,
+                                     "--elastic-memory-gb", "0.00076"]),
+        "pp4_elastic_adaptive": (4, ["--pipeline-model-parallel-size", "4", *ELASTIC,
+                                     "--elastic-memory-gb", "0.00048"]),
+        "pp2_seq1f1b_uniform": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                    "seq1f1b", "--elastic-slices", "2",
+                                    "--elastic-memory-gb", "0.000815"]),
+        "pp2_tp2_sp_elastic": (4, ["--pipeline-model-parallel-size", "2",
+                                   "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                   *ELASTIC]),
     }),
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--disable-bias-linear",
@@ -115,3 +140,21 @@ def test_every_cpu_compat_patch_is_exercised(golden):
     assert not missing, f"patched but never exercised: {missing}; hits: {hits}"
     assert hits["megatron.core.pipeline_parallel.schedules"]["zeros"] > 0
     assert hits["megatron.core.pipeline_parallel.p2p_communication"]["cuda.current_device"] > 0
+
+
+@pytest.mark.parametrize("tag", sorted(ELASTIC_EXPECTED))
+def test_document_chunk_runs_exercise_what_they_claim(golden, tag):
+    """The elastic / seq1f1b golden runs really mixed the chunk kinds and checkpointed as named
+    (so the gradient checks above cover slicing, packing and recomputation)."""
+    with open(golden / "learned" / f"plan_{tag}.json") as f:
+        plan = json.load(f)
+    kinds, checkpointing = ELASTIC_EXPECTED[tag]
+    assert kinds <= set(plan["kinds"]), plan["kinds"]
+    counts = {c for row in plan["ckpt"] for c in row}
+    if checkpointing == "none":
+        assert counts == {0}
+    elif checkpointing == "uniform":
+        assert all(len(set(row)) == 1 for row in plan["ckpt"]) and counts != {0}
+        assert max(counts) < 2, "uniform case must checkpoint part of the stage's layers"
+    else:
+        assert len(counts) > 1 and any(len(set(row)) > 1 for row in plan["ckpt"]), plan["ckpt"]

@@ -16,6 +16,14 @@
   this rank's last backward (Megatron's rule, including "only rank 0 when a
   ``grad_sync_func`` exists"), then ``grad_sync_func`` and ``finalize_model_grads_func`` run.
 
+Document chunks (``StageContext.chunks``, the elastic and SPPO schedules): forwards record and
+read K/V context in a :class:`~megatron.plugin.kv_store.KVStore` (``forward_step_func`` gets
+``kv_store=`` and ``record_kv=True``); a forward checkpoints the leading layers the plan gives
+for (stage, unit) (:mod:`~megatron.plugin.pipeline.layer_checkpoint`); ``RECOMPUTE`` rebuilds
+them; a backward is one multi-root autograd call over the stage output and the unit's own K/V
+(with the dK/dV later slices accumulated), split in two at the checkpoint boundary, after which
+the unit's K/V are released. The store must be empty when the schedule ends.
+
 Data order: every rank calls ``forward_step_func`` once per forward, so each rank's forwards
 must consume the data iterator in unit order (the validated schedules do). Per-action wall
 times (transfer batches under category ``comm``) are recorded as
@@ -25,18 +33,34 @@ writes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
+from torch.autograd import Variable
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.utils import get_model_config, get_model_type
 
+from megatron.plugin.kv_store import KVStore
 from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
 from megatron.plugin.pipeline.p2p import PeerChannel
 from megatron.plugin.pipeline.simulator import transfer_batches
 from megatron.plugin.pipeline.trace import TraceEvent
+
+
+@dataclass
+class ChunkState:
+    """What schedules of document chunks add to a stage (see the module docstring)."""
+
+    kv_store: KVStore
+    layers: LeadingLayers
+    checkpointed: Callable[[int], int]
+    """Unit -> leading layers of this stage to checkpoint."""
+    slices: Callable[[int], Sequence[tuple]]
+    """Unit -> ``(doc_key, slice_index)`` of its pieces that record K/V."""
 
 
 @dataclass
@@ -56,6 +80,7 @@ class StageContext:
     collect_non_loss_data: bool = False
     first_val_step: bool | None = None
     timeout_s: float = 600.0
+    chunks: ChunkState | None = None
     events: list = field(default_factory=list)
 
 
@@ -75,6 +100,52 @@ class _GradSync:
         if self.context is not None:
             self.context.__exit__(None, None, None)
             self.context = None
+
+
+def _run_backward(tensors: list, grads: list) -> None:
+    """One autograd call from several roots (outputs may be pseudo-deallocated, as in
+    Megatron's ``custom_backward``)."""
+    Variable._execution_engine.run_backward(
+        tensors=tuple(tensors), grad_tensors=tuple(grads), keep_graph=False,
+        create_graph=False, inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
+
+
+def chunk_backward(chunks: ChunkState, unit: int, input_tensor, output, output_grad, stash,
+                   config):
+    """Backward of one document chunk on one stage; returns the input's gradient.
+
+    Megatron's ``backward_step`` plus the unit's K/V as extra roots: first from the output (the
+    loss scaled by ``grad_scale_func`` on the last stage) and the K/V of layers the forward ran
+    with autograd, down to the input or the checkpoint boundary; then, when layers were
+    checkpointed, from the recomputed boundary and those layers' K/V down to the input.
+    """
+    if input_tensor is not None:
+        input_tensor.retain_grad()
+    if output_grad is None:
+        if config.grad_scale_func is not None:
+            output = config.grad_scale_func(output)
+        output_grad = torch.ones_like(output)
+    store, slices = chunks.kv_store, chunks.slices(unit)
+
+    def targets(layers):
+        tensors, grads = [], []
+        for doc_key, index in slices:
+            more, more_grads = store.backward_targets(doc_key, index, layers)
+            tensors += more
+            grads += more_grads
+        return tensors, grads
+
+    tensors, grads = targets(set(chunks.layers.graph_layers(stash)))
+    _run_backward([output, *tensors], [output_grad, *grads])
+    if stash is not None:
+        if stash.recomputed is None:
+            raise RuntimeError(f"unit {unit}: checkpointed layers were not recomputed before "
+                               f"the backward (missing RECOMPUTE action)")
+        tensors, grads = targets(set(chunks.layers.checkpointed_layers(stash)))
+        _run_backward([stash.recomputed, *tensors], [stash.boundary.grad, *grads])
+    for doc_key, index in slices:
+        store.release(doc_key, index)
+    return input_tensor.grad if input_tensor is not None else None
 
 
 def run_schedule(actions: list[Action], ctx: StageContext) -> list:
@@ -102,6 +173,11 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
     outputs: dict[tuple, torch.Tensor] = {}
     received: dict[tuple, torch.Tensor] = {}
     to_send: dict[tuple, torch.Tensor | None] = {}
+    stashes: dict[tuple, object] = {}
+    chunks = ctx.chunks
+    step_func = ctx.forward_step_func
+    if chunks is not None:
+        step_func = functools.partial(step_func, kv_store=chunks.kv_store, record_kv=True)
     forwards_done = 0
     origin = time.perf_counter()
 
@@ -120,7 +196,8 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             for a, buffer in recvs:
                 received[(a.kind, a.unit, a.part)] = buffer
             for a, tensor in sends:
-                if a.kind is Kind.SEND_F and training:
+                # A checkpoint boundary that is the stage output is a leaf: keep its data.
+                if a.kind is Kind.SEND_F and training and tensor.grad_fn is not None:
                     megatron_schedules.deallocate_output_tensor(
                         tensor, config.deallocate_pipeline_outputs)
             took = time.perf_counter() - start
@@ -133,16 +210,20 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             input_tensor = received.pop((Kind.RECV_F, *key), None)
             if input_tensor is not None:
                 input_tensor.requires_grad_(training)
-            output, num_tokens = megatron_schedules.forward_step(
-                ctx.forward_step_func, ctx.data_iterator, model, ctx.num_microbatches,
-                input_tensor, forward_data_store, config,
-                cp_group_size=ctx.pg_collection.cp.size(),
-                collect_non_loss_data=ctx.collect_non_loss_data,
-                is_first_microbatch=megatron_schedules.check_first_val_step(
-                    ctx.first_val_step, ctx.forward_only, forwards_done == 0),
-                current_microbatch=action.unit,
-                is_last_stage=ctx.is_last_stage,
-            )
+            count = chunks.checkpointed(action.unit) if chunks is not None and training else 0
+            with chunks.layers.armed(count) if count else contextlib.nullcontext():
+                output, num_tokens = megatron_schedules.forward_step(
+                    step_func, ctx.data_iterator, model, ctx.num_microbatches,
+                    input_tensor, forward_data_store, config,
+                    cp_group_size=ctx.pg_collection.cp.size(),
+                    collect_non_loss_data=ctx.collect_non_loss_data,
+                    is_first_microbatch=megatron_schedules.check_first_val_step(
+                        ctx.first_val_step, ctx.forward_only, forwards_done == 0),
+                    current_microbatch=action.unit,
+                    is_last_stage=ctx.is_last_stage,
+                )
+            if count:
+                stashes[key] = chunks.layers.take()
             forwards_done += 1
             total_tokens += num_tokens
             if not ctx.is_last_stage:
@@ -157,10 +238,22 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             if index == last_backward and (config.grad_sync_func is None or rank == 0):
                 sync.enable()
             output_grad = received.pop((Kind.RECV_B, *key), None)
-            input_grad = megatron_schedules.backward_step(
-                inputs.pop(key), outputs.pop(key), output_grad, model_type, config)
+            if chunks is None:
+                input_grad = megatron_schedules.backward_step(
+                    inputs.pop(key), outputs.pop(key), output_grad, model_type, config)
+            else:
+                input_grad = chunk_backward(chunks, action.unit, inputs.pop(key),
+                                            outputs.pop(key), output_grad,
+                                            stashes.pop(key, None), config)
             if not ctx.is_first_stage:
                 to_send[(Kind.SEND_B, *key)] = input_grad
+        elif action.kind is Kind.RECOMPUTE:
+            if training:
+                stash = stashes.get(key)
+                if stash is None:
+                    raise RuntimeError(f"{action}: the forward of unit {action.unit} "
+                                       f"checkpointed no layer on this stage")
+                chunks.layers.recompute(stash)
         else:
             raise ValueError(
                 f"{action}: the executor runs forward, backward and their transfers; "
@@ -168,7 +261,13 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
         ctx.events.append(TraceEvent(rank, str(action), start - origin,
                                      time.perf_counter() - start))
         index += 1
-    if inputs or outputs or received or to_send:
+    if chunks is not None:
+        if ctx.forward_only:
+            chunks.kv_store.clear()
+        elif len(chunks.kv_store):
+            raise RuntimeError(f"pipeline rank {rank}: K/V of {len(chunks.kv_store)} slices "
+                               f"were never released: a slice's backward is missing")
+    if inputs or outputs or received or to_send or stashes:
         left = sorted({k[0] for k in inputs} | {k[0] for k in outputs} |
                       {k[1] for k in received} | {k[1] for k in to_send})
         raise RuntimeError(f"pipeline rank {rank}: the schedule left stashed tensors of "

@@ -1,0 +1,98 @@
+"""Planning off the critical path: the next batch's plan is solved while this batch trains.
+
+:class:`BackgroundPlanner` keeps one worker process (``spawn``: it shares nothing with the
+training process's threads or communicators) that runs a planning function on the document
+lengths of the *next* iteration, submitted by :meth:`BackgroundPlanner.submit` right after the
+current batch has been handed to the schedule. :meth:`BackgroundPlanner.take` returns that plan
+when asked for the same lengths, waiting for it if it is not done yet; the time spent waiting is
+the part of the solve that was *not* hidden behind training.
+
+Failures never stop training: when the worker dies or raises, :meth:`take` logs a warning and
+plans in the foreground (the planner is deterministic, so the plan is the one the worker would
+have returned), and the next submission starts a new worker.
+"""
+from __future__ import annotations
+
+import concurrent.futures as futures
+import logging
+import multiprocessing
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanTiming:
+    """How one plan was obtained."""
+
+    solve_s: float
+    """Seconds the planner took (in the worker or in the foreground)."""
+    waited_s: float
+    """Seconds the training loop waited for it; ``solve_s - waited_s`` was hidden."""
+    background: bool
+    """True when the worker's plan was used."""
+
+
+def _timed(fn: Callable, args: tuple):
+    start = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - start
+
+
+class BackgroundPlanner:
+    """Runs ``fn(key, *args)`` for the next batch in a worker process.
+
+    ``fn`` must be a module-level function (it is pickled by reference); ``key`` identifies the
+    batch (the document lengths) and is compared by equality in :meth:`take`.
+    """
+
+    def __init__(self, fn: Callable, timeout_s: float = 600.0):
+        self.fn = fn
+        self.timeout_s = timeout_s
+        self._pool: futures.ProcessPoolExecutor | None = None
+        self._pending: tuple[object, futures.Future] | None = None
+
+    def submit(self, key, *args) -> None:
+        """Start planning batch ``key`` in the background (replacing any unused submission)."""
+        if self._pending is not None:
+            self._pending[1].cancel()
+        try:
+            if self._pool is None:
+                self._pool = futures.ProcessPoolExecutor(
+                    1, mp_context=multiprocessing.get_context("spawn"))
+            self._pending = (key, self._pool.submit(_timed, self.fn, (key, *args)))
+        except Exception as error:  # noqa: BLE001 -- a broken pool must not stop training
+            log.warning("could not start background planning (%s); planning in the "
+                        "foreground", error)
+            self._reset()
+
+    def take(self, key, *args):
+        """``(result, PlanTiming)`` for batch ``key``: the worker's if it was submitted,
+        otherwise (or when the worker failed) computed here."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[0] == key:
+            start = time.perf_counter()
+            try:
+                result, solve = pending[1].result(timeout=self.timeout_s)
+                return result, PlanTiming(solve, time.perf_counter() - start, True)
+            except Exception as error:  # noqa: BLE001 -- any worker failure falls back
+                log.warning("background planning failed (%s: %s); planning this iteration in "
+                            "the foreground", type(error).__name__, error)
+                self._reset()
+        elif pending is not None:
+            pending[1].cancel()
+        start = time.perf_counter()
+        result = self.fn(key, *args)
+        took = time.perf_counter() - start
+        return result, PlanTiming(took, took, False)
+
+    def close(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = None
+        self._pending = None

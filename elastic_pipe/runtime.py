@@ -1,0 +1,337 @@
+"""``--pipeline-schedule=elastic`` and ``seq1f1b``: plans of document chunks run by the executor.
+
+Per iteration (:func:`prepare_input`, called by the training loop with the global batch):
+
+1. the documents are spread over the data-parallel replicas so that their predicted costs
+   balance (longest-processing-time first, by each document's layer-forward time);
+2. each replica's documents are planned -- :func:`~elastic_pipe.scheduler.plan_elastic` for
+   ``elastic``, :func:`~elastic_pipe.baselines.seq1f1b` (fixed-size chunks, uniform
+   checkpointing) for ``seq1f1b`` -- and lowered to the IR, validated before anything runs.
+   Every rank plans (the planner is deterministic: one CP-SAT worker, deterministic time
+   limits); the ranks of one replica then compare a digest of their plans and stop with an error
+   if they differ, so no rank can run a different schedule from its peers;
+3. each chunk becomes one packed row (``[1, tokens]``, padded to a multiple of the TP x CP
+   token split): pieces of split documents carry their document key and slice index, so the
+   attention records and reads K/V context; whole documents carry none.
+
+The schedule function then runs this rank's actions with
+:class:`~megatron.plugin.pipeline.executor.ChunkState` (a fresh K/V store per iteration, the
+plan's checkpointing table for this stage).
+
+Cost model of a real run: the model shape comes from the Megatron flags; the hardware profile
+from ``--elastic-hardware-profile`` (default: the shipped profile matching the CUDA device name,
+``a800`` on CPU -- the planner then only sees relative costs); the budget from
+``--elastic-memory-gb`` (default: the device's memory on CUDA, 16 GB on CPU) minus
+``--elastic-reserved-gb`` (default 2 GB on CUDA, 0 on CPU).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import logging
+import math
+import pickle
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.utils import get_attr_wrapped_model
+
+from megatron.plugin.batches import MicroBatch, micro_batch, pack_row
+from megatron.plugin.kv_store import KVStore
+from megatron.plugin.pipeline import tracing
+from megatron.plugin.pipeline.executor import ChunkState, StageContext, run_schedule
+from megatron.plugin.pipeline.ir import Action
+from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
+from megatron.plugin.pipeline.megatron_ir import megatron_process_groups
+from megatron.plugin.registry import register_argument_group, register_schedule
+
+from elastic_pipe.chunks import Chunk, Piece
+from elastic_pipe.cost_model import CostModel, ParallelConfig
+from elastic_pipe.hardware import load_profile
+from elastic_pipe.evaluation import plan_schedule
+from elastic_pipe.lowering import lower
+from elastic_pipe.presolve import BackgroundPlanner, PlanTiming
+from elastic_pipe.models import ModelConfig
+from elastic_pipe.plan_types import Plan
+from elastic_pipe.scheduler import SchedulerConfig
+from elastic_pipe.sequence_processor import ChunkingConfig
+
+log = logging.getLogger(__name__)
+CPU_MEMORY_GB = 16.0
+_PROFILE_BY_DEVICE = (("H100", "h100"), ("H20", "h20"), ("A800", "a800"), ("A100", "a800"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("elastic pipeline (InfiniPipe) and seq1f1b")
+    g.add_argument("--elastic-memory-gb", type=float, default=None,
+                   help="memory budget per device, GB; default: the CUDA device's memory, "
+                        f"{CPU_MEMORY_GB:g} on CPU")
+    g.add_argument("--elastic-reserved-gb", type=float, default=None,
+                   help="part of the budget never planned for (CUDA context, NCCL buffers, "
+                        "fragmentation); default 2 on CUDA, 0 on CPU")
+    g.add_argument("--elastic-hardware-profile", default=None,
+                   help="a800|h100|h20 or a profile JSON (scripts/profile_costs.py); default: "
+                        "matched from the CUDA device name, a800 on CPU")
+    g.add_argument("--elastic-solver-time-limit", type=float, default=0.2,
+                   help="CP-SAT deterministic time limit per candidate pipeline, seconds")
+    g.add_argument("--elastic-slices", default="auto",
+                   help="slices of the longest document: N, or auto (tried 1, 2, 3, 4, 6, ... "
+                        "while a slice keeps --elastic-min-slice-tokens)")
+    g.add_argument("--elastic-min-slice-tokens", type=int, default=4096,
+                   help="smallest first slice the automatic slice count goes down to")
+
+
+register_argument_group(add_arguments)
+
+
+# -- planning --------------------------------------------------------------------------------
+
+def _slice_counts(value: str) -> tuple[int, ...] | None:
+    if value == "auto":
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise ValueError(f"--elastic-slices must be a positive integer or 'auto', got {value!r}")
+    return (count,)
+
+
+def cost_model_from_args(args: argparse.Namespace, vocab_size: int) -> CostModel:
+    """The planner's cost model for this job's model, layout, device and budget
+    (``vocab_size`` already padded)."""
+    cuda = torch.cuda.is_available()
+    profile = args.elastic_hardware_profile
+    if profile is None:
+        profile = "a800"
+        if cuda:
+            name = torch.cuda.get_device_name()
+            profile = next((p for key, p in _PROFILE_BY_DEVICE if key in name), "a800")
+    memory = args.elastic_memory_gb
+    if memory is None:
+        memory = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda \
+            else CPU_MEMORY_GB
+    reserved = args.elastic_reserved_gb
+    if reserved is None:
+        reserved = 2.0 if cuda else 0.0
+    model = ModelConfig("custom", args.num_layers, args.hidden_size, args.num_attention_heads,
+                        args.ffn_hidden_size, vocab_size)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    parallel = ParallelConfig(pp=pp, sp=cp, tp=tp, dp=max(1, world // (tp * pp * cp)),
+                              memory_gb=memory, reserved_gb=reserved,
+                              distributed_optimizer=args.use_distributed_optimizer)
+    return CostModel(model, load_profile(profile), parallel)
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    if args.elastic_solver_time_limit <= 0:
+        raise ValueError("--elastic-solver-time-limit must be > 0 seconds")
+    chunking = ChunkingConfig(min_slice_tokens=args.elastic_min_slice_tokens,
+                              slice_counts=_slice_counts(args.elastic_slices))
+    return SchedulerConfig(chunking=chunking, solver_time_limit=args.elastic_solver_time_limit,
+                           workers=1)
+
+
+def spread_over_replicas(lengths, replicas: int, cost: CostModel) -> list[list[int]]:
+    """Document indices per data-parallel replica, balancing predicted layer-forward time
+    (longest processing time first; ties to the lower replica). Each list is sorted."""
+    work = [cost.layer_forward(Chunk((Piece(i, 0, 0, n, True),))) for i, n in enumerate(lengths)]
+    loads = [0.0] * replicas
+    shares: list[list[int]] = [[] for _ in range(replicas)]
+    for index in sorted(range(len(lengths)), key=lambda i: (-work[i], i)):
+        target = min(range(replicas), key=lambda r: (loads[r], r))
+        loads[target] += work[index]
+        shares[target].append(index)
+    return [sorted(share) for share in shares]
+
+
+# -- the planned batch -----------------------------------------------------------------------
+
+@dataclass
+class PlannedBatch:
+    """One replica's plan, its lowered schedule and the chunk rows (the schedule's input)."""
+
+    plan: Plan
+    schedule: list[list[Action]]
+    batches: list[MicroBatch]
+    slices: list[tuple[tuple[int, int], ...]]
+    """Per unit: ``(doc_key, slice_index)`` of the pieces that belong to split documents."""
+    hidden_size: int
+    token_divisor: int
+    timing: PlanTiming
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def shape_of(self, action: Action) -> tuple[int, int, int]:
+        return (self.batches[action.unit].seq_length // self.token_divisor, 1,
+                self.hidden_size)
+
+
+def _is_split(piece: Piece) -> bool:
+    return piece.slice > 0 or not piece.final
+
+
+def chunk_row(chunk: Chunk, documents, doc_ids, multiple: int) -> tuple:
+    """The packed row of one chunk (pieces in order), padded to a multiple of ``multiple``."""
+    docs, slices = [], []
+    for piece in chunk.pieces:
+        doc = doc_ids[piece.doc]
+        docs.append(documents[doc][piece.start:piece.end + 1])
+        slices.append((doc, piece.slice, piece.start) if _is_split(piece) else (None, 0, 0))
+    return pack_row(docs, pad_to=math.ceil(chunk.tokens / multiple) * multiple, slices=slices)
+
+
+def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming) -> PlannedBatch:
+    tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
+    cp = args.context_parallel_size
+    multiple = args.tensor_model_parallel_size * cp
+    chunks = plan.chunks()
+    batches = [micro_batch([chunk_row(chunk, documents, doc_ids, multiple)]) for chunk in chunks]
+    slices = [tuple((doc_ids[p.doc], p.slice) for p in chunk.pieces if _is_split(p))
+              for chunk in chunks]
+    return PlannedBatch(plan, lower(plan, args.pipeline_model_parallel_size), batches, slices,
+                        args.hidden_size, tp * cp, timing)
+
+
+def _check_agreement(plan: Plan) -> None:
+    """Every rank of this replica planned the same (one digest compared per group)."""
+    digest = hashlib.sha256(pickle.dumps(plan.to_dict())).hexdigest()
+    for group in (parallel_state.get_pipeline_model_parallel_group(),
+                  parallel_state.get_tensor_model_parallel_group(),
+                  parallel_state.get_context_parallel_group()):
+        if dist.get_world_size(group) == 1:
+            continue
+        digests = [None] * dist.get_world_size(group)
+        dist.all_gather_object(digests, digest, group=group)
+        if len(set(digests)) != 1:
+            raise RuntimeError("the ranks of one model replica planned different schedules for "
+                               "the same documents; the planner must be deterministic "
+                               "(check --elastic-solver-time-limit and the profile files)")
+
+
+_PLANNERS: dict[str, BackgroundPlanner] = {}
+
+
+def _replica_share(documents, args, model) -> tuple[CostModel, list[int]]:
+    cost = job_cost_model(args, model)
+    lengths = [len(doc) - 1 for doc in documents]
+    dp = parallel_state.get_data_parallel_world_size()
+    share = spread_over_replicas(lengths, dp, cost)[parallel_state.get_data_parallel_rank()]
+    if not share:
+        raise ValueError(f"--global-batch-size {len(documents)} leaves data-parallel replicas "
+                         f"without documents at {dp} replicas: raise it")
+    return cost, share
+
+
+def _planner(name: str, args) -> BackgroundPlanner:
+    if name not in _PLANNERS:
+        _PLANNERS[name] = BackgroundPlanner(plan_schedule, timeout_s=args.pipeline_timeout_s)
+    return _PLANNERS[name]
+
+
+def _planning_inputs(name, documents, args, model):
+    cost, share = _replica_share(documents, args, model)
+    key = tuple(len(documents[i]) - 1 for i in share)
+    return share, (key, name, cost.model, cost.hardware, cost.parallel, scheduler_config(args))
+
+
+def _prepare(name: str):
+    def prepare_input(documents, args, model):
+        """``(PlannedBatch, number of chunks)`` of this replica's documents."""
+        share, inputs = _planning_inputs(name, documents, args, model)
+        plan, timing = _planner(name, args).take(*inputs)
+        _check_agreement(plan)
+        batch = planned_batch(plan, documents, share, args, timing)
+        log.info("%s plan: %d chunks in %d pipelines, predicted %.3f s, solved in %.2f s, "
+                 "%.2f s of it hidden", name, len(batch), len(plan.pipelines),
+                 plan.predicted_time_s, timing.solve_s, timing.solve_s - timing.waited_s)
+        return batch, len(batch)
+
+    def prefetch_input(documents, args, model):
+        """Start planning the next batch's documents in the background."""
+        _, inputs = _planning_inputs(name, documents, args, model)
+        _planner(name, args).submit(*inputs)
+
+    return prepare_input, prefetch_input
+
+
+_COSTS: dict[tuple, CostModel] = {}
+_COST_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+               "tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "context_parallel_size", "use_distributed_optimizer", "elastic_memory_gb",
+               "elastic_reserved_gb", "elastic_hardware_profile")
+
+
+def job_cost_model(args: argparse.Namespace, model) -> CostModel:
+    """:func:`cost_model_from_args` for this job, built once (the vocabulary from the model)."""
+    chunk = model[0] if isinstance(model, list) else model
+    vocab = get_attr_wrapped_model(chunk, "vocab_size")
+    key = (vocab, *(getattr(args, flag) for flag in _COST_FLAGS))
+    if key not in _COSTS:
+        _COSTS[key] = cost_model_from_args(args, vocab)
+    return _COSTS[key]
+
+
+# -- the schedule ----------------------------------------------------------------------------
+
+_LAYERS: "weakref.WeakKeyDictionary[torch.nn.Module, LeadingLayers]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _leading_layers(model) -> LeadingLayers:
+    layers = _LAYERS.get(model)
+    if layers is None:
+        layers = _LAYERS[model] = LeadingLayers(model)
+    return layers
+
+
+def _schedule(name: str):
+    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches,
+                         seq_length, micro_batch_size, decoder_seq_length=None,
+                         forward_only=False, collect_non_loss_data=False, first_val_step=None,
+                         **unused):
+        del unused, seq_length, micro_batch_size, decoder_seq_length
+        if isinstance(model, list):
+            if len(model) != 1:
+                raise ValueError(f"{name} runs one model chunk per rank: drop "
+                                 f"--num-layers-per-virtual-pipeline-stage")
+            model = model[0]
+        if isinstance(data_iterator, list):
+            data_iterator = data_iterator[0]
+        if not isinstance(data_iterator, PlannedBatch):
+            raise TypeError(f"{name} consumes the PlannedBatch its prepare_input makes from "
+                            f"the documents, got {type(data_iterator).__name__}")
+        planned = data_iterator
+        groups = megatron_process_groups()
+        pp, rank = groups.pp.size(), groups.pp.rank()
+        table = planned.plan.ckpt_table()
+        chunks = ChunkState(kv_store=KVStore(), layers=_leading_layers(model),
+                            checkpointed=lambda unit: table[rank][unit],
+                            slices=lambda unit: planned.slices[unit])
+        ctx = StageContext(
+            forward_step_func=forward_step_func, data_iterator=iter(planned.batches),
+            model=model, num_microbatches=num_microbatches, shape_of=planned.shape_of,
+            pp_group=groups.pp, pg_collection=groups, is_first_stage=rank == 0,
+            is_last_stage=rank == pp - 1, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+            timeout_s=tracing.settings().timeout_s, chunks=chunks)
+        result = run_schedule(planned.schedule[rank], ctx)
+        tracing.record(ctx.events)
+        return result
+
+    forward_backward.prepare_input, forward_backward.prefetch_input = _prepare(name)
+    return forward_backward
+
+
+forward_backward_elastic = _schedule("elastic")
+forward_backward_seq1f1b = _schedule("seq1f1b")
+register_schedule("elastic", forward_backward_elastic)
+register_schedule("seq1f1b", forward_backward_seq1f1b)
+
