@@ -1,16 +1,18 @@
 """Drop-in for Megatron-LM's ``pretrain_gpt.py`` with long-context pipeline schedules.
 
     torchrun --nproc-per-node 2 pretrain_gpt_elastic.py <Megatron-LM flags> \
-        --pipeline-schedule {default,1f1b,interleaved,1f1b-ir}
+        --pipeline-schedule {default,1f1b,interleaved,1f1b-ir,elastic,seq1f1b}
 """
 import logging
 import sys
 
-from megatron.plugin.arguments import parse_args
-from megatron.plugin.training import pretrain
-
 
 def main(argv=None) -> int:
+    # Imported here, not at the top: the elastic planner's worker process (spawned) re-imports
+    # this file and needs none of torch or Megatron.
+    from megatron.plugin.arguments import parse_args
+    from megatron.plugin.training import pretrain
+
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Megatron-style log lines: the training loop's INFO records, unprefixed, on stdout.
     lines = logging.getLogger("megatron.plugin.training")

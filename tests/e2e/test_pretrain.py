@@ -62,6 +62,8 @@ def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path):
      "--data-path /nonexistent/corpus: /nonexistent/corpus.bin, /nonexistent/corpus.idx not found"),
     (["--tensor-model-parallel-size", "4"],
      "world size 2 is not divisible by tensor x pipeline x context parallel sizes (4 x 2 x 1)"),
+    (["--pipeline-schedule", "elastic", "--elastic-memory-gb", "0.0001"],
+     "no plan fits 0.0001 GB per GPU even with full checkpointing"),
     pytest.param(["--bf16"], "--bf16, --fp16 and --use-distributed-optimizer need CUDA",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")),
 ])

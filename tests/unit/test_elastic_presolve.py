@@ -1,0 +1,49 @@
+"""Background planning: the worker's result is used when it plans the batch asked for; a
+worker that dies is replaced by planning in the foreground with a warning."""
+import logging
+import multiprocessing
+import os
+
+from elastic_pipe.presolve import BackgroundPlanner
+
+
+def square_sum(key, offset):
+    return sum(k * k for k in key) + offset
+
+
+def crash_in_worker(key):
+    if multiprocessing.parent_process() is not None:
+        os._exit(3)
+    return list(key)
+
+
+def test_the_worker_plans_the_submitted_batch():
+    planner = BackgroundPlanner(square_sum, timeout_s=120)
+    try:
+        planner.submit((1, 2, 3), 10)
+        result, timing = planner.take((1, 2, 3), 10)
+        assert result == 24 and timing.background
+        assert 0 <= timing.waited_s and 0 <= timing.solve_s
+        # Another batch than the one submitted: planned here.
+        planner.submit((4,), 0)
+        result, timing = planner.take((5,), 0)
+        assert result == 25 and not timing.background
+        assert timing.waited_s == timing.solve_s
+    finally:
+        planner.close()
+
+
+def test_a_crashed_worker_falls_back_to_the_foreground(caplog):
+    planner = BackgroundPlanner(crash_in_worker, timeout_s=120)
+    try:
+        planner.submit((7, 8))
+        with caplog.at_level(logging.WARNING, logger="elastic_pipe.presolve"):
+            result, timing = planner.take((7, 8))
+        assert result == [7, 8] and not timing.background
+        assert "background planning failed" in caplog.text
+        # A new worker is started for the next batch.
+        planner.submit((1,))
+        with caplog.at_level(logging.WARNING, logger="elastic_pipe.presolve"):
+            assert planner.take((1,))[0] == [1]
+    finally:
+        planner.close()
