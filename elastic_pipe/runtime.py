@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "matched from the CUDA device name, a800 on CPU")
     g.add_argument("--elastic-solver-time-limit", type=float, default=0.2,
                    help="CP-SAT deterministic time limit per candidate pipeline, seconds")
-    g.add_argument("--elastic-slices", default="auto",
+    g.add_argument("--elastic-slices", default="auto", type=slices_flag,
                    help="slices of the longest document: N, or auto (tried 1, 2, 3, 4, 6, ... "
                         "while a slice keeps --elastic-min-slice-tokens)")
     g.add_argument("--elastic-min-slice-tokens", type=int, default=4096,
@@ -89,16 +89,13 @@ register_argument_group(add_arguments)
 
 # -- planning --------------------------------------------------------------------------------
 
-def _slice_counts(value: str) -> tuple[int, ...] | None:
+def slices_flag(value: str):
+    """``--elastic-slices``: ``"auto"`` or a positive integer."""
     if value == "auto":
-        return None
-    try:
-        count = int(value)
-    except ValueError:
-        count = 0
-    if count < 1:
-        raise ValueError(f"--elastic-slices must be a positive integer or 'auto', got {value!r}")
-    return (count,)
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', got {value!r}")
+    return int(value)
 
 
 def cost_model_from_args(args: argparse.Namespace, vocab_size: int) -> CostModel:
@@ -133,7 +130,8 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
     if args.elastic_solver_time_limit <= 0:
         raise ValueError("--elastic-solver-time-limit must be > 0 seconds")
     chunking = ChunkingConfig(min_slice_tokens=args.elastic_min_slice_tokens,
-                              slice_counts=_slice_counts(args.elastic_slices))
+                              slice_counts=None if args.elastic_slices == "auto"
+                              else (args.elastic_slices,))
     return SchedulerConfig(chunking=chunking, solver_time_limit=args.elastic_solver_time_limit,
                            workers=1)
 

@@ -194,9 +194,23 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> No
     if args.global_batch_size <= 0 or args.train_iters < 0:
         raise ValueError("--global-batch-size must be positive and --train-iters non-negative")
     registry.check_name(args.pipeline_schedule)
-    if args.context_parallel_size > 1 and args.pipeline_schedule in MEGATRON_SCHEDULES:
+    cp = args.context_parallel_size
+    if cp > 1 and args.pipeline_schedule in MEGATRON_SCHEDULES:
         raise ValueError("--context-parallel-size > 1 is not supported with Megatron's own "
-                         "schedules here (ring attention needs Transformer Engine); use 1")
+                         "schedules here (ring attention needs Transformer Engine); use 1, or "
+                         "an IR schedule (elastic, seq1f1b, 1f1b-ir), where it is Ulysses")
+    if cp > 1:
+        heads = args.num_attention_heads // tp
+        groups = args.num_query_groups // tp
+        if heads % cp or groups % cp:
+            raise ValueError(f"Ulysses sequence parallelism splits the attention heads: "
+                             f"{heads} heads and {groups} query groups per tensor-parallel "
+                             f"rank are not divisible by --context-parallel-size {cp}; "
+                             f"choose a degree that divides them")
+        if args.seq_length % (cp * tp):
+            raise ValueError(f"--seq-length {args.seq_length} must be divisible by "
+                             f"--context-parallel-size x --tensor-model-parallel-size "
+                             f"({cp} x {tp})")
     if world_size is not None:
         model_parallel = tp * pp * args.context_parallel_size
         if world_size % model_parallel:

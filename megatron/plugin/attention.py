@@ -16,6 +16,14 @@ the ``GPTModel`` is therefore built with ``position_embedding_type="none"`` when
 for. RoPE has no parameters, so checkpoints are unaffected. K/V are stored after RoPE, so context
 keys carry their true positions.
 
+Ulysses sequence parallelism (``--context-parallel-size > 1`` under the document-level
+schedules): every rank of Megatron's context-parallel group holds a contiguous ``1/cp`` of the
+row's tokens (:meth:`~megatron.plugin.batches.MicroBatch.context_share`); the attention trades
+that split for a split of the heads with one all-to-all each for Q, K and V (Megatron's
+``all_to_all_sp2hp``, autograd-aware), attends over the whole row for its ``heads/cp`` heads --
+the document layout and the K/V store see whole rows, so slicing and packing work unchanged --
+and trades back with one all-to-all of the output.
+
 Backends: torch SDPA per document on any device (exact, device-agnostic), flash-attn varlen on
 CUDA when importable (``causal=True`` is bottom-right aligned there, which is the K/V-context
 semantics).
@@ -26,9 +34,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_sp2hp
 from megatron.core.transformer.module import MegatronModule
 
 from megatron.plugin.kv_store import KVStore
@@ -146,6 +156,18 @@ class DocumentAttention(MegatronModule):
         del attention_mask, attn_mask_type
         if attention_bias is not None:
             raise ValueError("DocumentAttention does not support an attention bias")
+        group = None
+        if self.config.context_parallel_size > 1:
+            group = parallel_state.get_context_parallel_group()
+            query, key, value = (_sequence_to_heads(t, group) for t in (query, key, value))
+        out = self._attend(query, key, value, packed_seq_params)
+        if group is not None:
+            out = all_to_all_hp2sp(out.reshape(-1, out.shape[-1]), group)
+            out = out.view(-1, query.shape[1], out.shape[-1])
+        return out
+
+    def _attend(self, query, key, value, packed_seq_params):
+        """``[s, b, heads*dim]`` attention of whole rows."""
         seq, batch = query.shape[0], query.shape[1]
         layout = packed_seq_params if isinstance(packed_seq_params, PackedDocuments) else None
         if packed_seq_params is not None and layout is None:
@@ -207,6 +229,17 @@ class DocumentAttention(MegatronModule):
         return flash_attn_varlen_func(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0],
                                       dropout_p=dropout, softmax_scale=self.softmax_scale,
                                       causal=True)
+
+
+def _sequence_to_heads(t: torch.Tensor, group) -> torch.Tensor:
+    """``[s/cp, b, heads, dim]`` on each rank -> ``[s, b, heads/cp, dim]`` (Ulysses)."""
+    size = group.size()
+    local, batch, heads, dim = t.shape
+    if heads % size:
+        raise ValueError(f"{heads} attention heads per tensor-parallel rank are not divisible "
+                         f"by the Ulysses degree (--context-parallel-size) {size}")
+    out = all_to_all_sp2hp(t.reshape(local * batch, heads * dim), group)
+    return out.view(local * size, batch, heads // size, dim)
 
 
 def document_layer_spec(num_layers: int, normalization: str = "LayerNorm",

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from megatron.core import parallel_state
 
 from megatron.plugin.attention import PackedDocuments, Segment
 
@@ -37,6 +38,17 @@ class MicroBatch:
     def to(self, device) -> "MicroBatch":
         return MicroBatch(self.tokens.to(device), self.labels.to(device),
                           self.loss_mask.to(device), self.position_ids.to(device), self.segments)
+
+    def context_share(self, rank: int, size: int) -> "MicroBatch":
+        """This context-parallel rank's contiguous ``1/size`` of the tokens (Ulysses); the
+        segments keep describing whole rows."""
+        seq = self.seq_length
+        if seq % size:
+            raise ValueError(f"a {seq}-token row cannot be split over {size} context-parallel "
+                             f"ranks")
+        part = slice(rank * seq // size, (rank + 1) * seq // size)
+        return MicroBatch(self.tokens[:, part], self.labels[:, part], self.loss_mask[:, part],
+                          self.position_ids[:, part], self.segments)
 
     def layout(self, kv_store=None, record_kv=False) -> PackedDocuments:
         return PackedDocuments(segments=self.segments, position_ids=self.position_ids,
@@ -130,10 +142,15 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
 
 
 def forward_step(data_iterator, model, kv_store=None, record_kv=False):
-    """Megatron ``forward_step_func``: next micro-batch through ``model``."""
+    """Megatron ``forward_step_func``: next micro-batch through ``model`` (this rank's share of
+    its tokens under Ulysses sequence parallelism; the layout stays whole)."""
     batch: MicroBatch = next(data_iterator)
     device = next(model.parameters()).device
     batch = batch.to(device)
+    layout = batch.layout(kv_store, record_kv)
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1:
+        batch = batch.context_share(parallel_state.get_context_parallel_rank(), cp)
     output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
-                   packed_seq_params=batch.layout(kv_store, record_kv))
+                   packed_seq_params=layout)
     return output, partial(loss_func, batch.loss_mask)

@@ -28,6 +28,7 @@ ELASTIC_EXPECTED = {
     "pp4_elastic_adaptive": ({"split", "hybrid", "batched"}, "adaptive"),
     "pp2_seq1f1b_uniform": ({"split", "hybrid"}, "uniform"),
     "pp2_tp2_sp_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_ulysses2_elastic": ({"split", "hybrid", "batched"}, "none"),
 }
 
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
@@ -62,6 +63,8 @@ VARIANTS = {
         "pp2_tp2_sp_elastic": (4, ["--pipeline-model-parallel-size", "2",
                                    "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                    *ELASTIC]),
+        "pp2_ulysses2_elastic": (4, ["--pipeline-model-parallel-size", "2",
+                                     "--context-parallel-size", "2", *ELASTIC]),
     }),
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--disable-bias-linear",

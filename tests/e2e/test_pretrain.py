@@ -80,8 +80,15 @@ def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, mes
     (["--seq-length", "256"], "--seq-length 256 is larger than --max-position-embeddings 128"),
     (["--num-layers", "3"], "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
     (["--num-experts", "8"], "Megatron-LM flag --num-experts is not supported"),
-    (["--pipeline-schedule", "zigzag"], "valid names: default, 1f1b, 1f1b-ir, interleaved"),
+    (["--pipeline-schedule", "zigzag"],
+     "valid names: default, 1f1b, 1f1b-ir, elastic, interleaved, seq1f1b"),
     (["--not-a-megatron-flag"], "unrecognized arguments: --not-a-megatron-flag"),
+    (["--pipeline-schedule", "elastic", "--context-parallel-size", "4",
+      "--num-attention-heads", "2"],
+     "2 heads and 2 query groups per tensor-parallel rank are not divisible by "
+     "--context-parallel-size 4"),
+    (["--pipeline-schedule", "elastic", "--elastic-slices", "0"],
+     "--elastic-slices: must be a positive integer or 'auto', got '0'"),
 ])
 def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
     import subprocess
