@@ -29,6 +29,7 @@ ELASTIC_EXPECTED = {
     "pp2_seq1f1b_uniform": ({"split", "hybrid"}, "uniform"),
     "pp2_tp2_sp_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_ulysses2_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_dp2_elastic": ({"split", "hybrid"}, "none"),
 }
 
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
@@ -70,6 +71,7 @@ VARIANTS = {
                              "--normalization", "RMSNorm", "--disable-bias-linear",
                              "--untie-embeddings-and-output-weights"], {
         "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
+        "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
     }),
 }
 CASES = [(variant, tag) for variant, (_, layouts) in VARIANTS.items() for tag in layouts]
@@ -149,7 +151,8 @@ def test_every_cpu_compat_patch_is_exercised(golden):
 def test_document_chunk_runs_exercise_what_they_claim(golden, tag):
     """The elastic / seq1f1b golden runs really mixed the chunk kinds and checkpointed as named
     (so the gradient checks above cover slicing, packing and recomputation)."""
-    with open(golden / "learned" / f"plan_{tag}.json") as f:
+    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
+    with open(golden / variant / f"plan_{tag}.json") as f:
         plan = json.load(f)
     kinds, checkpointing = ELASTIC_EXPECTED[tag]
     assert kinds <= set(plan["kinds"]), plan["kinds"]

@@ -68,16 +68,9 @@ class LeadingLayers:
         self._grad_enabled = True
         self._kwargs = self._rng = None
         self._stash: Stash | None = None
-        self._handles = []
         for index, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(
-                self._pre_hook(index), with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(self._post_hook(index)))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+            layer.register_forward_pre_hook(self._pre_hook(index), with_kwargs=True)
+            layer.register_forward_hook(self._post_hook(index))
 
     def armed(self, count: int):
         """Context for one forward that checkpoints the first ``count`` layers."""

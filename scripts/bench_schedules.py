@@ -1,0 +1,185 @@
+"""Benchmark: ``elastic``, ``seq1f1b`` and Megatron's native ``1f1b`` on the same documents.
+
+    python scripts/bench_schedules.py [--iters 6] [--seq-length 8192] [--global-batch-size 16]
+        [--profile PROFILE.json] [--json OUT]
+
+1. Unless ``--profile`` is given, ``scripts/profile_costs.py`` measures the bench's layer on this
+   machine (one thread) and writes a measured profile, so the planner and the simulator price
+   chunks with this machine's coefficients.
+2. The script launches itself on 2 CPU ranks (PP=2, one thread each) with the embedded corpus:
+   one model and optimizer; every iteration draws one global batch of documents and runs it
+   with each schedule in turn (elastic, seq1f1b, 1f1b), after one warm-up round, so drift of
+   the machine hits all alike. Measured per schedule: median iteration time, tokens/s, and the
+   peak saved-activation bytes of each stage (the training loop's meter).
+3. Predicted iteration time: the plan of that batch (for ``1f1b``, the documents packed
+   first-fit-decreasing into ``--seq-length`` rows, one 1F1B pipeline) replayed by the
+   simulator with the same cost model; the median over the iterations is reported beside the
+   measured one.
+
+Prints one line per schedule and the ratios; ``--json OUT`` writes
+``{"schedules": {NAME: {"tokens_per_s", "peak_activation_bytes", "predicted_iteration_s",
+"measured_iteration_s", ...}}, "setup": {...}}``.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCHEDULES = ("elastic", "seq1f1b", "1f1b")
+HIDDEN, HEADS, LAYERS = 256, 8, 4
+
+
+def model_flags(seq_length: int, global_batch_size: int, profile: str) -> list[str]:
+    return ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
+            "--num-attention-heads", str(HEADS), "--seq-length", str(seq_length),
+            "--max-position-embeddings", str(seq_length), "--micro-batch-size", "1",
+            "--global-batch-size", str(global_batch_size), "--train-iters", "1000",
+            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "elastic",
+            "--elastic-hardware-profile", profile]
+
+
+def predicted_seconds(name, documents, args, model) -> float:
+    """Simulated iteration time of this batch under schedule ``name``."""
+    from elastic_pipe.baselines import packed_1f1b
+    from elastic_pipe.evaluation import plan_schedule
+    from elastic_pipe.lowering import simulate_plan
+    from elastic_pipe.runtime import job_cost_model, scheduler_config
+
+    cost = job_cost_model(args, model)
+    lengths = [len(doc) - 1 for doc in documents]
+    if name == "1f1b":
+        plan = packed_1f1b(lengths, cost, args.seq_length)
+    else:
+        plan = plan_schedule(tuple(lengths), name, cost.model, cost.hardware, cost.parallel,
+                             scheduler_config(args))
+    return simulate_plan(plan, cost)[1].iteration_time
+
+
+def worker(argv) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megatron.plugin import registry
+    from megatron.plugin.arguments import parse_args
+    from megatron.plugin.memory import SavedTensorMeter
+    from megatron.plugin.sources import build_document_sources
+    from megatron.plugin.training import initialize_distributed, setup_model_and_optimizer, step
+
+    iters = int(os.environ["BENCH_ITERS"])
+    args = parse_args(argv)
+    initialize_distributed(args)
+    sources, vocab = build_document_sources(args)
+    model, optimizer, _, config = setup_model_and_optimizer(args, vocab)
+    meter = SavedTensorMeter()
+    results = {name: {"times": [], "tokens": [], "peaks": [], "predicted": []}
+               for name in SCHEDULES}
+    for i in range(iters + 1):
+        documents = sources["train"].documents(i)
+        for name in SCHEDULES:
+            registry.use_schedule(name)
+            meter.reset_peak()
+            dist.barrier()
+            start = time.perf_counter()
+            with meter.active():
+                result = step(model, optimizer, config, args, documents)
+            dist.barrier()
+            took = time.perf_counter() - start
+            peaks = [torch.zeros(1, dtype=torch.float64)
+                     for _ in range(dist.get_world_size())]
+            dist.all_gather(peaks, torch.tensor([float(meter.peak)], dtype=torch.float64))
+            if i == 0:
+                continue
+            entry = results[name]
+            entry["times"].append(took)
+            entry["tokens"].append(result["tokens"])
+            entry["peaks"].append([int(p.item()) for p in peaks])
+            if dist.get_rank() == 0:
+                entry["predicted"].append(predicted_seconds(name, documents, args, model))
+    if dist.get_rank() == 0:
+        report = {}
+        for name, entry in results.items():
+            measured = statistics.median(entry["times"])
+            stages = [max(p[r] for p in entry["peaks"]) for r in range(len(entry["peaks"][0]))]
+            report[name] = {
+                "tokens_per_s": sum(entry["tokens"]) / sum(entry["times"]),
+                "peak_activation_bytes": max(stages),
+                "peak_activation_bytes_per_stage": stages,
+                "measured_iteration_s": measured,
+                "predicted_iteration_s": statistics.median(entry["predicted"]),
+            }
+        print(json.dumps(report))
+    dist.destroy_process_group()
+    return 0
+
+
+def profile(path: str, seq_length: int) -> None:
+    tokens = [t for t in (512, 1024, 2048, 4096, 8192) if t <= seq_length]
+    contexts = [c for c in (0, 2048, 4096) if c < seq_length]
+    command = [sys.executable, "scripts/profile_costs.py", "--hidden-size", str(HIDDEN),
+               "--num-attention-heads", str(HEADS), "--tokens", *map(str, tokens),
+               "--contexts", *map(str, contexts), "--repeats", "2", "--output", path]
+    subprocess.run(command, cwd=REPO, check=True, env=dict(os.environ, OMP_NUM_THREADS="1",
+                                                           PYTHONPATH=REPO))
+
+
+def main() -> int:
+    if os.environ.get("BENCH_WORKER"):
+        return worker(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--seq-length", type=int, default=8192)
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--profile", help="measured profile JSON (default: measure now)")
+    parser.add_argument("--json", help="write the results here")
+    options = parser.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        path = options.profile
+        if path is None:
+            path = os.path.join(scratch, "profile.json")
+            print("measuring the layer on this machine (scripts/profile_costs.py) ...",
+                  flush=True)
+            profile(path, options.seq_length)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+                   "--master-addr=127.0.0.1", "--master-port=29561", __file__,
+                   *model_flags(options.seq_length, options.global_batch_size, path)]
+        env = dict(os.environ, BENCH_WORKER="1", BENCH_ITERS=str(options.iters),
+                   OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+        if done.returncode:
+            sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
+            return done.returncode
+        with open(path) as f:
+            fit = json.load(f)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"PP=2 on 2 CPU ranks, one thread each; embedded corpus, --seq-length "
+          f"{options.seq_length}, {options.global_batch_size} documents a batch, "
+          f"{options.iters} iterations; model {LAYERS} layers x hidden {HIDDEN}; profile: "
+          f"{fit.get('source')} on {fit.get('machine')}")
+    for name, entry in report.items():
+        error = entry["predicted_iteration_s"] / entry["measured_iteration_s"] - 1
+        print(f"{name:8s} {entry['tokens_per_s']:9.1f} tokens/s | measured "
+              f"{entry['measured_iteration_s']:.3f} s, predicted "
+              f"{entry['predicted_iteration_s']:.3f} s ({100 * error:+.1f}%) | peak activation "
+              f"{entry['peak_activation_bytes'] / 2**20:.1f} MiB per stage "
+              f"{[round(b / 2**20, 1) for b in entry['peak_activation_bytes_per_stage']]}")
+    elastic = report["elastic"]
+    for base in ("seq1f1b", "1f1b"):
+        print(f"elastic / {base}: tokens/s x{elastic['tokens_per_s'] / report[base]['tokens_per_s']:.3f}, "
+              f"peak activation x{elastic['peak_activation_bytes'] / report[base]['peak_activation_bytes']:.3f}")
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump({"schedules": report, "setup": {
+                "seq_length": options.seq_length, "global_batch_size": options.global_batch_size,
+                "iterations": options.iters, "pp": 2, "profile": fit}}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
