@@ -29,7 +29,7 @@ ELASTIC_EXPECTED = {
     "pp2_seq1f1b_uniform": ({"split", "hybrid"}, "uniform"),
     "pp2_tp2_sp_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_ulysses2_elastic": ({"split", "hybrid", "batched"}, "none"),
-    "pp2_dp2_elastic": ({"split", "hybrid"}, "none"),
+    "pp2_dp2_elastic": ({"split", "hybrid", "batched"}, "none"),
 }
 
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
