@@ -70,9 +70,12 @@ class BackgroundPlanner:
 
     def take(self, key, *args):
         """``(result, PlanTiming)`` for batch ``key``: the worker's if it was submitted,
-        otherwise (or when the worker failed) computed here."""
-        pending, self._pending = self._pending, None
+        otherwise (or when the worker failed) computed here. A submission for another batch
+        stays pending (an evaluation between two training steps does not discard the next
+        training batch's plan)."""
+        pending = self._pending
         if pending is not None and pending[0] == key:
+            self._pending = None
             start = time.perf_counter()
             try:
                 result, solve = pending[1].result(timeout=self.timeout_s)
@@ -81,8 +84,6 @@ class BackgroundPlanner:
                 log.warning("background planning failed (%s: %s); planning this iteration in "
                             "the foreground", type(error).__name__, error)
                 self._reset()
-        elif pending is not None:
-            pending[1].cancel()
         start = time.perf_counter()
         result = self.fn(key, *args)
         took = time.perf_counter() - start

@@ -1,7 +1,7 @@
 """Benchmark: ``elastic``, ``seq1f1b`` and Megatron's native ``1f1b`` on the same documents.
 
-    python scripts/bench_schedules.py [--iters 6] [--seq-length 8192] [--global-batch-size 16]
-        [--profile PROFILE.json] [--json OUT]
+    python scripts/bench_schedules.py [--iters 3] [--seq-length 8192] [--global-batch-size 8]
+        [--hidden-size 64] [--num-attention-heads 4] [--profile PROFILE.json] [--json OUT]
 
 1. Unless ``--profile`` is given, ``scripts/profile_costs.py`` measures the bench's layer on this
    machine (one thread) and writes a measured profile, so the planner and the simulator price
@@ -31,14 +31,16 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = ("elastic", "seq1f1b", "1f1b")
-HIDDEN, HEADS, LAYERS = 256, 8, 4
+LAYERS = 4
 
 
-def model_flags(seq_length: int, global_batch_size: int, profile: str) -> list[str]:
-    return ["--num-layers", str(LAYERS), "--hidden-size", str(HIDDEN),
-            "--num-attention-heads", str(HEADS), "--seq-length", str(seq_length),
+def model_flags(options, profile: str) -> list[str]:
+    seq_length = options.seq_length
+    return ["--num-layers", str(LAYERS), "--hidden-size", str(options.hidden_size),
+            "--num-attention-heads", str(options.num_attention_heads),
+            "--seq-length", str(seq_length),
             "--max-position-embeddings", str(seq_length), "--micro-batch-size", "1",
-            "--global-batch-size", str(global_batch_size), "--train-iters", "1000",
+            "--global-batch-size", str(options.global_batch_size), "--train-iters", "1000",
             "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "elastic",
             "--elastic-hardware-profile", profile]
@@ -118,11 +120,12 @@ def worker(argv) -> int:
     return 0
 
 
-def profile(path: str, seq_length: int) -> None:
-    tokens = [t for t in (512, 1024, 2048, 4096, 8192) if t <= seq_length]
-    contexts = [c for c in (0, 2048, 4096) if c < seq_length]
-    command = [sys.executable, "scripts/profile_costs.py", "--hidden-size", str(HIDDEN),
-               "--num-attention-heads", str(HEADS), "--tokens", *map(str, tokens),
+def profile(path: str, options) -> None:
+    tokens = [t for t in (512, 1024, 2048, 4096, 8192) if t <= options.seq_length]
+    contexts = [c for c in (0, 2048, 4096) if c < options.seq_length]
+    command = [sys.executable, "scripts/profile_costs.py", "--hidden-size",
+               str(options.hidden_size), "--num-attention-heads",
+               str(options.num_attention_heads), "--tokens", *map(str, tokens),
                "--contexts", *map(str, contexts), "--repeats", "2", "--output", path]
     subprocess.run(command, cwd=REPO, check=True, env=dict(os.environ, OMP_NUM_THREADS="1",
                                                            PYTHONPATH=REPO))
@@ -133,10 +136,13 @@ def main() -> int:
         return worker(sys.argv[1:])
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--iters", type=int, default=6)
+    parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--seq-length", type=int, default=8192)
-    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--profile", help="measured profile JSON (default: measure now)")
+    parser.add_argument("--save-profile", help="keep the measured profile here")
     parser.add_argument("--json", help="write the results here")
     options = parser.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
@@ -145,10 +151,10 @@ def main() -> int:
             path = os.path.join(scratch, "profile.json")
             print("measuring the layer on this machine (scripts/profile_costs.py) ...",
                   flush=True)
-            profile(path, options.seq_length)
+            profile(path, options)
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                    "--master-addr=127.0.0.1", "--master-port=29561", __file__,
-                   *model_flags(options.seq_length, options.global_batch_size, path)]
+                   *model_flags(options, path)]
         env = dict(os.environ, BENCH_WORKER="1", BENCH_ITERS=str(options.iters),
                    OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
         done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
@@ -157,10 +163,14 @@ def main() -> int:
             return done.returncode
         with open(path) as f:
             fit = json.load(f)
+        if options.save_profile:
+            with open(options.save_profile, "w") as f:
+                json.dump(fit, f, indent=2)
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"PP=2 on 2 CPU ranks, one thread each; embedded corpus, --seq-length "
           f"{options.seq_length}, {options.global_batch_size} documents a batch, "
-          f"{options.iters} iterations; model {LAYERS} layers x hidden {HIDDEN}; profile: "
+          f"{options.iters} iterations; model {LAYERS} layers x hidden {options.hidden_size}; "
+          f"profile: "
           f"{fit.get('source')} on {fit.get('machine')}")
     for name, entry in report.items():
         error = entry["predicted_iteration_s"] / entry["measured_iteration_s"] - 1

@@ -24,11 +24,13 @@ def test_the_worker_plans_the_submitted_batch():
         result, timing = planner.take((1, 2, 3), 10)
         assert result == 24 and timing.background
         assert 0 <= timing.waited_s and 0 <= timing.solve_s
-        # Another batch than the one submitted: planned here.
+        # Another batch than the one submitted: planned here, the submission stays pending.
         planner.submit((4,), 0)
         result, timing = planner.take((5,), 0)
         assert result == 25 and not timing.background
         assert timing.waited_s == timing.solve_s
+        result, timing = planner.take((4,), 0)
+        assert result == 16 and timing.background
     finally:
         planner.close()
 
