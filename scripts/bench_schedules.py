@@ -43,7 +43,8 @@ def model_flags(options, profile: str) -> list[str]:
             "--global-batch-size", str(options.global_batch_size), "--train-iters", "1000",
             "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "elastic",
-            "--elastic-hardware-profile", profile]
+            "--elastic-hardware-profile", profile,
+            "--elastic-min-slice-tokens", str(options.min_slice_tokens)]
 
 
 def predicted_seconds(name, documents, args, model) -> float:
@@ -141,6 +142,8 @@ def main() -> int:
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--min-slice-tokens", type=int, default=512,
+                        help="--elastic-min-slice-tokens of elastic and seq1f1b")
     parser.add_argument("--profile", help="measured profile JSON (default: measure now)")
     parser.add_argument("--save-profile", help="keep the measured profile here")
     parser.add_argument("--json", help="write the results here")
