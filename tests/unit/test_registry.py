@@ -58,10 +58,11 @@ def test_default_keeps_megatron_choice():
 
 
 def test_unknown_name_lists_valid_names():
-    from megatron.plugin.pipeline import megatron_ir  # noqa: F401  (registers 1f1b-ir)
+    from megatron.plugin import arguments  # noqa: F401  (imports every schedule package)
 
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; valid names: "
-                                         r"default, 1f1b, 1f1b-ir, interleaved"):
+                                         r"default, 1f1b, 1f1b-ir, elastic, interleaved, "
+                                         r"seq1f1b$"):
         registry.use_schedule("zigzag")
 
 
