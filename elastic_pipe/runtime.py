@@ -41,11 +41,11 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron.plugin.batches import MicroBatch, micro_batch, pack_row
 from megatron.plugin.kv_store import KVStore
-from megatron.plugin.pipeline import tracing
-from megatron.plugin.pipeline.executor import ChunkState, StageContext, run_schedule
+from megatron.plugin.pipeline.executor import ChunkState
 from megatron.plugin.pipeline.ir import Action
 from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
-from megatron.plugin.pipeline.megatron_ir import megatron_process_groups
+from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
+                                                  single_model_chunk)
 from megatron.plugin.registry import register_argument_group, register_schedule
 
 from elastic_pipe.chunks import Chunk, Piece
@@ -217,17 +217,6 @@ def _check_agreement(plan: Plan) -> None:
 _PLANNERS: dict[str, BackgroundPlanner] = {}
 
 
-def _replica_share(documents, args, model) -> tuple[CostModel, list[int]]:
-    cost = job_cost_model(args, model)
-    lengths = [len(doc) - 1 for doc in documents]
-    dp = parallel_state.get_data_parallel_world_size()
-    share = spread_over_replicas(lengths, dp, cost)[parallel_state.get_data_parallel_rank()]
-    if not share:
-        raise ValueError(f"--global-batch-size {len(documents)} leaves data-parallel replicas "
-                         f"without documents at {dp} replicas: raise it")
-    return cost, share
-
-
 def _planner(name: str, args) -> BackgroundPlanner:
     if name not in _PLANNERS:
         _PLANNERS[name] = BackgroundPlanner(plan_schedule, timeout_s=args.pipeline_timeout_s)
@@ -235,8 +224,15 @@ def _planner(name: str, args) -> BackgroundPlanner:
 
 
 def _planning_inputs(name, documents, args, model):
-    cost, share = _replica_share(documents, args, model)
-    key = tuple(len(documents[i]) - 1 for i in share)
+    """This replica's document ids and the planner's arguments for them."""
+    cost = job_cost_model(args, model)
+    lengths = [len(doc) - 1 for doc in documents]
+    dp = parallel_state.get_data_parallel_world_size()
+    share = spread_over_replicas(lengths, dp, cost)[parallel_state.get_data_parallel_rank()]
+    if not share:
+        raise ValueError(f"--global-batch-size {len(documents)} leaves data-parallel replicas "
+                         f"without documents at {dp} replicas: raise it")
+    key = tuple(lengths[i] for i in share)
     return share, (key, name, cost.model, cost.hardware, cost.parallel, scheduler_config(args))
 
 
@@ -296,33 +292,20 @@ def _schedule(name: str):
                          forward_only=False, collect_non_loss_data=False, first_val_step=None,
                          **unused):
         del unused, seq_length, micro_batch_size, decoder_seq_length
-        if isinstance(model, list):
-            if len(model) != 1:
-                raise ValueError(f"{name} runs one model chunk per rank: drop "
-                                 f"--num-layers-per-virtual-pipeline-stage")
-            model = model[0]
-        if isinstance(data_iterator, list):
-            data_iterator = data_iterator[0]
-        if not isinstance(data_iterator, PlannedBatch):
+        model, planned = single_model_chunk(name, model, data_iterator)
+        if not isinstance(planned, PlannedBatch):
             raise TypeError(f"{name} consumes the PlannedBatch its prepare_input makes from "
-                            f"the documents, got {type(data_iterator).__name__}")
-        planned = data_iterator
+                            f"the documents, got {type(planned).__name__}")
         groups = megatron_process_groups()
-        pp, rank = groups.pp.size(), groups.pp.rank()
-        table = planned.plan.ckpt_table()
+        stage = planned.plan.ckpt_table()[groups.pp.rank()]
         chunks = ChunkState(kv_store=KVStore(), layers=_leading_layers(model),
-                            checkpointed=lambda unit: table[rank][unit],
-                            slices=lambda unit: planned.slices[unit])
-        ctx = StageContext(
-            forward_step_func=forward_step_func, data_iterator=iter(planned.batches),
-            model=model, num_microbatches=num_microbatches, shape_of=planned.shape_of,
-            pp_group=groups.pp, pg_collection=groups, is_first_stage=rank == 0,
-            is_last_stage=rank == pp - 1, forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-            timeout_s=tracing.settings().timeout_s, chunks=chunks)
-        result = run_schedule(planned.schedule[rank], ctx)
-        tracing.record(ctx.events)
-        return result
+                            checkpointed=stage.__getitem__, slices=planned.slices.__getitem__)
+        return run_this_rank(
+            planned.schedule, groups, forward_step_func=forward_step_func,
+            data_iterator=iter(planned.batches), model=model,
+            num_microbatches=num_microbatches, shape_of=planned.shape_of,
+            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+            first_val_step=first_val_step, chunks=chunks)
 
     forward_backward.prepare_input, forward_backward.prefetch_input = _prepare(name)
     return forward_backward

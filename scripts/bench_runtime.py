@@ -28,14 +28,11 @@ def worker(argv) -> int:
 
     from megatron.plugin import registry
     from megatron.plugin.arguments import parse_args
-    from megatron.plugin.sources import build_document_sources
-    from megatron.plugin.training import initialize_distributed, setup_model_and_optimizer, step
+    from megatron.plugin.training import setup_job, step
 
     iters = int(os.environ["BENCH_ITERS"])
     args = parse_args(argv)
-    initialize_distributed(args)
-    sources, vocab = build_document_sources(args)
-    model, optimizer, _, config = setup_model_and_optimizer(args, vocab)
+    sources, model, optimizer, _, config = setup_job(args)
     times = {"1f1b": [], "1f1b-ir": []}
     for i in range(2 * (iters + 1)):
         name = ("1f1b", "1f1b-ir")[i % 2]

@@ -125,6 +125,15 @@ def setup_model_and_optimizer(args, vocab_size):
     return model, optimizer, scheduler, config
 
 
+def setup_job(args):
+    """Process groups, data sources, model, optimizer and LR scheduler of one run:
+    ``(sources, model, optimizer, scheduler, config)`` (the Trainer and the benchmarks)."""
+    initialize_distributed(args)
+    sources, vocab_size = build_document_sources(args)
+    model, optimizer, scheduler, config = setup_model_and_optimizer(args, vocab_size)
+    return sources, model, optimizer, scheduler, config
+
+
 def schedule_input(schedule_fn, documents, args, model):
     """What the schedule consumes: ``(data_iterator, num_microbatches)``.
 
@@ -193,13 +202,9 @@ class Trainer:
 
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        initialize_distributed(args)
+        self.sources, self.model, self.optimizer, self.scheduler, self.config = setup_job(args)
         registry.use_schedule(args.pipeline_schedule)
         tracing.configure(args.pipeline_timeout_s, args.trace_dir)
-
-        self.sources, vocab_size = build_document_sources(args)
-        self.model, self.optimizer, self.scheduler, self.config = \
-            setup_model_and_optimizer(args, vocab_size)
         self.iteration = 0
         if args.load:
             self.iteration, _ = checkpointing.load_checkpoint(

@@ -6,6 +6,10 @@ The executor's proof: the same per-rank order as Megatron's warmup / steady / co
 ``(pp, micro-batches)`` before anything runs, then interpreted by
 :func:`~megatron.plugin.pipeline.executor.run_schedule`. Transfers carry Megatron's fixed
 ``[seq/TP (with SP), micro-batch, hidden]`` activation shape.
+
+:func:`single_model_chunk` and :func:`run_this_rank` are the glue every IR schedule shares
+between Megatron's forward-backward arguments and the executor (``elastic`` and ``seq1f1b`` use
+them too).
 """
 from __future__ import annotations
 
@@ -37,36 +41,53 @@ def megatron_process_groups() -> ProcessGroupCollection:
         required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp_cp"])
 
 
+def single_model_chunk(name: str, model, data_iterator):
+    """``(model, data_iterator)`` of the one model chunk an IR schedule runs per rank."""
+    if isinstance(model, list):
+        if len(model) != 1:
+            raise ValueError(f"{name} runs one model chunk per rank: drop "
+                             f"--num-layers-per-virtual-pipeline-stage or use 'interleaved'")
+        model = model[0]
+    if isinstance(data_iterator, list):
+        data_iterator = data_iterator[0]
+    return model, data_iterator
+
+
+def run_this_rank(schedule, groups: ProcessGroupCollection, *, forward_step_func,
+                  data_iterator, model, num_microbatches, shape_of, forward_only,
+                  collect_non_loss_data, first_val_step, chunks=None) -> list:
+    """Run this pipeline rank's row of ``schedule`` with Megatron's forward-backward
+    arguments, under the configured timeout, and record its trace; returns the loss dicts."""
+    pp, rank = groups.pp.size(), groups.pp.rank()
+    ctx = StageContext(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, shape_of=shape_of, pp_group=groups.pp,
+        pg_collection=groups, is_first_stage=rank == 0, is_last_stage=rank == pp - 1,
+        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
+        first_val_step=first_val_step, timeout_s=tracing.settings().timeout_s, chunks=chunks)
+    result = run_schedule(schedule[rank], ctx)
+    tracing.record(ctx.events)
+    return result
+
+
 def forward_backward_1f1b_ir(*, forward_step_func, data_iterator, model, num_microbatches,
                              seq_length, micro_batch_size, decoder_seq_length=None,
                              forward_only=False, collect_non_loss_data=False,
                              first_val_step=None, **unused):
     """Megatron forward-backward signature; see the module docstring."""
     del unused
-    if isinstance(model, list):
-        if len(model) != 1:
-            raise ValueError("1f1b-ir runs one model chunk per rank: drop "
-                             "--num-layers-per-virtual-pipeline-stage or use 'interleaved'")
-        model = model[0]
-    if isinstance(data_iterator, list):
-        data_iterator = data_iterator[0]
-    config = get_model_config(model)
+    model, data_iterator = single_model_chunk("1f1b-ir", model, data_iterator)
     groups = megatron_process_groups()
-    pp = groups.pp.size()
     shape = megatron_schedules.get_tensor_shapes(
         seq_length=seq_length, micro_batch_size=micro_batch_size,
-        decoder_seq_length=decoder_seq_length, config=config, tp_group=groups.tp,
-        cp_group=groups.cp)[0]
-    rank = groups.pp.rank()
-    ctx = StageContext(
+        decoder_seq_length=decoder_seq_length, config=get_model_config(model),
+        tp_group=groups.tp, cp_group=groups.cp)[0]
+    return run_this_rank(
+        planned_1f1b(groups.pp.size(), num_microbatches), groups,
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
-        num_microbatches=num_microbatches, shape_of=lambda action: shape, pp_group=groups.pp,
-        pg_collection=groups, is_first_stage=rank == 0, is_last_stage=rank == pp - 1,
+        num_microbatches=num_microbatches, shape_of=lambda action: shape,
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, timeout_s=tracing.settings().timeout_s)
-    result = run_schedule(planned_1f1b(pp, num_microbatches)[rank], ctx)
-    tracing.record(ctx.events)
-    return result
+        first_val_step=first_val_step)
 
 
 register_schedule("1f1b-ir", forward_backward_1f1b_ir)
