@@ -12,6 +12,7 @@ import argparse
 from megatron.plugin import registry
 from megatron.plugin.pipeline import megatron_ir  # noqa: F401  (registers 1f1b-ir)
 import elastic_pipe.runtime  # noqa: F401,E402  (registers elastic, seq1f1b and their flags)
+import helix.runtime  # noqa: F401,E402  (registers helix and its flags)
 
 
 #: Megatron-LM flags users commonly pass that this script does not implement.
@@ -194,6 +195,9 @@ def validate_args(args: argparse.Namespace, world_size: int | None = None) -> No
     if args.global_batch_size <= 0 or args.train_iters < 0:
         raise ValueError("--global-batch-size must be positive and --train-iters non-negative")
     registry.check_name(args.pipeline_schedule)
+    check = registry.schedule_hook(args.pipeline_schedule, "check_args")
+    if check is not None:
+        check(args)
     cp = args.context_parallel_size
     if cp > 1 and args.pipeline_schedule in MEGATRON_SCHEDULES:
         raise ValueError("--context-parallel-size > 1 is not supported with Megatron's own "

@@ -9,6 +9,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron.plugin import registry
 from megatron.plugin.attention import RopeSettings, document_layer_spec
 
 
@@ -84,11 +85,20 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
 
 def build_model_chunks(args: argparse.Namespace, config: TransformerConfig,
                        vocab_size: int) -> list[GPTModel]:
-    """One ``GPTModel`` per (virtual) pipeline stage held by this rank."""
+    """One ``GPTModel`` per (virtual) pipeline stage held by this rank, or what the schedule's
+    ``build_model`` makes (helix places layer parts itself)."""
     vp_size = config.virtual_pipeline_model_parallel_size
     rope = None
     if args.position_embedding_type == "rope":
         rope = RopeSettings(rotary_base=args.rotary_base, rotary_percent=args.rotary_percent)
+    build = registry.schedule_hook(args.pipeline_schedule, "build_model")
+    if build is not None:
+        return build(
+            args, config, padded_vocab_size(vocab_size, args),
+            document_layer_spec(1, args.normalization, rope).layer_specs[0],
+            max_sequence_length=args.max_position_embeddings,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type="none" if rope else "learned_absolute")
     chunks = []
     for vp_stage in range(vp_size or 1):
         stage = vp_stage if vp_size else None

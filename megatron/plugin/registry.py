@@ -63,6 +63,13 @@ def check_name(name: str) -> None:
             f"unknown pipeline schedule {name!r}; valid names: {', '.join(schedule_names())}")
 
 
+def schedule_hook(name: str, hook: str):
+    """Attribute ``hook`` of the schedule registered under ``name`` (``check_args``,
+    ``build_model``, ``prepare_input``, ...), or ``None`` (also for ``default``)."""
+    check_name(name)
+    return getattr(_REGISTRY.get(name), hook, None)
+
+
 def get_schedule(name: str) -> Callable:
     """The forward-backward function registered under ``name``."""
     check_name(name)

@@ -154,15 +154,15 @@ def schedule_input(schedule_fn, documents, args, model):
 
 
 def reduce_losses(losses_reduced) -> tuple[float, float]:
-    """Global ``(loss_sum, tokens)`` of one step from the last stage's loss dicts."""
+    """Global ``(loss_sum, tokens)`` of one step from the loss dicts of the stage that computes
+    the loss (the last one, or stage 0 under helix); every rank gets them."""
     totals = torch.zeros(2, dtype=torch.float64)
     for report in losses_reduced:
         totals += report["lm loss"].detach().to("cpu", torch.float64)
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     dist.all_reduce(totals, group=group)
-    # The last pipeline stage holds the loss; share it with every stage.
-    last = parallel_state.get_pipeline_model_parallel_last_rank()
-    dist.broadcast(totals, src=last, group=parallel_state.get_pipeline_model_parallel_group())
+    # One pipeline stage holds the loss, the others add zeros: share it with every stage.
+    dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
     return float(totals[0]), float(totals[1])
 
 

@@ -1,5 +1,6 @@
 """Golden: Megatron's native schedules, ``1f1b-ir`` (the executor), ``elastic`` and ``seq1f1b``
-(document chunks with K/V context and per-chunk checkpointing) on CPU (gloo) equal the
+(document chunks with K/V context and per-chunk checkpointing) and ``helix`` (layer parts on
+other stages, weight shipping, recomputation without attention) on CPU (gloo) equal the
 single-process reference, and ``1f1b-ir`` equals Megatron's native 1F1B.
 
 Loss and every parameter gradient of one training step over a fixed set of documents
@@ -31,6 +32,8 @@ ELASTIC_EXPECTED = {
     "pp2_ulysses2_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_dp2_elastic": ({"split", "hybrid", "batched"}, "none"),
 }
+
+HELIX = ["--pipeline-schedule", "helix"]
 
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
 #: own initial weights and its own single-process reference.
@@ -66,12 +69,25 @@ VARIANTS = {
                                    *ELASTIC]),
         "pp2_ulysses2_elastic": (4, ["--pipeline-model-parallel-size", "2",
                                      "--context-parallel-size", "2", *ELASTIC]),
+        # Helix: checkpoints written by GPTModel load into the helix layout and back (the
+        # comparison goes through them), and the micro-batch count needs padding.
+        "pp2_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_helix_recompute": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
+                                    "--helix-recompute-without-attention"]),
+        "pp2_helix_one_fold": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
+                                   "--helix-folds", "1"]),
+        "pp4_helix_recompute": (4, ["--pipeline-model-parallel-size", "4", *HELIX,
+                                    "--helix-recompute-without-attention"]),
+        "pp2_tp2_sp_helix": (4, ["--pipeline-model-parallel-size", "2",
+                                 "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                 *HELIX]),
     }),
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--disable-bias-linear",
                              "--untie-embeddings-and-output-weights"], {
         "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
         "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
+        "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
     }),
 }
 CASES = [(variant, tag) for variant, (_, layouts) in VARIANTS.items() for tag in layouts]
@@ -164,3 +180,13 @@ def test_document_chunk_runs_exercise_what_they_claim(golden, tag):
         assert max(counts) < 2, "uniform case must checkpoint part of the stage's layers"
     else:
         assert len(counts) > 1 and any(len(set(row)) > 1 for row in plan["ckpt"]), plan["ckpt"]
+
+
+def test_helix_runs_needed_padding(golden):
+    """Helix completes the micro-batch count to a multiple of p x folds with empty
+    micro-batches: 4 micro-batches at p x folds = 8, and 2 per data-parallel rank at 4."""
+    for variant, tag in [("learned", "pp4_helix_recompute"),
+                         ("rope_swiglu_rmsnorm", "pp2_dp2_helix")]:
+        with open(golden / variant / f"helix_{tag}.json") as f:
+            record = json.load(f)
+        assert record["padding"] > 0, record

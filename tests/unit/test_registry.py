@@ -61,7 +61,7 @@ def test_unknown_name_lists_valid_names():
     from megatron.plugin import arguments  # noqa: F401  (imports every schedule package)
 
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; valid names: "
-                                         r"default, 1f1b, 1f1b-ir, elastic, interleaved, "
+                                         r"default, 1f1b, 1f1b-ir, elastic, helix, interleaved, "
                                          r"seq1f1b$"):
         registry.use_schedule("zigzag")
 

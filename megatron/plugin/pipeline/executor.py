@@ -36,7 +36,7 @@ import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch.autograd import Variable
@@ -81,7 +81,34 @@ class StageContext:
     first_val_step: bool | None = None
     timeout_s: float = 600.0
     chunks: ChunkState | None = None
+    program: "PartProgram | None" = None
+    """Part schedules (helix): runs every compute action (see :class:`PartProgram`)."""
     events: list = field(default_factory=list)
+
+
+class PartProgram(Protocol):
+    """What a schedule of layer *parts* supplies to the executor (helix).
+
+    Tensors flow between compute actions by name: ``forward(action, inputs)`` and
+    ``backward(action, grads)`` take ``{tensor name: tensor}`` and return
+    ``([(consumer kind, consumer part, tensor name, tensor), ...], loss tokens)``; the consumer
+    is the compute action of the same unit that uses the tensor, on this stage (handed over
+    directly) or on another (a transfer named by the consumer's part carries it; ``flow``
+    gives the consumer of a transfer). ``recompute(action)`` rebuilds a forward's graph.
+    Tensors listed by ``freeable(name)`` are pseudo-deallocated once sent, as Megatron does with
+    stage outputs. With ``flow.eager_sends`` sends are posted without waiting; the executor
+    waits for them at the end.
+    """
+
+    flow: object
+
+    def forward(self, action: Action, inputs: dict) -> tuple[list, int]: ...
+
+    def backward(self, action: Action, grads: dict) -> tuple[list, int]: ...
+
+    def recompute(self, action: Action) -> None: ...
+
+    def freeable(self, name: str) -> bool: ...
 
 
 class _GradSync:
@@ -180,6 +207,15 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
         step_func = functools.partial(step_func, kv_store=chunks.kv_store, record_kv=True)
     forwards_done = 0
     origin = time.perf_counter()
+    program = ctx.program
+    eager = program is not None and program.flow.eager_sends
+    posted_sends = []
+    mailbox: dict[tuple, torch.Tensor] = {}
+
+    def route(a: Action) -> tuple:
+        if program is None:
+            return (a.kind, a.unit, a.part)
+        return (*program.flow.consumer(a), a.tensor)
 
     index = 0
     while index < len(actions):
@@ -189,15 +225,22 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             stop = batches[index]
             batch = [a for a in actions[index:stop]
                      if training or a.kind in (Kind.SEND_F, Kind.RECV_F)]
-            sends = [(a, to_send.pop((a.kind, a.unit, a.part))) for a in batch if a.is_send()]
+            outbox = to_send if program is None else mailbox
+            sends = [(a, outbox.pop(route(a))) for a in batch if a.is_send()]
             recvs = [(a, torch.empty(ctx.shape_of(a), dtype=dtype, device=device))
                      for a in batch if a.is_recv()]
-            channel.exchange(sends, recvs)
+            if eager:
+                posted_sends.append(channel.post(sends, []))
+                channel.exchange([], recvs)
+            else:
+                channel.exchange(sends, recvs)
+            inbox = received if program is None else mailbox
             for a, buffer in recvs:
-                received[(a.kind, a.unit, a.part)] = buffer
+                inbox[route(a)] = buffer
             for a, tensor in sends:
                 # A checkpoint boundary that is the stage output is a leaf: keep its data.
-                if a.kind is Kind.SEND_F and training and tensor.grad_fn is not None:
+                if a.kind is Kind.SEND_F and training and tensor.grad_fn is not None and \
+                        (program is None or program.freeable(a.tensor)) and not eager:
                     megatron_schedules.deallocate_output_tensor(
                         tensor, config.deallocate_pipeline_outputs)
             took = time.perf_counter() - start
@@ -206,7 +249,22 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             index = stop
             continue
         key = (action.unit, action.part)
-        if action.kind is Kind.FORWARD:
+        if program is not None:
+            if action.kind is Kind.RECOMPUTE:
+                if training:
+                    program.recompute(action)
+            elif training or action.kind in (Kind.FORWARD, Kind.ATTN_F):
+                if index == last_backward and (config.grad_sync_func is None or rank == 0):
+                    sync.enable()
+                mine = [k for k in mailbox if k[:3] == (action.kind, action.unit, action.part)]
+                given = {k[3]: mailbox.pop(k) for k in mine}
+                run = program.forward if action.kind in (Kind.FORWARD, Kind.ATTN_F) \
+                    else program.backward
+                made, num_tokens = run(action, given)
+                total_tokens += num_tokens
+                for kind, part, name, tensor in made:
+                    mailbox[(kind, action.unit, part, name)] = tensor
+        elif action.kind is Kind.FORWARD:
             input_tensor = received.pop((Kind.RECV_F, *key), None)
             if input_tensor is not None:
                 input_tensor.requires_grad_(training)
@@ -261,6 +319,11 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
         ctx.events.append(TraceEvent(rank, str(action), start - origin,
                                      time.perf_counter() - start))
         index += 1
+    for pending in posted_sends:
+        pending.wait()
+    if mailbox:
+        raise RuntimeError(f"pipeline rank {rank}: the schedule left tensors nobody consumed: "
+                           f"{sorted(str(k) for k in mailbox)[:8]}")
     if chunks is not None:
         if ctx.forward_only:
             chunks.kv_store.clear()
@@ -278,6 +341,10 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             if config.grad_sync_func is not None:
                 config.grad_sync_func(model.parameters())
         if config.finalize_model_grads_func is not None:
+            if program is not None:
+                # Megatron takes the token count from the last stage; a part schedule may
+                # compute the loss elsewhere (helix: stage 0), so every stage gets the total.
+                torch.distributed.all_reduce(total_tokens, group=ctx.pp_group)
             megatron_schedules.finish_embedding_wgrad_compute(
                 config, embedding_module, ctx.is_last_stage, ctx.pg_collection.tp)
             config.finalize_model_grads_func(

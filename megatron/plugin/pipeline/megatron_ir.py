@@ -55,7 +55,7 @@ def single_model_chunk(name: str, model, data_iterator):
 
 def run_this_rank(schedule, groups: ProcessGroupCollection, *, forward_step_func,
                   data_iterator, model, num_microbatches, shape_of, forward_only,
-                  collect_non_loss_data, first_val_step, chunks=None) -> list:
+                  collect_non_loss_data, first_val_step, chunks=None, program=None) -> list:
     """Run this pipeline rank's row of ``schedule`` with Megatron's forward-backward
     arguments, under the configured timeout, and record its trace; returns the loss dicts."""
     pp, rank = groups.pp.size(), groups.pp.rank()
@@ -64,7 +64,8 @@ def run_this_rank(schedule, groups: ProcessGroupCollection, *, forward_step_func
         num_microbatches=num_microbatches, shape_of=shape_of, pp_group=groups.pp,
         pg_collection=groups, is_first_stage=rank == 0, is_last_stage=rank == pp - 1,
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        first_val_step=first_val_step, timeout_s=tracing.settings().timeout_s, chunks=chunks)
+        first_val_step=first_val_step, timeout_s=tracing.settings().timeout_s, chunks=chunks,
+        program=program)
     result = run_schedule(schedule[rank], ctx)
     tracing.record(ctx.events)
     return result

@@ -14,7 +14,8 @@ channel; each transfer also carries a tag derived from its identity
 transfers even if that guarantee were broken.
 
 Every wait has a timeout; the error names the rank, the action and the peer instead of hanging.
-Handles and send buffers are released as soon as their batch completes.
+Handles and send buffers are released as soon as their batch completes (or, for sends posted
+ahead with :meth:`PeerChannel.post`, when the caller waits for them).
 """
 from __future__ import annotations
 
@@ -52,6 +53,11 @@ class PeerChannel:
                  recvs: list[tuple[Action, torch.Tensor]]) -> None:
         """Post every send and every receive (into the given buffers) together, then wait for
         all of them."""
+        self.post(sends, recvs).wait()
+
+    def post(self, sends: list[tuple[Action, torch.Tensor]],
+             recvs: list[tuple[Action, torch.Tensor]]) -> "Posted":
+        """Post every send and every receive together; :meth:`Posted.wait` waits for them."""
         ops, actions = [], []
         for action, tensor in sends:
             ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(),
@@ -61,11 +67,21 @@ class PeerChannel:
             ops.append(dist.P2POp(dist.irecv, buffer, self._global(action.peer), self.group,
                                   tag_of(action)))
             actions.append(action)
-        if not ops:
-            return
-        works = dist.batch_isend_irecv(ops)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        return Posted(self, actions, works, ops)
+
+
+class Posted:
+    """Transfers posted together; the send buffers stay referenced until :meth:`wait`."""
+
+    def __init__(self, channel: PeerChannel, actions: list[Action], works: list, ops: list):
+        self.channel, self.actions, self.works, self.ops = channel, actions, works, ops
+
+    def wait(self) -> None:
+        """Wait for every transfer, or raise :class:`TransferTimeout` naming what is missing."""
+        actions, works = self.actions, self.works
         start = time.monotonic()
-        deadline = start + self.timeout_s
+        deadline = start + self.channel.timeout_s
         # NCCL coalesces a batch into one handle: then the error names the whole batch.
         named = zip(actions, works) if len(works) == len(actions) else \
             ((None, work) for work in works)
@@ -83,6 +99,7 @@ class PeerChannel:
                     what = ("send of " if action.is_send() else "receive of ") + str(action)
                     peer = f"peer stage {action.peer}"
                 raise TransferTimeout(
-                    f"{self.rank_label}: {what} ({peer}) did not complete within "
+                    f"{self.channel.rank_label}: {what} ({peer}) did not complete within "
                     f"{waited:.1f}s: the peer never posted the matching transfer or stopped; "
                     f"raise --pipeline-timeout-s if the peer is only slow ({err})") from err
+        self.works = self.ops = []

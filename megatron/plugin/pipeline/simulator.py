@@ -9,9 +9,13 @@ the later of the two postings. This is how NCCL behaves (a send occupies the str
 peer receives), so a schedule that finishes here cannot deadlock on NCCL or gloo. Waiting for
 a batch is the rank's idle time.
 
+With ``eager_sends`` (schedules whose hops run against the pipeline's direction, helix) a rank
+posts its sends and goes on at once: only the batch's receives are waited for, and the sends
+complete in the background (the executor waits for them at the end of the schedule).
+
 Memory model: a ``FORWARD`` or ``RECOMPUTE`` adds ``costs.activation_bytes(action)`` to the
 stash of its ``(stage, unit, part)`` when it ends; the ``BACKWARD`` of that key releases the
-whole stash when it ends. Each rank starts at ``costs.static_bytes(rank)`` (model state). The
+whole stash when it ends (``ATTN_F`` / ``ATTN_B`` likewise, in a stash of their own). Each rank starts at ``costs.static_bytes(rank)`` (model state). The
 timeline lists ``(time, bytes)`` after every change; its maximum is the rank's peak.
 
 The engine is a work list: a rank runs until a batch has a transfer whose peer has not posted
@@ -97,7 +101,8 @@ class SimResult:
         return sum(self.idle) / (len(self.idle) * self.iteration_time)
 
 
-_STASH = (Kind.FORWARD, Kind.RECOMPUTE)
+_STASH = (Kind.FORWARD, Kind.RECOMPUTE, Kind.ATTN_F)
+_RELEASE = (Kind.BACKWARD, Kind.ATTN_B)
 
 
 def transfer_batches(actions: list[Action]) -> list[tuple[int, int]]:
@@ -116,7 +121,8 @@ def transfer_batches(actions: list[Action]) -> list[tuple[int, int]]:
     return batches
 
 
-def simulate(schedule: Schedule, costs=None, trace: bool = True) -> SimResult:
+def simulate(schedule: Schedule, costs=None, trace: bool = True,
+             eager_sends: bool = False) -> SimResult:
     """Replay ``schedule`` (with its transfers) against ``costs`` (default
     :class:`UniformCosts`). Raises :class:`Deadlock` when the schedule cannot finish."""
     costs = costs or UniformCosts()
@@ -161,6 +167,8 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True) -> SimResult:
                             ready.append(other[1])
                 finish = now
                 for op in actions[i:stop]:
+                    if eager_sends and op.is_send():
+                        continue
                     at = done.get(op.transfer_key())
                     if at is None:
                         parked[r] = True
@@ -177,10 +185,10 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True) -> SimResult:
                                          "memory" if a.is_memory() else "compute"))
             now += took
             busy[r] += took
-            if kind in _STASH or kind is Kind.BACKWARD:
+            if kind in _STASH or kind in _RELEASE:
                 held = stash[r]
-                slot = (a.stage, a.unit, a.part)
-                if kind is Kind.BACKWARD:
+                slot = (a.stage, a.unit, a.part, kind in (Kind.ATTN_F, Kind.ATTN_B))
+                if kind in _RELEASE:
                     memory[r] -= held.pop(slot, 0.0)
                 else:
                     added = costs.activation_bytes(a)
@@ -199,6 +207,6 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True) -> SimResult:
                      peak_memory=peak, memory_timeline=timeline, events=events)
 
 
-def dry_run(schedule: Schedule) -> None:
+def dry_run(schedule: Schedule, eager_sends: bool = False) -> None:
     """Raise :class:`Deadlock` when ``schedule`` cannot run to completion (costs ignored)."""
-    simulate(schedule, UniformCosts(), trace=False)
+    simulate(schedule, UniformCosts(), trace=False, eager_sends=eager_sends)

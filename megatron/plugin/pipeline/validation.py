@@ -3,17 +3,22 @@
 :func:`validate` checks, in order:
 
 1. placement: every stage lives on exactly one rank, no action appears twice on a rank;
-2. pairing: every forward has exactly one backward after it on the same rank, every
-   backward and recompute follows its forward, a recompute precedes its backward;
-3. local order of transfers: a send of activations (gradients) follows the forward
-   (backward) that produced them, a receive precedes the compute that consumes it;
+2. pairing: every forward (foreign-attention forward) has exactly one backward (attention
+   backward) after it on the same rank, every backward and recompute follows its forward, a
+   recompute precedes its backward;
+3. local order of transfers: a send follows the compute that produced what it carries, a
+   receive precedes the compute that consumes it. By default (layer-wise pipelines) that is
+   the forward (backward) of the same unit and part; schedules whose transfers connect
+   different parts (helix) pass a ``flow`` with ``producer(transfer)`` and
+   ``consumer(transfer)`` returning ``(kind, unit, part)``;
 4. matching: every send has exactly one receive on the peer's rank and vice versa, with equal
    shapes when ``shape_of`` is given;
 5. channel order: between two ranks, receives are posted in the order of the sends. NCCL
    matches point-to-point transfers by issue order only, so this is what makes a schedule
    portable between gloo and NCCL;
 6. a dry run (:func:`~megatron.plugin.pipeline.simulator.dry_run`) proves there is no
-   deadlock with blocking receives and asynchronous sends.
+   deadlock: transfers posted in batches, each batch waited for whole (or, when the flow has
+   ``eager_sends``, only its receives).
 
 A failure raises :class:`ScheduleError` (a ``ValueError``) whose message holds the
 per-rank grid around the failing step, the failing cells marked ``<-- ERROR HERE``.
@@ -70,14 +75,15 @@ def format_grid(schedule: Schedule, marks: list[tuple[int, int]] = ()) -> str:
     return "\n".join(out)
 
 
-def validate(schedule: Schedule, shape_of: Callable[[Action], tuple] | None = None) -> None:
+def validate(schedule: Schedule, shape_of: Callable[[Action], tuple] | None = None,
+             flow=None) -> None:
     """Raise :class:`ScheduleError` unless ``schedule`` can run correctly (see module doc)."""
     _check_placement(schedule)
     for rank, actions in enumerate(schedule):
-        _check_rank(schedule, rank, actions)
+        _check_rank(schedule, rank, actions, flow or LayerwiseFlow())
     _check_matching(schedule, shape_of)
     try:
-        dry_run(schedule)
+        dry_run(schedule, eager_sends=getattr(flow, "eager_sends", False))
     except Deadlock as err:
         raise ScheduleError("deadlock: every unfinished rank waits for a receive whose send "
                             "never comes (marked)", schedule,
@@ -99,34 +105,55 @@ def _check_placement(schedule: Schedule) -> None:
             seen[a] = step
 
 
-_PRODUCER = {Kind.SEND_F: Kind.FORWARD, Kind.SEND_B: Kind.BACKWARD}
-_CONSUMER = {Kind.RECV_F: Kind.FORWARD, Kind.RECV_B: Kind.BACKWARD}
+class LayerwiseFlow:
+    """Transfers of a layer-wise pipeline: activations come from the forward and go to the
+    forward of the same unit and part, gradients likewise between backwards."""
+
+    _COMPUTE = {Kind.SEND_F: Kind.FORWARD, Kind.RECV_F: Kind.FORWARD,
+                Kind.SEND_B: Kind.BACKWARD, Kind.RECV_B: Kind.BACKWARD}
+
+    eager_sends = False
+
+    def producer(self, transfer: Action) -> tuple:
+        return self._COMPUTE[transfer.kind], transfer.unit, transfer.part
+
+    consumer = producer
 
 
-def _check_rank(schedule: Schedule, rank: int, actions: list[Action]) -> None:
+#: Forward kinds and the backward that must follow each on the same rank.
+_BACKWARD_OF = {Kind.FORWARD: Kind.BACKWARD, Kind.ATTN_F: Kind.ATTN_B}
+_FORWARD_OF = {Kind.BACKWARD: Kind.FORWARD, Kind.RECOMPUTE: Kind.FORWARD,
+               Kind.ATTN_B: Kind.ATTN_F}
+
+
+def _check_rank(schedule: Schedule, rank: int, actions: list[Action], flow) -> None:
     where: dict[tuple, int] = {}
     for step, a in enumerate(actions):
         if a.is_compute():
             where[(a.kind, a.stage, a.unit, a.part)] = step
     for step, a in enumerate(actions):
         key = (a.stage, a.unit, a.part)
-        forward = where.get((Kind.FORWARD, *key))
-        backward = where.get((Kind.BACKWARD, *key))
-        if a.kind is Kind.FORWARD and backward is None:
+        if a.kind in _BACKWARD_OF and where.get((_BACKWARD_OF[a.kind], *key)) is None:
             raise ScheduleError(f"{a} has no backward on rank {rank}", schedule, [(rank, step)])
-        if a.kind in (Kind.BACKWARD, Kind.RECOMPUTE) and (forward is None or forward > step):
-            raise ScheduleError(f"{a} comes before its forward", schedule, [(rank, step)])
-        if a.kind is Kind.RECOMPUTE and (backward is None or backward < step):
-            raise ScheduleError(f"{a} has no backward after it", schedule, [(rank, step)])
-        if a.kind in _PRODUCER:
-            made = where.get((_PRODUCER[a.kind], *key))
+        if a.kind in _FORWARD_OF:
+            forward = where.get((_FORWARD_OF[a.kind], *key))
+            if forward is None or forward > step:
+                raise ScheduleError(f"{a} comes before its forward", schedule, [(rank, step)])
+        if a.kind is Kind.RECOMPUTE:
+            backward = where.get((Kind.BACKWARD, *key))
+            if backward is None or backward < step:
+                raise ScheduleError(f"{a} has no backward after it", schedule, [(rank, step)])
+        if a.is_send():
+            kind, unit, made_by = flow.producer(a)
+            made = where.get((kind, a.stage, unit, made_by))
             if made is None or made > step:
-                raise ScheduleError(f"{a} sends what no earlier {_PRODUCER[a.kind].name.lower()} "
+                raise ScheduleError(f"{a} sends what no earlier {kind.name.lower()} "
                                     f"on rank {rank} produced", schedule, [(rank, step)])
-        if a.kind in _CONSUMER:
-            used = where.get((_CONSUMER[a.kind], *key))
+        if a.is_recv():
+            kind, unit, used_by = flow.consumer(a)
+            used = where.get((kind, a.stage, unit, used_by))
             if used is None or used < step:
-                raise ScheduleError(f"{a} receives what no later {_CONSUMER[a.kind].name.lower()} "
+                raise ScheduleError(f"{a} receives what no later {kind.name.lower()} "
                                     f"on rank {rank} uses", schedule, [(rank, step)])
 
 

@@ -1,0 +1,1 @@
+"""HelixPipe: attention-parallel partition, two-fold first-in-last-out schedule."""

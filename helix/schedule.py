@@ -1,0 +1,269 @@
+"""HelixPipe's first-in-last-out schedule as IR, its transfers, and per-part costs.
+
+Actions (see :mod:`helix.model` for the parts): ``FORWARD``/``BACKWARD`` of unit ``m`` with
+part ``.l<b>`` are the *boundary* ``b`` (``post(b - 1)`` + ``pre(b)``) on stage ``b mod p``;
+``ATTN_F``/``ATTN_B`` with part ``.l<l>`` are the attention of layer ``l`` on stage
+:func:`~helix.model.attention_stage`. A transfer carries one tensor and is named by its
+*consumer's* part; the tensors are ``x`` (normed input), ``r`` (residual), ``w`` / ``wb`` (QKV
+weight and bias, weight shipping) from a boundary to its attention, and ``o`` (attention output)
+and ``res`` (the residual, relayed) from the attention to the next boundary; gradients travel
+back under the same names.
+
+Order (:func:`helix_order`). Micro-batch ``m`` has *slot* ``d = (m // F) mod p`` and *fold*
+``f = m mod F`` (``F`` folds, 2 for the two-fold schedule); ``p F`` consecutive micro-batches
+form a *repeat*. Its attention of layer ``l`` runs on stage ``(l + d + 1) mod p``, so the ``p``
+slots spread every layer's attention over all stages. Stage ``s`` walks its boundaries
+``c = s, s + p, ...`` (one past the last too, for the attention left over). For each ``c``:
+
+1. attention part, slots ``d = p - 2 .. 0``: the attention of layer ``c - 1 - d`` (it arrived
+   from boundary ``c - 1 - d`` and feeds boundary ``c - d``); at ``d = 0`` it feeds this stage's
+   own boundary ``c``, which runs right after it;
+2. boundary part, slots ``d = 1 .. p - 1``: boundary ``c``; at ``d = p - 1`` the attention of
+   layer ``c`` is local and runs right after it.
+
+Each slot runs its ``F`` folds back to back. All forwards of all repeats come first, then the
+backwards in exactly the reverse order (first in, last out): each stage's backward list is its
+forward list reversed. With ``F = 2`` two micro-batches are in flight on every hop, so one
+fold's transfer can overlap the other fold's compute.
+
+Per-stage idle time with uniform part costs (forward ``t``, backward ``2t``, transfers free) is
+``3 F (p - 1)(t_pre + t_post)`` -- the paper's ``3(p-1)`` for one fold and ``6(p-1)`` for two --
+and ``4 F (p - 1)(t_pre + t_post)`` when the boundaries are recomputed before their backward
+(the paper's ``8(p-1)``); attention never appears in it. ``tests/unit/test_helix_schedule.py``
+checks this against :func:`~megatron.plugin.pipeline.simulator.simulate`.
+
+Micro-batch counts that are not a multiple of ``p F``: the schedule is generated for the next
+multiple and the units past the real count are removed whole (every action and transfer of an
+empty micro-batch), which keeps the remaining order valid; :func:`padding` reports how many.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from helix.mapping import attention_stage
+from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.passes import add_recomputation
+from megatron.plugin.pipeline.validation import validate
+
+Schedule = list[list[Action]]
+
+PRE_TENSORS = ("x", "r", "w")
+"""What a boundary sends its attention (plus ``wb`` when the QKV projection has a bias)."""
+POST_TENSORS = ("o", "res")
+"""What an attention sends the next boundary."""
+
+
+def part(index: int) -> str:
+    return f".l{index}"
+
+
+def part_index(name: str) -> int:
+    return int(name[2:])
+
+
+def padding(microbatches: int, pp: int, folds: int) -> int:
+    """Empty micro-batches that complete ``microbatches`` to a multiple of ``pp x folds``."""
+    return -microbatches % (pp * folds)
+
+
+def slot_of(unit: int, pp: int, folds: int) -> int:
+    return (unit // folds) % pp
+
+
+def helix_order(pp: int, num_layers: int, microbatches: int, folds: int = 2) -> Schedule:
+    """Per-stage compute order (forwards, then the same list reversed as backwards)."""
+    if pp < 2 or num_layers % pp:
+        raise ValueError(f"helix needs pp >= 2 and layers divisible by pp (got pp={pp}, "
+                         f"layers={num_layers})")
+    if microbatches < 1 or folds < 1:
+        raise ValueError(f"helix needs micro-batches >= 1 and folds >= 1 (got "
+                         f"{microbatches}, {folds})")
+    total = microbatches + padding(microbatches, pp, folds)
+    group = pp * folds
+    schedule = []
+    for stage in range(pp):
+        forwards: list[Action] = []
+        for first in range(0, total, group):
+            def units(d):
+                return [first + d * folds + f for f in range(folds)]
+
+            for c in range(stage, num_layers + pp, pp):
+                for d in range(pp - 2, -1, -1):
+                    layer = c - 1 - d
+                    for m in units(d):
+                        if 0 <= layer < num_layers:
+                            forwards.append(Action(stage, Kind.ATTN_F, m, part(layer)))
+                        if d == 0 and c <= num_layers:
+                            forwards.append(Action(stage, Kind.FORWARD, m, part(c)))
+                if c > num_layers:
+                    continue
+                for d in range(1, pp):
+                    for m in units(d):
+                        forwards.append(Action(stage, Kind.FORWARD, m, part(c)))
+                        if d == pp - 1 and c < num_layers:
+                            forwards.append(Action(stage, Kind.ATTN_F, m, part(c)))
+        forwards = [a for a in forwards if a.unit < microbatches]
+        backwards = [Action(a.stage, _BACKWARD_OF[a.kind], a.unit, a.part)
+                     for a in reversed(forwards)]
+        schedule.append(forwards + backwards)
+    return schedule
+
+
+_BACKWARD_OF = {Kind.FORWARD: Kind.BACKWARD, Kind.ATTN_F: Kind.ATTN_B}
+
+
+@dataclass(frozen=True)
+class HelixFlow:
+    """Where each helix transfer comes from and goes to (for the validator and executor)."""
+
+    pp: int
+    num_layers: int
+    folds: int
+    eager_sends = True
+    """Hops run both ways round the ring, so a send cannot wait for its receive (see
+    :func:`~megatron.plugin.pipeline.simulator.simulate`)."""
+
+    def attention_stage(self, layer: int, unit: int) -> int:
+        return attention_stage(layer, slot_of(unit, self.pp, self.folds), self.pp)
+
+    def producer(self, transfer: Action) -> tuple[Kind, int, str]:
+        """``(kind, unit, part)`` of the compute that makes what ``transfer`` carries."""
+        index = part_index(transfer.part)
+        forward = transfer.kind in (Kind.SEND_F, Kind.RECV_F)
+        if transfer.tensor in POST_TENSORS:
+            if forward:
+                return Kind.ATTN_F, transfer.unit, part(index - 1)
+            return Kind.BACKWARD, transfer.unit, part(index + 1)
+        if forward:
+            return Kind.FORWARD, transfer.unit, transfer.part
+        return Kind.ATTN_B, transfer.unit, transfer.part
+
+    def consumer(self, transfer: Action) -> tuple[Kind, int, str]:
+        """``(kind, unit, part)`` of the compute that uses what ``transfer`` carries."""
+        forward = transfer.kind in (Kind.SEND_F, Kind.RECV_F)
+        if transfer.tensor in POST_TENSORS:
+            kind = Kind.FORWARD if forward else Kind.ATTN_B
+        else:
+            kind = Kind.ATTN_F if forward else Kind.BACKWARD
+        return kind, transfer.unit, transfer.part
+
+
+def add_helix_communication(schedule: Schedule, flow: HelixFlow,
+                            pre_tensors=PRE_TENSORS) -> Schedule:
+    """Transfers of every hop whose two ends are on different stages: receives right before
+    the compute that consumes them, sends right after the compute that produces them."""
+    L = flow.num_layers
+    out: Schedule = []
+    for actions in schedule:
+        row: list[Action] = []
+        for a in actions:
+            index = part_index(a.part)
+            if a.kind is Kind.FORWARD:
+                if index > 0:
+                    src = flow.attention_stage(index - 1, a.unit)
+                    if src != a.stage:
+                        row += [Action(a.stage, Kind.RECV_F, a.unit, a.part, src, t)
+                                for t in POST_TENSORS]
+                row.append(a)
+                if index < L:
+                    dst = flow.attention_stage(index, a.unit)
+                    if dst != a.stage:
+                        row += [Action(a.stage, Kind.SEND_F, a.unit, a.part, dst, t)
+                                for t in pre_tensors]
+            elif a.kind is Kind.ATTN_F:
+                src, dst = index % flow.pp, (index + 1) % flow.pp
+                if src != a.stage:
+                    row += [Action(a.stage, Kind.RECV_F, a.unit, a.part, src, t)
+                            for t in pre_tensors]
+                row.append(a)
+                if dst != a.stage:
+                    row += [Action(a.stage, Kind.SEND_F, a.unit, part(index + 1), dst, t)
+                            for t in POST_TENSORS]
+            elif a.kind is Kind.BACKWARD:
+                if index < L:
+                    src = flow.attention_stage(index, a.unit)
+                    if src != a.stage:
+                        row += [Action(a.stage, Kind.RECV_B, a.unit, a.part, src, t)
+                                for t in pre_tensors]
+                row.append(a)
+                if index > 0:
+                    dst = flow.attention_stage(index - 1, a.unit)
+                    if dst != a.stage:
+                        row += [Action(a.stage, Kind.SEND_B, a.unit, part(index - 1), dst, t)
+                                for t in POST_TENSORS]
+            elif a.kind is Kind.ATTN_B:
+                src, dst = (index + 1) % flow.pp, index % flow.pp
+                if src != a.stage:
+                    row += [Action(a.stage, Kind.RECV_B, a.unit, a.part, src, t)
+                            for t in POST_TENSORS]
+                row.append(a)
+                if dst != a.stage:
+                    row += [Action(a.stage, Kind.SEND_B, a.unit, a.part, dst, t)
+                            for t in pre_tensors]
+            else:
+                row.append(a)
+        out.append(row)
+    return out
+
+
+def planned_helix(pp: int, num_layers: int, microbatches: int, folds: int = 2,
+                  recompute: bool = False, pre_tensors=PRE_TENSORS) -> Schedule:
+    """The validated helix schedule with transfers (and recomputation of the boundaries)."""
+    flow = HelixFlow(pp, num_layers, folds)
+    schedule = helix_order(pp, num_layers, microbatches, folds)
+    if recompute:
+        schedule = add_recomputation(schedule, lambda a: a.kind is Kind.FORWARD)
+    schedule = add_helix_communication(schedule, flow, pre_tensors)
+    validate(schedule, flow=flow)
+    return schedule
+
+
+@dataclass(frozen=True)
+class HelixCosts:
+    """Per-part costs for the simulator: a boundary costs ``t_post + t_pre`` (only ``t_pre``
+    at boundary 0, only ``t_post`` at boundary ``L``), an attention ``t_attn``; backwards cost
+    ``backward`` times their forward, a recompute the forward again; transfers ``transfer``.
+    Memory stashed per forward (and per recompute): ``pre_bytes`` + ``post_bytes`` for a
+    boundary (only its own part at boundaries 0 and ``L``), ``attention_bytes`` for an
+    attention."""
+
+    t_pre: float
+    t_attn: float
+    t_post: float
+    num_layers: int
+    backward: float = 2.0
+    transfer: float = 0.0
+    pre_bytes: float = 1.0
+    post_bytes: float = 1.0
+    attention_bytes: float = 1.0
+
+    def _boundary(self, action: Action, pre: float | None = None,
+                  post: float | None = None) -> float:
+        index = part_index(action.part)
+        pre = self.t_pre if pre is None else pre
+        post = self.t_post if post is None else post
+        return (pre if index < self.num_layers else 0.0) + (post if index > 0 else 0.0)
+
+    def duration(self, action: Action) -> float:
+        if action.kind in (Kind.FORWARD, Kind.RECOMPUTE):
+            return self._boundary(action)
+        if action.kind is Kind.BACKWARD:
+            return self.backward * self._boundary(action)
+        if action.kind is Kind.ATTN_F:
+            return self.t_attn
+        if action.kind is Kind.ATTN_B:
+            return self.backward * self.t_attn
+        return 0.0
+
+    def transfer_time(self, action: Action) -> float:
+        del action
+        return self.transfer
+
+    def activation_bytes(self, action: Action) -> float:
+        if action.kind is Kind.ATTN_F:
+            return self.attention_bytes
+        return self._boundary(action, self.pre_bytes, self.post_bytes)
+
+    def static_bytes(self, rank: int) -> float:
+        del rank
+        return 0.0
