@@ -96,8 +96,8 @@ class PartProgram(Protocol):
     directly) or on another (a transfer named by the consumer's part carries it; ``flow``
     gives the consumer of a transfer). ``recompute(action)`` rebuilds a forward's graph.
     Tensors listed by ``freeable(name)`` are pseudo-deallocated once sent, as Megatron does with
-    stage outputs. With ``flow.eager_sends`` sends are posted without waiting; the executor
-    waits for them at the end.
+    stage outputs, unless ``flow.eager_sends``: then sends are posted without waiting, the
+    executor waits for them at the end, and sent tensors keep their data until then.
     """
 
     flow: object
