@@ -81,7 +81,7 @@ def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, mes
     (["--num-layers", "3"], "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
     (["--num-experts", "8"], "Megatron-LM flag --num-experts is not supported"),
     (["--pipeline-schedule", "zigzag"],
-     "valid names: default, 1f1b, 1f1b-ir, elastic, interleaved, seq1f1b"),
+     "valid names: default, 1f1b, 1f1b-ir, elastic, helix, interleaved, seq1f1b"),
     (["--not-a-megatron-flag"], "unrecognized arguments: --not-a-megatron-flag"),
     (["--pipeline-schedule", "elastic", "--context-parallel-size", "4",
       "--num-attention-heads", "2"],
