@@ -43,6 +43,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
+from helix.mapping import check_layout
 from helix.model import HelixGPTModel
 from helix.schedule import (PRE_TENSORS, HelixFlow, padding, part, part_index,
                             planned_helix)
@@ -68,8 +69,6 @@ register_argument_group(add_arguments)
 
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` for settings helix cannot run (called by ``validate_args``)."""
-    from helix.mapping import check_layout
-
     check_layout(args.num_layers, args.pipeline_model_parallel_size)
     if args.num_layers_per_virtual_pipeline_stage is not None:
         raise ValueError("helix interleaves layer parts itself: drop "
@@ -184,9 +183,6 @@ class HelixProgram(PartProgram):
         self.steps: dict[int, tuple] = {}
 
     # The executor's interface.
-    def freeable(self, name: str) -> bool:
-        return name == "x"
-
     def forward(self, action: Action, inputs: dict):
         if action.kind is Kind.ATTN_F:
             return self._attention_forward(action, inputs)

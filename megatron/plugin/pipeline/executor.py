@@ -95,9 +95,9 @@ class PartProgram(Protocol):
     is the compute action of the same unit that uses the tensor, on this stage (handed over
     directly) or on another (a transfer named by the consumer's part carries it; ``flow``
     gives the consumer of a transfer). ``recompute(action)`` rebuilds a forward's graph.
-    Tensors listed by ``freeable(name)`` are pseudo-deallocated once sent, as Megatron does with
-    stage outputs, unless ``flow.eager_sends``: then sends are posted without waiting, the
-    executor waits for them at the end, and sent tensors keep their data until then.
+    Sent tensors are not pseudo-deallocated: a part's outputs may be its own inputs or
+    parameters (the relayed residual, the shipped weight). With ``flow.eager_sends`` sends are
+    posted without waiting and the executor waits for them at the end.
     """
 
     flow: object
@@ -107,8 +107,6 @@ class PartProgram(Protocol):
     def backward(self, action: Action, grads: dict) -> tuple[list, int]: ...
 
     def recompute(self, action: Action) -> None: ...
-
-    def freeable(self, name: str) -> bool: ...
 
 
 class _GradSync:
@@ -240,7 +238,7 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             for a, tensor in sends:
                 # A checkpoint boundary that is the stage output is a leaf: keep its data.
                 if a.kind is Kind.SEND_F and training and tensor.grad_fn is not None and \
-                        (program is None or program.freeable(a.tensor)) and not eager:
+                        program is None:
                     megatron_schedules.deallocate_output_tensor(
                         tensor, config.deallocate_pipeline_outputs)
             took = time.perf_counter() - start
