@@ -28,6 +28,9 @@ Recomputation without attention (``--helix-recompute-without-attention``): a bou
 forward runs without autograd and keeps only its inputs (the attention output and residual
 it received, or the tokens at boundary 0) and the RNG state; ``RECOMPUTE`` rebuilds it right
 before its backward. Attention parts always keep their graph, so attention is never recomputed.
+With ``--helix-mlp-chunk-size`` the forward also keeps the MLP block's output (``mid``, the
+residual the next pre-attention ships anyway), so the recomputation does not run the MLP: its
+chunks are recomputed one at a time inside the backward (:mod:`helix.chunked_mlp`).
 """
 from __future__ import annotations
 
@@ -40,9 +43,9 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
+from helix.chunked_mlp import chunked_mlp
 from helix.mapping import check_layout
 from helix.model import HelixGPTModel
 from helix.schedule import (PRE_TENSORS, HelixFlow, padding, part, part_index,
@@ -52,6 +55,7 @@ from megatron.plugin.pipeline.executor import PartProgram, _run_backward
 from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
                                                   single_model_chunk)
+from megatron.plugin.rng import rng_restored, rng_state
 from megatron.plugin.registry import register_argument_group, register_schedule
 
 
@@ -62,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--helix-recompute-without-attention", action="store_true",
                    help="recompute pre/post-attention parts before their backward, never the "
                         "attention")
+    g.add_argument("--helix-mlp-chunk-size", type=int, default=None, metavar="TOKENS",
+                   help="run each MLP block over chunks of TOKENS sequence positions, keeping "
+                        "one chunk's intermediate activations at a time (see "
+                        "helix/chunked_mlp.py)")
 
 
 register_argument_group(add_arguments)
@@ -78,6 +86,18 @@ def check_args(args: argparse.Namespace) -> None:
                          "is not supported with it (use elastic for Ulysses)")
     if args.helix_folds < 1:
         raise ValueError(f"--helix-folds must be >= 1, got {args.helix_folds}")
+    chunk = args.helix_mlp_chunk_size
+    if chunk is not None:
+        tp = args.tensor_model_parallel_size
+        if chunk < 1:
+            raise ValueError(f"--helix-mlp-chunk-size must be >= 1, got {chunk}")
+        if args.sequence_parallel and chunk % tp:
+            raise ValueError(f"--helix-mlp-chunk-size {chunk} must be a multiple of "
+                             f"--tensor-model-parallel-size {tp} with --sequence-parallel "
+                             f"(each rank chunks its shard of the sequence)")
+        if getattr(args, "num_experts", None):
+            raise ValueError("--helix-mlp-chunk-size needs a dense MLP: MoE routing sees the "
+                             "whole sequence; drop --num-experts or the chunk size")
 
 
 # -- model -----------------------------------------------------------------------------------
@@ -119,10 +139,13 @@ class HelixBatches:
     """This data-parallel rank's micro-batches; iterating yields them in order (stage 0's
     ``forward_step_func`` reads them), :attr:`batches` gives any by index."""
 
-    def __init__(self, batches, padding_count: int, folds: int, recompute: bool):
+    def __init__(self, batches, padding_count: int, folds: int, recompute: bool,
+                 mlp_rows: int | None = None):
         self.batches = list(batches)
         self.padding = padding_count
         self.folds, self.recompute = folds, recompute
+        self.mlp_rows = mlp_rows
+        """Sequence rows of this rank per MLP chunk (``None``: no chunking)."""
         self._next = iter(self.batches)
 
     def __iter__(self):
@@ -138,8 +161,11 @@ def prepare_input(documents, args, model):
     batches = pack_micro_batches(documents, args.seq_length, args.micro_batch_size, dp)
     mine = batches[parallel_state.get_data_parallel_rank()::dp]
     empty = padding(len(mine), args.pipeline_model_parallel_size, args.helix_folds)
+    rows = args.helix_mlp_chunk_size
+    if rows is not None and args.sequence_parallel:
+        rows //= args.tensor_model_parallel_size
     return HelixBatches(mine, empty, args.helix_folds,
-                        args.helix_recompute_without_attention), len(mine)
+                        args.helix_recompute_without_attention, rows), len(mine)
 
 
 # -- execution -------------------------------------------------------------------------------
@@ -176,6 +202,7 @@ class HelixProgram(PartProgram):
         self.training = not forward_only
         self.collect_non_loss_data = collect_non_loss_data
         self.recompute_boundaries = recompute and self.training
+        self.mlp_rows = batches.mlp_rows
         self.flow = flow
         self.pre_tensors = pre_tensors
         self.num_layers = self.config.num_layers
@@ -213,8 +240,9 @@ class HelixProgram(PartProgram):
 
     def recompute(self, action: Action):
         entry = self.stash[(False, action.unit, action.part)]
-        with _rng_restored(entry["rng"]):
-            entry["out"] = self._boundary(action.unit, part_index(action.part), entry["in"])
+        with rng_restored(entry["rng"]):
+            entry["out"] = self._boundary(action.unit, part_index(action.part), entry["in"],
+                                          entry.get("mid"))
 
     # The parts.
     def _leaves(self, inputs: dict) -> dict:
@@ -225,7 +253,7 @@ class HelixProgram(PartProgram):
         leaves = self._leaves(inputs)
         if index == 0:
             self._read_batch(unit)
-        rng = _rng_state() if self.recompute_boundaries else None
+        rng = rng_state() if self.recompute_boundaries else None
         grad = contextlib.nullcontext() if self.training and not self.recompute_boundaries \
             else torch.no_grad()
         with grad:
@@ -240,12 +268,19 @@ class HelixProgram(PartProgram):
             made = []
         else:
             made = [(Kind.ATTN_F, part(index), n, out[n]) for n in self.pre_tensors]
-        if self.training:
-            self.stash[(False, unit, action.part)] = {"in": leaves, "out": out, "rng": rng}
+        if self.recompute_boundaries:
+            entry = {"in": leaves, "rng": rng}
+            if self.mlp_rows is not None and index > 0:
+                entry["mid"] = out["mid"]
+            self.stash[(False, unit, action.part)] = entry
+        elif self.training:
+            self.stash[(False, unit, action.part)] = {"in": leaves, "out": out}
         return made, tokens
 
-    def _boundary(self, unit: int, index: int, leaves: dict) -> dict:
-        """``post(index - 1)`` then ``pre(index)`` (or the embedding / final norm)."""
+    def _boundary(self, unit: int, index: int, leaves: dict, known=None) -> dict:
+        """``post(index - 1)`` then ``pre(index)`` (or the embedding / final norm); ``mid``
+        is the hidden state between the two. ``known``: the MLP block's output from the
+        forward, when a recomputation with chunked MLP need not run it again."""
         module = self.module
         if index == 0:
             call = self.steps[unit][1]
@@ -257,12 +292,15 @@ class HelixProgram(PartProgram):
             with layer.bias_dropout_add_exec_handler():
                 hidden = layer.self_attn_bda(layer.training, self.config.bias_dropout_fusion)(
                     attention, leaves["res"], layer.hidden_dropout)
-            hidden = layer._forward_mlp(hidden)
+            if self.mlp_rows is None:
+                hidden = layer._forward_mlp(hidden)
+            else:
+                hidden = chunked_mlp(layer._forward_mlp, hidden, self.mlp_rows, known)
         if index == self.num_layers:
-            return {"hidden": module.decoder.final_layernorm(hidden)}
+            return {"hidden": module.decoder.final_layernorm(hidden), "mid": hidden}
         layer = module.pre_layers[index]
         qkv = layer.self_attention.linear_qkv
-        out = {"x": layer.input_layernorm(hidden), "r": hidden, "w": qkv.weight}
+        out = {"x": layer.input_layernorm(hidden), "r": hidden, "w": qkv.weight, "mid": hidden}
         if "wb" in self.pre_tensors:
             out["wb"] = qkv.bias
         return out
@@ -298,31 +336,6 @@ class HelixProgram(PartProgram):
             self.num_microbatches, None, self.store, self.config, cp_group_size=1,
             collect_non_loss_data=self.collect_non_loss_data, current_microbatch=unit,
             is_last_stage=True)
-
-
-def _rng_state():
-    state = {"cpu": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-@contextlib.contextmanager
-def _rng_restored(state):
-    """Run with the RNG state of the original forward (dropout masks repeat), then go on from
-    the state the recomputation found."""
-    saved = _rng_state()
-    torch.set_rng_state(state["cpu"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    try:
-        yield
-    finally:
-        torch.set_rng_state(saved["cpu"])
-        get_cuda_rng_tracker().set_states(saved["tracker"])
-        if "cuda" in saved:
-            torch.cuda.set_rng_state(saved["cuda"])
 
 
 def _transfer_shapes(config, seq_length: int, micro_batch_size: int, tp: int):

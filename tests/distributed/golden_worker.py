@@ -8,7 +8,7 @@ Modes:
   weights* — dist_checkpointing then reshards them into any other layout — and the loss.
   Document-level schedules (``elastic``, ``seq1f1b``) also write their plan's chunk kinds and
   checkpointing table (``plan_<tag>.json``), ``helix`` its micro-batch and padding counts
-  (``helix_<tag>.json``), so the test can check what a run exercised.
+  and MLP chunk rows (``helix_<tag>.json``), so the test can check what a run exercised.
   Finally step Megatron's optimizer (grad-norm and clipping on CPU) and record which
   CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
   native ``1f1b`` the order in which its loop called ``forward_step`` / ``backward_step`` on
@@ -125,7 +125,8 @@ def main():
         if hasattr(data_iterator, "padding") and dist.get_rank() == 0:
             with open(os.path.join(args.golden_dir, f"helix_{args.golden_tag}.json"), "w") as f:
                 json.dump({"microbatches": num_microbatches,
-                           "padding": data_iterator.padding}, f)
+                           "padding": data_iterator.padding,
+                           "mlp_rows": data_iterator.mlp_rows}, f)
         grads_as_weights(model)
         checkpointing.save_model(os.path.join(args.golden_dir, f"grads_{args.golden_tag}"), model)
         if dist.get_rank() == 0:

@@ -81,6 +81,12 @@ VARIANTS = {
         "pp2_tp2_sp_helix": (4, ["--pipeline-model-parallel-size", "2",
                                  "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                  *HELIX]),
+        "pp2_helix_mlp_chunk": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
+                                    "--helix-mlp-chunk-size", "24"]),
+        "pp2_tp2_sp_helix_recompute_mlp_chunk": (4, [
+            "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", *HELIX, "--helix-recompute-without-attention",
+            "--helix-mlp-chunk-size", "24"]),
     }),
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--disable-bias-linear",
@@ -190,3 +196,11 @@ def test_helix_runs_needed_padding(golden):
         with open(golden / variant / f"helix_{tag}.json") as f:
             record = json.load(f)
         assert record["padding"] > 0, record
+
+
+def test_helix_mlp_ran_in_chunks(golden):
+    """The chunked-MLP runs really chunked: 24 positions a chunk over a 64-position sequence
+    (32 rows per rank with TP=2 and SP), so three chunks per MLP block."""
+    for tag, rows in [("pp2_helix_mlp_chunk", 24), ("pp2_tp2_sp_helix_recompute_mlp_chunk", 12)]:
+        with open(golden / "learned" / f"helix_{tag}.json") as f:
+            assert json.load(f)["mlp_rows"] == rows

@@ -89,6 +89,12 @@ def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, mes
      "--context-parallel-size 4"),
     (["--pipeline-schedule", "elastic", "--elastic-slices", "0"],
      "--elastic-slices: must be a positive integer or 'auto', got '0'"),
+    (["--pipeline-schedule", "helix", "--pipeline-model-parallel-size", "1"],
+     "helix needs --pipeline-model-parallel-size >= 2"),
+    (["--pipeline-schedule", "helix", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "helix interleaves layer parts itself: drop --num-layers-per-virtual-pipeline-stage"),
+    (["--pipeline-schedule", "helix", "--helix-mlp-chunk-size", "0"],
+     "--helix-mlp-chunk-size must be >= 1, got 0"),
 ])
 def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
     import subprocess

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
+from megatron.plugin.rng import rng_restored, rng_state
+
 
 @dataclass
 class Stash:
@@ -34,27 +36,9 @@ class Stash:
 
     count: int
     kwargs: dict
-    rng_state: tuple
+    rng_state: dict
     boundary: torch.Tensor
     recomputed: torch.Tensor | None = None
-
-
-def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    tracker = None
-    if cuda is not None:
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-        tracker = get_cuda_rng_tracker().get_states()
-    return torch.get_rng_state(), cuda, tracker
-
-
-def _set_rng_state(state: tuple) -> None:
-    cpu, cuda, tracker = state
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        from megatron.core.tensor_parallel import get_cuda_rng_tracker
-        torch.cuda.set_rng_state(cuda)
-        get_cuda_rng_tracker().set_states(tracker)
 
 
 class LeadingLayers:
@@ -86,18 +70,13 @@ class LeadingLayers:
 
     def recompute(self, stash: Stash) -> None:
         """Run the checkpointed layers again with autograd; sets ``stash.recomputed``."""
-        saved = _rng_state()
-        _set_rng_state(stash.rng_state)
-        try:
-            with torch.enable_grad():
-                kwargs = dict(stash.kwargs)
-                hidden = kwargs.pop("hidden_states")
-                for layer in self.layers[:stash.count]:
-                    hidden = layer(hidden_states=hidden, **kwargs)
-                    if isinstance(hidden, tuple):
-                        hidden, kwargs["context"] = hidden
-        finally:
-            _set_rng_state(saved)
+        with rng_restored(stash.rng_state), torch.enable_grad():
+            kwargs = dict(stash.kwargs)
+            hidden = kwargs.pop("hidden_states")
+            for layer in self.layers[:stash.count]:
+                hidden = layer(hidden_states=hidden, **kwargs)
+                if isinstance(hidden, tuple):
+                    hidden, kwargs["context"] = hidden
         stash.recomputed = hidden
 
     def checkpointed_layers(self, stash: Stash | None) -> list[int]:
@@ -116,7 +95,7 @@ class LeadingLayers:
                     raise RuntimeError("TransformerLayer called with positional arguments; "
                                        "leading-layer checkpointing needs keywords")
                 self._kwargs = dict(kwargs)
-                self._rng = _rng_state()
+                self._rng = rng_state()
                 self._grad_enabled = torch.is_grad_enabled()
                 torch.set_grad_enabled(False)
             return None
