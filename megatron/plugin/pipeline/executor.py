@@ -26,7 +26,7 @@ the unit's K/V are released. The store must be empty when the schedule ends.
 
 Data order: every rank calls ``forward_step_func`` once per forward, so each rank's forwards
 must consume the data iterator in unit order (the validated schedules do). Per-action wall
-times (transfer batches under category ``comm``) are recorded as
+times (transfer batches under category ``comm``, with each transfer's bytes) are recorded as
 :class:`~megatron.plugin.pipeline.trace.TraceEvent` for the same Chrome trace the simulator
 writes.
 """
@@ -242,8 +242,9 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
                     megatron_schedules.deallocate_output_tensor(
                         tensor, config.deallocate_pipeline_outputs)
             took = time.perf_counter() - start
-            ctx.events.extend(TraceEvent(rank, str(a), start - origin, took, "comm")
-                              for a in batch)
+            ctx.events.extend(TraceEvent(rank, str(a), start - origin, took, "comm",
+                                         tensor.numel() * tensor.element_size())
+                              for a, tensor in sends + recvs)
             index = stop
             continue
         key = (action.unit, action.part)

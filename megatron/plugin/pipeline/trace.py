@@ -3,7 +3,7 @@
 The simulator (predicted) and the executor (measured) both produce :class:`TraceEvent` lists
 and write them with :func:`write_chrome_trace`, so the two timelines open side by side: one
 process per trace, one thread row per pipeline rank, one complete event (``"ph": "X"``) per
-action, times in microseconds.
+action, times in microseconds; a transfer's payload is in its ``args.bytes``.
 """
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ class TraceEvent:
     start: float
     duration: float
     category: str = "compute"
+    bytes: int = 0
+    """Payload of a transfer (what the executor sent or received; 0 for compute)."""
 
 
 def chrome_trace(events: Iterable[TraceEvent], name: str = "schedule", pid: int = 0) -> dict:
@@ -31,8 +33,11 @@ def chrome_trace(events: Iterable[TraceEvent], name: str = "schedule", pid: int 
         trace.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": rank,
                       "args": {"name": f"rank {rank}"}})
     for e in events:
-        trace.append({"name": e.name, "cat": e.category, "ph": "X", "pid": pid, "tid": e.rank,
-                      "ts": e.start * 1e6, "dur": e.duration * 1e6})
+        event = {"name": e.name, "cat": e.category, "ph": "X", "pid": pid, "tid": e.rank,
+                 "ts": e.start * 1e6, "dur": e.duration * 1e6}
+        if e.bytes:
+            event["args"] = {"bytes": e.bytes}
+        trace.append(event)
     return {"traceEvents": trace, "displayTimeUnit": "ms"}
 
 
