@@ -21,12 +21,14 @@ slots spread every layer's attention over all stages. Stage ``s`` walks its boun
 2. boundary part, slots ``d = 1 .. p - 1``: boundary ``c``; at ``d = p - 1`` the attention of
    layer ``c`` is local and runs right after it.
 
-Each slot runs its ``F`` folds back to back. All forwards of all repeats come first, then the
-backwards in exactly the reverse order (first in, last out): each stage's backward list is its
-forward list reversed. With ``F = 2`` two micro-batches are in flight on every hop, so one
+Each slot runs its ``F`` folds back to back. A repeat is HelixPipe's *loop*: its forwards come
+first, then its backwards in exactly the reverse order (first in, last out: each stage's
+backward list for the loop is its forward list reversed), then the next loop. So at most one
+loop (``p F`` micro-batches) is stashed at any time, whatever the micro-batch count, and each
+loop adds its own bubble. With ``F = 2`` two micro-batches are in flight on every hop, so one
 fold's transfer can overlap the other fold's compute.
 
-Per-stage idle time with uniform part costs (forward ``t``, backward ``2t``, transfers free) is
+Per-stage idle time per loop with uniform part costs (forward ``t``, backward ``2t``, transfers free) is
 ``3 F (p - 1)(t_pre + t_post)`` -- the paper's ``3(p-1)`` for one fold and ``6(p-1)`` for two --
 and ``4 F (p - 1)(t_pre + t_post)`` when the boundaries are recomputed before their backward
 (the paper's ``8(p-1)``); attention never appears in it. ``tests/unit/test_helix_schedule.py``
@@ -71,7 +73,8 @@ def slot_of(unit: int, pp: int, folds: int) -> int:
 
 
 def helix_order(pp: int, num_layers: int, microbatches: int, folds: int = 2) -> Schedule:
-    """Per-stage compute order (forwards, then the same list reversed as backwards)."""
+    """Per-stage compute order: loop after loop, each loop's forwards, then the same list
+    reversed as its backwards."""
     if pp < 2 or num_layers % pp:
         raise ValueError(f"helix needs pp >= 2 and layers divisible by pp (got pp={pp}, "
                          f"layers={num_layers})")
@@ -82,8 +85,10 @@ def helix_order(pp: int, num_layers: int, microbatches: int, folds: int = 2) -> 
     group = pp * folds
     schedule = []
     for stage in range(pp):
-        forwards: list[Action] = []
+        actions: list[Action] = []
         for first in range(0, total, group):
+            forwards: list[Action] = []
+
             def units(d):
                 return [first + d * folds + f for f in range(folds)]
 
@@ -102,10 +107,11 @@ def helix_order(pp: int, num_layers: int, microbatches: int, folds: int = 2) -> 
                         forwards.append(Action(stage, Kind.FORWARD, m, part(c)))
                         if d == pp - 1 and c < num_layers:
                             forwards.append(Action(stage, Kind.ATTN_F, m, part(c)))
-        forwards = [a for a in forwards if a.unit < microbatches]
-        backwards = [Action(a.stage, _BACKWARD_OF[a.kind], a.unit, a.part)
-                     for a in reversed(forwards)]
-        schedule.append(forwards + backwards)
+            forwards = [a for a in forwards if a.unit < microbatches]
+            actions += forwards
+            actions += [Action(a.stage, _BACKWARD_OF[a.kind], a.unit, a.part)
+                        for a in reversed(forwards)]
+        schedule.append(actions)
     return schedule
 
 

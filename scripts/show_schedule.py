@@ -2,10 +2,13 @@
 
     python scripts/show_schedule.py --schedule 1f1b --pp 4 --microbatches 8 \
         [--json OUT.json] [--gantt OUT.png] [--trace OUT.json]
+    python scripts/show_schedule.py --schedule helix --pp 4 --microbatches 8 --num-layers 8 \
+        [--helix-folds 2] [--recompute] [--pre-cost 1 --attention-cost 1 --post-cost 2]
 
 Costs are uniform units (forward 1, backward 2, recompute 1, free transfers, one memory unit per
-stashed forward) unless overridden; the grid lists compute and transfer actions in the order each
-rank runs them.
+stashed forward) unless overridden; helix prices its parts separately (pre-attention, attention,
+post-attention; backward twice the forward) and stashes one unit per part. The grid lists
+compute and transfer actions in the order each rank runs them.
 """
 import argparse
 import json
@@ -13,7 +16,7 @@ import sys
 
 from megatron.plugin.pipeline import catalog
 from megatron.plugin.pipeline.gantt import write_gantt
-from megatron.plugin.pipeline.simulator import UniformCosts, simulate
+from megatron.plugin.pipeline.simulator import simulate
 from megatron.plugin.pipeline.trace import write_chrome_trace
 from megatron.plugin.pipeline.validation import format_grid
 
@@ -26,18 +29,28 @@ def main(argv=None) -> int:
     parser.add_argument("--forward-cost", type=float, default=1.0)
     parser.add_argument("--backward-cost", type=float, default=2.0)
     parser.add_argument("--transfer-cost", type=float, default=0.0)
+    parser.add_argument("--num-layers", type=int, help="helix: layers (default 2 x pp)")
+    parser.add_argument("--helix-folds", type=int, default=2)
+    parser.add_argument("--recompute", action="store_true",
+                        help="helix: recompute pre/post-attention parts before their backward")
+    parser.add_argument("--pre-cost", type=float, default=1.0, help="helix: pre-attention")
+    parser.add_argument("--attention-cost", type=float, default=1.0, help="helix: attention")
+    parser.add_argument("--post-cost", type=float, default=2.0, help="helix: post-attention")
     parser.add_argument("--json", help="write the summary as JSON")
     parser.add_argument("--gantt", help="write a PNG Gantt chart")
     parser.add_argument("--trace", help="write the simulated timeline as Chrome-trace JSON")
     args = parser.parse_args(argv)
+    options = catalog.Options(
+        forward=args.forward_cost, backward=args.backward_cost, transfer=args.transfer_cost,
+        num_layers=args.num_layers, folds=args.helix_folds, recompute=args.recompute,
+        t_pre=args.pre_cost, t_attn=args.attention_cost, t_post=args.post_cost)
     try:
-        schedule = catalog.build(args.schedule, args.pp, args.microbatches)
+        built = catalog.build(args.schedule, args.pp, args.microbatches, options)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    costs = UniformCosts(forward=args.forward_cost, backward=args.backward_cost,
-                         transfer=args.transfer_cost)
-    result = simulate(schedule, costs)
+    schedule = built.schedule
+    result = simulate(schedule, built.costs, eager_sends=built.eager_sends)
     print(format_grid(schedule))
     print(f"\nschedule {args.schedule}: pp={args.pp} microbatches={args.microbatches} "
           f"iteration time {result.iteration_time:g} units, bubble ratio "

@@ -38,13 +38,28 @@ def test_every_part_runs_where_the_helix_mapping_puts_it(pp, layers, microbatche
     assert not any(unit >= microbatches for _, unit, _ in seen)
 
 
-def test_backwards_are_the_forwards_reversed_first_in_last_out():
-    for actions in helix_order(3, 6, 6):
-        forwards = [(a.kind, a.unit, a.part) for a in actions
-                    if a.kind in (Kind.FORWARD, Kind.ATTN_F)]
-        backwards = [({Kind.BACKWARD: Kind.FORWARD, Kind.ATTN_B: Kind.ATTN_F}[a.kind], a.unit,
-                      a.part) for a in actions if a.kind in (Kind.BACKWARD, Kind.ATTN_B)]
-        assert backwards == forwards[::-1]
+def test_each_loop_runs_its_backwards_as_its_forwards_reversed_first_in_last_out():
+    """Two loops of p x folds = 6 micro-batches: loop 0 (units 0-5) forwards, its backwards in
+    reverse, then loop 1 (units 6-11) the same way."""
+    for actions in helix_order(3, 6, 12):
+        loops = [actions[:len(actions) // 2], actions[len(actions) // 2:]]
+        for number, loop in enumerate(loops):
+            assert {a.unit // 6 for a in loop} == {number}
+            half = len(loop) // 2
+            forwards = [(a.kind, a.unit, a.part) for a in loop[:half]]
+            backwards = [({Kind.BACKWARD: Kind.FORWARD, Kind.ATTN_B: Kind.ATTN_F}[a.kind],
+                          a.unit, a.part) for a in loop[half:]]
+            assert {k for k, _, _ in forwards} <= {Kind.FORWARD, Kind.ATTN_F}
+            assert backwards == forwards[::-1]
+
+
+@pytest.mark.parametrize("folds", [1, 2])
+def test_memory_is_one_loop_and_each_loop_adds_its_bubble(folds):
+    pp, layers = 3, 6
+    _, one = run(pp, layers, pp * folds, folds=folds)
+    _, three = run(pp, layers, 3 * pp * folds, folds=folds)
+    assert three.peak_memory == one.peak_memory
+    assert three.idle == pytest.approx([3 * idle for idle in one.idle])
 
 
 def test_weight_shipping_transfers_and_text_form_round_trip():

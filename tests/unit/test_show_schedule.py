@@ -34,3 +34,22 @@ def test_unknown_schedule_lists_valid_names():
     result = show("--schedule", "nope", "--pp", "2", "--microbatches", "2")
     assert result.returncode == 2
     assert "unknown schedule 'nope'; valid names: 1f1b" in result.stderr
+
+
+def test_helix_grid_and_the_one_fold_bubble(tmp_path):
+    """Helix with one fold, one loop of p micro-batches: every stage idles exactly
+    3 (p - 1)(t_pre + t_post) = 27 units at p = 4 (HelixPipe's naive FILO bubble), whatever the
+    attention costs."""
+    out = tmp_path / "h.json"
+    result = show("--schedule", "helix", "--pp", "4", "--microbatches", "4", "--num-layers",
+                  "8", "--helix-folds", "1", "--attention-cost", "5", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "ATTN_F" in result.stdout and "SEND_F" in result.stdout
+    summary = json.loads(out.read_text())
+    assert summary["idle"] == [27.0] * 4
+
+
+def test_helix_refuses_layers_that_do_not_divide():
+    result = show("--schedule", "helix", "--pp", "3", "--microbatches", "6", "--num-layers", "4")
+    assert result.returncode == 2
+    assert "layers divisible by pp" in result.stderr
