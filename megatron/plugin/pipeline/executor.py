@@ -96,8 +96,10 @@ class PartProgram(Protocol):
     directly) or on another (a transfer named by the consumer's part carries it; ``flow``
     gives the consumer of a transfer). ``recompute(action)`` rebuilds a forward's graph.
     Sent tensors are not pseudo-deallocated: a part's outputs may be its own inputs or
-    parameters (the relayed residual, the shipped weight). With ``flow.eager_sends`` sends are
-    posted without waiting and the executor waits for them at the end.
+    parameters (the relayed residual, the shipped weight). With ``flow.eager_sends`` a batch is
+    posted without waiting: each receive is waited for right before the first action that
+    consumes it (traced as ``wait for <action>``), sends are released once polled complete and
+    waited for at the end at the latest.
     """
 
     flow: object
@@ -207,7 +209,8 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
     origin = time.perf_counter()
     program = ctx.program
     eager = program is not None and program.flow.eager_sends
-    posted_sends = []
+    in_flight = []
+    arriving: dict[tuple, object] = {}
     mailbox: dict[tuple, torch.Tensor] = {}
 
     def route(a: Action) -> tuple:
@@ -228,8 +231,13 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             recvs = [(a, torch.empty(ctx.shape_of(a), dtype=dtype, device=device))
                      for a in batch if a.is_recv()]
             if eager:
-                posted_sends.append(channel.post(sends, []))
-                channel.exchange([], recvs)
+                # Sends and receives in separate posts: waiting for a receive must never wait
+                # for a send of the same batch (its peer may be waiting for this rank).
+                in_flight = [p for p in in_flight if not p.done()]
+                in_flight.append(channel.post(sends, []))
+                posted = channel.post([], recvs)
+                for a, _ in recvs:
+                    arriving[route(a)] = posted
             else:
                 channel.exchange(sends, recvs)
             inbox = received if program is None else mailbox
@@ -256,6 +264,14 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
                 if index == last_backward and (config.grad_sync_func is None or rank == 0):
                     sync.enable()
                 mine = [k for k in mailbox if k[:3] == (action.kind, action.unit, action.part)]
+                waits = {arriving.pop(k) for k in mine if k in arriving}
+                if waits:
+                    for posted in waits:
+                        posted.wait()
+                    waited = time.perf_counter()
+                    ctx.events.append(TraceEvent(rank, f"wait for {action}", start - origin,
+                                                 waited - start, "comm"))
+                    start = waited
                 given = {k[3]: mailbox.pop(k) for k in mine}
                 run = program.forward if action.kind in (Kind.FORWARD, Kind.ATTN_F) \
                     else program.backward
@@ -318,8 +334,8 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
         ctx.events.append(TraceEvent(rank, str(action), start - origin,
                                      time.perf_counter() - start))
         index += 1
-    for pending in posted_sends:
-        pending.wait()
+    for posted in in_flight + list(arriving.values()):
+        posted.wait()
     if mailbox:
         raise RuntimeError(f"pipeline rank {rank}: the schedule left tensors nobody consumed: "
                            f"{sorted(str(k) for k in mailbox)[:8]}")

@@ -14,8 +14,9 @@ channel; each transfer also carries a tag derived from its identity
 transfers even if that guarantee were broken.
 
 Every wait has a timeout; the error names the rank, the action and the peer instead of hanging.
-Handles and send buffers are released as soon as their batch completes (or, for sends posted
-ahead with :meth:`PeerChannel.post`, when the caller waits for them).
+Handles and send buffers are released as soon as their batch completes (or, for transfers
+posted ahead with :meth:`PeerChannel.post`, when the caller waits for them or polls them
+complete).
 """
 from __future__ import annotations
 
@@ -72,10 +73,19 @@ class PeerChannel:
 
 
 class Posted:
-    """Transfers posted together; the send buffers stay referenced until :meth:`wait`."""
+    """Transfers posted together; the send buffers stay referenced until :meth:`wait` or until
+    :meth:`done` finds them complete."""
 
     def __init__(self, channel: PeerChannel, actions: list[Action], works: list, ops: list):
         self.channel, self.actions, self.works, self.ops = channel, actions, works, ops
+
+    def done(self) -> bool:
+        """Whether every transfer has completed (then the buffers are released); never
+        blocks."""
+        if all(work.is_completed() for work in self.works):
+            self.wait()
+            return True
+        return False
 
     def wait(self) -> None:
         """Wait for every transfer, or raise :class:`TransferTimeout` naming what is missing."""
