@@ -51,6 +51,7 @@ from helix.model import HelixGPTModel
 from helix.schedule import (PRE_TENSORS, HelixFlow, padding, part, part_index,
                             planned_helix)
 from megatron.plugin.batches import pack_micro_batches
+from megatron.plugin.memory import keep
 from megatron.plugin.pipeline.executor import PartProgram, _run_backward
 from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
@@ -217,22 +218,23 @@ class HelixProgram(PartProgram):
 
     def backward(self, action: Action, grads: dict):
         entry = self.stash.pop((action.kind is Kind.ATTN_B, action.unit, action.part))
+        out, given = _given(entry["out"]), _given(entry["in"])
         tokens = 0
         if action.kind is Kind.BACKWARD and part_index(action.part) == self.num_layers:
-            output, tokens = self._loss(action.unit, entry["out"]["hidden"])
+            output, tokens = self._loss(action.unit, out["hidden"])
             if self.config.grad_scale_func is not None:
                 output = self.config.grad_scale_func(output)
             roots, root_grads = [output], [torch.ones_like(output)]
         else:
-            names = [n for n in entry["out"] if n in grads]
-            roots = [entry["out"][n] for n in names]
+            names = [n for n in out if n in grads]
+            roots = [out[n] for n in names]
             root_grads = [grads[n] for n in names]
         _run_backward(roots, root_grads)
         index = part_index(action.part)
         if action.kind is Kind.ATTN_B:
-            made = [(Kind.BACKWARD, action.part, n, entry["in"][n].grad) for n in self.pre_tensors]
+            made = [(Kind.BACKWARD, action.part, n, given[n].grad) for n in self.pre_tensors]
         elif index > 0:
-            made = [(Kind.ATTN_B, part(index - 1), n, entry["in"][n].grad) for n in ("o", "res")]
+            made = [(Kind.ATTN_B, part(index - 1), n, given[n].grad) for n in ("o", "res")]
         else:
             made = []
             del self.steps[action.unit]  # boundary 0 was the last to need the batch
@@ -240,9 +242,10 @@ class HelixProgram(PartProgram):
 
     def recompute(self, action: Action):
         entry = self.stash[(False, action.unit, action.part)]
+        known = entry["mid"].tensor if "mid" in entry else None
         with rng_restored(entry["rng"]):
-            entry["out"] = self._boundary(action.unit, part_index(action.part), entry["in"],
-                                          entry.get("mid"))
+            entry["out"] = _kept(self._boundary(action.unit, part_index(action.part),
+                                                _given(entry["in"]), known))
 
     # The parts.
     def _leaves(self, inputs: dict) -> dict:
@@ -269,12 +272,12 @@ class HelixProgram(PartProgram):
         else:
             made = [(Kind.ATTN_F, part(index), n, out[n]) for n in self.pre_tensors]
         if self.recompute_boundaries:
-            entry = {"in": leaves, "rng": rng}
+            entry = {"in": _kept(leaves), "rng": rng}
             if self.mlp_rows is not None and index > 0:
-                entry["mid"] = out["mid"]
+                entry["mid"] = keep(out["mid"])
             self.stash[(False, unit, action.part)] = entry
         elif self.training:
-            self.stash[(False, unit, action.part)] = {"in": leaves, "out": out}
+            self.stash[(False, unit, action.part)] = {"in": _kept(leaves), "out": _kept(out)}
         return made, tokens
 
     def _boundary(self, unit: int, index: int, leaves: dict, known=None) -> dict:
@@ -314,7 +317,8 @@ class HelixProgram(PartProgram):
             o, _ = attention(leaves["x"], attention_mask=None, packed_seq_params=layout)
         out = {"o": o, "res": leaves["r"]}
         if self.training:
-            self.stash[(True, action.unit, action.part)] = {"in": leaves, "out": out}
+            self.stash[(True, action.unit, action.part)] = {"in": _kept(leaves),
+                                                            "out": _kept(out)}
         following = part(part_index(action.part) + 1)
         return [(Kind.FORWARD, following, n, t) for n, t in out.items()], 0
 
@@ -336,6 +340,15 @@ class HelixProgram(PartProgram):
             self.num_microbatches, None, self.store, self.config, cp_group_size=1,
             collect_non_loss_data=self.collect_non_loss_data, current_microbatch=unit,
             is_last_stage=True)
+
+
+def _kept(tensors: dict) -> dict:
+    """Hold a stash's tensors so the activation meter counts them (:func:`keep`)."""
+    return {name: keep(tensor) for name, tensor in tensors.items()}
+
+
+def _given(held: dict) -> dict:
+    return {name: handle.tensor for name, handle in held.items()}
 
 
 def _transfer_shapes(config, seq_length: int, micro_batch_size: int, tp: int):

@@ -4,6 +4,10 @@
 de-duplicated by storage, and tracks the peak. On CUDA the training loop also reports
 ``torch.cuda.max_memory_allocated``. Parameters (leaves that require grad) are not counted:
 they are model state, not activations.
+
+A schedule that keeps tensors for a later backward outside autograd (helix's per-part stash:
+received inputs, graph outputs, recomputation inputs) holds them through :func:`keep`, so the
+active meter counts them too (de-duplicated with what autograd saved) until they are dropped.
 """
 from __future__ import annotations
 
@@ -26,6 +30,9 @@ class SavedTensorMeter:
     def _pack(self, tensor: torch.Tensor):
         if tensor.is_leaf and tensor.requires_grad:
             return tensor
+        return self._count(tensor)
+
+    def _count(self, tensor: torch.Tensor) -> "_Saved":
         storage = tensor.untyped_storage()
         key = storage.data_ptr() if storage.data_ptr() else id(storage)
         entry = self._live.get(key)
@@ -53,8 +60,33 @@ class SavedTensorMeter:
 
     @contextlib.contextmanager
     def active(self):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield self
+        _ACTIVE.append(self)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield self
+        finally:
+            _ACTIVE.remove(self)
+
+
+_ACTIVE: list[SavedTensorMeter] = []
+
+
+class Kept:
+    """A tensor held for later use; :attr:`tensor` gives it back."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def keep(tensor: torch.Tensor):
+    """Hold ``tensor`` for a backward outside autograd: while a meter is active its bytes count
+    as saved activation bytes until the returned handle is dropped (parameters never count).
+    The handle's ``tensor`` attribute gives the tensor back."""
+    if _ACTIVE and not isinstance(tensor, torch.nn.Parameter):
+        return _ACTIVE[-1]._count(tensor)
+    return Kept(tensor)
 
 
 class _Saved:

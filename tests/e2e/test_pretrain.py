@@ -169,6 +169,8 @@ def test_helix_continues_a_1f1b_checkpoint_like_1f1b_and_ships_weights(tmp_path)
     assert [r["num_tokens"] for r in got] == [r["num_tokens"] for r in expected]
     torch.testing.assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in expected],
                                rtol=1e-4, atol=0)
+    # The per-part stash is counted (memory.keep) and empty after every iteration.
+    assert all(r["live_activation_bytes"] == 0 and r["peak_activation_bytes"] > 0 for r in got)
 
     from megatron.plugin.pipeline.ir import parse
     shipped = {}
