@@ -1,13 +1,14 @@
 """Hardware profiles: the figures the cost model is derived from, loaded from JSON.
 
-A profile is either ``"source": "spec-derived"`` (the shipped ``profiles/a800.json``,
-``h100.json``, ``h20.json``, whose ``notes`` say which public figure or stated assumption each
-number comes from) or ``"source": "measured"`` (written by the profiler on a real machine). A
-measured profile may add ``layer_coefficients`` -- the fitted per-layer ``alpha1``, ``alpha2``
-and ``beta`` of eq. 1 together with the model shape and layout they were fitted for -- which
-then replace the coefficients derived from FLOPs; every profile carries the hardware figures
-(bandwidths, latencies, memory) because the collectives and the output layer are priced from
-them in both cases.
+A profile is either ``"source": "spec-derived"`` (the shipped ``profiles/a100.json``,
+``a800.json``, ``h100.json``, ``h20.json``, whose ``notes`` say which public figure or stated
+assumption each number comes from) or ``"source": "measured"`` (written by the profiler on a
+real machine). A measured profile may add ``layer_coefficients`` -- the fitted per-layer
+``alpha1``, ``alpha2`` and ``beta`` of eq. 1 together with the model shape and layout they were
+fitted for -- which then replace the coefficients derived from FLOPs; every profile carries the
+hardware figures (bandwidths, latencies, memory) because the collectives and the output layer
+are priced from them in both cases. ``host_link_gbps`` (optional) is what offloading planners
+(SPPO) copy activations to host memory at.
 """
 from __future__ import annotations
 
@@ -79,6 +80,9 @@ class HardwareProfile:
     """Fitted coefficients (measured profiles only); ``None`` derives them from FLOPs."""
     machine: str | None = field(default=None, compare=False)
     """Description of the machine a measured profile was taken on."""
+    host_link_gbps: float | None = None
+    """Host<->device bandwidth per GPU and direction (PCIe), GB/s: what offloading activations
+    to host memory runs at (SPPO). ``None`` where the profile does not say."""
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -97,6 +101,9 @@ class HardwareProfile:
             if getattr(self, name) < 0:
                 raise ValueError(f"profile {self.name}: {name} must be >= 0, "
                                  f"got {getattr(self, name)}")
+        if self.host_link_gbps is not None and self.host_link_gbps <= 0:
+            raise ValueError(f"profile {self.name}: host_link_gbps must be > 0, "
+                             f"got {self.host_link_gbps}")
         if self.gpus_per_node < 1:
             raise ValueError(f"profile {self.name}: gpus_per_node must be >= 1")
         if self.layer_coefficients is not None and self.source != "measured":
@@ -126,7 +133,8 @@ def profile_from_dict(data: dict) -> HardwareProfile:
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
-    """A shipped profile by name (``a800``, ``h100``, ``h20``) or any profile JSON by path."""
+    """A shipped profile by name (``a100``, ``a800``, ``h100``, ``h20``) or any profile JSON by
+    path."""
     if name_or_path.endswith(".json") or Path(name_or_path).is_file():
         path = Path(name_or_path)
         if not path.is_file():

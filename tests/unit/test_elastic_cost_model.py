@@ -85,7 +85,7 @@ def test_stage_layers_put_the_remainder_on_late_stages():
 
 def test_presets_and_profiles_exist_and_are_spec_derived():
     assert get_model("gpt-30b").num_layers == 48
-    assert builtin_profiles() == ["a800", "h100", "h20"]
+    assert builtin_profiles() == ["a100", "a800", "h100", "h20"]
     for name in builtin_profiles():
         profile = load_profile(name)
         assert profile.source == "spec-derived"
@@ -108,7 +108,7 @@ def test_measured_profile_coefficients_are_used(tmp_path):
 
 @pytest.mark.parametrize("make, message", [
     (lambda: get_model("gpt-99b"), "valid: gpt-13b, gpt-30b, gpt-7b"),
-    (lambda: load_profile("tpu"), "valid: a800, h100, h20"),
+    (lambda: load_profile("tpu"), "valid: a100, a800, h100, h20"),
     (lambda: ParallelConfig(pp=0), "pp must be >= 1"),
     (lambda: CostModel(TINY, load_profile("a800"), ParallelConfig(pp=2, sp=8)),
      "not divisible by sp x tp"),

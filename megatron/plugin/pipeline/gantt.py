@@ -1,7 +1,8 @@
 """Gantt charts of schedule timelines as PNG (for people who would rather look than read).
 
 One row per rank, one bar per compute action coloured by kind (transfer waits are left out), labelled with the unit when the
-bar is wide enough. Works on predicted (simulator) and measured (executor) events alike.
+bar is wide enough; offloads and reloads, which run on the rank's copy stream beside its
+compute, are thin bars just below the row. Works on predicted (simulator) and measured (executor) events alike.
 """
 from __future__ import annotations
 
@@ -27,6 +28,10 @@ def write_gantt(events: Iterable[TraceEvent], path: str, title: str = "") -> Non
     fig, ax = plt.subplots(figsize=(min(24, 4 + 0.35 * len(events) / ranks), 0.6 * ranks + 1.2))
     for e in events:
         action = parse(e.name)
+        if action.is_memory():  # the copy stream: a thin bar just below the row
+            ax.barh(e.rank + 0.5, e.duration, left=e.start, height=0.15, linewidth=0, zorder=3,
+                    color=_COLOURS[action.kind.value])
+            continue
         ax.barh(e.rank, e.duration, left=e.start, height=0.8, edgecolor="white", linewidth=0.5,
                 color=_COLOURS.get(action.kind.value, "#999999"))
         if e.duration > end / 60:

@@ -1,7 +1,7 @@
 """Replay of schedule IR against a cost model: iteration time, bubbles, memory timeline.
 
 Execution model (the executor's): each rank runs its actions in order. Compute actions
-(forward, backward, recompute, foreign attention, offload, reload) occupy the rank for
+(forward, backward, recompute, foreign attention) occupy the rank for
 ``costs.duration(action)``. A run of consecutive transfers is one *batch* (Megatron's
 ``send_forward_recv_backward`` and friends): the rank posts all of them at once and waits until
 each has been posted by its peer too; a transfer completes ``costs.transfer_time(send)`` after
@@ -18,6 +18,17 @@ stash of its ``(stage, unit, part)`` when it ends; the ``BACKWARD`` of that key 
 whole stash when it ends (``ATTN_F`` / ``ATTN_B`` likewise, in a stash of their own). Each rank starts at ``costs.static_bytes(rank)`` (model state). The
 timeline lists ``(time, bytes)`` after every change; its maximum is the rank's peak.
 
+Offload and reload (``OFFLOAD`` / ``RELOAD``) run on a per-rank *copy stream* beside the compute
+stream (CUDA: a side stream and pinned host buffers). Reaching one in its list, a rank enqueues
+it and goes on at once; the copy stream runs its copies one after another, each starting when
+it is enqueued or when the previous copy ends, whichever is later, and lasting
+``costs.duration(action)``. ``costs.activation_bytes(action)`` is what a copy moves: an offload
+takes those bytes off the device stash of its ``(stage, unit, part)`` when the copy *ends* (the
+device buffer is live until then), a reload puts them back when it *starts* (the device buffer
+is allocated first). A ``BACKWARD`` waits until the last copy of its key has ended.
+Copy time is not compute time (``busy``); a rank's finish time includes its copy stream. A
+schedule without memory actions replays exactly as before.
+
 The engine is a work list: a rank runs until a batch has a transfer whose peer has not posted
 it, parks, and is woken when the peer posts. Every action is visited once, so 64 stages x 512
 micro-batches replay in well under a second. A rank parked when the work list empties is a
@@ -26,6 +37,8 @@ turns it into the grid).
 """
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -140,6 +153,21 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
     posted: dict[tuple, tuple[float, int, Action]] = {}
     done: dict[tuple, float] = {}
     parked = [False] * ranks
+    copy_free = [0.0] * ranks
+    copied: list[dict] = [{} for _ in range(ranks)]
+    pending: list[list] = [[] for _ in range(ranks)]
+    order = itertools.count()
+
+    def settle(r: int, until: float) -> None:
+        """Apply rank ``r``'s copy-stream memory changes due by ``until``, in time order."""
+        due = pending[r]
+        while due and due[0][0] <= until:
+            at, _, slot, delta = heapq.heappop(due)
+            stash[r][slot] = stash[r].get(slot, 0.0) + delta
+            memory[r] += delta
+            peak[r] = max(peak[r], memory[r])
+            timeline[r].append((at, memory[r]))
+
     ready = deque(range(ranks))
     while ready:
         r = ready.popleft()
@@ -179,13 +207,30 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
                 posted_batch[r] = False
                 now, i = finish, stop
                 continue
+            if a.is_memory():
+                start = max(now, copy_free[r])
+                took = costs.duration(a)
+                copy_free[r] = start + took
+                moved = costs.activation_bytes(a)
+                slot = (a.stage, a.unit, a.part, False)
+                copied[r][slot] = copy_free[r]
+                if kind is Kind.RELOAD:
+                    heapq.heappush(pending[r], (start, next(order), slot, moved))
+                else:
+                    heapq.heappush(pending[r], (copy_free[r], next(order), slot, -moved))
+                if trace:
+                    events.append(TraceEvent(r, str(a), start, took, "memory"))
+                i += 1
+                continue
+            if kind is Kind.BACKWARD:
+                now = max(now, copied[r].pop((a.stage, a.unit, a.part, False), now))
             took = costs.duration(a)
             if trace:
-                events.append(TraceEvent(r, str(a), now, took,
-                                         "memory" if a.is_memory() else "compute"))
+                events.append(TraceEvent(r, str(a), now, took, "compute"))
             now += took
             busy[r] += took
             if kind in _STASH or kind in _RELEASE:
+                settle(r, now)
                 held = stash[r]
                 slot = (a.stage, a.unit, a.part, kind in (Kind.ATTN_F, Kind.ATTN_B))
                 if kind in _RELEASE:
@@ -202,6 +247,9 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
     blocked = {r: position[r] for r in range(ranks) if position[r] < len(schedule[r])}
     if blocked:
         raise Deadlock(blocked)
+    for r in range(ranks):
+        settle(r, float("inf"))
+        clock[r] = max(clock[r], copy_free[r])
     total = max(clock, default=0.0)
     return SimResult(iteration_time=total, busy=busy, idle=[total - b for b in busy],
                      peak_memory=peak, memory_timeline=timeline, events=events)

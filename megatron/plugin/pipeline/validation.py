@@ -5,7 +5,9 @@
 1. placement: every stage lives on exactly one rank, no action appears twice on a rank;
 2. pairing: every forward (foreign-attention forward) has exactly one backward (attention
    backward) after it on the same rank, every backward and recompute follows its forward, a
-   recompute precedes its backward;
+   recompute precedes its backward; an offload follows its forward and has its reload after
+   it, and a reload follows its offload and precedes its backward (same stage, unit and part:
+   the activations are back on the device before the backward reads them);
 3. local order of transfers: a send follows the compute that produced what it carries, a
    receive precedes the compute that consumes it. By default (layer-wise pipelines) that is
    the forward (backward) of the same unit and part; schedules whose transfers connect
@@ -129,7 +131,7 @@ _FORWARD_OF = {Kind.BACKWARD: Kind.FORWARD, Kind.RECOMPUTE: Kind.FORWARD,
 def _check_rank(schedule: Schedule, rank: int, actions: list[Action], flow) -> None:
     where: dict[tuple, int] = {}
     for step, a in enumerate(actions):
-        if a.is_compute():
+        if a.is_compute() or a.is_memory():
             where[(a.kind, a.stage, a.unit, a.part)] = step
     for step, a in enumerate(actions):
         key = (a.stage, a.unit, a.part)
@@ -140,6 +142,22 @@ def _check_rank(schedule: Schedule, rank: int, actions: list[Action], flow) -> N
             if forward is None or forward > step:
                 raise ScheduleError(f"{a} comes before its forward", schedule, [(rank, step)])
         if a.kind is Kind.RECOMPUTE:
+            backward = where.get((Kind.BACKWARD, *key))
+            if backward is None or backward < step:
+                raise ScheduleError(f"{a} has no backward after it", schedule, [(rank, step)])
+        if a.kind is Kind.OFFLOAD:
+            forward = where.get((Kind.FORWARD, *key))
+            if forward is None or forward > step:
+                raise ScheduleError(f"{a} offloads what no earlier forward stashed", schedule,
+                                    [(rank, step)])
+            reload = where.get((Kind.RELOAD, *key))
+            if reload is None or reload < step:
+                raise ScheduleError(f"{a} has no reload after it", schedule, [(rank, step)])
+        if a.kind is Kind.RELOAD:
+            offload = where.get((Kind.OFFLOAD, *key))
+            if offload is None or offload > step:
+                raise ScheduleError(f"{a} reloads what no earlier offload stored", schedule,
+                                    [(rank, step)])
             backward = where.get((Kind.BACKWARD, *key))
             if backward is None or backward < step:
                 raise ScheduleError(f"{a} has no backward after it", schedule, [(rank, step)])

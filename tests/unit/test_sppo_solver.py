@@ -1,0 +1,100 @@
+"""SPPO solver: layouts, budgets, error messages, baselines, largest trainable length."""
+import pytest
+
+from megatron.plugin.pipeline.ir import Kind
+from megatron.plugin.pipeline.validation import validate
+
+from elastic_pipe.cost_model import GB
+from elastic_pipe.hardware import load_profile
+
+from sppo_offload.models import get_model
+from sppo_offload.solver import (MEGATRON, SEQ1F1B, SPPO, NoFit, SolverConfig, fits,
+                                 largest_length, layouts, solve, subsequence_counts)
+
+HW = load_profile("a100")
+GPT7B = get_model("gpt-7b")
+
+
+def test_layouts_keep_sp_inside_a_node():
+    found = layouts(GPT7B, HW, 32)
+    assert {(l.sp, l.pp, l.dp) for l in found} >= {(8, 4, 1), (4, 4, 2), (1, 32, 1)}
+    for l in found:
+        assert HW.gpus_per_node % l.sp == 0 and l.sp * l.pp * l.dp == 32 and l.pp <= 32
+
+
+def test_subsequence_counts_respect_the_band_and_pp():
+    config = SolverConfig(gpus=32, memory_gb=80)
+    layout = layouts(GPT7B, HW, 32)[-1]
+    for seq in (1 << 16, 1 << 20, 1 << 22):
+        for n in subsequence_counts(seq, layout, config):
+            assert n >= layout.pp
+            per_device = seq / (n * layout.sp)
+            assert per_device <= config.max_tokens
+            assert per_device >= config.min_tokens or n == layout.pp
+
+
+@pytest.mark.parametrize("gpus,seq", [(8, 262144), (16, 524288)])
+def test_sppo_plan_fits_and_is_valid(gpus, seq):
+    config = SolverConfig(gpus=gpus, memory_gb=80)
+    plan = solve(SPPO, seq, GPT7B, HW, config)
+    assert max(plan.peak_memory_bytes) <= 80 * GB
+    assert sum(plan.lengths) == seq and all(s % plan.layout.sp == 0 for s in plan.lengths)
+    assert len(plan.lengths) >= plan.layout.pp and not any(plan.checkpointed)
+    assert plan.layout.sp * plan.layout.pp * plan.layout.dp == gpus
+    assert plan.tokens_per_s == pytest.approx(plan.layout.dp * seq / plan.iteration_time_s)
+    validate(plan.schedule)
+    offloaded = {(a.stage, a.unit) for row in plan.schedule for a in row if a.kind is Kind.OFFLOAD}
+    assert offloaded == {(s, j) for s, row in enumerate(plan.alphas)
+                         for j, alpha in enumerate(row) if alpha > 0}
+
+
+def test_baselines_are_priced_by_the_same_simulator():
+    config = SolverConfig(gpus=16, memory_gb=80)
+    megatron = solve(MEGATRON, 524288, GPT7B, HW, config)
+    assert megatron.lengths == (524288,)
+    assert megatron.checkpointed == tuple(32 // megatron.layout.pp for _ in
+                                          range(megatron.layout.pp))
+    assert any(a.kind is Kind.RECOMPUTE for row in megatron.schedule for a in row)
+    seq1f1b = solve(SEQ1F1B, 524288, GPT7B, HW, config)
+    assert not any(a for row in seq1f1b.alphas for a in row)
+    sppo = solve(SPPO, 524288, GPT7B, HW, config)
+    assert sppo.tokens_per_s > megatron.tokens_per_s  # no recomputation
+
+
+def test_no_fit_names_the_smallest_budget_that_fits():
+    with pytest.raises(NoFit, match="the smallest budget that fits is") as err:
+        solve(SPPO, 262144, GPT7B, HW, SolverConfig(gpus=8, memory_gb=30))
+    need = err.value.min_budget_gb
+    assert 30 < need <= HW.hbm_gb
+    plan = solve(SPPO, 262144, GPT7B, HW, SolverConfig(gpus=8, memory_gb=need))
+    assert max(plan.peak_memory_bytes) <= need * GB
+
+
+def test_a_sequence_too_long_even_fully_offloaded():
+    with pytest.raises(NoFit, match="cannot fit even fully offloaded; use more GPUs"):
+        solve(SPPO, 1 << 21, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80))
+
+
+def test_offload_off_suggests_auto_and_fixed_n_limits_pp():
+    with pytest.raises(NoFit, match="--sppo-offload auto"):
+        solve(SPPO, 442368, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80, offload="off"))
+    plan = solve(SPPO, 131072, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80, subsequences=4))
+    assert len(plan.lengths) == 4 and plan.layout.pp <= 4  # N >= PP
+    with pytest.raises(ValueError, match="no layout of 8 GPUs"):
+        solve(SPPO, 7, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80, subsequences=8))
+    with pytest.raises(ValueError, match="subsequences must be >= 1"):
+        SolverConfig(gpus=8, memory_gb=80, subsequences=0)
+
+
+def test_largest_length_is_the_boundary():
+    config = SolverConfig(gpus=8, memory_gb=80)
+    step = 65536
+    found = {m: largest_length(m, GPT7B, HW, config, step) for m in (SPPO, SEQ1F1B)}
+    for method, length in found.items():
+        assert length > 0 and length % step == 0
+        assert fits(method, length, GPT7B, HW, config)
+        assert not fits(method, length + step, GPT7B, HW, config)
+    # resident K/V + dK/dV (8h a token and layer) beat checkpointed input + K/V + dK/dV (10h)
+    assert found[SPPO] >= found[SEQ1F1B]
+    plan = solve(SPPO, found[SPPO], GPT7B, HW, config)
+    assert max(plan.peak_memory_bytes) <= 80 * GB
