@@ -1,0 +1,211 @@
+"""Benchmark: ``helix`` against Megatron's native ``1f1b`` on the same batches.
+
+    python scripts/bench_helix.py [--iters 3] [--seq-length 4096] [--global-batch-size 8]
+        [--hidden-size 64] [--num-layers 4] [--mlp-chunk-size 1024] [--json OUT]
+        [--simulate-only]
+
+Measured (this machine's CPU): the script launches itself on 2 ranks (PP=2, one thread each)
+with the embedded corpus and builds three models with identical shapes: ``1f1b`` (Megatron's
+``GPTModel`` stages), ``helix`` (two-fold FILO, weight shipping) and ``helix`` with
+recomputation without attention and chunked MLP. Every iteration draws one global batch of
+documents (packed into ``--seq-length`` micro-batches) and runs one training step of each, in
+turn, after a warm-up round. Reported per variant: tokens/s over the iterations, and the peak
+saved-activation bytes of each stage (the training loop's meter, which also counts helix's own
+stash), with the ratios to ``1f1b``.
+
+Simulated (``HelixCosts`` priced from a spec-derived hardware profile; no measurement): GPT-7B,
+128K-token sequences, 8 pipeline stages of one node each (TP=8 with sequence parallelism inside
+the node, stages linked by InfiniBand), per-part FLOPs of the pre-attention (QKV), the causal
+attention and the post-attention (projection and MLP) with TP collectives, against 1F1B with the
+same layers per stage. Prints the iteration time of each and the ratio.
+"""
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VARIANTS = {
+    "1f1b": {"pipeline_schedule": "1f1b"},
+    "helix": {"pipeline_schedule": "helix"},
+    "helix_recompute": {"pipeline_schedule": "helix", "helix_recompute_without_attention": True},
+}
+
+
+def model_flags(options) -> list[str]:
+    return ["--num-layers", str(options.num_layers), "--hidden-size", str(options.hidden_size),
+            "--num-attention-heads", str(options.num_attention_heads),
+            "--seq-length", str(options.seq_length),
+            "--max-position-embeddings", str(options.seq_length), "--micro-batch-size", "1",
+            "--global-batch-size", str(options.global_batch_size), "--train-iters", "1000",
+            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]
+
+
+def worker(argv) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megatron.plugin import registry
+    from megatron.plugin.arguments import parse_args
+    from megatron.plugin.memory import SavedTensorMeter
+    from megatron.plugin.sources import build_document_sources
+    from megatron.plugin.training import initialize_distributed, setup_model_and_optimizer, step
+
+    iters = int(os.environ["BENCH_ITERS"])
+    chunk = int(os.environ["BENCH_MLP_CHUNK"])
+    args = parse_args(argv)
+    initialize_distributed(args)
+    sources, vocab = build_document_sources(args)
+    jobs = {}
+    for name, settings in VARIANTS.items():
+        variant = copy.copy(args)
+        for key, value in settings.items():
+            setattr(variant, key, value)
+        if name == "helix_recompute":
+            variant.helix_mlp_chunk_size = chunk
+        model, optimizer, _, config = setup_model_and_optimizer(variant, vocab)
+        jobs[name] = (variant, model, optimizer, config)
+    meter = SavedTensorMeter()
+    results = {name: {"times": [], "tokens": [], "peaks": [], "microbatches": []}
+               for name in VARIANTS}
+    for i in range(iters + 1):
+        documents = sources["train"].documents(i)
+        for name, (variant, model, optimizer, config) in jobs.items():
+            registry.use_schedule(variant.pipeline_schedule)
+            meter.reset_peak()
+            dist.barrier()
+            start = time.perf_counter()
+            with meter.active():
+                result = step(model, optimizer, config, variant, documents)
+            dist.barrier()
+            took = time.perf_counter() - start
+            peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+            dist.all_gather(peaks, torch.tensor([float(meter.peak)], dtype=torch.float64))
+            if i == 0:
+                continue
+            entry = results[name]
+            entry["times"].append(took)
+            entry["tokens"].append(result["tokens"])
+            entry["peaks"].append([int(p.item()) for p in peaks])
+            entry["microbatches"].append(result["num_microbatches"])
+    if dist.get_rank() == 0:
+        report = {}
+        for name, entry in results.items():
+            stages = [max(p[r] for p in entry["peaks"]) for r in range(len(entry["peaks"][0]))]
+            report[name] = {"tokens_per_s": sum(entry["tokens"]) / sum(entry["times"]),
+                            "iteration_s": entry["times"],
+                            "microbatches": entry["microbatches"],
+                            "peak_activation_bytes_per_stage": stages}
+        print(json.dumps(report))
+    dist.destroy_process_group()
+    return 0
+
+
+def measured(options) -> dict:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+               "--master-addr=127.0.0.1", "--master-port=29571", __file__, *model_flags(options)]
+    env = dict(os.environ, BENCH_WORKER="1", BENCH_ITERS=str(options.iters),
+               BENCH_MLP_CHUNK=str(options.mlp_chunk_size), OMP_NUM_THREADS="1",
+               PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode:
+        sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
+        raise SystemExit(done.returncode)
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"MEASURED: PP=2 on 2 CPU ranks, one thread each; embedded corpus, --seq-length "
+          f"{options.seq_length}, {options.global_batch_size} documents a batch, "
+          f"{options.iters} iterations; {options.num_layers} layers x hidden "
+          f"{options.hidden_size}; helix_recompute: recomputation without attention and "
+          f"--helix-mlp-chunk-size {options.mlp_chunk_size}")
+    base = report["1f1b"]
+    base_stage0 = base["peak_activation_bytes_per_stage"][0]
+    for name, entry in report.items():
+        stages = entry["peak_activation_bytes_per_stage"]
+        entry["tokens_per_s_vs_1f1b"] = entry["tokens_per_s"] / base["tokens_per_s"]
+        entry["peak_vs_1f1b_stage0"] = max(stages) / base_stage0
+        entry["stage_balance_max_over_min"] = max(stages) / min(stages)
+        print(f"  {name:16s} {entry['tokens_per_s']:8.1f} tokens/s (x{entry['tokens_per_s_vs_1f1b']:.3f}"
+              f" of 1f1b) | peak saved activations per stage "
+              f"{[round(b / 2**20, 1) for b in stages]} MiB, max/min "
+              f"{entry['stage_balance_max_over_min']:.2f}, max / 1f1b stage 0 "
+              f"{entry['peak_vs_1f1b_stage0']:.2f} | micro-batches {entry['microbatches']}")
+    return report
+
+
+def simulated(profile_name: str = "h20") -> dict:
+    """GPT-7B, 128K tokens a sequence, PP=8 x TP=8 (one node a stage), 16 micro-batches."""
+    from elastic_pipe.cost_model import peak_flops
+    from elastic_pipe.hardware import load_profile
+    from elastic_pipe.models import get_model
+    from helix.schedule import HelixCosts, planned_helix
+    from megatron.plugin.pipeline.passes import add_communication
+    from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+    from megatron.plugin.pipeline.simulator import UniformCosts, simulate
+
+    hw, model = load_profile(profile_name), get_model("gpt-7b")
+    pp, tp, seq, microbatches = 8, 8, 128 * 1024, 16
+    h, f, layers = model.hidden_size, model.ffn_hidden_size, model.num_layers
+    matmul = peak_flops(hw) * hw.matmul_efficiency * tp
+    attention = peak_flops(hw) * hw.attention_efficiency * tp
+    # One TP collective (all-gather or reduce-scatter) of the [s, h] BF16 activations in the node.
+    collective = hw.intra_node_latency_s + seq * h * 2 * (tp - 1) / tp / (hw.intra_node_gbps * 1e9)
+    t_pre = 2 * seq * h * 3 * h / matmul + collective
+    t_attn = 2 * h * seq * seq / attention
+    t_post = 2 * seq * (h * h + 2 * h * f) / matmul + 3 * collective
+    hop = hw.inter_node_latency_s + seq * h * 2 / tp / (hw.inter_node_gbps * 1e9)
+    # Every helix transfer carries one [s/tp, h] tensor or less (the QKV shard 3h^2/tp is
+    # smaller at this length), priced like a 1F1B hop: conservative for helix.
+    helix = simulate(planned_helix(pp, layers, microbatches, 2),
+                     HelixCosts(t_pre, t_attn, t_post, layers, backward=hw.backward_factor,
+                                transfer=hop), eager_sends=True)
+    per_stage = layers // pp * (t_pre + t_attn + t_post)
+    baseline = simulate(add_communication(one_f_one_b(pp, microbatches), num_stages=pp),
+                        UniformCosts(forward=per_stage, backward=hw.backward_factor * per_stage,
+                                     transfer=hop))
+    ratio = baseline.iteration_time / helix.iteration_time
+    print(f"SIMULATED (spec-derived {profile_name} profile, not measured): gpt-7b, "
+          f"{seq} tokens a sequence, PP={pp} x TP={tp}, {microbatches} micro-batches; part "
+          f"forwards t_pre {t_pre * 1e3:.1f} ms, t_attn {t_attn * 1e3:.1f} ms, t_post "
+          f"{t_post * 1e3:.1f} ms a layer")
+    print(f"  1f1b  {baseline.iteration_time:8.2f} s/iteration, bubble "
+          f"{baseline.bubble_ratio:.3f}")
+    print(f"  helix {helix.iteration_time:8.2f} s/iteration, bubble {helix.bubble_ratio:.3f}"
+          f" -> helix / 1f1b throughput x{ratio:.3f}")
+    return {"profile": profile_name, "model": "gpt-7b", "seq_length": seq, "pp": pp, "tp": tp,
+            "microbatches": microbatches,
+            "part_forward_s": {"pre": t_pre, "attention": t_attn, "post": t_post},
+            "1f1b_iteration_s": baseline.iteration_time, "1f1b_bubble": baseline.bubble_ratio,
+            "helix_iteration_s": helix.iteration_time, "helix_bubble": helix.bubble_ratio,
+            "throughput_ratio": ratio}
+
+
+def main() -> int:
+    if os.environ.get("BENCH_WORKER"):
+        return worker(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--mlp-chunk-size", type=int, default=1024)
+    parser.add_argument("--simulate-only", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    options = parser.parse_args()
+    report = {"simulated": simulated()}
+    if not options.simulate_only:
+        report["measured"] = measured(options)
+    if options.json:
+        with open(options.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
