@@ -210,18 +210,21 @@ class DocumentAttention(MegatronModule):
         if q.is_cuda and flash_attn_varlen_func is not None:
             return self._flash(q, k, v, dropout)
         ctx_len = k.shape[0] - q.shape[0]
-        qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        # [1, heads, t, dim]: with a batch dimension and no mask, SDPA can pick a fused kernel
+        # that keeps no [t, t] matrix (the CPU flash kernel too); 3-D inputs fall back to math.
+        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        gqa = qh.shape[1] != kh.shape[1]
         if ctx_len == 0:
             out = F.scaled_dot_product_attention(
                 qh, kh, vh, is_causal=True, dropout_p=dropout, scale=self.softmax_scale,
-                enable_gqa=qh.shape[0] != kh.shape[0])
+                enable_gqa=gqa)
         else:
             rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + ctx_len
             mask = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= rows
             out = F.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale,
-                enable_gqa=qh.shape[0] != kh.shape[0])
-        return out.transpose(0, 1)
+                enable_gqa=gqa)
+        return out.squeeze(0).transpose(0, 1)
 
     def _flash(self, q, k, v, dropout):  # pragma: no cover - CUDA only
         cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
