@@ -232,7 +232,8 @@ class HelixProgram(PartProgram):
         _run_backward(roots, root_grads)
         index = part_index(action.part)
         if action.kind is Kind.ATTN_B:
-            made = [(Kind.BACKWARD, action.part, n, given[n].grad) for n in self.pre_tensors]
+            made = [(Kind.BACKWARD, action.part, n, grads["res"] if n == "r" else given[n].grad)
+                    for n in self.pre_tensors]
         elif index > 0:
             made = [(Kind.ATTN_B, part(index - 1), n, given[n].grad) for n in ("o", "res")]
         else:
@@ -309,18 +310,20 @@ class HelixProgram(PartProgram):
         return out
 
     def _attention_forward(self, action: Action, inputs: dict):
+        # The residual only passes through: relayed at once, never stashed here (its gradient
+        # comes back as the gradient of "res" and goes on unchanged).
+        relayed = inputs.pop("r")
         leaves = self._leaves(inputs)
         attention = self.module.foreign_attention
         attention.linear_qkv.use(leaves["w"], leaves.get("wb"))
         layout = self.batches.batches[action.unit].layout()
         with contextlib.nullcontext() if self.training else torch.no_grad():
             o, _ = attention(leaves["x"], attention_mask=None, packed_seq_params=layout)
-        out = {"o": o, "res": leaves["r"]}
         if self.training:
             self.stash[(True, action.unit, action.part)] = {"in": _kept(leaves),
-                                                            "out": _kept(out)}
+                                                            "out": _kept({"o": o})}
         following = part(part_index(action.part) + 1)
-        return [(Kind.FORWARD, following, n, t) for n, t in out.items()], 0
+        return [(Kind.FORWARD, following, "o", o), (Kind.FORWARD, following, "res", relayed)], 0
 
     def _read_batch(self, unit: int) -> None:
         capture = _Capture(self.module)

@@ -1,6 +1,7 @@
 """Golden: Megatron's native schedules, ``1f1b-ir`` (the executor), ``elastic`` and ``seq1f1b``
-(document chunks with K/V context and per-chunk checkpointing) and ``helix`` (layer parts on
-other stages, weight shipping, recomputation without attention) on CPU (gloo) equal the
+(document chunks with K/V context and per-chunk checkpointing), ``helix`` (layer parts on
+other stages, weight shipping, recomputation without attention) and ``sppo`` (subsequences with
+K/V context, saved activations offloaded to the host tier and reloaded) on CPU (gloo) equal the
 single-process reference, and ``1f1b-ir`` equals Megatron's native 1F1B.
 
 Loss and every parameter gradient of one training step over a fixed set of documents
@@ -34,6 +35,17 @@ ELASTIC_EXPECTED = {
 }
 
 HELIX = ["--pipeline-schedule", "helix"]
+
+SPPO = ["--pipeline-schedule", "sppo"]
+#: tag -> (subsequences of the longest document, offload ratio of the run or None for off).
+#: The golden documents' lengths (2 to 64 tokens) rarely divide by N: the cuts are uneven, and
+#: documents shorter than N are cut into one-token subsequences.
+SPPO_EXPECTED = {
+    "pp2_sppo_n4": (4, None),
+    "pp2_sppo_n6_offload": (6, 0.5),
+    "pp4_sppo_n8_offload": (8, 1.0),
+    "pp4_sppo_n5": (5, None),
+}
 
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
 #: own initial weights and its own single-process reference.
@@ -87,6 +99,15 @@ VARIANTS = {
             "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
             "--sequence-parallel", *HELIX, "--helix-recompute-without-attention",
             "--helix-mlp-chunk-size", "24"]),
+        # SPPO: see SPPO_EXPECTED.
+        "pp2_sppo_n4": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                            "--sppo-subsequences", "4", "--sppo-offload", "off"]),
+        "pp2_sppo_n6_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                    "--sppo-subsequences", "6", "--sppo-offload", "0.5"]),
+        "pp4_sppo_n8_offload": (4, ["--pipeline-model-parallel-size", "4", *SPPO,
+                                    "--sppo-subsequences", "8", "--sppo-offload", "1"]),
+        "pp4_sppo_n5": (4, ["--pipeline-model-parallel-size", "4", *SPPO,
+                            "--sppo-subsequences", "5", "--sppo-offload", "off"]),
     }),
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--disable-bias-linear",
@@ -94,6 +115,18 @@ VARIANTS = {
         "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
         "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
         "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
+    }),
+    # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
+    # are not a multiple of p x folds = 4 train with empty slots.
+    "one_microbatch": (["--golden-docs", "1"], {
+        "pp2_helix_m1": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+    }),
+    "three_microbatches": (["--golden-docs", "5"], {
+        "pp2_helix_m3": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
+                             "--helix-recompute-without-attention"]),
+    }),
+    "five_microbatches": (["--golden-docs", "13"], {
+        "pp2_helix_m5": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
     }),
 }
 CASES = [(variant, tag) for variant, (_, layouts) in VARIANTS.items() for tag in layouts]
@@ -190,12 +223,17 @@ def test_document_chunk_runs_exercise_what_they_claim(golden, tag):
 
 def test_helix_runs_needed_padding(golden):
     """Helix completes the micro-batch count to a multiple of p x folds with empty
-    micro-batches: 4 micro-batches at p x folds = 8, and 2 per data-parallel rank at 4."""
-    for variant, tag in [("learned", "pp4_helix_recompute"),
-                         ("rope_swiglu_rmsnorm", "pp2_dp2_helix")]:
+    micro-batches: 4 micro-batches at p x folds = 8, 2 per data-parallel rank at 4, and 1, 3
+    and 5 at 4."""
+    for variant, tag, count in [("learned", "pp4_helix_recompute", 4),
+                                ("rope_swiglu_rmsnorm", "pp2_dp2_helix", 2),
+                                ("one_microbatch", "pp2_helix_m1", 1),
+                                ("three_microbatches", "pp2_helix_m3", 3),
+                                ("five_microbatches", "pp2_helix_m5", 5)]:
         with open(golden / variant / f"helix_{tag}.json") as f:
             record = json.load(f)
-        assert record["padding"] > 0, record
+        assert record["microbatches"] == count, record
+        assert record["padding"] == -count % (2 * (4 if tag.startswith("pp4") else 2)), record
 
 
 def test_helix_mlp_ran_in_chunks(golden):
@@ -204,3 +242,31 @@ def test_helix_mlp_ran_in_chunks(golden):
     for tag, rows in [("pp2_helix_mlp_chunk", 24), ("pp2_tp2_sp_helix_recompute_mlp_chunk", 12)]:
         with open(golden / "learned" / f"helix_{tag}.json") as f:
             assert json.load(f)["mlp_rows"] == rows
+
+
+@pytest.mark.parametrize("tag", sorted(SPPO_EXPECTED))
+def test_sppo_runs_exercise_what_they_claim(golden, tag):
+    """The sppo golden runs cut the documents into the asked subsequences (unevenly) and moved
+    the asked share of every offloaded subsequence's offloadable saved bytes to the host tier
+    and back (a document's last subsequence stays); runs with offloading off moved nothing."""
+    n, ratio = SPPO_EXPECTED[tag]
+    paths = sorted(glob.glob(str(golden / "learned" / f"sppo_{tag}_*.json")))
+    assert len(paths) == int(tag[2]), paths
+    for path in paths:
+        with open(path) as f:
+            record = json.load(f)
+        counts, lengths = record["counts"], record["lengths"]
+        assert max(counts) == n and sum(counts) == len(lengths)
+        assert len(set(lengths)) > 2, "uneven cuts"
+        alphas = record["alphas"][record["stage"]]
+        offloads = record["offloads"]
+        assert record["host_used"] == 0, "everything offloaded came back"
+        if ratio is None:
+            assert not offloads and not any(alphas)
+            continue
+        assert len(offloads) == sum(counts) - len(counts)
+        assert all(alpha == ratio for unit, alpha, _, _ in offloads)
+        assert all(0 < moved <= offloadable for _, _, offloadable, moved in offloads)
+        moved = sum(r[3] for r in offloads) / sum(r[2] for r in offloads)
+        assert abs(moved - ratio) <= 0.1 * ratio, moved
+        assert record["host_peak"] > 0
