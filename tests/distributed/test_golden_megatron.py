@@ -21,6 +21,10 @@ from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 
 WORKER = "tests/distributed/golden_worker.py"
 
+# The module fixture runs every layout (about 40 torchrun launches, each under its own 300 s
+# limit) during the setup of the first test; that setup gets more than the default 600 s.
+pytestmark = pytest.mark.timeout(2400)
+
 ELASTIC = ["--pipeline-schedule", "elastic", "--elastic-slices", "3"]
 #: tag -> what its plan must contain: chunk kinds, and the checkpointing ("none": no layer,
 #: "uniform": the same partial count everywhere, "adaptive": counts that differ by chunk).
