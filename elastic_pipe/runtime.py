@@ -279,7 +279,8 @@ _LAYERS: "weakref.WeakKeyDictionary[torch.nn.Module, LeadingLayers]" = \
     weakref.WeakKeyDictionary()
 
 
-def _leading_layers(model) -> LeadingLayers:
+def leading_layers(model) -> LeadingLayers:
+    """The :class:`LeadingLayers` of ``model`` (one per model: it hooks the model's layers)."""
     layers = _LAYERS.get(model)
     if layers is None:
         layers = _LAYERS[model] = LeadingLayers(model)
@@ -298,7 +299,7 @@ def _schedule(name: str):
                             f"the documents, got {type(planned).__name__}")
         groups = megatron_process_groups()
         stage = planned.plan.ckpt_table()[groups.pp.rank()]
-        chunks = ChunkState(kv_store=KVStore(), layers=_leading_layers(model),
+        chunks = ChunkState(kv_store=KVStore(), layers=leading_layers(model),
                             checkpointed=stage.__getitem__, slices=planned.slices.__getitem__)
         return run_this_rank(
             planned.schedule, groups, forward_step_func=forward_step_func,

@@ -26,24 +26,39 @@ its send. The reload of ``i`` is prefetched one backward ahead: issued right bef
 that precedes ``B(i)`` in the stage's order (``B(i+1)`` here), so the copy overlaps that
 backward; the first backward's own unit, having no predecessor, is reloaded right before its
 backward. Offload and reload run on the copy stream (see the simulator).
+
+Several sequences (the documents of one training batch, :mod:`sppo_offload.runtime`): units are
+numbered across the sequences in order, each sequence's subsequences consecutive; every rank
+runs the backwards sequence by sequence, each sequence last-first, and forwards the next
+sequence's subsequences in the 1F1B way while it runs the current one's backwards
+(:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b` with
+:func:`~megatron.plugin.pipeline.schedule_1f1b.reversed_within_groups`), so the next sequence
+fills the current one's drain. A sequence may then have fewer subsequences than stages (a
+short document); the ``N >= PP`` rule is for the one-sequence pipeline.
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.passes import add_communication
-from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b, reversed_within_groups
 from megatron.plugin.pipeline.validation import validate
 
 Schedule = list[list[Action]]
 
 
-def subsequence_schedule(pp: int, num_subsequences: int) -> Schedule:
+def subsequence_schedule(pp: int, num_subsequences: int | Sequence[int]) -> Schedule:
     """Compute-only per-rank order for ``num_subsequences`` subsequences of one sequence on
-    ``pp`` stages: every forward in order, then the backwards last-first."""
+    ``pp`` stages: every forward in order, then the backwards last-first. A sequence of counts
+    is several sequences, one after the other (module doc)."""
     if pp < 1:
         raise ValueError(f"pp must be >= 1, got {pp}")
+    if not isinstance(num_subsequences, int):
+        counts = list(num_subsequences)
+        if not counts:
+            raise ValueError("a batch needs at least one sequence")
+        return one_f_one_b(pp, sum(counts), reversed_within_groups(counts))
     if num_subsequences < pp:
         raise ValueError(f"{num_subsequences} subsequences on {pp} pipeline stages leave "
                          f"stages without work; use at least {pp} subsequences (N >= PP)")
@@ -94,7 +109,7 @@ def add_offload(schedule: Schedule, offloaded: Callable[[Action], bool],
     return out
 
 
-def build_schedule(pp: int, num_subsequences: int,
+def build_schedule(pp: int, num_subsequences: int | Sequence[int],
                    offloaded: Callable[[Action], bool] = lambda action: False,
                    prefetch: int = 1) -> Schedule:
     """The validated SPPO schedule: compute, transfers, offload and reload."""

@@ -13,6 +13,7 @@ from megatron.plugin import registry
 from megatron.plugin.pipeline import megatron_ir  # noqa: F401  (registers 1f1b-ir)
 import elastic_pipe.runtime  # noqa: F401,E402  (registers elastic, seq1f1b and their flags)
 import helix.runtime  # noqa: F401,E402  (registers helix and its flags)
+import sppo_offload.runtime  # noqa: F401,E402  (registers sppo and its flags)
 
 
 #: Megatron-LM flags users commonly pass that this script does not implement.

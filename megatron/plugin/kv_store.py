@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron.plugin.memory import storage_key
+
 
 @dataclass
 class _Entry:
@@ -95,6 +97,12 @@ class KVStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def storage_keys(self) -> set:
+        """:func:`~megatron.plugin.memory.storage_key` of every recorded K and V (the context
+        leaves share their storage): what activation offloading must leave on the device."""
+        return {storage_key(tensor) for layers in self._entries.values()
+                for entry in layers.values() for tensor in (entry.key, entry.value)}
 
     def nbytes(self) -> int:
         """Bytes held by recorded K/V and the accumulated context gradients."""

@@ -8,12 +8,21 @@ they are model state, not activations.
 A schedule that keeps tensors for a later backward outside autograd (helix's per-part stash:
 received inputs, graph outputs, recomputation inputs) holds them through :func:`keep`, so the
 active meter counts them too (de-duplicated with what autograd saved) until they are dropped.
+Offloaded activations (:mod:`megatron.plugin.pipeline.offload`) hold their tensors the same way:
+their bytes leave the count when they move to host memory and come back with the reload.
 """
 from __future__ import annotations
 
 import contextlib
 
 import torch
+
+
+def storage_key(tensor: torch.Tensor):
+    """Identity of the storage ``tensor`` is a view of (its address; the storage object for an
+    empty one): tensors with the same key share their bytes."""
+    storage = tensor.untyped_storage()
+    return storage.data_ptr() if storage.data_ptr() else id(storage)
 
 
 class SavedTensorMeter:
@@ -33,11 +42,10 @@ class SavedTensorMeter:
         return self._count(tensor)
 
     def _count(self, tensor: torch.Tensor) -> "_Saved":
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr() if storage.data_ptr() else id(storage)
+        key = storage_key(tensor)
         entry = self._live.get(key)
         if entry is None:
-            entry = [storage.nbytes(), 0]
+            entry = [tensor.untyped_storage().nbytes(), 0]
             self._live[key] = entry
             self.current += entry[0]
             self.peak = max(self.peak, self.current)

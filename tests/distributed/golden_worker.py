@@ -8,7 +8,9 @@ Modes:
   weights* — dist_checkpointing then reshards them into any other layout — and the loss.
   Document-level schedules (``elastic``, ``seq1f1b``) also write their plan's chunk kinds and
   checkpointing table (``plan_<tag>.json``), ``helix`` its micro-batch and padding counts
-  and MLP chunk rows (``helix_<tag>.json``), so the test can check what a run exercised.
+  and MLP chunk rows (``helix_<tag>.json``), ``sppo`` its subsequences, offload ratios and
+  what each offload moved, per rank (``sppo_<tag>_<rank>.json``), so the test can check what a
+  run exercised.
   Finally step Megatron's optimizer (grad-norm and clipping on CPU) and record which
   CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
   native ``1f1b`` the order in which its loop called ``forward_step`` / ``backward_step`` on
@@ -127,6 +129,16 @@ def main():
                 json.dump({"microbatches": num_microbatches,
                            "padding": data_iterator.padding,
                            "mlp_rows": data_iterator.mlp_rows}, f)
+        offloader = getattr(data_iterator, "offloader", None)
+        if offloader is not None:
+            name = f"sppo_{args.golden_tag}_{dist.get_rank()}.json"
+            with open(os.path.join(args.golden_dir, name), "w") as f:
+                json.dump({**data_iterator.subsequences.to_dict(),
+                           "stage": parallel_state.get_pipeline_model_parallel_rank(),
+                           "offloads": [[r.unit[0], r.ratio, r.offloadable, r.moved]
+                                        for r in offloader.records],
+                           "host_peak": offloader.tier.peak, "host_used": offloader.tier.used},
+                          f)
         grads_as_weights(model)
         checkpointing.save_model(os.path.join(args.golden_dir, f"grads_{args.golden_tag}"), model)
         if dist.get_rank() == 0:

@@ -62,7 +62,7 @@ def test_unknown_name_lists_valid_names():
 
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; valid names: "
                                          r"default, 1f1b, 1f1b-ir, elastic, helix, interleaved, "
-                                         r"seq1f1b$"):
+                                         r"seq1f1b, sppo$"):
         registry.use_schedule("zigzag")
 
 

@@ -24,6 +24,14 @@ them; a backward is one multi-root autograd call over the stage output and the u
 (with the dK/dV later slices accumulated), split in two at the checkpoint boundary, after which
 the unit's K/V are released. The store must be empty when the schedule ends.
 
+Offloading (``StageContext.offload``, an
+:class:`~megatron.plugin.pipeline.offload.ActivationOffloader`): the forward of every unit
+with an ``OFFLOAD`` in this rank's list runs under its capture hooks; ``OFFLOAD`` moves the
+unit's share of saved activations to the host tier, leaving on the device the storages of the
+K/V store and the unit's input and output; ``RELOAD`` brings them back, and the backward waits
+for the copies first. Nothing may stay captured when the schedule ends. With ``forward_only``
+the memory actions are skipped (nothing is saved).
+
 Data order: every rank calls ``forward_step_func`` once per forward, so each rank's forwards
 must consume the data iterator in unit order (the validated schedules do). Per-action wall
 times (transfer batches under category ``comm``, with each transfer's bytes) are recorded as
@@ -44,8 +52,10 @@ from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.utils import get_model_config, get_model_type
 
 from megatron.plugin.kv_store import KVStore
+from megatron.plugin.memory import storage_key
 from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
+from megatron.plugin.pipeline.offload import ActivationOffloader
 from megatron.plugin.pipeline.p2p import PeerChannel
 from megatron.plugin.pipeline.simulator import transfer_batches
 from megatron.plugin.pipeline.trace import TraceEvent
@@ -83,6 +93,8 @@ class StageContext:
     chunks: ChunkState | None = None
     program: "PartProgram | None" = None
     """Part schedules (helix): runs every compute action (see :class:`PartProgram`)."""
+    offload: ActivationOffloader | None = None
+    """Runs ``OFFLOAD`` / ``RELOAD`` (see the module docstring)."""
     events: list = field(default_factory=list)
 
 
@@ -208,6 +220,12 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
     forwards_done = 0
     origin = time.perf_counter()
     program = ctx.program
+    offloader = ctx.offload
+    captured = {(a.unit, a.part) for a in actions if a.kind is Kind.OFFLOAD} if training \
+        else set()
+    if captured and (offloader is None or program is not None):
+        raise ValueError(f"pipeline rank {rank}: OFFLOAD actions need an activation offloader "
+                         f"(StageContext.offload) and whole-stage compute, not a part program")
     eager = program is not None and program.flow.eager_sends
     in_flight = []
     arriving: dict[tuple, object] = {}
@@ -284,7 +302,8 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             if input_tensor is not None:
                 input_tensor.requires_grad_(training)
             count = chunks.checkpointed(action.unit) if chunks is not None and training else 0
-            with chunks.layers.armed(count) if count else contextlib.nullcontext():
+            with chunks.layers.armed(count) if count else contextlib.nullcontext(), \
+                    offloader.capture(key) if key in captured else contextlib.nullcontext():
                 output, num_tokens = megatron_schedules.forward_step(
                     step_func, ctx.data_iterator, model, ctx.num_microbatches,
                     input_tensor, forward_data_store, config,
@@ -311,6 +330,8 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             if index == last_backward and (config.grad_sync_func is None or rank == 0):
                 sync.enable()
             output_grad = received.pop((Kind.RECV_B, *key), None)
+            if key in captured:
+                offloader.before_backward(key)
             if chunks is None:
                 input_grad = megatron_schedules.backward_step(
                     inputs.pop(key), outputs.pop(key), output_grad, model_type, config)
@@ -318,6 +339,8 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
                 input_grad = chunk_backward(chunks, action.unit, inputs.pop(key),
                                             outputs.pop(key), output_grad,
                                             stashes.pop(key, None), config)
+            if key in captured:
+                offloader.release(key)
             if not ctx.is_first_stage:
                 to_send[(Kind.SEND_B, *key)] = input_grad
         elif action.kind is Kind.RECOMPUTE:
@@ -327,6 +350,16 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
                     raise RuntimeError(f"{action}: the forward of unit {action.unit} "
                                        f"checkpointed no layer on this stage")
                 chunks.layers.recompute(stash)
+        elif action.kind is Kind.OFFLOAD:
+            if training:
+                held = [t for t in (inputs.get(key), outputs.get(key)) if t is not None]
+                resident = {storage_key(t) for t in held}
+                if chunks is not None:
+                    resident |= chunks.kv_store.storage_keys()
+                offloader.offload(key, resident)
+        elif action.kind is Kind.RELOAD:
+            if training:
+                offloader.reload(key)
         else:
             raise ValueError(
                 f"{action}: the executor runs forward, backward and their transfers; "
@@ -339,6 +372,8 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
     if mailbox:
         raise RuntimeError(f"pipeline rank {rank}: the schedule left tensors nobody consumed: "
                            f"{sorted(str(k) for k in mailbox)[:8]}")
+    if captured:
+        offloader.check_empty(f"pipeline rank {rank}")
     if chunks is not None:
         if ctx.forward_only:
             chunks.kv_store.clear()

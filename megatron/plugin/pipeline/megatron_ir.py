@@ -8,8 +8,8 @@ The executor's proof: the same per-rank order as Megatron's warmup / steady / co
 ``[seq/TP (with SP), micro-batch, hidden]`` activation shape.
 
 :func:`single_model_chunk` and :func:`run_this_rank` are the glue every IR schedule shares
-between Megatron's forward-backward arguments and the executor (``elastic`` and ``seq1f1b`` use
-them too).
+between Megatron's forward-backward arguments and the executor (``elastic``, ``seq1f1b`` and
+``sppo`` use them too).
 """
 from __future__ import annotations
 
@@ -55,7 +55,8 @@ def single_model_chunk(name: str, model, data_iterator):
 
 def run_this_rank(schedule, groups: ProcessGroupCollection, *, forward_step_func,
                   data_iterator, model, num_microbatches, shape_of, forward_only,
-                  collect_non_loss_data, first_val_step, chunks=None, program=None) -> list:
+                  collect_non_loss_data, first_val_step, chunks=None, program=None,
+                  offload=None) -> list:
     """Run this pipeline rank's row of ``schedule`` with Megatron's forward-backward
     arguments, under the configured timeout, and record its trace; returns the loss dicts."""
     pp, rank = groups.pp.size(), groups.pp.rank()
@@ -65,7 +66,7 @@ def run_this_rank(schedule, groups: ProcessGroupCollection, *, forward_step_func
         pg_collection=groups, is_first_stage=rank == 0, is_last_stage=rank == pp - 1,
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step, timeout_s=tracing.settings().timeout_s, chunks=chunks,
-        program=program)
+        program=program, offload=offload)
     result = run_schedule(schedule[rank], ctx)
     tracing.record(ctx.events)
     return result

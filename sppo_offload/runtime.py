@@ -1,0 +1,241 @@
+"""``--pipeline-schedule=sppo``: SPPO's subsequence pipeline with adaptive offloading, trained.
+
+Per iteration (:func:`prepare_input`, called by the training loop with the global batch):
+
+1. the documents are spread over the data-parallel replicas by predicted cost (the elastic
+   runtime's :func:`~elastic_pipe.runtime.spread_over_replicas`);
+2. every document of this replica's share is cut into ``N`` FLOPs-balanced subsequences
+   (:func:`~sppo_offload.partition.balanced_lengths` with the job's cost-model coefficients);
+   a document of fewer than ``N`` tokens into as many one-token subsequences as it has tokens.
+   ``N`` is ``--sppo-subsequences``, or with ``auto`` the smallest count the solver considers
+   for the job's layout (:func:`~sppo_offload.solver.subsequence_counts`): the fewest
+   subsequences, at least ``PP``, whose tokens per device (``S / (N x TP x CP)``) stay within
+   the solver's 16K band top -- ``N = PP`` for every document shorter than that, as in the
+   tiny CPU runs;
+3. each subsequence is one unit: one packed row (padded to a multiple of the TP x CP token
+   split) whose piece records its K/V and reads those of the document's earlier subsequences
+   (the K/V-context execution of the elastic schedule's split chunks); a document of one
+   subsequence is a whole document;
+4. one pipeline over all the share's subsequences (:mod:`sppo_offload.pipeline`, several
+   sequences): documents one after the other, each document's backwards last-first, the next
+   document's forwards filling the current one's drain. One document is the SPPO case; a batch
+   of several is trained in the same order of gradient additions whatever ``N``;
+5. offload ratios per document and stage (:func:`~sppo_offload.offload.offload_ratios`:
+   ``--sppo-offload auto`` sizes them to the hardware profile's host link, ``off`` moves
+   nothing, a ``RATIO`` is used for every subsequence but a document's last); every unit with
+   a positive ratio gets an ``OFFLOAD`` / ``RELOAD`` pair
+   (:func:`~sppo_offload.pipeline.add_offload`), which the executor runs with an
+   :class:`~megatron.plugin.pipeline.offload.ActivationOffloader` into a host tier of
+   ``--sppo-host-memory-gb`` (pinned buffers and a side stream on CUDA).
+
+Every rank plans the same schedule: the plan is arithmetic on the document lengths and the
+flags, with no solver time limit involved. The cost model is the elastic runtime's
+:func:`~elastic_pipe.runtime.job_cost_model` (model shape from the Megatron flags; hardware
+profile from ``--elastic-hardware-profile``, by default matched from the CUDA device name,
+``a800`` on CPU; its ``host_link_gbps`` prices the ``auto`` ratios).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+from dataclasses import dataclass
+
+from megatron.core import parallel_state
+
+from megatron.plugin.batches import MicroBatch, micro_batch
+from megatron.plugin.kv_store import KVStore
+from megatron.plugin.pipeline.executor import ChunkState
+from megatron.plugin.pipeline.ir import Action
+from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
+                                                  single_model_chunk)
+from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
+from megatron.plugin.registry import register_argument_group, register_schedule
+
+from elastic_pipe.chunks import Chunk, Piece
+from elastic_pipe.cost_model import GB, CostModel
+from elastic_pipe.runtime import chunk_row, job_cost_model, leading_layers, spread_over_replicas
+
+from sppo_offload.offload import AUTO, offload_ratios, parse_offload
+from sppo_offload.partition import balanced_lengths, starts
+from sppo_offload.pipeline import build_schedule
+from sppo_offload.solver import SolverConfig
+
+log = logging.getLogger(__name__)
+NAME = "sppo"
+
+
+def subsequences_flag(value: str):
+    """``--sppo-subsequences``: ``"auto"`` or a positive integer."""
+    if value == AUTO:
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', got {value!r}")
+    return int(value)
+
+
+def offload_flag(value: str):
+    """``--sppo-offload``: ``"auto"``, ``"off"`` or a ratio in ``[0, 1]``."""
+    try:
+        return parse_offload(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("subsequence pipeline with offloading (SPPO)")
+    g.add_argument("--sppo-subsequences", default=AUTO, type=subsequences_flag,
+                   help="subsequences N per document (N >= pipeline stages), or auto: the "
+                        "fewest, at least PP, that keep 16K tokens per device or fewer")
+    g.add_argument("--sppo-offload", default=AUTO, type=offload_flag,
+                   help="auto (ratios sized to the host link of the hardware profile), off, "
+                        "or a ratio in [0, 1] of every subsequence's offloadable activations "
+                        "(a document's last subsequence is never offloaded)")
+    g.add_argument("--sppo-host-memory-gb", type=float, default=None,
+                   help="host memory one rank's offloaded activations may use, GB; default: "
+                        "no limit")
+
+
+register_argument_group(add_arguments)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what ``sppo`` cannot run, naming the flag to change."""
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError("sppo runs one model chunk per rank: drop "
+                         "--num-layers-per-virtual-pipeline-stage")
+    if args.sppo_subsequences != AUTO and args.sppo_subsequences < pp:
+        raise ValueError(f"--sppo-subsequences {args.sppo_subsequences} is smaller than "
+                         f"--pipeline-model-parallel-size {pp}: the subsequence pipeline needs "
+                         f"N >= PP; use at least {pp} subsequences, or auto")
+    if args.recompute_granularity is not None:
+        raise ValueError("sppo keeps activations by offloading them, not by recomputation: drop "
+                         "--recompute-granularity (elastic and seq1f1b checkpoint per chunk)")
+    if args.sppo_host_memory_gb is not None and args.sppo_host_memory_gb <= 0:
+        raise ValueError(f"--sppo-host-memory-gb must be > 0, got {args.sppo_host_memory_gb}")
+
+
+# -- planning (pure) ---------------------------------------------------------------------------
+
+def auto_subsequences(tokens: int, pp: int, token_split: int) -> int:
+    """``--sppo-subsequences auto`` for a ``tokens``-token document (module doc, step 2)."""
+    return max(pp, math.ceil(tokens / (token_split * SolverConfig.max_tokens)))
+
+
+@dataclass(frozen=True)
+class SubsequencePlan:
+    """The subsequences of one replica's documents and their offload ratios."""
+
+    counts: tuple[int, ...]
+    """Subsequences per document, in the order of the documents."""
+    chunks: tuple[Chunk, ...]
+    """One one-piece chunk per unit (``Piece.doc``: the document's position in the share)."""
+    alphas: tuple[tuple[float, ...], ...]
+    """Offload ratio per stage and unit."""
+
+    def to_dict(self) -> dict:
+        return {"counts": list(self.counts),
+                "lengths": [c.pieces[0].tokens for c in self.chunks],
+                "alphas": [list(row) for row in self.alphas]}
+
+
+def plan_subsequences(lengths, cost: CostModel, subsequences, offload,
+                      token_split: int = 1) -> SubsequencePlan:
+    """Cut documents of ``lengths`` tokens into subsequences and choose their offload ratios
+    (module doc, steps 2 and 5) for the stages of ``cost``'s layout."""
+    counts, chunks = [], []
+    alphas: list[list[float]] = [[] for _ in range(cost.pp)]
+    for doc, tokens in enumerate(lengths):
+        wanted = auto_subsequences(tokens, cost.pp, token_split) if subsequences == AUTO \
+            else subsequences
+        cut = balanced_lengths(tokens, min(wanted, tokens), cost.linear_per_token, cost.alpha1)
+        mine = tuple(Chunk((Piece(doc, j, start, start + length, j == len(cut) - 1),))
+                     for j, (start, length) in enumerate(zip(starts(cut), cut)))
+        ratios = offload_ratios(cost, mine, offload, cost.hardware.host_link_gbps)
+        for stage, row in enumerate(ratios):
+            alphas[stage].extend(row)
+        counts.append(len(cut))
+        chunks.extend(mine)
+    return SubsequencePlan(tuple(counts), tuple(chunks), tuple(tuple(row) for row in alphas))
+
+
+# -- the planned batch -------------------------------------------------------------------------
+
+@dataclass
+class SubsequenceBatch:
+    """One replica's subsequences, their schedule, rows and this stage's offloader."""
+
+    subsequences: SubsequencePlan
+    schedule: list[list[Action]]
+    batches: list[MicroBatch]
+    slices: list[tuple[tuple[int, int], ...]]
+    """Per unit: ``(doc_key, slice_index)`` when its document was cut (records K/V)."""
+    offloader: ActivationOffloader
+    hidden_size: int
+    token_divisor: int
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def shape_of(self, action: Action) -> tuple[int, int, int]:
+        return (self.batches[action.unit].seq_length // self.token_divisor, 1,
+                self.hidden_size)
+
+
+def prepare_input(documents, args, model):
+    """``(SubsequenceBatch, number of units)`` of this replica's documents."""
+    cost = job_cost_model(args, model)
+    lengths = [len(doc) - 1 for doc in documents]
+    dp = parallel_state.get_data_parallel_world_size()
+    share = spread_over_replicas(lengths, dp, cost)[parallel_state.get_data_parallel_rank()]
+    if not share:
+        raise ValueError(f"--global-batch-size {len(documents)} leaves data-parallel replicas "
+                         f"without documents at {dp} replicas: raise it")
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    plan = plan_subsequences([lengths[i] for i in share], cost, args.sppo_subsequences,
+                             args.sppo_offload, tp * cp)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    schedule = build_schedule(cost.pp, plan.counts,
+                              lambda action: plan.alphas[action.stage][action.unit] > 0)
+    batches = [micro_batch([chunk_row(chunk, documents, share, tp * cp)])
+               for chunk in plan.chunks]
+    slices = [((share[p.doc], p.slice),) if plan.counts[p.doc] > 1 else ()
+              for p in (chunk.pieces[0] for chunk in plan.chunks)]
+    chunk = model[0] if isinstance(model, list) else model
+    capacity = None if args.sppo_host_memory_gb is None else int(args.sppo_host_memory_gb * GB)
+    offloader = ActivationOffloader(host_tier(next(chunk.parameters()).device, capacity),
+                                    plan.alphas[stage].__getitem__)
+    divisor = (tp if args.sequence_parallel else 1) * cp
+    batch = SubsequenceBatch(plan, schedule, batches, slices, offloader, args.hidden_size,
+                             divisor)
+    log.info("sppo plan: %d documents in %d subsequences, %d offloaded on stage %d",
+             len(share), len(batch), sum(a > 0 for a in plan.alphas[stage]), stage)
+    return batch, len(batch)
+
+
+# -- the schedule --------------------------------------------------------------------------------
+
+def forward_backward_sppo(*, forward_step_func, data_iterator, model, num_microbatches,
+                          seq_length, micro_batch_size, decoder_seq_length=None,
+                          forward_only=False, collect_non_loss_data=False, first_val_step=None,
+                          **unused):
+    """Megatron forward-backward signature; see the module docstring."""
+    del unused, seq_length, micro_batch_size, decoder_seq_length
+    model, planned = single_model_chunk(NAME, model, data_iterator)
+    if not isinstance(planned, SubsequenceBatch):
+        raise TypeError(f"{NAME} consumes the SubsequenceBatch its prepare_input makes from "
+                        f"the documents, got {type(planned).__name__}")
+    chunks = ChunkState(kv_store=KVStore(), layers=leading_layers(model),
+                        checkpointed=lambda unit: 0, slices=planned.slices.__getitem__)
+    return run_this_rank(
+        planned.schedule, megatron_process_groups(), forward_step_func=forward_step_func,
+        data_iterator=iter(planned.batches), model=model, num_microbatches=num_microbatches,
+        shape_of=planned.shape_of, forward_only=forward_only,
+        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
+        chunks=chunks, offload=planned.offloader)
+
+
+forward_backward_sppo.check_args = check_args
+forward_backward_sppo.prepare_input = prepare_input
+register_schedule(NAME, forward_backward_sppo)
