@@ -152,17 +152,16 @@ def spread_over_replicas(lengths, replicas: int, cost: CostModel) -> list[list[i
 # -- the planned batch -----------------------------------------------------------------------
 
 @dataclass
-class PlannedBatch:
-    """One replica's plan, its lowered schedule and the chunk rows (the schedule's input)."""
+class ChunkRows:
+    """A schedule of document chunks and its input: one packed row per unit (elastic,
+    seq1f1b and sppo)."""
 
-    plan: Plan
     schedule: list[list[Action]]
     batches: list[MicroBatch]
     slices: list[tuple[tuple[int, int], ...]]
     """Per unit: ``(doc_key, slice_index)`` of the pieces that belong to split documents."""
     hidden_size: int
     token_divisor: int
-    timing: PlanTiming
 
     def __len__(self) -> int:
         return len(self.batches)
@@ -170,6 +169,14 @@ class PlannedBatch:
     def shape_of(self, action: Action) -> tuple[int, int, int]:
         return (self.batches[action.unit].seq_length // self.token_divisor, 1,
                 self.hidden_size)
+
+
+@dataclass
+class PlannedBatch(ChunkRows):
+    """One replica's plan, its lowered schedule and the chunk rows (the schedule's input)."""
+
+    plan: Plan
+    timing: PlanTiming
 
 
 def _is_split(piece: Piece) -> bool:
@@ -194,8 +201,8 @@ def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming) -> P
     batches = [micro_batch([chunk_row(chunk, documents, doc_ids, multiple)]) for chunk in chunks]
     slices = [tuple((doc_ids[p.doc], p.slice) for p in chunk.pieces if _is_split(p))
               for chunk in chunks]
-    return PlannedBatch(plan, lower(plan, args.pipeline_model_parallel_size), batches, slices,
-                        args.hidden_size, tp * cp, timing)
+    return PlannedBatch(lower(plan, args.pipeline_model_parallel_size), batches, slices,
+                        args.hidden_size, tp * cp, plan=plan, timing=timing)
 
 
 def _check_agreement(plan: Plan) -> None:

@@ -43,10 +43,9 @@ from dataclasses import dataclass
 
 from megatron.core import parallel_state
 
-from megatron.plugin.batches import MicroBatch, micro_batch
+from megatron.plugin.batches import micro_batch
 from megatron.plugin.kv_store import KVStore
 from megatron.plugin.pipeline.executor import ChunkState
-from megatron.plugin.pipeline.ir import Action
 from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
                                                   single_model_chunk)
 from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
@@ -54,7 +53,8 @@ from megatron.plugin.registry import register_argument_group, register_schedule
 
 from elastic_pipe.chunks import Chunk, Piece
 from elastic_pipe.cost_model import GB, CostModel
-from elastic_pipe.runtime import chunk_row, job_cost_model, leading_layers, spread_over_replicas
+from elastic_pipe.runtime import (ChunkRows, chunk_row, job_cost_model, leading_layers,
+                                   spread_over_replicas)
 
 from sppo_offload.offload import AUTO, offload_ratios, parse_offload
 from sppo_offload.partition import balanced_lengths, starts
@@ -163,24 +163,11 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload,
 # -- the planned batch -------------------------------------------------------------------------
 
 @dataclass
-class SubsequenceBatch:
+class SubsequenceBatch(ChunkRows):
     """One replica's subsequences, their schedule, rows and this stage's offloader."""
 
     subsequences: SubsequencePlan
-    schedule: list[list[Action]]
-    batches: list[MicroBatch]
-    slices: list[tuple[tuple[int, int], ...]]
-    """Per unit: ``(doc_key, slice_index)`` when its document was cut (records K/V)."""
     offloader: ActivationOffloader
-    hidden_size: int
-    token_divisor: int
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def shape_of(self, action: Action) -> tuple[int, int, int]:
-        return (self.batches[action.unit].seq_length // self.token_divisor, 1,
-                self.hidden_size)
 
 
 def prepare_input(documents, args, model):
@@ -207,8 +194,8 @@ def prepare_input(documents, args, model):
     offloader = ActivationOffloader(host_tier(next(chunk.parameters()).device, capacity),
                                     plan.alphas[stage].__getitem__)
     divisor = (tp if args.sequence_parallel else 1) * cp
-    batch = SubsequenceBatch(plan, schedule, batches, slices, offloader, args.hidden_size,
-                             divisor)
+    batch = SubsequenceBatch(schedule, batches, slices, args.hidden_size, divisor,
+                             subsequences=plan, offloader=offloader)
     log.info("sppo plan: %d documents in %d subsequences, %d offloaded on stage %d",
              len(share), len(batch), sum(a > 0 for a in plan.alphas[stage]), stage)
     return batch, len(batch)
