@@ -4,8 +4,8 @@
         [--hidden-size 64] [--num-attention-heads 4] [--profile PROFILE.json] [--json OUT]
 
 1. Unless ``--profile`` is given, ``scripts/profile_costs.py`` measures the bench's layer on this
-   machine (one thread) and writes a measured profile, so the planner and the simulator price
-   chunks with this machine's coefficients.
+   machine (one thread, the bench's dropout 0) and writes a measured profile, so the planner and
+   the simulator price chunks with this machine's coefficients.
 2. The script launches itself on 2 CPU ranks (PP=2, one thread each) with the embedded corpus:
    one model and optimizer; every iteration draws one global batch of documents and runs it
    with each schedule in turn (elastic, seq1f1b, 1f1b), after one warm-up round, so drift of
@@ -124,7 +124,8 @@ def profile(path: str, options) -> None:
     command = [sys.executable, "scripts/profile_costs.py", "--hidden-size",
                str(options.hidden_size), "--num-attention-heads",
                str(options.num_attention_heads), "--tokens", *map(str, tokens),
-               "--contexts", *map(str, contexts), "--repeats", "2", "--output", path]
+               "--contexts", *map(str, contexts), "--repeats", "2",
+               "--attention-dropout", "0", "--hidden-dropout", "0", "--output", path]
     subprocess.run(command, cwd=REPO, check=True, env=dict(os.environ, OMP_NUM_THREADS="1",
                                                            PYTHONPATH=REPO))
 

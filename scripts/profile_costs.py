@@ -11,8 +11,11 @@ What is measured and how (every choice made here):
   :class:`~megatron.plugin.attention.DocumentAttention`) with the ``TransformerConfig`` that
   :func:`megatron.plugin.model.transformer_config` builds from the training flags (parsed by
   :func:`megatron.plugin.arguments.parse_args`, so the defaults -- LayerNorm, GeLU, biases,
-  learned-absolute positions, FP32 on CPU, dropout 0.1 -- are those of a training run with the
-  same model flags). ``--num-layers-profiled N`` builds N layers run back to back; the times
+  learned-absolute positions, FP32 on CPU -- are those of a training run with the same model
+  flags). Dropout is ``--attention-dropout`` / ``--hidden-dropout`` (Megatron's 0.1 unless
+  given): profile with the job's values, because on CPU SDPA's fused causal kernel does not
+  take dropout, so attention dropout > 0 times the math kernel, many times slower at long
+  sequences. ``--num-layers-profiled N`` builds N layers run back to back; the times
   are divided by N, so the result is per layer.
 - Process groups: a 1-rank gloo group and ``parallel_state.initialize_model_parallel`` (as
   ``megatron/plugin/training.py`` does); on a machine without CUDA the project's
@@ -147,7 +150,9 @@ def build_layers(args):
     flags = ["--num-layers", str(args.num_layers_profiled), "--hidden-size", str(args.hidden_size),
              "--num-attention-heads", str(args.num_attention_heads),
              "--seq-length", str(longest), "--global-batch-size", "1", "--train-iters", "1",
-             "--lr", "1e-4", "--seed", str(args.seed)]
+             "--lr", "1e-4", "--seed", str(args.seed),
+             "--attention-dropout", str(args.attention_dropout),
+             "--hidden-dropout", str(args.hidden_dropout)]
     if args.ffn_hidden_size is not None:
         flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
     train_args = parse_args(flags)
@@ -288,6 +293,10 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--contexts", type=int, nargs="+", default=[0],
                         help="context lengths C (K/V of earlier slices) of the grid")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--attention-dropout", type=float, default=0.1,
+                        help="as the job's flag (Megatron's default 0.1)")
+    parser.add_argument("--hidden-dropout", type=float, default=0.1,
+                        help="as the job's flag (Megatron's default 0.1)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--base-profile", default="a800",
                         help="shipped profile name or JSON path the unmeasured fields come from")
