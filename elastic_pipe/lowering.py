@@ -47,13 +47,14 @@ def lower(plan: Plan, pp: int) -> Schedule:
     return schedule
 
 
-class ElasticCosts:
-    """The simulator's cost protocol from the cost model and a plan's chunks and ckpt table."""
+class ChunkCosts:
+    """The simulator's cost protocol for units that are chunks: forward, backward, transfers
+    and stash from the cost model; ``checkpointed(stage, unit)`` layers recomputed."""
 
-    def __init__(self, cost: CostModel, plan: Plan):
+    def __init__(self, cost: CostModel, chunks, checkpointed):
         self.cost = cost
-        self.chunks = plan.chunks()
-        self.table = plan.ckpt_table()
+        self.chunks = chunks
+        self.checkpointed = checkpointed
 
     def duration(self, action: Action) -> float:
         chunk = self.chunks[action.unit]
@@ -62,8 +63,8 @@ class ElasticCosts:
         if action.kind is Kind.BACKWARD:
             return self.cost.stage_backward(action.stage, chunk)
         if action.kind is Kind.RECOMPUTE:
-            return self.table[action.stage][action.unit] * self.cost.layer_forward(chunk)
-        raise ValueError(f"the elastic plan has no {action.kind.value} actions: {action}")
+            return self.checkpointed(action.stage, action.unit) * self.cost.layer_forward(chunk)
+        raise ValueError(f"a schedule of chunks has no {action.kind.value} actions: {action}")
 
     def transfer_time(self, action: Action) -> float:
         return self.cost.p2p_time(self.chunks[action.unit])
@@ -72,10 +73,19 @@ class ElasticCosts:
         chunk = self.chunks[action.unit]
         if action.kind is Kind.RECOMPUTE:
             return self.cost.layer_saving(chunk)
-        return self.cost.stash_bytes(action.stage, chunk, self.table[action.stage][action.unit])
+        return self.cost.stash_bytes(action.stage, chunk,
+                                     self.checkpointed(action.stage, action.unit))
 
     def static_bytes(self, rank: int) -> float:
         return self.cost.static_bytes(rank)
+
+
+class ElasticCosts(ChunkCosts):
+    """:class:`ChunkCosts` of a plan's chunks and checkpointing table."""
+
+    def __init__(self, cost: CostModel, plan: Plan):
+        table = plan.ckpt_table()
+        super().__init__(cost, plan.chunks(), lambda stage, unit: table[stage][unit])
 
 
 def simulate_plan(plan: Plan, cost: CostModel, trace: bool = False) -> tuple[Schedule, SimResult]:

@@ -230,15 +230,21 @@ def _planner(name: str, args) -> BackgroundPlanner:
     return _PLANNERS[name]
 
 
-def _planning_inputs(name, documents, args, model):
-    """This replica's document ids and the planner's arguments for them."""
-    cost = job_cost_model(args, model)
+def replica_share(documents, cost: CostModel) -> tuple[list[int], list[int]]:
+    """``(lengths of all documents, ids of this data-parallel replica's)``, spread by cost."""
     lengths = [len(doc) - 1 for doc in documents]
     dp = parallel_state.get_data_parallel_world_size()
     share = spread_over_replicas(lengths, dp, cost)[parallel_state.get_data_parallel_rank()]
     if not share:
         raise ValueError(f"--global-batch-size {len(documents)} leaves data-parallel replicas "
                          f"without documents at {dp} replicas: raise it")
+    return lengths, share
+
+
+def _planning_inputs(name, documents, args, model):
+    """This replica's document ids and the planner's arguments for them."""
+    cost = job_cost_model(args, model)
+    lengths, share = replica_share(documents, cost)
     key = tuple(lengths[i] for i in share)
     return share, (key, name, cost.model, cost.hardware, cost.parallel, scheduler_config(args))
 

@@ -25,7 +25,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VARIANTS = {
@@ -46,14 +45,14 @@ def model_flags(options) -> list[str]:
 
 
 def worker(argv) -> int:
-    import torch
     import torch.distributed as dist
 
     from megatron.plugin import registry
     from megatron.plugin.arguments import parse_args
     from megatron.plugin.memory import SavedTensorMeter
     from megatron.plugin.sources import build_document_sources
-    from megatron.plugin.training import initialize_distributed, setup_model_and_optimizer, step
+    from megatron.plugin.training import (initialize_distributed, setup_model_and_optimizer,
+                                          timed_step)
 
     iters = int(os.environ["BENCH_ITERS"])
     chunk = int(os.environ["BENCH_MLP_CHUNK"])
@@ -76,21 +75,14 @@ def worker(argv) -> int:
         documents = sources["train"].documents(i)
         for name, (variant, model, optimizer, config) in jobs.items():
             registry.use_schedule(variant.pipeline_schedule)
-            meter.reset_peak()
-            dist.barrier()
-            start = time.perf_counter()
-            with meter.active():
-                result = step(model, optimizer, config, variant, documents)
-            dist.barrier()
-            took = time.perf_counter() - start
-            peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-            dist.all_gather(peaks, torch.tensor([float(meter.peak)], dtype=torch.float64))
+            result, took, peaks = timed_step(model, optimizer, config, variant, documents,
+                                             meter)
             if i == 0:
                 continue
             entry = results[name]
             entry["times"].append(took)
             entry["tokens"].append(result["tokens"])
-            entry["peaks"].append([int(p.item()) for p in peaks])
+            entry["peaks"].append(peaks)
             entry["microbatches"].append(result["num_microbatches"])
     if dist.get_rank() == 0:
         report = {}

@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCHEDULES = ("elastic", "seq1f1b", "1f1b")
@@ -65,13 +64,12 @@ def predicted_seconds(name, documents, args, model) -> float:
 
 
 def worker(argv) -> int:
-    import torch
     import torch.distributed as dist
 
     from megatron.plugin import registry
     from megatron.plugin.arguments import parse_args
     from megatron.plugin.memory import SavedTensorMeter
-    from megatron.plugin.training import setup_job, step
+    from megatron.plugin.training import setup_job, timed_step
 
     iters = int(os.environ["BENCH_ITERS"])
     args = parse_args(argv)
@@ -83,22 +81,13 @@ def worker(argv) -> int:
         documents = sources["train"].documents(i)
         for name in SCHEDULES:
             registry.use_schedule(name)
-            meter.reset_peak()
-            dist.barrier()
-            start = time.perf_counter()
-            with meter.active():
-                result = step(model, optimizer, config, args, documents)
-            dist.barrier()
-            took = time.perf_counter() - start
-            peaks = [torch.zeros(1, dtype=torch.float64)
-                     for _ in range(dist.get_world_size())]
-            dist.all_gather(peaks, torch.tensor([float(meter.peak)], dtype=torch.float64))
+            result, took, peaks = timed_step(model, optimizer, config, args, documents, meter)
             if i == 0:
                 continue
             entry = results[name]
             entry["times"].append(took)
             entry["tokens"].append(result["tokens"])
-            entry["peaks"].append([int(p.item()) for p in peaks])
+            entry["peaks"].append(peaks)
             if dist.get_rank() == 0:
                 entry["predicted"].append(predicted_seconds(name, documents, args, model))
     if dist.get_rank() == 0:

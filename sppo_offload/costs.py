@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.ir import Action
 
 from elastic_pipe.chunks import Chunk, Piece
 from elastic_pipe.cost_model import GB, CostModel
+from elastic_pipe.lowering import ChunkCosts
 
 from sppo_offload.partition import starts
 
@@ -27,42 +28,26 @@ def subsequence_chunks(lengths: Sequence[int]) -> tuple[Chunk, ...]:
                  for j, (start, length) in enumerate(zip(starts(list(lengths)), lengths)))
 
 
-class SequenceCosts:
-    """Costs of one sequence's subsequences on the stages of ``cost``'s layout."""
+class SequenceCosts(ChunkCosts):
+    """Costs of one sequence's subsequences on the stages of ``cost``'s layout: the chunk costs
+    of :class:`~elastic_pipe.lowering.ChunkCosts` plus the copies of ``OFFLOAD`` / ``RELOAD``."""
 
     def __init__(self, cost: CostModel, lengths: Sequence[int],
                  offloaded: Sequence[Sequence[float]] | None = None,
                  checkpointed: Sequence[int] | None = None, host_gbps: float | None = None):
-        self.cost = cost
-        self.chunks = subsequence_chunks(lengths)
+        layers = tuple(checkpointed or (0,) * cost.pp)
+        super().__init__(cost, subsequence_chunks(lengths), lambda stage, unit: layers[stage])
         self.offloaded = offloaded or [[0.0] * len(lengths) for _ in range(cost.pp)]
-        self.checkpointed = tuple(checkpointed or (0,) * cost.pp)
         if any(b > 0 for row in self.offloaded for b in row) and not host_gbps:
             raise ValueError("offloading needs the host link bandwidth (host_gbps)")
         self.host_gbps = host_gbps
 
     def duration(self, action: Action) -> float:
-        chunk = self.chunks[action.unit]
-        if action.kind is Kind.FORWARD:
-            return self.cost.stage_forward(action.stage, chunk)
-        if action.kind is Kind.BACKWARD:
-            return self.cost.stage_backward(action.stage, chunk)
-        if action.kind is Kind.RECOMPUTE:
-            return self.checkpointed[action.stage] * self.cost.layer_forward(chunk)
         if action.is_memory():
             return self.offloaded[action.stage][action.unit] / (self.host_gbps * GB)
-        raise ValueError(f"a subsequence pipeline has no {action.kind.value} actions: {action}")
-
-    def transfer_time(self, action: Action) -> float:
-        return self.cost.p2p_time(self.chunks[action.unit])
+        return super().duration(action)
 
     def activation_bytes(self, action: Action) -> float:
-        chunk = self.chunks[action.unit]
-        if action.kind is Kind.RECOMPUTE:
-            return self.cost.layer_saving(chunk)
         if action.is_memory():
             return self.offloaded[action.stage][action.unit]
-        return self.cost.stash_bytes(action.stage, chunk, self.checkpointed[action.stage])
-
-    def static_bytes(self, rank: int) -> float:
-        return self.cost.static_bytes(rank)
+        return super().activation_bytes(action)

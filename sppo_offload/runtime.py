@@ -3,7 +3,7 @@
 Per iteration (:func:`prepare_input`, called by the training loop with the global batch):
 
 1. the documents are spread over the data-parallel replicas by predicted cost (the elastic
-   runtime's :func:`~elastic_pipe.runtime.spread_over_replicas`);
+   runtime's :func:`~elastic_pipe.runtime.replica_share`);
 2. every document of this replica's share is cut into ``N`` FLOPs-balanced subsequences
    (:func:`~sppo_offload.partition.balanced_lengths` with the job's cost-model coefficients);
    a document of fewer than ``N`` tokens into as many one-token subsequences as it has tokens.
@@ -54,7 +54,7 @@ from megatron.plugin.registry import register_argument_group, register_schedule
 from elastic_pipe.chunks import Chunk, Piece
 from elastic_pipe.cost_model import GB, CostModel
 from elastic_pipe.runtime import (ChunkRows, chunk_row, job_cost_model, leading_layers,
-                                   spread_over_replicas)
+                                   replica_share)
 
 from sppo_offload.offload import AUTO, offload_ratios, parse_offload
 from sppo_offload.partition import balanced_lengths, starts
@@ -173,12 +173,7 @@ class SubsequenceBatch(ChunkRows):
 def prepare_input(documents, args, model):
     """``(SubsequenceBatch, number of units)`` of this replica's documents."""
     cost = job_cost_model(args, model)
-    lengths = [len(doc) - 1 for doc in documents]
-    dp = parallel_state.get_data_parallel_world_size()
-    share = spread_over_replicas(lengths, dp, cost)[parallel_state.get_data_parallel_rank()]
-    if not share:
-        raise ValueError(f"--global-batch-size {len(documents)} leaves data-parallel replicas "
-                         f"without documents at {dp} replicas: raise it")
+    lengths, share = replica_share(documents, cost)
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     plan = plan_subsequences([lengths[i] for i in share], cost, args.sppo_subsequences,
                              args.sppo_offload, tp * cp)

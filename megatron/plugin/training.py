@@ -134,6 +134,21 @@ def setup_job(args):
     return sources, model, optimizer, scheduler, config
 
 
+def timed_step(model, optimizer, config, args, documents, meter: SavedTensorMeter):
+    """One training step between barriers, under ``meter`` (the benchmarks): ``(result,
+    wall seconds, every rank's peak saved-activation bytes)``."""
+    meter.reset_peak()
+    dist.barrier()
+    start = time.perf_counter()
+    with meter.active():
+        result = step(model, optimizer, config, args, documents)
+    dist.barrier()
+    took = time.perf_counter() - start
+    peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor([float(meter.peak)], dtype=torch.float64))
+    return result, took, [int(p.item()) for p in peaks]
+
+
 def schedule_input(schedule_fn, documents, args, model):
     """What the schedule consumes: ``(data_iterator, num_microbatches)``.
 
