@@ -10,9 +10,12 @@ modelled as ``sum_t C_t``, minimised.
 
 Memory: at every backward of stage ``p`` (from :func:`elastic_pipe.pipeline_order.inflight_sets`,
 the 1F1B windows ``|W_p|`` with the split documents' prefill) the chunks in flight stash
-``full - saving * ckpt`` each, and the chunk about to run its backward rematerialises one layer
-(``saving``) when it has any checkpointed layer (boolean ``r[p][k]``); the sum stays within the
-stage's activation budget. Times are integers in microseconds; memory in MiB, rounded so that
+``full - saving * ckpt`` each, and the chunk about to run its backward rematerialises every one
+of its checkpointed layers (``transient * ckpt``: the runtime's ``RECOMPUTE`` rebuilds the whole
+checkpointed range before the backward, :mod:`megatron.plugin.pipeline.layer_checkpoint`), so
+during its own backward a chunk holds about its full stash again; the sum stays within the
+stage's activation budget. Checkpointing therefore lowers a stage's peak only through the
+*other* chunks in flight. Times are integers in microseconds; memory in MiB, rounded so that
 an integer-feasible table is feasible in bytes: budgets down, stashes and transients up, savings
 down.
 
@@ -59,7 +62,7 @@ class CheckpointProblem:
     saving: tuple[tuple[int, ...], ...]
     """``[p][k]`` stash saved per checkpointed layer, memory units rounded down."""
     transient: tuple[tuple[int, ...], ...]
-    """``[p][k]`` one rematerialised layer, memory units rounded up."""
+    """``[p][k]`` one rematerialised layer, memory units rounded up (times ``ckpt[p][k]``)."""
     budget: tuple[int, ...]
     """Activation budget per stage, memory units rounded down."""
     memory_unit: float
@@ -137,8 +140,7 @@ def memory_peaks(problem: CheckpointProblem, ckpt) -> list[int]:
         peak = 0
         for unit, held in stage_events:
             total = sum(problem.full[p][k] - problem.saving[p][k] * ckpt[p][k] for k in held)
-            if ckpt[p][unit]:
-                total += problem.transient[p][unit]
+            total += problem.transient[p][unit] * ckpt[p][unit]
             peak = max(peak, total)
         peaks.append(peak)
     return peaks
@@ -162,9 +164,8 @@ def uniform_table(problem: CheckpointProblem) -> tuple[tuple[int, ...], ...] | N
         if any(sum(problem.full[p][k] for k in held) > problem.budget[p]
                for _, held in stage_events):
             for unit, held in stage_events:
-                over = (sum(problem.full[p][k] for k in held) + problem.transient[p][unit]
-                        - problem.budget[p])
-                saving = sum(problem.saving[p][k] for k in held)
+                over = sum(problem.full[p][k] for k in held) - problem.budget[p]
+                saving = sum(problem.saving[p][k] for k in held) - problem.transient[p][unit]
                 if over > 0:
                     if saving <= 0:
                         return None
@@ -186,12 +187,9 @@ def solve(problem: CheckpointProblem, time_limit: float) -> CheckpointSolution |
     model = cp_model.CpModel()
     ckpt = [[model.NewIntVar(0, problem.layers[p], f"c{p}_{k}") for k in range(n)]
             for p in range(d)]
-    used = [[model.NewBoolVar(f"r{p}_{k}") for k in range(n)] for p in range(d)]
     for p in range(d):
         for k in range(n):
-            model.Add(ckpt[p][k] <= problem.layers[p] * used[p][k])
             model.AddHint(ckpt[p][k], start[p][k])
-            model.AddHint(used[p][k], int(start[p][k] > 0))
     steps = []
     for t in range(n + d - 1):
         pairs = [(p, t - p) for p in range(d) if 0 <= t - p < n]
@@ -204,10 +202,10 @@ def solve(problem: CheckpointProblem, time_limit: float) -> CheckpointSolution |
     for p, stage_events in enumerate(problem.events):
         for unit, held in stage_events:
             full = sum(problem.full[p][k] for k in held)
-            if full + problem.transient[p][unit] <= problem.budget[p]:
+            if full <= problem.budget[p]:
                 continue
             model.Add(sum(problem.saving[p][k] * ckpt[p][k] for k in held) * -1
-                      + problem.transient[p][unit] * used[p][unit]
+                      + problem.transient[p][unit] * ckpt[p][unit]
                       <= problem.budget[p] - full)
     model.Minimize(sum(steps))
     solver = cp_model.CpSolver()

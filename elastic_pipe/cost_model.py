@@ -30,10 +30,15 @@ attention, so no ``s^2`` term), per token and layer, divided by ``sp tp``:
   forward to its backward -- the simulator's stash model releases memory only at a backward --
   which over-estimates the peak by at most that buffer between the forward and the backward of
   the document's last slice (conservative, the same number for the solver and the simulator);
-- recomputing a checkpointed layer rematerialises that one layer (Megatron's per-layer "block"
-  recomputation runs each layer's forward right before its backward), so the transient extra of
-  a checkpointed chunk is one layer's difference between the two states;
-- last stage: FP32 logits, ``4 V / tp`` bytes per local token;
+- checkpointed layers are recomputed together before the chunk's backward (the runtime's
+  ``RECOMPUTE`` rebuilds the whole checkpointed range from the one kept input), so the
+  transient of a chunk with ``k`` checkpointed layers is ``k`` layers' difference between the
+  two states. The model charges the kept input per checkpointed layer: exact for ``k = 1``, an
+  over-estimate of ``(k-1)`` inputs otherwise;
+- last stage: FP32 logits, ``4 V / tp`` bytes per local token; the embedding adds nothing;
+- a measured profile's ``activation_coefficients`` replace these per-token figures (layer,
+  checkpointed input, K/V, dK/dV, embedding, head) with the bytes the profiler counted on the
+  real layer and model with the training loop's meter (``scripts/profile_costs.py``);
 - model state per stage (eq. 10): BF16 weights (2 bytes/param), FP32 main gradients (4), FP32
   master weights and Adam moments (12, sharded over the ``dp x sp`` replicas when the
   distributed optimizer is on), weights split over ``tp``; stage 0 holds the embedding, the
@@ -113,11 +118,24 @@ class CostModel:
             self.alpha2 = 2 * (4 * h * h + 2 * h * f) / (shard * peak * hardware.matmul_efficiency)
             self.beta = hardware.layer_overhead_s
         self.head_per_token = 2 * h * model.vocab_size / (shard * peak_flops(hardware))
-        self.full_per_token = ACT_BYTES * (9 * h + 2 * f) / shard
-        self.ckpt_per_token = ACT_BYTES * h / shard
-        self.kv_per_token = ACT_BYTES * 2 * h / shard
-        self.dkv_per_token = ACT_BYTES * 2 * h / shard
-        self.logits_per_token = 4 * model.vocab_size / shard
+        measured = hardware.activation_coefficients
+        if measured is not None:
+            shape = (measured.hidden_size, measured.vocab_size, measured.sp, measured.tp)
+            if shape != (h, model.vocab_size, parallel.sp, parallel.tp):
+                raise ValueError(
+                    f"profile {hardware.name} measured activations for hidden, vocab, sp, tp "
+                    f"{shape}, not {(h, model.vocab_size, parallel.sp, parallel.tp)}; profile "
+                    f"this model and layout or drop activation_coefficients")
+            self.full_per_token, self.ckpt_per_token = measured.layer, measured.checkpointed
+            self.kv_per_token, self.dkv_per_token = measured.kv, measured.dkv
+            self.embedding_per_token, self.logits_per_token = measured.embedding, measured.head
+        else:
+            self.full_per_token = ACT_BYTES * (9 * h + 2 * f) / shard
+            self.ckpt_per_token = ACT_BYTES * h / shard
+            self.kv_per_token = ACT_BYTES * 2 * h / shard
+            self.dkv_per_token = ACT_BYTES * 2 * h / shard
+            self.embedding_per_token = 0.0
+            self.logits_per_token = 4 * model.vocab_size / shard
         self.comm_latency = self.comm_per_token = 0.0
         for degree, span in ((parallel.sp, parallel.tp * parallel.sp), (parallel.tp, parallel.tp)):
             if degree > 1:
@@ -202,6 +220,8 @@ class CostModel:
     def stash_bytes(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
         """Bytes ``stage`` keeps for ``chunk`` between its forward and its backward."""
         full = self.layers(stage) * self.layer_activation(chunk)
+        if stage == 0:
+            full += self.embedding_per_token * chunk.tokens
         if stage == self.pp - 1:
             full += self.logits_per_token * chunk.tokens
         return full - checkpointed * self.layer_saving(chunk)

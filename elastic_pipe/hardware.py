@@ -7,7 +7,9 @@ real machine). A measured profile may add ``layer_coefficients`` -- the fitted p
 ``alpha1``, ``alpha2`` and ``beta`` of eq. 1 together with the model shape and layout they were
 fitted for -- which then replace the coefficients derived from FLOPs; every profile carries the
 hardware figures (bandwidths, latencies, memory) because the collectives and the output layer
-are priced from them in both cases. ``host_link_gbps`` (optional) is what offloading planners
+are priced from them in both cases. It may also add ``activation_coefficients``: the
+activation bytes per token the profiler counted with the training loop's meter, which replace
+the cost model's BF16 accounting. ``host_link_gbps`` (optional) is what offloading planners
 (SPPO) copy activations to host memory at.
 """
 from __future__ import annotations
@@ -45,6 +47,38 @@ class LayerCoefficients:
 
 
 @dataclass(frozen=True)
+class ActivationCoefficients:
+    """Measured activation bytes per token (what the training loop's saved-tensor meter counts),
+    for one model shape, vocabulary, element type and layout."""
+
+    layer: float
+    """Bytes a layer stashes per token when it is not checkpointed."""
+    checkpointed: float
+    """Bytes per token a checkpointed layer keeps (the input of the recomputed range)."""
+    kv: float
+    """Bytes per token a checkpointed layer keeps for later slices (its K/V in the store)."""
+    dkv: float
+    """Bytes per token and layer of the dK/dV accumulators of a piece with later slices."""
+    embedding: float
+    """Bytes per token the first stage's embedding adds."""
+    head: float
+    """Bytes per token the last stage's final norm, output layer and loss add."""
+    hidden_size: int
+    vocab_size: int
+    """Padded vocabulary the head was measured with; the cost model refuses another."""
+    sp: int
+    tp: int
+
+    def __post_init__(self):
+        values = (self.layer, self.checkpointed, self.kv, self.dkv, self.embedding, self.head)
+        if min(values) < 0:
+            raise ValueError(f"activation_coefficients must be non-negative: {self}")
+        if min(self.hidden_size, self.vocab_size, self.sp, self.tp) < 1:
+            raise ValueError(f"activation_coefficients: hidden_size, vocab_size, sp and tp "
+                             f"must be >= 1: {self}")
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """One GPU type and its interconnect."""
 
@@ -77,6 +111,8 @@ class HardwareProfile:
     notes: dict = field(default_factory=dict, compare=False)
     """Where each figure comes from (free text per field)."""
     layer_coefficients: LayerCoefficients | None = None
+    activation_coefficients: ActivationCoefficients | None = None
+    """Measured activation bytes; replace the BF16 accounting of the cost model when present."""
     """Fitted coefficients (measured profiles only); ``None`` derives them from FLOPs."""
     machine: str | None = field(default=None, compare=False)
     """Description of the machine a measured profile was taken on."""
@@ -106,9 +142,10 @@ class HardwareProfile:
                              f"got {self.host_link_gbps}")
         if self.gpus_per_node < 1:
             raise ValueError(f"profile {self.name}: gpus_per_node must be >= 1")
-        if self.layer_coefficients is not None and self.source != "measured":
-            raise ValueError(f"profile {self.name}: layer_coefficients belong to a "
-                             f"'measured' profile; set source to 'measured' or drop them")
+        for name in ("layer_coefficients", "activation_coefficients"):
+            if getattr(self, name) is not None and self.source != "measured":
+                raise ValueError(f"profile {self.name}: {name} belong to a 'measured' "
+                                 f"profile; set source to 'measured' or drop them")
 
 
 def builtin_profiles() -> list[str]:
@@ -126,6 +163,8 @@ def profile_from_dict(data: dict) -> HardwareProfile:
     data = dict(data)
     if data.get("layer_coefficients") is not None:
         data["layer_coefficients"] = LayerCoefficients(**data["layer_coefficients"])
+    if data.get("activation_coefficients") is not None:
+        data["activation_coefficients"] = ActivationCoefficients(**data["activation_coefficients"])
     try:
         return HardwareProfile(**data)
     except TypeError as error:

@@ -49,12 +49,17 @@ def lower(plan: Plan, pp: int) -> Schedule:
 
 class ChunkCosts:
     """The simulator's cost protocol for units that are chunks: forward, backward, transfers
-    and stash from the cost model; ``checkpointed(stage, unit)`` layers recomputed."""
+    and stash from the cost model; ``checkpointed(stage, unit)`` layers recomputed.
 
-    def __init__(self, cost: CostModel, chunks, checkpointed):
+    A ``RECOMPUTE`` rematerialises all the unit's checkpointed layers at once, as this project's
+    runtime does; ``per_layer_recompute`` prices Megatron's full recomputation instead, which
+    rebuilds one layer at a time inside the backward (a transient of one layer)."""
+
+    def __init__(self, cost: CostModel, chunks, checkpointed, per_layer_recompute: bool = False):
         self.cost = cost
         self.chunks = chunks
         self.checkpointed = checkpointed
+        self.per_layer_recompute = per_layer_recompute
 
     def duration(self, action: Action) -> float:
         chunk = self.chunks[action.unit]
@@ -72,7 +77,9 @@ class ChunkCosts:
     def activation_bytes(self, action: Action) -> float:
         chunk = self.chunks[action.unit]
         if action.kind is Kind.RECOMPUTE:
-            return self.cost.layer_saving(chunk)
+            layers = 1 if self.per_layer_recompute else self.checkpointed(action.stage,
+                                                                          action.unit)
+            return layers * self.cost.layer_saving(chunk)
         return self.cost.stash_bytes(action.stage, chunk,
                                      self.checkpointed(action.stage, action.unit))
 
@@ -86,6 +93,13 @@ class ElasticCosts(ChunkCosts):
     def __init__(self, cost: CostModel, plan: Plan):
         table = plan.ckpt_table()
         super().__init__(cost, plan.chunks(), lambda stage, unit: table[stage][unit])
+
+
+def activation_peaks(schedule: Schedule, plan: Plan, cost: CostModel) -> list[float]:
+    """Per stage, the activation bytes ``plan`` is predicted to hold at its peak: the simulator's
+    memory peak of the lowered ``schedule`` less the stage's model state and reserve."""
+    result = simulate(schedule, ElasticCosts(cost, plan))
+    return [peak - cost.static_bytes(rank) for rank, peak in enumerate(result.peak_memory)]
 
 
 def simulate_plan(plan: Plan, cost: CostModel, trace: bool = False) -> tuple[Schedule, SimResult]:

@@ -52,7 +52,7 @@ from elastic_pipe.chunks import Chunk, Piece
 from elastic_pipe.cost_model import CostModel, ParallelConfig
 from elastic_pipe.hardware import load_profile
 from elastic_pipe.evaluation import plan_schedule
-from elastic_pipe.lowering import lower
+from elastic_pipe.lowering import activation_peaks, lower
 from elastic_pipe.presolve import BackgroundPlanner, PlanTiming
 from elastic_pipe.models import ModelConfig
 from elastic_pipe.plan_types import Plan
@@ -177,6 +177,9 @@ class PlannedBatch(ChunkRows):
 
     plan: Plan
     timing: PlanTiming
+    planned_activation_bytes: float
+    """The activation peak the plan predicts for this rank's stage (the training log shows it
+    beside the measured one)."""
 
 
 def _is_split(piece: Piece) -> bool:
@@ -193,7 +196,8 @@ def chunk_row(chunk: Chunk, documents, doc_ids, multiple: int) -> tuple:
     return pack_row(docs, pad_to=math.ceil(chunk.tokens / multiple) * multiple, slices=slices)
 
 
-def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming) -> PlannedBatch:
+def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming,
+                  cost: CostModel) -> PlannedBatch:
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
     cp = args.context_parallel_size
     multiple = args.tensor_model_parallel_size * cp
@@ -201,8 +205,10 @@ def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming) -> P
     batches = [micro_batch([chunk_row(chunk, documents, doc_ids, multiple)]) for chunk in chunks]
     slices = [tuple((doc_ids[p.doc], p.slice) for p in chunk.pieces if _is_split(p))
               for chunk in chunks]
-    return PlannedBatch(lower(plan, args.pipeline_model_parallel_size), batches, slices,
-                        args.hidden_size, tp * cp, plan=plan, timing=timing)
+    schedule = lower(plan, args.pipeline_model_parallel_size)
+    planned = activation_peaks(schedule, plan, cost)[parallel_state.get_pipeline_model_parallel_rank()]
+    return PlannedBatch(schedule, batches, slices, args.hidden_size, tp * cp, plan=plan,
+                        timing=timing, planned_activation_bytes=planned)
 
 
 def _check_agreement(plan: Plan) -> None:
@@ -255,7 +261,8 @@ def _prepare(name: str):
         share, inputs = _planning_inputs(name, documents, args, model)
         plan, timing = _planner(name, args).take(*inputs)
         _check_agreement(plan)
-        batch = planned_batch(plan, documents, share, args, timing)
+        batch = planned_batch(plan, documents, share, args, timing,
+                              job_cost_model(args, model))
         log.info("%s plan: %d chunks in %d pipelines, predicted %.3f s, solved in %.2f s, "
                  "%.2f s of it hidden", name, len(batch), len(plan.pipelines),
                  plan.predicted_time_s, timing.solve_s, timing.solve_s - timing.waited_s)

@@ -71,7 +71,8 @@ from pathlib import Path
 
 import numpy as np
 
-MEASURED_FIELDS = ("name", "machine", "source", "backward_factor", "layer_coefficients", "notes")
+MEASURED_FIELDS = ("name", "machine", "source", "backward_factor", "layer_coefficients",
+                   "activation_coefficients", "notes")
 
 
 # ------------------------------------------------------------------------------------- fitting
@@ -233,6 +234,95 @@ def measure_point(layers, hidden, tokens, context, repeats, device, dtype, seed=
     return statistics.median(forwards) / n, statistics.median(backwards) / n
 
 
+def activation_coefficients(args, layers, device) -> dict:
+    """Activation bytes per token, counted by the training loop's saved-tensor meter on the real
+    layer and a one-layer ``GPTModel`` of the same flags (see the module docstring).
+
+    Every quantity is measured at ``s`` and ``2 s`` tokens (``s`` = the smallest grid point) and
+    taken as the slope, which drops per-call constants such as the loss scalar.
+    """
+    import torch
+
+    from megatron.plugin.arguments import parse_args
+    from megatron.plugin.batches import forward_step, micro_batch, pack_row
+    from megatron.plugin.kv_store import KVStore
+    from megatron.plugin.memory import SavedTensorMeter
+    from megatron.plugin.model import build_model_chunks, transformer_config
+    from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
+
+    flags = ["--num-layers", "1", "--hidden-size", str(args.hidden_size),
+             "--num-attention-heads", str(args.num_attention_heads),
+             "--seq-length", str(4 * min(args.tokens)), "--global-batch-size", "1",
+             "--train-iters", "1", "--lr", "1e-4", "--seed", str(args.seed),
+             "--attention-dropout", str(args.attention_dropout),
+             "--hidden-dropout", str(args.hidden_dropout)]
+    if args.ffn_hidden_size is not None:
+        flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
+    model_args = parse_args(flags)
+    model = build_model_chunks(model_args, transformer_config(model_args), args.vocab_size)[0]
+    model = model.to(device).train()
+    leading = LeadingLayers(model)
+    generator = torch.Generator().manual_seed(args.seed)
+
+    def counted(run) -> int:
+        meter = SavedTensorMeter()
+        with meter.active():
+            kept = run()
+            return meter.current, kept
+
+    def batch(tokens: int, slice_index: int = 0, offset: int = 0):
+        doc = torch.randint(0, args.vocab_size, (tokens + 1,), generator=generator).numpy()
+        return micro_batch([pack_row([doc], slices=[("doc", slice_index, offset)])])
+
+    def model_bytes(tokens: int, checkpointed: int = 0, record: bool = False) -> int:
+        def run():
+            store = KVStore()
+            with leading.armed(checkpointed):
+                output, loss = forward_step(iter([batch(tokens)]), model, store, record)
+            return output, loss(output), store, leading.take()
+        return counted(run)[0]
+
+    def embedding_bytes(tokens: int) -> int:
+        def run():
+            data = batch(tokens)
+            return model.embedding(input_ids=data.tokens.to(device),
+                                   position_ids=data.position_ids.to(device))
+        return counted(run)[0]
+
+    def layer_bytes(tokens: int) -> int:
+        dtype = next(layers[0].parameters()).dtype
+        x = torch.randn(tokens, 1, args.hidden_size, generator=generator).to(device, dtype)
+        return counted(lambda: _run(layers[:1], x.requires_grad_(), None))[0]
+
+    def dkv_bytes(tokens: int) -> int:
+        """Bytes the dK/dV accumulators of a first slice add once a later slice's backward
+        has run (one layer)."""
+        meter = SavedTensorMeter()
+        store = KVStore()
+        with meter.active():
+            output, _ = forward_step(iter([batch(tokens)]), model, store, True)
+            before = meter.current
+            later, loss = forward_step(iter([batch(8, 1, tokens)]), model, store, False)
+            torch.autograd.backward(loss(later)[0])
+            grown = meter.current - before
+            del output
+        return grown
+
+    def slope(measure) -> float:
+        s = min(args.tokens)
+        return (measure(2 * s) - measure(s)) / s
+
+    layer = slope(layer_bytes)
+    full = slope(model_bytes)
+    embedding = slope(embedding_bytes)
+    checkpointed = slope(lambda t: model_bytes(t, checkpointed=1))
+    kv = slope(lambda t: model_bytes(t, checkpointed=1, record=True)) - checkpointed
+    return dict(layer=layer, checkpointed=layer - (full - checkpointed), kv=kv,
+                dkv=slope(dkv_bytes),
+                embedding=embedding, head=full - embedding - layer,
+                hidden_size=args.hidden_size, vocab_size=model.vocab_size, sp=1, tp=1)
+
+
 def machine_description(threads: int, device) -> str:
     import torch
 
@@ -251,7 +341,8 @@ def base_profile_dict(name_or_path: str) -> dict:
 
 
 def build_profile(base: dict, base_name: str, description: str, coefficients, backward_factor,
-                  hidden_size: int, grid: str, fit_error: tuple[float, float]) -> dict:
+                  hidden_size: int, grid: str, fit_error: tuple[float, float],
+                  activations: dict) -> dict:
     """The measured profile's JSON object (see the module docstring)."""
     alpha1, alpha2, beta = coefficients
     data = dict(base)
@@ -262,6 +353,7 @@ def build_profile(base: dict, base_name: str, description: str, coefficients, ba
         backward_factor=backward_factor,
         layer_coefficients=dict(alpha1=alpha1, alpha2=alpha2, beta=beta,
                                 hidden_size=hidden_size, sp=1, tp=1),
+        activation_coefficients=activations,
     )
     inherited = [key for key in base if key not in MEASURED_FIELDS]
     notes = {
@@ -272,6 +364,8 @@ def build_profile(base: dict, base_name: str, description: str, coefficients, ba
                                f"relative residuals; fit relative error max {fit_error[0]:.4f} "
                                f"mean {fit_error[1]:.4f}; hidden {hidden_size}, sp 1, tp 1"),
         "backward_factor": "measured: mean of backward/forward time over the grid",
+        "activation_coefficients": ("measured: bytes per token counted by the training loop's "
+                                    "saved-tensor meter (slope between two token counts)"),
         "inherited": (f"copied from base profile {base_name!r}, NOT measured: "
                       f"{', '.join(inherited)}"),
     }
@@ -297,6 +391,9 @@ def parse(argv=None) -> argparse.Namespace:
                         help="as the job's flag (Megatron's default 0.1)")
     parser.add_argument("--hidden-dropout", type=float, default=0.1,
                         help="as the job's flag (Megatron's default 0.1)")
+    parser.add_argument("--vocab-size", type=int, default=257,
+                        help="tokenizer vocabulary before Megatron's padding (the project's "
+                             "byte tokenizer: 257); the head's activation bytes depend on it")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--base-profile", default="a800",
                         help="shipped profile name or JSON path the unmeasured fields come from")
@@ -354,8 +451,12 @@ def main(argv=None) -> int:
     grid = (f"tokens {args.tokens} x contexts {args.contexts}, median of {args.repeats} after a "
             f"warm-up, {args.num_layers_profiled} layer(s), ffn {config.ffn_hidden_size}, "
             f"{str(config.params_dtype).replace('torch.', '')}")
+    activations = activation_coefficients(args, layers, device)
+    print("activation bytes per token: " + ", ".join(
+        f"{key} {activations[key]:.1f}"
+        for key in ("layer", "checkpointed", "kv", "dkv", "embedding", "head")))
     data = build_profile(base, args.base_profile, description, coefficients, factor,
-                         args.hidden_size, grid, fit_error)
+                         args.hidden_size, grid, fit_error, activations)
     from elastic_pipe.hardware import profile_from_dict
 
     profile_from_dict(data)  # refuse to write a profile the loader would reject

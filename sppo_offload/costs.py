@@ -4,7 +4,8 @@ Unit ``j`` is subsequence ``j`` (a one-piece :class:`~elastic_pipe.chunks.Chunk`
 is its first token); forward, backward, recomputation, stage-to-stage transfers, stash and
 model state come from :class:`~elastic_pipe.cost_model.CostModel`. ``checkpointed[stage]``
 layers of every unit on a stage are recomputed (0 for SPPO, all of them for Megatron's full
-recomputation). An ``OFFLOAD`` / ``RELOAD`` of ``(stage, j)`` moves ``offloaded[stage][j]``
+recomputation; the solver prices its baselines ``per_layer_recompute``, one layer rebuilt at a
+time as Megatron does). An ``OFFLOAD`` / ``RELOAD`` of ``(stage, j)`` moves ``offloaded[stage][j]``
 bytes over the host link in ``bytes / host_gbps`` seconds (PCIe copies of large pinned buffers
 run at link speed; the start-up is negligible next to the hundreds of MB moved).
 """
@@ -34,9 +35,11 @@ class SequenceCosts(ChunkCosts):
 
     def __init__(self, cost: CostModel, lengths: Sequence[int],
                  offloaded: Sequence[Sequence[float]] | None = None,
-                 checkpointed: Sequence[int] | None = None, host_gbps: float | None = None):
+                 checkpointed: Sequence[int] | None = None, host_gbps: float | None = None,
+                 per_layer_recompute: bool = False):
         layers = tuple(checkpointed or (0,) * cost.pp)
-        super().__init__(cost, subsequence_chunks(lengths), lambda stage, unit: layers[stage])
+        super().__init__(cost, subsequence_chunks(lengths), lambda stage, unit: layers[stage],
+                         per_layer_recompute)
         self.offloaded = offloaded or [[0.0] * len(lengths) for _ in range(cost.pp)]
         if any(b > 0 for row in self.offloaded for b in row) and not host_gbps:
             raise ValueError("offloading needs the host link bandwidth (host_gbps)")

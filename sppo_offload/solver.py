@@ -388,7 +388,7 @@ def _candidate(method, seq_length, layout, cost, lengths, chunks, alphas, checkp
             forward += cost.stage_forward(s, chunk)
             backward += cost.stage_backward(s, chunk) + checkpointed[s] * cost.layer_forward(chunk)
             copied += moved / (host * GB) if moved else 0.0
-        if checkpointed[s]:
+        if checkpointed[s]:  # the baselines recompute like Megatron: one layer at a time
             held += max(cost.layer_saving(chunk) for chunk in chunks)
         bound = max(bound, cost.static_bytes(s) + held)
         estimate = max(estimate, max(forward, copied) + max(backward, copied))
@@ -406,7 +406,8 @@ def _replay(candidate: _Candidate) -> MethodPlan:
     chunks = subsequence_chunks(c.lengths)
     offloaded = [[c.alphas[s][j] * offloadable_bytes(c.cost, s, chunk)
                   for j, chunk in enumerate(chunks)] for s in range(c.cost.pp)]
-    costs = SequenceCosts(c.cost, c.lengths, offloaded, c.checkpointed, c.host_gbps)
+    costs = SequenceCosts(c.cost, c.lengths, offloaded, c.checkpointed, c.host_gbps,
+                          per_layer_recompute=True)
     result = simulate(schedule, costs, trace=False)
     return MethodPlan(c.method, c.seq_length, c.layout, c.lengths, c.alphas, c.checkpointed,
                       result.iteration_time, result.bubble_ratio, tuple(result.peak_memory),

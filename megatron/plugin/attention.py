@@ -26,7 +26,9 @@ and trades back with one all-to-all of the output.
 
 Backends: torch SDPA per document on any device (exact, device-agnostic), flash-attn varlen on
 CUDA when importable (``causal=True`` is bottom-right aligned there, which is the K/V-context
-semantics).
+semantics). A slice with context on CPU (no dropout, no grouped-query heads) runs
+:mod:`megatron.plugin.context_attention`: one fused kernel call per K/V block merged by
+log-sum-exp, so neither the ``[s, c+s]`` mask nor a concatenated copy of the context is kept.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_sp2hp
 from megatron.core.transformer.module import MegatronModule
 
+from megatron.plugin import context_attention
 from megatron.plugin.kv_store import KVStore
 
 try:  # optional GPU backend
@@ -196,17 +199,19 @@ class DocumentAttention(MegatronModule):
     def _segment(self, q, k, v, seg: Segment, layout):
         """Causal attention of one document segment ``[t, heads, dim]`` (+ K/V context)."""
         q, k, v = q[seg.start:seg.stop], k[seg.start:seg.stop], v[seg.start:seg.stop]
-        context = None
+        context = []
         if seg.doc_key is not None and layout is not None and layout.kv_store is not None:
             context = layout.kv_store.context(seg.doc_key, seg.slice_index, self.layer_number)
             if layout.record_kv:
                 layout.kv_store.record(seg.doc_key, seg.slice_index, self.layer_number, k, v)
         elif seg.slice_index > 0:
             raise ValueError(f"slice {seg.slice_index} of a document needs a KVStore for its context")
-        if context is not None:
-            k = torch.cat((context[0], k), dim=0)
-            v = torch.cat((context[1], v), dim=0)
         dropout = self.dropout if self.training else 0.0
+        if context and context_attention.supported(q, k, dropout):
+            return context_attention.attend_with_context(q, k, v, context, self.softmax_scale)
+        if context:
+            k = torch.cat([key for key, _ in context] + [k], dim=0)
+            v = torch.cat([value for _, value in context] + [v], dim=0)
         if q.is_cuda and flash_attn_varlen_func is not None:
             return self._flash(q, k, v, dropout)
         ctx_len = k.shape[0] - q.shape[0]

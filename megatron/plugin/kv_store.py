@@ -16,17 +16,22 @@ Backward of slice ``i`` is therefore one multi-tensor call
 slice. :meth:`KVStore.release` then frees the slice's tensors; an empty store between iterations
 is the no-leak invariant.
 
+Memory accounting: every recorded K/V and every accumulated context gradient is held through
+:func:`~megatron.plugin.memory.keep`, so an active saved-tensor meter counts the store (once per
+storage) also for slices that ran without autograd and for the dK/dV accumulators, which
+autograd itself does not save.
+
 Recomputation: re-recording an existing (key, slice, layer) replaces the graph-attached tensors
 by the recomputed ones and keeps the leaves (and their accumulated gradients) untouched, so a
 recomputed forward never appends to nor resets the context seen by other slices.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from megatron.plugin.memory import storage_key
+from megatron.plugin.memory import keep, storage_key
 
 
 @dataclass
@@ -35,6 +40,22 @@ class _Entry:
     value: torch.Tensor
     key_leaf: torch.Tensor
     value_leaf: torch.Tensor
+    held: list = field(default_factory=list)
+    """:func:`~megatron.plugin.memory.keep` handles of K, V and the accumulated gradients."""
+
+    def hold(self) -> None:
+        """Count K/V (and, as they accumulate, their context gradients) as activation bytes."""
+        self.held[:] = [keep(self.key), keep(self.value), None, None]
+        for slot, leaf in ((2, self.key_leaf), (3, self.value_leaf)):
+            leaf.register_post_accumulate_grad_hook(_grad_keeper(self.held, slot))
+
+
+def _grad_keeper(held: list, slot: int):
+    """Hook that keeps a leaf's accumulated gradient in ``held[slot]``; it refers to the list
+    only, so no reference cycle keeps the entry (and its bytes) alive after its release."""
+    def hook(leaf):
+        held[slot] = keep(leaf.grad)
+    return hook
 
 
 class KVStore:
@@ -48,20 +69,21 @@ class KVStore:
         layers = self._entries.setdefault((doc_key, slice_index), {})
         entry = layers.get(layer)
         if entry is None:
-            layers[layer] = _Entry(key, value, key.detach().requires_grad_(True),
-                                   value.detach().requires_grad_(True))
+            entry = layers[layer] = _Entry(key, value, key.detach().requires_grad_(True),
+                                           value.detach().requires_grad_(True))
+            entry.hold()
         else:
             entry.key, entry.value = key, value
+            entry.held[:2] = [keep(key), keep(value)]
 
-    def context(self, doc_key, slice_index: int, layer: int):
-        """Leaves ``(K, V)`` of slices ``0..slice_index-1`` at ``layer``, concatenated on tokens.
+    def context(self, doc_key, slice_index: int, layer: int) -> list:
+        """Leaves ``(K, V)`` of slices ``0..slice_index-1`` at ``layer``, one pair per slice in
+        token order (empty for the first slice); no copy is made.
 
-        Returns ``None`` for the first slice. Raises ``KeyError`` when an earlier slice was not
-        recorded (a forward ran out of slice order).
+        Raises ``KeyError`` when an earlier slice was not recorded (a forward ran out of slice
+        order).
         """
-        if slice_index == 0:
-            return None
-        keys, values = [], []
+        blocks = []
         for index in range(slice_index):
             layers = self._entries.get((doc_key, index))
             if layers is None or layer not in layers:
@@ -69,11 +91,8 @@ class KVStore:
                     f"K/V of slice {index} of document {doc_key!r} at layer {layer} is missing: "
                     f"slices must run their forward in order (asked by slice {slice_index})"
                 )
-            keys.append(layers[layer].key_leaf)
-            values.append(layers[layer].value_leaf)
-        if len(keys) == 1:
-            return keys[0], values[0]
-        return torch.cat(keys, dim=0), torch.cat(values, dim=0)
+            blocks.append((layers[layer].key_leaf, layers[layer].value_leaf))
+        return blocks
 
     def backward_targets(self, doc_key, slice_index: int, layers=None):
         """``(tensors, grads)``: this slice's K/V and the gradients later slices sent to them,

@@ -2,8 +2,10 @@
 
 :class:`SavedTensorMeter` counts the bytes autograd holds for backward (saved-tensor hooks),
 de-duplicated by storage, and tracks the peak. On CUDA the training loop also reports
-``torch.cuda.max_memory_allocated``. Parameters (leaves that require grad) are not counted:
-they are model state, not activations.
+``torch.cuda.max_memory_allocated``. Parameters are not counted: they are model state, not
+activations. Every other saved tensor is, leaves included: a stage's received input, the
+boundary of a checkpointed range and the K/V store's context leaves are activations held until
+a backward, like any other.
 
 A schedule that keeps tensors for a later backward outside autograd (helix's per-part stash:
 received inputs, graph outputs, recomputation inputs) holds them through :func:`keep`, so the
@@ -37,7 +39,7 @@ class SavedTensorMeter:
         self.peak = self.current
 
     def _pack(self, tensor: torch.Tensor):
-        if tensor.is_leaf and tensor.requires_grad:
+        if isinstance(tensor, torch.nn.Parameter):
             return tensor
         return self._count(tensor)
 

@@ -206,6 +206,9 @@ def step(model, optimizer, config, args, documents, forward_only=False, next_doc
     timing = getattr(data_iterator, "timing", None)
     if timing is not None:
         result.update(plan_solve_s=timing.solve_s, plan_wait_s=timing.waited_s)
+    planned = getattr(data_iterator, "planned_activation_bytes", None)
+    if planned is not None:
+        result["planned_activation_bytes"] = planned
     if not forward_only:
         ok, grad_norm, _ = optimizer.step()
         result.update(update_successful=ok, grad_norm=grad_norm)
@@ -280,8 +283,15 @@ class Trainer:
         self.scheduler.step(increment=1)
         elapsed = time.perf_counter() - start
         self.iteration += 1
-        # Peak, and bytes still saved after the step (0 unless something leaks), over ranks.
-        held = torch.tensor([self.meter.peak, self.meter.current], dtype=torch.float64)
+        # Peak, and bytes still saved after the step (0 unless something leaks), over ranks;
+        # then per pipeline stage the measured peak and the plan's prediction (if any).
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        held = torch.zeros(2 + 2 * pp, dtype=torch.float64)
+        held[0], held[1], held[2 + stage] = self.meter.peak, self.meter.current, self.meter.peak
+        planned = result.get("planned_activation_bytes")
+        if planned is not None:
+            held[2 + pp + stage] = planned
         dist.all_reduce(held, op=dist.ReduceOp.MAX)
         loss = result["loss_sum"] / max(result["tokens"], 1.0)
         record = {
@@ -291,6 +301,7 @@ class Trainer:
             "iteration_time_s": elapsed,
             "tokens_per_s": result["tokens"] / elapsed if elapsed > 0 else 0.0,
             "peak_activation_bytes": int(held[0]),
+            "peak_activation_bytes_per_stage": [int(b) for b in held[2:2 + pp]],
             "live_activation_bytes": int(held[1]),
             "num_microbatches": result["num_microbatches"],
             "grad_norm": result["grad_norm"],
@@ -299,6 +310,8 @@ class Trainer:
         for key in ("plan_solve_s", "plan_wait_s"):
             if key in result:
                 record[key] = result[key]
+        if planned is not None:
+            record["planned_activation_bytes_per_stage"] = [int(b) for b in held[2 + pp:]]
         device_peak = device_peak_bytes()
         if device_peak is not None:
             record["device_peak_bytes"] = device_peak
@@ -325,6 +338,8 @@ class Trainer:
             f" grad norm: {grad_norm if grad_norm is not None else float('nan'):.3f} |"
             f" tokens per second: {record['tokens_per_s']:.1f} |"
             f" peak activation bytes: {record['peak_activation_bytes']} |"
+            + (f" planned: {max(record['planned_activation_bytes_per_stage'])} |"
+               if "planned_activation_bytes_per_stage" in record else "")
             + (f" plan solve / wait (ms): {1000 * record['plan_solve_s']:.1f} /"
                f" {1000 * record['plan_wait_s']:.1f} |" if "plan_solve_s" in record else "")
         )

@@ -214,3 +214,49 @@ def test_helix_continues_a_1f1b_checkpoint_like_1f1b_and_ships_weights(tmp_path)
     s, b, h = 128, 1, 32
     assert shipped and set(shipped.values()) == {4 * (2 * b * s * h + 3 * h * h + 3 * h)}
     assert 2 * b * s * h + 3 * h * h + 3 * h < 3 * b * s * h
+
+
+def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
+    """The activation peak the elastic plan predicts for each stage (the simulator's memory
+    timeline with a profile measured on this machine by ``scripts/profile_costs.py``) is within
+    10% of what the training loop's meter measures on that stage, for every iteration: with the
+    default budget (nothing checkpointed) and with a budget that forces checkpointing, which
+    must lower the measured peak."""
+    import subprocess
+    import sys
+
+    from elastic_pipe.cost_model import CostModel, ParallelConfig
+    from elastic_pipe.hardware import load_profile
+    from elastic_pipe.models import ModelConfig
+
+    profile = tmp_path / "profile.json"
+    subprocess.run(
+        [sys.executable, "scripts/profile_costs.py", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--tokens", "256", "512", "1024", "--contexts", "0", "512",
+         "--repeats", "1", "--attention-dropout", "0", "--hidden-dropout", "0",
+         "--output", str(profile)],
+        cwd=REPO, check=True, capture_output=True, timeout=300,
+        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+    common = [*TINY, "--num-layers", "4", "--hidden-size", "64", "--seq-length", "2048",
+              "--max-position-embeddings", "2048", "--global-batch-size", "8",
+              "--train-iters", "3", "--pipeline-schedule", "elastic",
+              "--elastic-hardware-profile", str(profile), "--elastic-min-slice-tokens", "256"]
+
+    def run(name, *flags):
+        out = tmp_path / f"{name}.jsonl"
+        torchrun(2, SCRIPT, [*common, *flags, "--metrics-jsonl", str(out)])
+        rows = metrics(out)
+        for row in rows:
+            for measured, planned in zip(row["peak_activation_bytes_per_stage"],
+                                         row["planned_activation_bytes_per_stage"]):
+                assert abs(measured / planned - 1) <= 0.10, (name, row)
+            assert row["live_activation_bytes"] == 0
+        return rows
+
+    roomy = run("roomy")
+    model = ModelConfig("tiny", 4, 64, 4, 256, 384)
+    cost = CostModel(model, load_profile(str(profile)), ParallelConfig(pp=2, reserved_gb=0))
+    state = max(cost.static_bytes(stage) for stage in range(2))
+    peak = max(max(row["planned_activation_bytes_per_stage"]) for row in roomy)
+    tight = run("tight", "--elastic-memory-gb", f"{(state + 0.7 * peak) / 1e9:.6f}")
+    assert max(max(r["peak_activation_bytes_per_stage"]) for r in tight) < 0.8 * peak

@@ -21,7 +21,7 @@ def brute_force(problem: CheckpointProblem):
         for p in range(d):
             for unit, held in problem.events[p]:
                 used = sum(problem.full[p][k] - problem.saving[p][k] * table[p][k] for k in held)
-                used += problem.transient[p][unit] if table[p][unit] else 0
+                used += problem.transient[p][unit] * table[p][unit]
                 ok &= used <= problem.budget[p]
         if not ok:
             continue

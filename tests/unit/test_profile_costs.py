@@ -69,10 +69,23 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
     base = load_profile("a800")
     assert profile.hbm_gb == base.hbm_gb and profile.intra_node_gbps == base.intra_node_gbps
 
+    # Activation bytes per token of the fp32 layer (hidden 64) and the byte tokenizer's padded
+    # vocabulary (257 -> 384): a checkpointed range keeps its input (4h), the dK/dV
+    # accumulators are K and V in fp32 (8h), the embedding keeps token and position ids (and,
+    # with Megatron's default dropout, its mask).
+    memory = profile.activation_coefficients
+    assert memory is not None and (memory.hidden_size, memory.vocab_size) == (64, 384)
+    assert memory.checkpointed == 4 * 64 and memory.dkv == 8 * 64
+    assert memory.embedding >= 16
+    assert memory.layer > 8 * 4 * 64 and memory.head > 4 * 384
+    assert memory.kv >= 8 * 64
+
     model = ModelConfig("custom", num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256,
-                        vocab_size=512)
+                        vocab_size=384)
     costs = CostModel(model, profile, ParallelConfig(pp=1))
     chunk = Chunk((Piece(0, 1, 128, 256, True),))
     expected = fit.alpha1 * (256 ** 2 - 128 ** 2) + fit.alpha2 * 128 + fit.beta
     assert costs.layer_compute(chunk) == pytest.approx(expected)
     assert costs.layer_backward(chunk) == pytest.approx(profile.backward_factor * expected)
+    assert costs.stash_bytes(0, chunk) == pytest.approx(
+        128 * (2 * memory.layer + memory.embedding + memory.head))

@@ -7,7 +7,8 @@ an explicit ``RECOMPUTE`` action. :class:`LeadingLayers` hooks the stage's
 ``TransformerLayer`` modules instead:
 
 * forward of a chunk with ``count > 0`` (:meth:`LeadingLayers.armed`): the input and keyword
-  arguments of the first layer and the RNG state are kept; layers ``0..count-1`` run without
+  arguments of the first layer and the RNG state are kept (the input through
+  :func:`~megatron.plugin.memory.keep`, so the activation meter counts it); layers ``0..count-1`` run without
   autograd (nothing of theirs is stashed); the output of layer ``count-1`` is cut off as a fresh
   leaf (the *boundary*) from which the rest of the stage builds its graph as usual;
 * ``RECOMPUTE`` (:meth:`LeadingLayers.recompute`): the same layers run again from the kept input
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
+from megatron.plugin.memory import keep
 from megatron.plugin.rng import rng_restored, rng_state
 
 
@@ -38,6 +40,8 @@ class Stash:
     kwargs: dict
     rng_state: dict
     boundary: torch.Tensor
+    held: object
+    """:func:`~megatron.plugin.memory.keep` handle of the kept input (counted as activation)."""
     recomputed: torch.Tensor | None = None
 
 
@@ -108,7 +112,8 @@ class LeadingLayers:
             torch.set_grad_enabled(self._grad_enabled)
             hidden, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
             boundary = hidden.detach().requires_grad_(self._grad_enabled)
-            self._stash = Stash(self._count, self._kwargs, self._rng, boundary)
+            self._stash = Stash(self._count, self._kwargs, self._rng, boundary,
+                                keep(self._kwargs["hidden_states"]))
             self._kwargs = self._rng = None
             return (boundary, *rest) if rest is not None else boundary
         return hook
