@@ -493,12 +493,12 @@ def _smallest_host(seq_length, config, hardware, savers) -> tuple[float, MethodP
     """The smallest host budget per GPU (GB, to 0.1) with which some layout's most
     memory-saving ``sppo`` option fits the device budget, and that option's plan; ``None``
     when none fits even uncapped. The layouts tried are the ``candidates`` whose uncapped
-    option fits the budget by its bound and whose start is the lowest; each starts from the host bytes that bring its bound
-    down to the budget (moving a byte to the host takes it off the device at the turn) and
-    adds the replay's excess until the replay fits (at most the uncapped host bytes, which
-    fit). Below the start the bound, hence the peak, exceeds the budget, and a byte more on
-    the host takes at most a byte off the device, so the result is the layout's smallest to
-    0.1 GB."""
+    option fits the budget by its bound and whose start is the lowest; each starts from the
+    host bytes that bring its bound down to the budget (moving a byte to the host takes it
+    off the device at the turn) and adds the replay's excess until the replay fits (at most
+    the uncapped host bytes, which fit). Below the start the bound, hence the peak, exceeds
+    the budget, and a byte more on the host takes at most a byte off the device, so the result
+    is the layout's smallest to 0.1 GB."""
     budget = config.memory_gb * GB
 
     def start(option: _Candidate) -> float:
