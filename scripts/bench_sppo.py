@@ -7,7 +7,10 @@ by ``sppo_offload.solver`` for ``sppo`` and the baselines ``megatron_recompute``
 not a measurement. Ratios: sppo / megatron_recompute throughput where both fit, and largest
 trainable length per GPU count.
 
-    python scripts/bench_sppo.py [--json OUT]
+``--host-memory-gb`` caps the host memory per GPU the offloaded activations may use (default:
+no limit); the table then shows each sppo plan's host memory per GPU.
+
+    python scripts/bench_sppo.py [--host-memory-gb GB] [--json OUT]
 """
 from __future__ import annotations
 
@@ -29,18 +32,23 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-7b")
     parser.add_argument("--hardware", default="a100")
     parser.add_argument("--memory-gb", type=float, default=80.0)
+    parser.add_argument("--host-memory-gb", type=float,
+                        help="host memory per GPU for offloaded activations (default: no limit)")
     parser.add_argument("--json", help="write every figure here")
     args = parser.parse_args()
     model, hardware = get_model(args.model), load_profile(args.hardware)
     print(f"SIMULATED with the {hardware.source} {hardware.name} profile "
           f"(host link {hardware.host_link_gbps:g} GB/s), {model.name}, "
-          f"{args.memory_gb:g} GB per GPU; not measured")
+          f"{args.memory_gb:g} GB per GPU, host memory "
+          + ("unlimited" if args.host_memory_gb is None else f"{args.host_memory_gb:g} GB per GPU")
+          + "; not measured")
     print(f"{'gpus':>4s} {'tokens':>8s} {'sppo fits':>9s} {'sppo layout':>16s} "
           f"{'sppo tok/s':>10s} {'megatron tok/s':>14s} {'seq1f1b tok/s':>13s} "
-          f"{'x megatron':>10s}")
+          f"{'x megatron':>10s} {'host GB':>7s}")
     rows, largest = [], {}
     for gpus in GPUS:
-        config = SolverConfig(gpus=gpus, memory_gb=args.memory_gb)
+        config = SolverConfig(gpus=gpus, memory_gb=args.memory_gb,
+                              host_memory_gb=args.host_memory_gb)
         for tokens in LENGTHS:
             row = {"gpus": gpus, "seq_length": tokens}
             for method in (SPPO, MEGATRON, SEQ1F1B):
@@ -61,7 +69,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as handle:
             json.dump({"simulated": True, "hardware": hardware.name, "model": model.name,
-                       "memory_gb": args.memory_gb, "cells": rows,
+                       "memory_gb": args.memory_gb, "host_memory_gb": args.host_memory_gb,
+                       "cells": rows,
                        "largest_seq_length": largest}, handle, indent=1)
 
 
@@ -76,9 +85,10 @@ def _line(row: dict) -> str:
               if fits else "-")
     ratio = (f"{sppo['tokens_per_s'] / megatron['tokens_per_s']:.2f}x"
              if fits and "error" not in megatron else "-")
+    host = f"{max(sppo['host_memory_gb']):.1f}" if fits else "-"
     return (f"{row['gpus']:4d} {row['seq_length'] >> 20:7d}M {'yes' if fits else 'no':>9s} "
             f"{layout:>16s} {speed(sppo):>10s} {speed(megatron):>14s} {speed(seq):>13s} "
-            f"{ratio:>10s}")
+            f"{ratio:>10s} {host:>7s}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """The simulator's cost protocol for the subsequences of one sequence.
 
-Unit ``j`` is subsequence ``j`` (a one-piece :class:`~elastic_pipe.chunks.Chunk` whose context
-is its first token); forward, backward, recomputation, stage-to-stage transfers, stash and
-model state come from :class:`~elastic_pipe.cost_model.CostModel`. ``checkpointed[stage]``
+:class:`SequenceCosts`: unit ``j`` is subsequence ``j`` (a one-piece
+:class:`~elastic_pipe.chunks.Chunk` whose context is its first token); forward, backward,
+recomputation, stage-to-stage transfers, stash and model state come from
+:class:`~elastic_pipe.cost_model.CostModel`. ``checkpointed[stage]``
 layers of every unit on a stage are recomputed (0 for SPPO, all of them for Megatron's full
 recomputation; the solver prices its baselines ``per_layer_recompute``, one layer rebuilt at a
 time as Megatron does). An ``OFFLOAD`` / ``RELOAD`` of ``(stage, j)`` moves ``offloaded[stage][j]``
 bytes over the host link in ``bytes / host_gbps`` seconds (PCIe copies of large pinned buffers
 run at link speed; the start-up is negligible next to the hundreds of MB moved).
+:class:`OffloadCosts` prices any one-piece units the same way (the documents of a training
+batch, :mod:`sppo_offload.runtime`).
 """
 from __future__ import annotations
 
@@ -29,18 +32,18 @@ def subsequence_chunks(lengths: Sequence[int]) -> tuple[Chunk, ...]:
                  for j, (start, length) in enumerate(zip(starts(list(lengths)), lengths)))
 
 
-class SequenceCosts(ChunkCosts):
-    """Costs of one sequence's subsequences on the stages of ``cost``'s layout: the chunk costs
-    of :class:`~elastic_pipe.lowering.ChunkCosts` plus the copies of ``OFFLOAD`` / ``RELOAD``."""
+class OffloadCosts(ChunkCosts):
+    """The chunk costs of :class:`~elastic_pipe.lowering.ChunkCosts` for the one-piece units
+    ``chunks`` plus the copies of ``OFFLOAD`` / ``RELOAD`` (``offloaded[stage][unit]`` bytes).
+    """
 
-    def __init__(self, cost: CostModel, lengths: Sequence[int],
+    def __init__(self, cost: CostModel, chunks: Sequence[Chunk],
                  offloaded: Sequence[Sequence[float]] | None = None,
                  checkpointed: Sequence[int] | None = None, host_gbps: float | None = None,
                  per_layer_recompute: bool = False):
         layers = tuple(checkpointed or (0,) * cost.pp)
-        super().__init__(cost, subsequence_chunks(lengths), lambda stage, unit: layers[stage],
-                         per_layer_recompute)
-        self.offloaded = offloaded or [[0.0] * len(lengths) for _ in range(cost.pp)]
+        super().__init__(cost, chunks, lambda stage, unit: layers[stage], per_layer_recompute)
+        self.offloaded = offloaded or [[0.0] * len(chunks) for _ in range(cost.pp)]
         if any(b > 0 for row in self.offloaded for b in row) and not host_gbps:
             raise ValueError("offloading needs the host link bandwidth (host_gbps)")
         self.host_gbps = host_gbps
@@ -54,3 +57,15 @@ class SequenceCosts(ChunkCosts):
         if action.is_memory():
             return self.offloaded[action.stage][action.unit]
         return super().activation_bytes(action)
+
+
+class SequenceCosts(OffloadCosts):
+    """Costs of one sequence's subsequences on the stages of ``cost``'s layout
+    (:class:`OffloadCosts` of its :func:`subsequence_chunks`)."""
+
+    def __init__(self, cost: CostModel, lengths: Sequence[int],
+                 offloaded: Sequence[Sequence[float]] | None = None,
+                 checkpointed: Sequence[int] | None = None, host_gbps: float | None = None,
+                 per_layer_recompute: bool = False):
+        super().__init__(cost, subsequence_chunks(lengths), offloaded, checkpointed, host_gbps,
+                         per_layer_recompute)

@@ -28,9 +28,20 @@ offload hides too.
 ``--sppo-offload``: ``auto`` (the formula), ``off`` (nothing offloaded), or a ``RATIO`` in
 ``[0, 1]`` used for every subsequence but the last (the copies may then be exposed; the
 simulator prices that).
+
+Host-memory cap (:func:`capped`). At the turn from forwards to backwards every offloaded
+subsequence of a stage is in host memory at once, so a stage's host bytes are
+``sum_i alpha_i x A_i``. Under a cap the ``auto`` ratios are lowered *largest first*
+(water-filling): every subsequence moves ``min(alpha_i x A_i, L)`` bytes, with the level ``L``
+chosen so that the sum meets the cap. Any lowering puts the same bytes back on the device in
+all, but the copies that exceed the hidden ``M_threshold`` (the raised ratios) are the large
+ones, so cutting them first removes exposed copy time first, and the hidden copies of the
+shorter subsequences are kept. A fixed ``RATIO`` is never lowered: it is what the flag asks to
+move, and a cap that cannot hold it is an error that names the host memory it needs.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from elastic_pipe.chunks import Chunk
@@ -107,3 +118,51 @@ def raised(alphas: tuple[tuple[float, ...], ...], step: float) -> tuple[tuple[fl
     what the solver tries when the bandwidth-hidden ratios do not fit the budget."""
     return tuple(tuple(a if i == len(row) - 1 else a + step * (1.0 - a)
                        for i, a in enumerate(row)) for row in alphas)
+
+
+def capped(ratios: Sequence[float], sizes: Sequence[float], cap_bytes: float) -> tuple[float, ...]:
+    """One stage's ``ratios`` lowered largest first so that the bytes they move,
+    ``sum(ratio x size)`` over the subsequences of ``sizes`` offloadable bytes, stay within
+    ``cap_bytes`` (module doc); unchanged when they fit. The level is a whole number of bytes
+    rounded down, less one, so that the moved bytes stay within the cap after floating-point
+    rounding."""
+    moved = [r * s for r, s in zip(ratios, sizes)]
+    if math.fsum(moved) <= cap_bytes:
+        return tuple(ratios)
+    level = max(0.0, math.floor(_level(moved, cap_bytes)) - 1.0)
+    return tuple(r if r * s <= level else level / s for r, s in zip(ratios, sizes))
+
+
+def capped_ratios(cost: CostModel, chunks: Sequence[Chunk], alphas: tuple[tuple[float, ...], ...],
+                  cap_bytes: float) -> tuple[tuple[float, ...], ...]:
+    """:func:`capped` on every stage of ``cost``'s layout for the subsequences ``chunks``."""
+    rows: dict[tuple, tuple[float, ...]] = {}
+    result = []
+    for stage, row in enumerate(alphas):
+        key = (stage_kind(cost, stage), row)
+        if key not in rows:
+            sizes = [offloadable_bytes(cost, stage, chunk) for chunk in chunks]
+            rows[key] = capped(row, sizes, cap_bytes)
+        result.append(rows[key])
+    return tuple(result)
+
+
+def host_bytes(cost: CostModel, chunks: Sequence[Chunk],
+               alphas: tuple[tuple[float, ...], ...]) -> tuple[float, ...]:
+    """Bytes each stage moves to host memory for the subsequences ``chunks`` of one sequence:
+    all of them are there at once, at the turn from forwards to backwards."""
+    return tuple(math.fsum(a * offloadable_bytes(cost, stage, chunk)
+                           for a, chunk in zip(row, chunks) if a)
+                 for stage, row in enumerate(alphas))
+
+
+def _level(moved: Sequence[float], cap_bytes: float) -> float:
+    """``L`` with ``sum(min(m, L) for m in moved) == cap_bytes`` (``cap_bytes < sum(moved)``)."""
+    ordered = sorted(moved, reverse=True)
+    tail = math.fsum(ordered)
+    for k, largest in enumerate(ordered[:-1], start=1):
+        tail -= largest
+        level = (cap_bytes - tail) / k
+        if level >= ordered[k]:
+            return level
+    return cap_bytes / len(ordered)

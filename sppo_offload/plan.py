@@ -9,7 +9,13 @@ For ``sppo`` and the baselines ``megatron_recompute`` and ``seq1f1b`` (all price
 project's simulator with the same cost model): the chosen (SP, PP, N) and data-parallel
 replicas, the subsequence lengths and offload ratios, the predicted iteration time and
 throughput, the peak device memory, and the largest sequence length that fits on the GPUs;
-for ``sppo`` also the iteration time with multiplexed partitioning.
+for ``sppo`` also the host memory per GPU its offloading uses and the iteration time with
+multiplexed partitioning.
+
+``--host-memory-gb``: host memory per GPU the offloaded activations may use (default: no
+limit, see :attr:`~sppo_offload.solver.SolverConfig.host_memory_gb` for why); the ``auto``
+ratios are lowered largest first to fit it. The JSON reports it as ``host_memory_gb`` (``null``:
+no limit) and each plan's host memory per stage as its ``host_memory_gb``.
 """
 from __future__ import annotations
 
@@ -37,6 +43,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="a100|a800|h100|h20 or a profile .json")
     parser.add_argument("--gpus", type=int, default=32, help="GPUs of the job")
     parser.add_argument("--memory-gb", type=float, help="GB per GPU (default: the profile's)")
+    parser.add_argument("--host-memory-gb", type=float,
+                        help="host memory per GPU for offloaded activations, GB (default: no "
+                             "limit)")
     parser.add_argument("--sppo-subsequences", default="auto", help="N, or auto")
     parser.add_argument("--sppo-offload", default="auto", help="auto, off, or a ratio in [0, 1]")
     parser.add_argument("--granularity", type=int, default=16384,
@@ -56,8 +65,10 @@ def _subsequences(text: str) -> int | None:
 
 
 def summary(result: dict) -> str:
+    host = result["host_memory_gb"]
     lines = [f"SPPO plan: {result['seq_length']} tokens, {result['model']} on {result['gpus']} "
-             f"x {result['hardware']} ({result['memory_gb']:g} GB each), simulated"]
+             f"x {result['hardware']} ({result['memory_gb']:g} GB each, host memory "
+             + ("unlimited" if host is None else f"{host:g} GB each") + "), simulated"]
     for name in METHODS:
         entry = result["methods"][name]
         lines.append(f"{name}:")
@@ -123,7 +134,8 @@ def main(argv=None) -> int:
         memory_gb = args.memory_gb or hardware.hbm_gb
         config = SolverConfig(gpus=args.gpus, memory_gb=memory_gb,
                               offload=parse_offload(args.sppo_offload),
-                              subsequences=_subsequences(args.sppo_subsequences))
+                              subsequences=_subsequences(args.sppo_subsequences),
+                              host_memory_gb=args.host_memory_gb)
         if args.seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {args.seq_length}")
     except ValueError as error:
@@ -131,7 +143,7 @@ def main(argv=None) -> int:
         return 2
     result = {"seq_length": args.seq_length, "model": model.name, "hardware": hardware.name,
               "hardware_source": hardware.source, "gpus": args.gpus, "memory_gb": memory_gb,
-              "methods": {}}
+              "host_memory_gb": args.host_memory_gb, "methods": {}}
     plans = {}
     for name in METHODS:
         try:

@@ -26,7 +26,18 @@ Per iteration (:func:`prepare_input`, called by the training loop with the globa
    a positive ratio gets an ``OFFLOAD`` / ``RELOAD`` pair
    (:func:`~sppo_offload.pipeline.add_offload`), which the executor runs with an
    :class:`~megatron.plugin.pipeline.offload.ActivationOffloader` into a host tier of
-   ``--sppo-host-memory-gb`` (pinned buffers and a side stream on CUDA).
+   ``--sppo-host-memory-gb`` (pinned buffers and a side stream on CUDA). Under that cap the
+   ``auto`` ratios of each document are lowered largest first, as the solver does
+   (:func:`~sppo_offload.offload.capped`); a fixed ``RATIO`` is not lowered;
+6. before any rank computes, :func:`check_budget` replays the batch's schedule in the
+   simulator with the same cost model: when the predicted host bytes of a stage exceed
+   ``--sppo-host-memory-gb``, or its peak device memory exceeds ``--sppo-memory-gb`` (default:
+   the CUDA device's memory, 16 GB on CPU as for ``--elastic-memory-gb``), every rank stops
+   with an error naming the number to change -- the host budget the ratios need, or the
+   smallest device budget that fits (the ``auto`` ratios raised to 1 within the host cap, the
+   solver's most memory-saving option), or that the batch cannot fit even fully offloaded.
+   The executor's own host-tier check (:class:`~megatron.plugin.pipeline.offload.HostMemory`)
+   stays as the guard on the real bytes.
 
 Every rank plans the same schedule: the plan is arithmetic on the document lengths and the
 flags, with no solver time limit involved. The cost model is the elastic runtime's
@@ -41,22 +52,27 @@ import logging
 import math
 from dataclasses import dataclass
 
+import torch
 from megatron.core import parallel_state
 
 from megatron.plugin.batches import micro_batch
 from megatron.plugin.kv_store import KVStore
 from megatron.plugin.pipeline.executor import ChunkState
+from megatron.plugin.pipeline.ir import Kind
 from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
                                                   single_model_chunk)
 from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
+from megatron.plugin.pipeline.simulator import simulate
 from megatron.plugin.registry import register_argument_group, register_schedule
 
 from elastic_pipe.chunks import Chunk, Piece
 from elastic_pipe.cost_model import GB, CostModel
-from elastic_pipe.runtime import (ChunkRows, chunk_row, job_cost_model, leading_layers,
-                                   replica_share)
+from elastic_pipe.runtime import (CPU_MEMORY_GB, ChunkRows, chunk_row, job_cost_model,
+                                   leading_layers, replica_share)
 
-from sppo_offload.offload import AUTO, offload_ratios, parse_offload
+from sppo_offload.costs import OffloadCosts
+from sppo_offload.offload import (AUTO, capped_ratios, offload_ratios, offloadable_bytes,
+                                  parse_offload, raised)
 from sppo_offload.partition import balanced_lengths, starts
 from sppo_offload.pipeline import build_schedule
 from sppo_offload.solver import SolverConfig
@@ -94,6 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sppo-host-memory-gb", type=float, default=None,
                    help="host memory one rank's offloaded activations may use, GB; default: "
                         "no limit")
+    g.add_argument("--sppo-memory-gb", type=float, default=None,
+                   help="device memory budget per GPU the batch's plan is checked against "
+                        f"before computing, GB; default: the CUDA device's memory, "
+                        f"{CPU_MEMORY_GB:g} on CPU")
 
 
 register_argument_group(add_arguments)
@@ -114,6 +134,17 @@ def check_args(args: argparse.Namespace) -> None:
                          "--recompute-granularity (elastic and seq1f1b checkpoint per chunk)")
     if args.sppo_host_memory_gb is not None and args.sppo_host_memory_gb <= 0:
         raise ValueError(f"--sppo-host-memory-gb must be > 0, got {args.sppo_host_memory_gb}")
+    if args.sppo_memory_gb is not None and args.sppo_memory_gb <= 0:
+        raise ValueError(f"--sppo-memory-gb must be > 0, got {args.sppo_memory_gb}")
+
+
+def memory_budget_gb(args: argparse.Namespace) -> float:
+    """``--sppo-memory-gb``, by default the CUDA device's memory, ``CPU_MEMORY_GB`` on CPU."""
+    if args.sppo_memory_gb is not None:
+        return args.sppo_memory_gb
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GB
+    return CPU_MEMORY_GB
 
 
 # -- planning (pure) ---------------------------------------------------------------------------
@@ -140,10 +171,13 @@ class SubsequencePlan:
                 "alphas": [list(row) for row in self.alphas]}
 
 
-def plan_subsequences(lengths, cost: CostModel, subsequences, offload,
-                      token_split: int = 1) -> SubsequencePlan:
+def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_split: int = 1,
+                      host_cap_bytes: float | None = None,
+                      most_saving: bool = False) -> SubsequencePlan:
     """Cut documents of ``lengths`` tokens into subsequences and choose their offload ratios
-    (module doc, steps 2 and 5) for the stages of ``cost``'s layout."""
+    (module doc, steps 2 and 5) for the stages of ``cost``'s layout. ``auto`` ratios are
+    capped to ``host_cap_bytes`` per document and stage; ``most_saving`` raises them to 1
+    first (the solver's most memory-saving option; a fixed ratio or ``off`` stays)."""
     counts, chunks = [], []
     alphas: list[list[float]] = [[] for _ in range(cost.pp)]
     for doc, tokens in enumerate(lengths):
@@ -153,11 +187,80 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload,
         mine = tuple(Chunk((Piece(doc, j, start, start + length, j == len(cut) - 1),))
                      for j, (start, length) in enumerate(zip(starts(cut), cut)))
         ratios = offload_ratios(cost, mine, offload, cost.hardware.host_link_gbps)
+        if offload == AUTO and most_saving:
+            ratios = raised(ratios, 1.0)
+        if offload == AUTO and host_cap_bytes is not None:
+            ratios = capped_ratios(cost, mine, ratios, host_cap_bytes)
         for stage, row in enumerate(ratios):
             alphas[stage].extend(row)
         counts.append(len(cut))
         chunks.extend(mine)
     return SubsequencePlan(tuple(counts), tuple(chunks), tuple(tuple(row) for row in alphas))
+
+
+def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, offload,
+                 memory_gb: float, host_memory_gb: float | None, token_split: int = 1) -> None:
+    """Raise before any compute when the plan of documents of ``lengths`` tokens does not fit
+    (module doc, step 6); ``subsequences``, ``offload`` and ``token_split`` as planned."""
+    peak, host = replay(plan, cost)
+    if host_memory_gb is not None and max(host) > host_memory_gb * GB:
+        stage = host.index(max(host))
+        raise ValueError(
+            f"sppo: the offload ratios of this batch (--sppo-offload {offload}) put "
+            f"{max(host) / GB:.4g} GB of activations in host memory on stage {stage}, more than "
+            f"--sppo-host-memory-gb {host_memory_gb:g}; raise it to at least "
+            f"{_ceil_gb(max(host)):g}" + (", or lower --sppo-offload, or use auto (it lowers "
+                                          "the ratios to fit)" if offload != AUTO else ""))
+    if max(peak) <= memory_gb * GB:
+        return
+    cap = None if host_memory_gb is None else host_memory_gb * GB
+    saver = plan if offload != AUTO else plan_subsequences(
+        lengths, cost, subsequences, offload, token_split, cap, most_saving=True)
+    least = _ceil_gb(max(replay(saver, cost)[0]))
+    message = (f"sppo: this batch ({len(lengths)} documents of {max(lengths)} tokens at most, "
+               f"{len(plan.chunks)} subsequences) needs {max(peak) / GB:.4g} GB per GPU, more "
+               f"than --sppo-memory-gb {memory_gb:g}; ")
+    how = "fully offloaded" + ("" if cap is None else
+                               f" within {host_memory_gb:g} GB of host memory")
+    if offload != AUTO:
+        message += (f"the smallest budget that fits with --sppo-offload {offload} is "
+                    f"{least:g} GB; or let SPPO choose the ratios (--sppo-offload auto)")
+    elif least > cost.hardware.hbm_gb:
+        message += (f"it cannot fit even {how} ({least:g} GB, more than the "
+                    f"{cost.hardware.hbm_gb:g} GB of one {cost.hardware.name} GPU); use more "
+                    f"GPUs or shorter sequences")
+    else:
+        message += f"the smallest budget that fits is {least:g} GB ({how})"
+    raise ValueError(message)
+
+
+def replay(plan: SubsequencePlan, cost: CostModel) -> tuple[list[float], list[float]]:
+    """``(peak device bytes, peak host bytes)`` per stage of the batch's schedule, simulated
+    with ``cost``: an ``OFFLOAD`` puts its unit's predicted bytes in host memory, its
+    ``RELOAD`` takes them back, in the order each rank runs them."""
+    offloaded = [[a * offloadable_bytes(cost, stage, chunk) if a else 0.0
+                  for a, chunk in zip(row, plan.chunks)] for stage, row in enumerate(plan.alphas)]
+    schedule = build_schedule(cost.pp, plan.counts,
+                              lambda action: plan.alphas[action.stage][action.unit] > 0)
+    result = simulate(schedule, OffloadCosts(cost, plan.chunks, offloaded, None,
+                                             cost.hardware.host_link_gbps), trace=False)
+    host = []
+    for stage, row in enumerate(schedule):
+        held = most = 0.0
+        for action in row:
+            if action.is_memory():
+                held += offloaded[stage][action.unit] * (1 if action.kind is Kind.OFFLOAD
+                                                         else -1)
+                most = max(most, held)
+        host.append(most)
+    return list(result.peak_memory), host
+
+
+def _ceil_gb(nbytes: float) -> float:
+    """``nbytes`` in GB rounded up to four significant digits (the figure an error names)."""
+    gb = nbytes / GB
+    scale = 10.0 ** (3 - math.floor(math.log10(gb)))
+    return math.ceil(gb * scale) / scale
 
 
 # -- the planned batch -------------------------------------------------------------------------
@@ -175,8 +278,12 @@ def prepare_input(documents, args, model):
     cost = job_cost_model(args, model)
     lengths, share = replica_share(documents, cost)
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
-    plan = plan_subsequences([lengths[i] for i in share], cost, args.sppo_subsequences,
-                             args.sppo_offload, tp * cp)
+    mine = [lengths[i] for i in share]
+    host_gb = args.sppo_host_memory_gb
+    plan = plan_subsequences(mine, cost, args.sppo_subsequences, args.sppo_offload, tp * cp,
+                             None if host_gb is None else host_gb * GB)
+    check_budget(mine, plan, cost, args.sppo_subsequences, args.sppo_offload,
+                 memory_budget_gb(args), host_gb, tp * cp)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     schedule = build_schedule(cost.pp, plan.counts,
                               lambda action: plan.alphas[action.stage][action.unit] > 0)
@@ -185,7 +292,7 @@ def prepare_input(documents, args, model):
     slices = [((share[p.doc], p.slice),) if plan.counts[p.doc] > 1 else ()
               for p in (chunk.pieces[0] for chunk in plan.chunks)]
     chunk = model[0] if isinstance(model, list) else model
-    capacity = None if args.sppo_host_memory_gb is None else int(args.sppo_host_memory_gb * GB)
+    capacity = None if host_gb is None else int(host_gb * GB)
     offloader = ActivationOffloader(host_tier(next(chunk.parameters()).device, capacity),
                                     plan.alphas[stage].__getitem__)
     divisor = (tp if args.sequence_parallel else 1) * cp

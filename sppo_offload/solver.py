@@ -40,6 +40,15 @@ until ``candidates`` of them fit by their *simulated* peak; the best simulated t
 and its schedule is validated. When nothing fits, :class:`NoFit` names the smallest budget
 that does (the most memory-saving option of the layout with the lowest simulated peak) and
 says when that exceeds the device.
+
+Host memory (``host_memory_gb``, per GPU; ``None``: no limit). Every option's ``auto`` ratios
+are lowered largest first until each stage's host bytes fit the cap
+(:func:`~sppo_offload.offload.capped`); what then no longer fits the device is rejected like
+any other option. A fixed ``--sppo-offload RATIO`` is not lowered: an option whose ratio needs
+more host memory than the cap is rejected. When nothing fits under a cap, :class:`NoFit` also
+names the smallest host budget with which the device budget fits (found on the layouts'
+most memory-saving options: start from the memory bound, replay, add the simulated excess,
+until the replay fits), or says that no host budget helps.
 """
 from __future__ import annotations
 
@@ -58,8 +67,8 @@ from elastic_pipe.hardware import HardwareProfile
 from elastic_pipe.models import ModelConfig
 
 from sppo_offload.costs import SequenceCosts, subsequence_chunks
-from sppo_offload.offload import (AUTO, offload_ratios, offloadable_bytes, parse_offload,
-                                  raised, stage_kind)
+from sppo_offload.offload import (AUTO, capped_ratios, offload_ratios, offloadable_bytes,
+                                  parse_offload, raised, stage_kind)
 from sppo_offload.partition import balanced_lengths
 from sppo_offload.pipeline import add_offload, subsequence_schedule
 
@@ -88,6 +97,12 @@ class SolverConfig:
     """Most tokens per layer per device of a subsequence the solver plans for."""
     candidates: int = 3
     """Fitting candidates replayed in the simulator before the best is chosen."""
+    host_memory_gb: float | None = None
+    """Host memory per GPU for offloaded activations, GB; ``None`` (the default): no limit.
+    Uncapped by default because the host memory a GPU may use is a property of the node and
+    the job (a DGX A100 has 1 or 2 TB for 8 GPUs, less what the OS, the data loaders and the
+    page-locked limit take), which a GPU's hardware profile does not describe; and uncapped
+    plans are the ones SPPO publishes. Every plan reports its host bytes per stage."""
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -103,6 +118,9 @@ class SolverConfig:
                              f"{self.subsequences}")
         if self.candidates < 1:
             raise ValueError(f"candidates must be >= 1, got {self.candidates}")
+        if self.host_memory_gb is not None and self.host_memory_gb <= 0:
+            raise ValueError(f"host_memory_gb must be > 0 (or None for no limit), got "
+                             f"{self.host_memory_gb}")
         parse_offload(str(self.offload))
 
 
@@ -158,10 +176,15 @@ class MethodPlan:
 
 
 class NoFit(ValueError):
-    """No layout fits the budget; ``min_budget_gb`` is the smallest that does."""
+    """No layout fits the budget. ``min_budget_gb``: the smallest device budget that does at
+    the configured host budget (``None`` when a fixed ``--sppo-offload`` ratio overflows the
+    host budget on every layout); ``min_host_gb``: the smallest host budget with which the
+    configured device budget fits (``None``: no host cap, or no host budget helps)."""
 
-    def __init__(self, message: str, min_budget_gb: float):
+    def __init__(self, message: str, min_budget_gb: float | None,
+                 min_host_gb: float | None = None):
         self.min_budget_gb = min_budget_gb
+        self.min_host_gb = min_host_gb
         super().__init__(message)
 
 
@@ -177,6 +200,8 @@ class _Candidate:
     bound: float
     estimate: float
     host_gbps: float | None
+    host: float
+    """Most bytes a stage moves to host memory."""
 
 
 def layouts(model: ModelConfig, hardware: HardwareProfile, gpus: int) -> list[Layout]:
@@ -214,12 +239,12 @@ def solve(method: str, seq_length: int, model: ModelConfig, hardware: HardwarePr
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     if seq_length < 1:
         raise ValueError(f"sequence length must be >= 1, got {seq_length}")
-    budget = config.memory_gb * GB
+    budget, host_cap = config.memory_gb * GB, _host_cap(config)
     fitting, savers = [], []
     for layout, cost, n in _shapes(method, seq_length, model, hardware, config):
-        options = list(_options(method, seq_length, layout, cost, n, hardware, config))
+        options = list(_options(method, seq_length, layout, cost, n, hardware, config, host_cap))
         savers.append(options[-1])
-        options = [c for c in options if c.bound <= budget]
+        options = [c for c in options if c.bound <= budget and c.host <= host_cap]
         if options:
             fitting.append(options)
     if not savers:
@@ -256,12 +281,12 @@ def fits(method: str, seq_length: int, model: ModelConfig, hardware: HardwarePro
     dp)`` bytes, is smallest with every GPU in the model-parallel group too. Each layout's
     most memory-saving option at its largest N is bounded; with ``replay`` the lowest bounds
     are replayed in the simulator, else the bound alone decides (a necessary condition)."""
-    budget = config.memory_gb * GB
+    budget, host_cap = config.memory_gb * GB, _host_cap(config)
     savers = []
     for layout, cost, n in _shapes(method, seq_length, model, hardware, config, largest=True):
-        saver = next(_options(method, seq_length, layout, cost, n, hardware, config,
+        saver = next(_options(method, seq_length, layout, cost, n, hardware, config, host_cap,
                               most_saving=True))
-        if saver.bound <= budget:
+        if saver.bound <= budget and saver.host <= host_cap:
             savers.append(saver)
     if not replay:
         return bool(savers)
@@ -323,6 +348,10 @@ def _spans_nodes(layout: Layout, hardware: HardwareProfile) -> bool:
     return layout.sp * layout.pp > hardware.gpus_per_node
 
 
+def _host_cap(config: SolverConfig) -> float:
+    return math.inf if config.host_memory_gb is None else config.host_memory_gb * GB
+
+
 def _preference(candidate: _Candidate, hardware: HardwareProfile) -> tuple:
     return (_spans_nodes(candidate.layout, hardware),
             candidate.layout.sp * candidate.layout.pp, len(candidate.lengths))
@@ -346,10 +375,10 @@ def _shapes(method, seq_length, model, hardware, config,
             yield layout, cost, n
 
 
-def _options(method, seq_length, layout, cost, n, hardware, config,
+def _options(method, seq_length, layout, cost, n, hardware, config, host_cap: float,
              most_saving: bool = False) -> Iterator[_Candidate]:
     """Memory options of one (layout, N), least memory-saving first (``most_saving``: only
-    the last)."""
+    the last); ``auto`` ratios capped to ``host_cap`` bytes per stage (module doc)."""
     lengths = tuple(balanced_lengths(seq_length, n, cost.linear_per_token, cost.alpha1,
                                      layout.sp))
     chunks = subsequence_chunks(lengths)
@@ -369,21 +398,29 @@ def _options(method, seq_length, layout, cost, n, hardware, config,
     else:
         base = offload_ratios(cost, chunks, config.offload, host)
         steps = RAISE_STEPS if config.offload == AUTO else (0.0,)
+        previous = None
         for step in steps[-1:] if most_saving else steps:
-            yield make(raised(base, step) if step else base, (0,) * cost.pp)
+            alphas = raised(base, step) if step else base
+            if config.offload == AUTO and host_cap < math.inf:
+                alphas = capped_ratios(cost, chunks, alphas, host_cap)
+            if alphas != previous:
+                yield make(alphas, (0,) * cost.pp)
+            previous = alphas
 
 
 def _candidate(method, seq_length, layout, cost, lengths, chunks, alphas, checkpointed,
                host) -> _Candidate:
-    bound, estimate, seen = 0.0, 0.0, set()
+    bound, estimate, most_moved, seen = 0.0, 0.0, 0.0, set()
     for s in range(cost.pp):
         kind = (stage_kind(cost, s), checkpointed[s], alphas[s])
         if kind in seen:
             continue
         seen.add(kind)
         held = forward = backward = copied = 0.0
+        stage_moved = []
         for j, chunk in enumerate(chunks):
             moved = alphas[s][j] * offloadable_bytes(cost, s, chunk) if alphas[s][j] else 0.0
+            stage_moved.append(moved)
             held += cost.stash_bytes(s, chunk, checkpointed[s]) - moved
             forward += cost.stage_forward(s, chunk)
             backward += cost.stage_backward(s, chunk) + checkpointed[s] * cost.layer_forward(chunk)
@@ -391,13 +428,14 @@ def _candidate(method, seq_length, layout, cost, lengths, chunks, alphas, checkp
         if checkpointed[s]:  # the baselines recompute like Megatron: one layer at a time
             held += max(cost.layer_saving(chunk) for chunk in chunks)
         bound = max(bound, cost.static_bytes(s) + held)
+        most_moved = max(most_moved, math.fsum(stage_moved))
         estimate = max(estimate, max(forward, copied) + max(backward, copied))
     if method == MEGATRON:
         estimate *= cost.pp
     else:
         estimate *= 1 + (cost.pp - 1) / len(chunks)
     return _Candidate(method, seq_length, layout, cost, lengths, alphas, checkpointed, bound,
-                      estimate, host)
+                      estimate, host, most_moved)
 
 
 def _replay(candidate: _Candidate) -> MethodPlan:
@@ -411,25 +449,87 @@ def _replay(candidate: _Candidate) -> MethodPlan:
     result = simulate(schedule, costs, trace=False)
     return MethodPlan(c.method, c.seq_length, c.layout, c.lengths, c.alphas, c.checkpointed,
                       result.iteration_time, result.bubble_ratio, tuple(result.peak_memory),
-                      tuple(sum(row) for row in offloaded), schedule, costs, result)
+                      tuple(math.fsum(row) for row in offloaded), schedule, costs, result)
 
 
 def _no_fit(method, seq_length, config, hardware, savers) -> NoFit:
-    savers = sorted(savers, key=lambda c: c.bound)[:config.candidates]
-    replays = sorted((_replay(c) for c in savers), key=lambda p: max(p.peak_memory_bytes))
-    least = replays[0]
-    need = math.ceil(max(least.peak_memory_bytes) / GB * 10) / 10
-    how = {SPPO: "fully offloaded: K/V, dK/dV and the last subsequence stay on the device"
-           if config.offload == AUTO else
-           f"--sppo-offload {config.offload}",
-           MEGATRON: "full recomputation", SEQ1F1B: "every layer checkpointed"}[method]
-    message = (f"{method}: a {seq_length}-token sequence does not fit {config.memory_gb:g} GB "
-               f"per GPU on {config.gpus} GPUs; the smallest budget that fits is {need:g} GB "
-               f"(sp={least.layout.sp}, pp={least.layout.pp}, N={len(least.lengths)}, {how})")
+    capped = method == SPPO and config.host_memory_gb is not None
+    within = sorted((c for c in savers if c.host <= _host_cap(config)),
+                    key=lambda c: c.bound)[:config.candidates]
+    host = _smallest_host(seq_length, config, hardware, savers) if capped else None
+    where = f"{config.memory_gb:g} GB per GPU" + (
+        f" with {config.host_memory_gb:g} GB of host memory per GPU" if capped else "")
+    message = f"{method}: a {seq_length}-token sequence does not fit {where} on {config.gpus} GPUs"
+    need = None
+    if within:
+        least = min((_replay(c) for c in within), key=lambda p: max(p.peak_memory_bytes))
+        need = _ceil_tenth(max(least.peak_memory_bytes))
+        how = {SPPO: "fully offloaded: K/V, dK/dV and the last subsequence stay on the device"
+               if config.offload == AUTO else f"--sppo-offload {config.offload}",
+               MEGATRON: "full recomputation", SEQ1F1B: "every layer checkpointed"}[method]
+        if capped and config.offload == AUTO:
+            how += f", at most {config.host_memory_gb:g} GB in host memory"
+        message += (f"; the smallest budget that fits is {need:g} GB (sp={least.layout.sp}, "
+                    f"pp={least.layout.pp}, N={len(least.lengths)}, {how})")
+        if need > hardware.hbm_gb and not (method == SPPO and config.offload != AUTO):
+            message += f", more than the {hardware.hbm_gb:g} GB of one {hardware.name} GPU"
+            if host is None:
+                message += (": it cannot fit even " + ("fully offloaded" if method == SPPO
+                                                       else f"with {how}")
+                            + "; use more GPUs or a shorter sequence")
+    else:
+        message += (f"; --sppo-offload {config.offload} moves more than "
+                    f"{config.host_memory_gb:g} GB per GPU to host memory on every layout")
+    if host is not None:
+        gb, plan = host
+        message += (f"; or, keeping {config.memory_gb:g} GB per GPU, the smallest host budget "
+                    f"that fits is {gb:g} GB per GPU (sp={plan.layout.sp}, pp={plan.layout.pp}, "
+                    f"N={len(plan.lengths)})")
     if method == SPPO and config.offload != AUTO:
         message += "; or let SPPO choose the offload ratios (--sppo-offload auto)"
-    elif need > hardware.hbm_gb:
-        message += (f", more than the {hardware.hbm_gb:g} GB of one {hardware.name} GPU: it "
-                    f"cannot fit even " + ("fully offloaded" if method == SPPO else f"with {how}")
-                    + "; use more GPUs or a shorter sequence")
-    return NoFit(message, need)
+    return NoFit(message, need, None if host is None else host[0])
+
+
+def _smallest_host(seq_length, config, hardware, savers) -> tuple[float, MethodPlan] | None:
+    """The smallest host budget per GPU (GB, to 0.1) with which some layout's most
+    memory-saving ``sppo`` option fits the device budget, and that option's plan; ``None``
+    when none fits even uncapped. The layouts tried are the ``candidates`` whose uncapped
+    option fits the budget by its bound and whose start is the lowest; each starts from the
+    host bytes that bring its bound down to the budget (moving a byte to the host takes it
+    off the device at the turn) and adds the replay's excess until the replay fits (at most
+    the uncapped host bytes, which fit). Below the start the bound, hence the peak, exceeds
+    the budget, and a byte more on the host takes at most a byte off the device, so the result
+    is the layout's smallest to 0.1 GB."""
+    budget = config.memory_gb * GB
+
+    def start(option: _Candidate) -> float:
+        return option.host - (budget - option.bound) if config.offload == AUTO else option.host
+
+    free = sorted((next(_options(SPPO, seq_length, c.layout, c.cost, len(c.lengths), hardware,
+                                 config, math.inf, most_saving=True)) for c in savers),
+                  key=start)
+    found = None
+    for option in [c for c in free if c.bound <= budget][:config.candidates]:
+        uncapped = _replay(option)
+        if max(uncapped.peak_memory_bytes) > budget:
+            continue
+        gb = _ceil_tenth(start(option))
+        while True:
+            if gb * GB >= option.host:
+                gb, plan = _ceil_tenth(option.host), uncapped
+                break
+            plan = _replay(next(_options(SPPO, seq_length, option.layout, option.cost,
+                                         len(option.lengths), hardware, config, gb * GB,
+                                         most_saving=True)))
+            excess = max(plan.peak_memory_bytes) - budget
+            if excess <= 0:
+                break
+            gb = _ceil_tenth(gb * GB + excess)
+        if found is None or gb < found[0]:
+            found = (gb, plan)
+    return found
+
+
+def _ceil_tenth(nbytes: float) -> float:
+    """``nbytes`` in GB, rounded up to 0.1 GB (at least 0.1)."""
+    return max(1, math.ceil(nbytes / GB * 10)) / 10

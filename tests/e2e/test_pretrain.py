@@ -65,7 +65,10 @@ def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path):
     (["--pipeline-schedule", "elastic", "--elastic-memory-gb", "0.0001"],
      "no plan fits 0.0001 GB per GPU even with full checkpointing"),
     (["--pipeline-schedule", "sppo", "--sppo-offload", "1", "--sppo-host-memory-gb", "1e-6"],
-     "host memory exhausted: offloading unit (0, None) needs"),
+     "GB of activations in host memory on stage 1, more than --sppo-host-memory-gb 1e-06; "
+     "raise it to at least"),
+    (["--pipeline-schedule", "sppo", "--sppo-memory-gb", "0.0001"],
+     "GB per GPU, more than --sppo-memory-gb 0.0001; the smallest budget that fits is"),
     pytest.param(["--bf16"], "--bf16, --fp16 and --use-distributed-optimizer need CUDA",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")),
 ])

@@ -11,8 +11,9 @@ from elastic_pipe.hardware import load_profile
 
 from sppo_offload.costs import SequenceCosts, subsequence_chunks
 from sppo_offload.models import get_model
-from sppo_offload.offload import (offload_ratios, offloadable_bytes, parse_offload,
-                                  resident_bytes, threshold_bytes)
+from sppo_offload.offload import (capped, capped_ratios, host_bytes, offload_ratios,
+                                  offloadable_bytes, parse_offload, resident_bytes,
+                                  threshold_bytes)
 from sppo_offload.partition import balanced_lengths
 from sppo_offload.pipeline import build_schedule
 
@@ -121,3 +122,30 @@ def test_sppo_offload_lowers_peak_without_slowing_down():
         assert saved > 0.5 * sum(moved[stage])
     assert max(offloaded.peak_memory) < 0.8 * max(plain.peak_memory)
     assert sum(moved[0]) > 1 * GB
+
+
+def test_capped_lowers_the_largest_moves_to_a_common_level():
+    ratios, sizes = (1.0, 1.0, 0.5, 0.0), (100.0, 60.0, 40.0, 30.0)  # moves 100, 60, 20, 0
+    assert capped(ratios, sizes, 200.0) == ratios  # within the cap
+    lowered = capped(ratios, sizes, 120.0)  # level 50: moves 50, 50, 20, 0
+    moved = [r * s for r, s in zip(lowered, sizes)]
+    assert moved[2:] == [20.0, 0.0]
+    assert moved[0] == moved[1] == pytest.approx(49.0)  # the level 50, rounded down, less one
+    assert sum(moved) <= 120.0
+    assert capped(ratios, sizes, 0.0) == (0.0, 0.0, 0.0, 0.0)
+
+
+def test_capped_ratios_keep_every_stage_within_the_cap():
+    cost, _, chunks = setup(32.0)
+    full = tuple((1.0,) * 15 + (0.0,) for _ in range(4))
+    cap = 0.5 * min(host_bytes(cost, chunks, full))
+    lowered = capped_ratios(cost, chunks, full, cap)
+    assert all(b <= cap for b in host_bytes(cost, chunks, lowered))
+    for stage, row in enumerate(lowered):
+        moved = [a * offloadable_bytes(cost, stage, chunk) for a, chunk in zip(row, chunks)]
+        level = max(moved)
+        cut = [j for j, a in enumerate(row) if a < full[stage][j]]
+        assert cut and cut == list(range(len(cut)))  # the longest (first) subsequences
+        assert all(moved[j] == pytest.approx(level) for j in cut)
+        assert all(moved[j] <= level for j in range(len(cut), len(row)))
+        assert sum(moved) == pytest.approx(cap, abs=2 * len(cut))  # less the level rounding

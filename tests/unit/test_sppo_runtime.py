@@ -13,8 +13,10 @@ from elastic_pipe.hardware import load_profile
 from elastic_pipe.models import ModelConfig
 
 from sppo_offload.pipeline import build_schedule
-from sppo_offload.runtime import (auto_subsequences, offload_flag, plan_subsequences,
-                                  subsequences_flag)
+from elastic_pipe.cost_model import GB
+
+from sppo_offload.runtime import (auto_subsequences, check_budget, offload_flag,
+                                  plan_subsequences, replay, subsequences_flag)
 
 
 def cost_model(pp=2):
@@ -85,6 +87,45 @@ def test_offload_flag():
         offload_flag("2")
 
 
+def test_a_host_cap_lowers_auto_ratios_and_check_budget_accepts_what_fits():
+    lengths, cost = [61, 3, 40], cost_model()
+    free = plan_subsequences(lengths, cost, 4, "auto", most_saving=True)
+    peak, host = replay(free, cost)
+    cap = 0.5 * max(host)
+    plan = plan_subsequences(lengths, cost, 4, "auto", 1, cap, most_saving=True)
+    assert max(replay(plan, cost)[1]) <= cap
+    assert sum(map(sum, plan.alphas)) < sum(map(sum, free.alphas))
+    check_budget(lengths, plan, cost, 4, "auto", max(replay(plan, cost)[0]) / GB, cap / GB)
+    assert max(replay(plan, cost)[0]) > max(peak)  # what the host does not take stays
+
+
+def test_check_budget_names_the_smallest_device_budget_that_fits():
+    lengths, cost = [61, 3, 40], cost_model()
+    plan = plan_subsequences(lengths, cost, 4, "auto")
+    with pytest.raises(ValueError, match="the smallest budget that fits is") as err:
+        check_budget(lengths, plan, cost, 4, "auto", 1e-4, None)
+    least = float(str(err.value).split("fits is ")[1].split(" GB")[0])
+    saver = plan_subsequences(lengths, cost, 4, "auto", most_saving=True)
+    check_budget(lengths, saver, cost, 4, "auto", least, None)
+    with pytest.raises(ValueError, match="--sppo-offload auto"):
+        check_budget(lengths, plan_subsequences(lengths, cost, 4, 0.5), cost, 4, 0.5, 1e-4, None)
+    huge = CostModel(ModelConfig("big", 4, 8192, 64, 32768, 256), load_profile("a800"),
+                     ParallelConfig(pp=2))
+    long = [1 << 20]
+    with pytest.raises(ValueError, match="cannot fit even fully offloaded"):
+        check_budget(long, plan_subsequences(long, huge, 4, "auto"), huge, 4, "auto", 80, None)
+
+
+def test_check_budget_refuses_a_fixed_ratio_the_host_cap_cannot_hold():
+    lengths, cost = [61, 3, 40], cost_model()
+    plan = plan_subsequences(lengths, cost, 4, 1.0, 1, 1e3)  # a fixed ratio is not lowered
+    with pytest.raises(ValueError, match="more than --sppo-host-memory-gb 1e-06; raise it to "
+                                         "at least") as err:
+        check_budget(lengths, plan, cost, 4, 1.0, 16, 1e-6)
+    need = float(str(err.value).split("at least ")[1].split(",")[0])
+    check_budget(lengths, plan, cost, 4, 1.0, 16, need)
+
+
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "64", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
         "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "sppo"]
@@ -97,6 +138,7 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--recompute-granularity", "full", "--recompute-method", "uniform"],
      "drop --recompute-granularity"),
     (["--sppo-host-memory-gb", "0"], "--sppo-host-memory-gb must be > 0"),
+    (["--sppo-memory-gb", "-1"], "--sppo-memory-gb must be > 0"),
 ])
 def test_check_args_refuses_what_sppo_cannot_run(flags, message):
     args = build_parser().parse_args([*TINY, *flags])

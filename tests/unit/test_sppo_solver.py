@@ -98,3 +98,51 @@ def test_largest_length_is_the_boundary():
     assert found[SPPO] >= found[SEQ1F1B]
     plan = solve(SPPO, found[SPPO], GPT7B, HW, config)
     assert max(plan.peak_memory_bytes) <= 80 * GB
+
+
+def test_a_host_cap_lowers_the_largest_ratios_and_is_honoured():
+    free = solve(SPPO, 262144, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80))
+    cap = 120.0
+    assert max(free.host_bytes) > cap * GB  # the uncapped plan needs more than the cap
+    plan = solve(SPPO, 262144, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80,
+                                                       host_memory_gb=cap))
+    assert max(plan.host_bytes) <= cap * GB
+    assert max(plan.peak_memory_bytes) <= 80 * GB
+    assert max(plan.peak_memory_bytes) > max(free.peak_memory_bytes)  # bytes came back
+    assert (plan.layout, plan.lengths) == (free.layout, free.lengths)
+    # Largest first: only the first (longest) subsequence's ratio is lowered.
+    lowered = [j for j, (a, b) in enumerate(zip(plan.alphas[0], free.alphas[0])) if a < b]
+    assert lowered == [0]
+    assert plan.alphas[0][1:] == free.alphas[0][1:]
+    assert plan.to_dict()["host_memory_gb"] == [b / GB for b in plan.host_bytes]
+
+
+def test_an_impossible_host_cap_names_the_host_budget_that_fits():
+    config = SolverConfig(gpus=8, memory_gb=80, host_memory_gb=40)
+    with pytest.raises(NoFit, match="the smallest host budget that fits is") as err:
+        solve(SPPO, 262144, GPT7B, HW, config)
+    host, device = err.value.min_host_gb, err.value.min_budget_gb
+    assert 40 < host and device > 80
+    plan = solve(SPPO, 262144, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80,
+                                                       host_memory_gb=host))
+    assert max(plan.host_bytes) <= host * GB and max(plan.peak_memory_bytes) <= 80 * GB
+    smaller = SolverConfig(gpus=8, memory_gb=80, host_memory_gb=host - 0.1)
+    with pytest.raises(NoFit):  # the smallest, to 0.1 GB
+        solve(SPPO, 262144, GPT7B, HW, smaller)
+    plan = solve(SPPO, 262144, GPT7B, HW, SolverConfig(gpus=8, memory_gb=device,
+                                                       host_memory_gb=40))
+    assert max(plan.host_bytes) <= 40 * GB and max(plan.peak_memory_bytes) <= device * GB
+
+
+def test_a_fixed_ratio_is_not_lowered_under_a_host_cap():
+    config = SolverConfig(gpus=8, memory_gb=80, offload=0.9, host_memory_gb=100)
+    with pytest.raises(NoFit, match=r"smallest host budget that fits is .*--sppo-offload auto"):
+        solve(SPPO, 262144, GPT7B, HW, config)
+    with pytest.raises(ValueError, match="host_memory_gb must be > 0"):
+        SolverConfig(gpus=8, memory_gb=80, host_memory_gb=0)
+
+
+def test_no_sequence_fits_a_host_cap_that_no_host_budget_helps():
+    with pytest.raises(NoFit, match="cannot fit even fully offloaded; use more GPUs") as err:
+        solve(SPPO, 1 << 21, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80, host_memory_gb=64))
+    assert err.value.min_host_gb is None
