@@ -206,7 +206,8 @@ def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming,
     slices = [tuple((doc_ids[p.doc], p.slice) for p in chunk.pieces if _is_split(p))
               for chunk in chunks]
     schedule = lower(plan, args.pipeline_model_parallel_size)
-    planned = activation_peaks(schedule, plan, cost)[parallel_state.get_pipeline_model_parallel_rank()]
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    planned = activation_peaks(schedule, plan, cost)[stage]
     return PlannedBatch(schedule, batches, slices, args.hidden_size, tp * cp, plan=plan,
                         timing=timing, planned_activation_bytes=planned)
 

@@ -8,8 +8,8 @@ an explicit ``RECOMPUTE`` action. :class:`LeadingLayers` hooks the stage's
 
 * forward of a chunk with ``count > 0`` (:meth:`LeadingLayers.armed`): the input and keyword
   arguments of the first layer and the RNG state are kept (the input through
-  :func:`~megatron.plugin.memory.keep`, so the activation meter counts it); layers ``0..count-1`` run without
-  autograd (nothing of theirs is stashed); the output of layer ``count-1`` is cut off as a fresh
+  :func:`~megatron.plugin.memory.keep`, so the activation meter counts it); layers
+  ``0..count-1`` run without autograd (nothing of theirs is stashed); the output of layer ``count-1`` is cut off as a fresh
   leaf (the *boundary*) from which the rest of the stage builds its graph as usual;
 * ``RECOMPUTE`` (:meth:`LeadingLayers.recompute`): the same layers run again from the kept input
   with autograd, under the kept RNG state, giving the boundary's value with its graph;
