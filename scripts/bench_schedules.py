@@ -10,7 +10,8 @@
    one model and optimizer; every iteration draws one global batch of documents and runs it
    with each schedule in turn (elastic, seq1f1b, 1f1b), after one warm-up round, so drift of
    the machine hits all alike. Measured per schedule: median iteration time, tokens/s, and the
-   peak saved-activation bytes of each stage (the training loop's meter).
+   peak saved-activation bytes of each stage (the training loop's meter), beside the peak the
+   plan predicts for that stage (the simulator's memory timeline less the model state).
 3. Predicted iteration time: the plan of that batch (for ``1f1b``, the documents packed
    first-fit-decreasing into ``--seq-length`` rows, one 1F1B pipeline) replayed by the
    simulator with the same cost model; the median over the iterations is reported beside the
@@ -46,11 +47,11 @@ def model_flags(options, profile: str) -> list[str]:
             "--elastic-min-slice-tokens", str(options.min_slice_tokens)]
 
 
-def predicted_seconds(name, documents, args, model) -> float:
-    """Simulated iteration time of this batch under schedule ``name``."""
+def predicted(name, documents, args, model) -> tuple[float, list[float]]:
+    """Simulated iteration time and per-stage activation peak of this batch under ``name``."""
     from elastic_pipe.baselines import packed_1f1b
     from elastic_pipe.evaluation import plan_schedule
-    from elastic_pipe.lowering import simulate_plan
+    from elastic_pipe.lowering import activation_peaks, simulate_plan
     from elastic_pipe.runtime import job_cost_model, scheduler_config
 
     cost = job_cost_model(args, model)
@@ -60,7 +61,8 @@ def predicted_seconds(name, documents, args, model) -> float:
     else:
         plan = plan_schedule(tuple(lengths), name, cost.model, cost.hardware, cost.parallel,
                              scheduler_config(args))
-    return simulate_plan(plan, cost)[1].iteration_time
+    schedule, result = simulate_plan(plan, cost)
+    return result.iteration_time, activation_peaks(schedule, plan, cost)
 
 
 def worker(argv) -> int:
@@ -75,7 +77,7 @@ def worker(argv) -> int:
     args = parse_args(argv)
     sources, model, optimizer, _, config = setup_job(args)
     meter = SavedTensorMeter()
-    results = {name: {"times": [], "tokens": [], "peaks": [], "predicted": []}
+    results = {name: {"times": [], "tokens": [], "peaks": [], "predicted": [], "planned": []}
                for name in SCHEDULES}
     for i in range(iters + 1):
         documents = sources["train"].documents(i)
@@ -89,16 +91,20 @@ def worker(argv) -> int:
             entry["tokens"].append(result["tokens"])
             entry["peaks"].append(peaks)
             if dist.get_rank() == 0:
-                entry["predicted"].append(predicted_seconds(name, documents, args, model))
+                seconds, peaks = predicted(name, documents, args, model)
+                entry["predicted"].append(seconds)
+                entry["planned"].append(peaks)
     if dist.get_rank() == 0:
         report = {}
         for name, entry in results.items():
             measured = statistics.median(entry["times"])
             stages = [max(p[r] for p in entry["peaks"]) for r in range(len(entry["peaks"][0]))]
+            planned = [max(p[r] for p in entry["planned"]) for r in range(len(stages))]
             report[name] = {
                 "tokens_per_s": sum(entry["tokens"]) / sum(entry["times"]),
                 "peak_activation_bytes": max(stages),
                 "peak_activation_bytes_per_stage": stages,
+                "planned_activation_bytes_per_stage": planned,
                 "measured_iteration_s": measured,
                 "predicted_iteration_s": statistics.median(entry["predicted"]),
             }
@@ -162,17 +168,22 @@ def main() -> int:
           f"{options.iters} iterations; model {LAYERS} layers x hidden {options.hidden_size}; "
           f"profile: "
           f"{fit.get('source')} on {fit.get('machine')}")
+    def mib(values):
+        return [round(b / 2**20, 1) for b in values]
+
     for name, entry in report.items():
         error = entry["predicted_iteration_s"] / entry["measured_iteration_s"] - 1
         print(f"{name:8s} {entry['tokens_per_s']:9.1f} tokens/s | measured "
               f"{entry['measured_iteration_s']:.3f} s, predicted "
               f"{entry['predicted_iteration_s']:.3f} s ({100 * error:+.1f}%) | peak activation "
               f"{entry['peak_activation_bytes'] / 2**20:.1f} MiB per stage "
-              f"{[round(b / 2**20, 1) for b in entry['peak_activation_bytes_per_stage']]}")
+              f"{mib(entry['peak_activation_bytes_per_stage'])}, planned "
+              f"{mib(entry['planned_activation_bytes_per_stage'])}")
     elastic = report["elastic"]
     for base in ("seq1f1b", "1f1b"):
-        print(f"elastic / {base}: tokens/s x{elastic['tokens_per_s'] / report[base]['tokens_per_s']:.3f}, "
-              f"peak activation x{elastic['peak_activation_bytes'] / report[base]['peak_activation_bytes']:.3f}")
+        speed = elastic["tokens_per_s"] / report[base]["tokens_per_s"]
+        memory = elastic["peak_activation_bytes"] / report[base]["peak_activation_bytes"]
+        print(f"elastic / {base}: tokens/s x{speed:.3f}, peak activation x{memory:.3f}")
     if options.json:
         with open(options.json, "w") as f:
             json.dump({"schedules": report, "setup": {
