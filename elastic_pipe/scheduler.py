@@ -28,6 +28,12 @@ Where the paper is vague:
   checkpointing (a lower bound); a candidate whose best lower-bound path cannot beat the
   upper-bound plan keeps its uniform table ("bounded"), one that needs no checkpointing keeps
   the all-zero table ("trivial");
+- the candidates left open are solved by branch and bound (:func:`solve_open`): the most
+  promising first, each solve making its candidate's time exact, and a candidate is dropped
+  ("bounded") once its best path over lower bounds -- the stronger
+  :func:`elastic_pipe.bounds.makespan_floor`, which counts the recomputation the memory
+  budget forces -- is slower than the best plan known. The plan is the one solving every open
+  candidate gives (the proof is in :func:`solve_open`); only fewer solves run;
 - solves are memoised by their integer problem (chunk signatures, in-flight sets, budgets) and
   run in ``workers`` processes; a solve that has not answered within four times its limit plus
   ten seconds is abandoned for full checkpointing (recorded in ``fallbacks``).
@@ -44,6 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from elastic_pipe import checkpointing
+from elastic_pipe.bounds import makespan_floor
 from elastic_pipe.checkpointing import CheckpointProblem, CheckpointSolution
 from elastic_pipe.chunks import Chunk
 from elastic_pipe.cost_model import GB, CostModel
@@ -136,60 +143,123 @@ def estimate(cost: CostModel, chunks: Sequence[Chunk]) -> float:
     return case.time(table) * checkpointing.TIME_UNIT
 
 
-def _solve_memoised(problem: CheckpointProblem, limit: float) -> CheckpointSolution | None:
-    key = (problem, limit)
-    if key in _memo:
-        _memo.move_to_end(key)
-        return _memo[key]
-    solution = checkpointing.solve(problem, limit)
+def _remember(key: tuple, solution: CheckpointSolution | None) -> None:
     _memo[key] = solution
+    _memo.move_to_end(key)
     if len(_memo) > _MEMO_SIZE:
         _memo.popitem(last=False)
-    return solution
 
 
-def solve_all(problems: list[CheckpointProblem], config: SchedulerConfig,
-              progress: Progress | None = None) -> list[CheckpointSolution | None]:
-    """Solve every problem (memoised; in ``config.workers`` processes when more than one is
-    new); ``None`` for a problem that does not fit even with full checkpointing."""
+def _fallback(problem: CheckpointProblem) -> CheckpointSolution | None:
+    """Full checkpointing for a solve that did not answer in time (``None`` if it is OOM)."""
+    table = checkpointing.full_table(problem)
+    if not checkpointing.fits(problem, table):
+        return None
+    return CheckpointSolution(table, checkpointing.objective(problem, table), "full")
+
+
+def settle(case: PipelineCase, answer: CheckpointSolution | None, uniform,
+           upper: int) -> tuple[CheckpointSolution, int]:
+    """The table kept for a solved candidate and its makespan: CP-SAT's when it beats the
+    uniform table ``uniform`` (makespan ``upper``), else the uniform one."""
+    if answer is None:
+        return CheckpointSolution(uniform, upper, "bounded"), upper
+    time = case.time(answer.ckpt)
+    if time < upper:
+        return answer, time
+    return CheckpointSolution(uniform, upper, "uniform"), upper
+
+
+def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: list,
+               points: list[int], config: SchedulerConfig,
+               progress: Progress | None = None) -> dict:
+    """Solve the candidate pipelines ``open_keys`` that can still be part of the plan, the most
+    promising first (branch and bound over eq. 14); ``{key: settle(...)}`` of those solved.
+
+    ``upper[key]`` is an achievable time of every candidate (its uniform table) and
+    ``floor[key]`` one that no fitting table of it beats (equal to ``upper`` for candidates not
+    open: they keep their uniform table). A solve makes its candidate's time exact, raising its
+    floor and lowering its upper time. Before each solve the *incumbent* is the best plan over
+    the upper times and a candidate's *bound* the best plan through it over the floors; a
+    candidate whose bound exceeds the incumbent is dropped for good (the incumbent only falls,
+    bounds only rise) and keeps its uniform table. This does not change the plan: the plan P
+    that solving every open candidate gives is no slower than the incumbent, and every plan
+    through a dropped candidate is slower than the incumbent, so P and every plan as fast as P
+    avoid the dropped candidates; the programme's choices along P (the first predecessor that
+    reaches each point's best time) compare the same sums, since raising the times of the
+    dropped candidates changes neither those sums nor the best times along P. Which candidates
+    get solved may depend on the order the workers finish in; the plan does not.
+
+    Solves run in ``config.workers`` processes when more than one candidate is open, and are
+    memoised by their integer problem; one that has not answered within four times its limit
+    plus ten seconds is abandoned with the rest for full checkpointing.
+    """
     limit = config.solver_time_limit
-    results: list = [_memo.get((problem, limit)) for problem in problems]
-    pending = [i for i, answer in enumerate(results) if answer is None]
-    done = len(problems) - len(pending)
-    if progress and problems:
-        progress(done, len(problems), "checkpointing")
-    if config.workers == 1 or len(pending) <= 1:
-        for index in pending:
-            results[index] = _solve_memoised(problems[index], limit)
-            done += 1
-            if progress:
-                progress(done, len(problems), "checkpointing")
-        return results
-    guard = limit * checkpointing.WALL_FACTOR + 10.0
-    workers = min(config.workers, len(pending))
-    pool = futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
+    values, floors = dict(upper), dict(floor)
+    solved: dict = {}
+    waiting = list(open_keys)
+    running: dict[futures.Future, tuple[int, int]] = {}
+    pool = None
+    parallel = config.workers > 1 and len(open_keys) > 1
+
+    def record(key, answer):
+        solved[key] = settle(cases[key], answer, uniform[key], upper[key])
+        values[key] = floors[key] = solved[key][1]
+
     try:
-        submitted = {pool.submit(checkpointing.solve, problems[i], limit): i for i in pending}
-        waves = math.ceil(len(pending) / workers)
-        for future in futures.as_completed(submitted, timeout=guard * waves):
-            index = submitted[future]
-            results[index] = _memo[(problems[index], limit)] = future.result()
-            done += 1
-            if progress:
-                progress(done, len(problems), "checkpointing")
-    except futures.TimeoutError:
-        log.warning("checkpointing solves did not return within %.1f s; full checkpointing "
-                    "for the rest", guard)
+        while True:
+            waiting = _promising(waiting, values, floors, points)
+            if progress and (solved or running or waiting):
+                progress(len(solved), len(solved) + len(running) + len(waiting),
+                         "checkpointing")
+            if waiting and (cases[waiting[0]].problem, limit) in _memo:
+                key = waiting.pop(0)
+                _memo.move_to_end((cases[key].problem, limit))
+                record(key, _memo[(cases[key].problem, limit)])
+            elif waiting and not parallel:
+                key = waiting.pop(0)
+                answer = checkpointing.solve(cases[key].problem, limit)
+                _remember((cases[key].problem, limit), answer)
+                record(key, answer)
+            elif waiting and len(running) < config.workers:
+                key = waiting.pop(0)
+                if pool is None:
+                    pool = futures.ProcessPoolExecutor(
+                        min(config.workers, len(open_keys)),
+                        mp_context=multiprocessing.get_context("fork"))
+                running[pool.submit(checkpointing.solve, cases[key].problem, limit)] = key
+            elif running:
+                finished, _ = futures.wait(running, timeout=limit * checkpointing.WALL_FACTOR
+                                           + 10.0, return_when=futures.FIRST_COMPLETED)
+                if not finished:
+                    log.warning("a checkpointing solve did not return within %.1f s; full "
+                                "checkpointing for the rest",
+                                limit * checkpointing.WALL_FACTOR + 10.0)
+                    break
+                for future in finished:
+                    key = running.pop(future)
+                    _remember((cases[key].problem, limit), future.result())
+                    record(key, future.result())
+            else:
+                return solved
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    for index in pending:
-        if results[index] is None:
-            problem = problems[index]
-            table = checkpointing.full_table(problem)
-            if checkpointing.fits(problem, table):
-                results[index] = CheckpointSolution(
-                    table, checkpointing.objective(problem, table), "full")
-    return results
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+    for key in [*running.values(), *waiting]:
+        record(key, _fallback(cases[key].problem))
+    return solved
+
+
+def _promising(keys: list, values: dict, floors: dict, points: list[int]) -> list:
+    """``keys`` whose bound (best plan through them over ``floors``) does not exceed the best
+    plan over ``values``, lowest bound first (ties by key)."""
+    incumbent = _shortest(points, values)[0][points[-1]]
+    reach = _shortest(points, floors)[0]
+    rest = _shortest(points[::-1], {(b, a): v for (a, b), v in floors.items()})[0]
+    bound = {key: reach.get(key[0], math.inf) + floors[key] + rest.get(key[1], math.inf)
+             for key in keys}
+    return sorted((key for key in keys if bound[key] <= incumbent),
+                  key=lambda key: (bound[key], key))
 
 
 def cut_points(docs: Sequence[tuple[int, int]], groups: int) -> list[int]:
@@ -237,19 +307,17 @@ def plan_elastic(lengths: Sequence[int], cost: CostModel,
     worth = [key for key in keys if upper[key] > lower[key] and
              reach_lower.get(key[0], math.inf) + lower[key] + rest_lower.get(key[1], math.inf)
              < incumbent[len(docs)]]
-    log.info("solving %d of %d candidate pipelines with CP-SAT (the rest are bounded out or "
-             "need no checkpointing)", len(worth), len(keys))
-    answers = dict(zip(worth, solve_all([cases[key].problem for key in worth], config,
-                                        progress)))
-    solved = {}
-    for key in keys:
-        status = "trivial" if upper[key] == lower[key] else "bounded"
-        solved[key] = (CheckpointSolution(uniform[key], upper[key], status), upper[key])
-        answer = answers.get(key)
-        if answer is not None and cases[key].time(answer.ckpt) < upper[key]:
-            solved[key] = (answer, cases[key].time(answer.ckpt))
-        elif answer is not None:
-            solved[key] = (CheckpointSolution(uniform[key], upper[key], "uniform"), upper[key])
+    floor = {key: upper[key] for key in keys}
+    floor.update({key: max(lower[key], makespan_floor(list(cases[key].orders),
+                                                      cases[key].problem))
+                  for key in worth})
+    solved = {key: (CheckpointSolution(uniform[key], upper[key], "trivial" if
+                                       upper[key] == lower[key] else "bounded"), upper[key])
+              for key in keys}
+    answered = solve_open(cases, uniform, upper, floor, worth, points, config, progress)
+    solved.update(answered)
+    log.info("solved %d of %d candidate pipelines with CP-SAT (the rest are bounded out or "
+             "need no checkpointing)", len(answered), len(keys))
     _, choice = _shortest(points, {key: value for key, (_, value) in solved.items()})
     bounds, end = [], len(docs)
     while end:
