@@ -34,9 +34,10 @@ Where the paper is vague:
   :func:`elastic_pipe.bounds.makespan_floor`, which counts the recomputation the memory
   budget forces -- is slower than the best plan known. The plan is the one solving every open
   candidate gives (the proof is in :func:`solve_open`); only fewer solves run;
-- solves are memoised by their integer problem (chunk signatures, in-flight sets, budgets) and
-  run in ``workers`` processes; a solve that has not answered within four times its limit plus
-  ten seconds is abandoned for full checkpointing (recorded in ``fallbacks``).
+- one pool of ``workers`` forked processes chunks the candidate groups and then runs the
+  solves; solves are memoised by their integer problem (chunk signatures, in-flight sets,
+  budgets), and one that has not answered within four times its limit plus ten seconds is
+  abandoned for full checkpointing (recorded in ``fallbacks``).
 """
 from __future__ import annotations
 
@@ -172,6 +173,7 @@ def settle(case: PipelineCase, answer: CheckpointSolution | None, uniform,
 
 def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: list,
                points: list[int], config: SchedulerConfig,
+               pool: futures.ProcessPoolExecutor | None,
                progress: Progress | None = None) -> dict:
     """Solve the candidate pipelines ``open_keys`` that can still be part of the plan, the most
     promising first (branch and bound over eq. 14); ``{key: settle(...)}`` of those solved.
@@ -190,7 +192,7 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
     dropped candidates changes neither those sums nor the best times along P. Which candidates
     get solved may depend on the order the workers finish in; the plan does not.
 
-    Solves run in ``config.workers`` processes when more than one candidate is open, and are
+    Solves run in ``pool`` (``config.workers`` processes; in this process without one) and are
     memoised by their integer problem; one that has not answered within four times its limit
     plus ten seconds is abandoned with the rest for full checkpointing.
     """
@@ -199,52 +201,41 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
     solved: dict = {}
     waiting = list(open_keys)
     running: dict[futures.Future, tuple[int, int]] = {}
-    pool = None
-    parallel = config.workers > 1 and len(open_keys) > 1
 
     def record(key, answer):
         solved[key] = settle(cases[key], answer, uniform[key], upper[key])
         values[key] = floors[key] = solved[key][1]
 
-    try:
-        while True:
-            waiting = _promising(waiting, values, floors, points)
-            if progress and (solved or running or waiting):
-                progress(len(solved), len(solved) + len(running) + len(waiting),
-                         "checkpointing")
-            if waiting and (cases[waiting[0]].problem, limit) in _memo:
-                key = waiting.pop(0)
-                _memo.move_to_end((cases[key].problem, limit))
-                record(key, _memo[(cases[key].problem, limit)])
-            elif waiting and not parallel:
-                key = waiting.pop(0)
-                answer = checkpointing.solve(cases[key].problem, limit)
-                _remember((cases[key].problem, limit), answer)
-                record(key, answer)
-            elif waiting and len(running) < config.workers:
-                key = waiting.pop(0)
-                if pool is None:
-                    pool = futures.ProcessPoolExecutor(
-                        min(config.workers, len(open_keys)),
-                        mp_context=multiprocessing.get_context("fork"))
-                running[pool.submit(checkpointing.solve, cases[key].problem, limit)] = key
-            elif running:
-                finished, _ = futures.wait(running, timeout=limit * checkpointing.WALL_FACTOR
-                                           + 10.0, return_when=futures.FIRST_COMPLETED)
-                if not finished:
-                    log.warning("a checkpointing solve did not return within %.1f s; full "
-                                "checkpointing for the rest",
-                                limit * checkpointing.WALL_FACTOR + 10.0)
-                    break
-                for future in finished:
-                    key = running.pop(future)
-                    _remember((cases[key].problem, limit), future.result())
-                    record(key, future.result())
-            else:
-                return solved
-    finally:
-        if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+    guard = limit * checkpointing.WALL_FACTOR + 10.0
+    while True:
+        waiting = _promising(waiting, values, floors, points)
+        if progress and (solved or running or waiting):
+            progress(len(solved), len(solved) + len(running) + len(waiting), "checkpointing")
+        if waiting and (cases[waiting[0]].problem, limit) in _memo:
+            key = waiting.pop(0)
+            _memo.move_to_end((cases[key].problem, limit))
+            record(key, _memo[(cases[key].problem, limit)])
+        elif waiting and pool is None:
+            key = waiting.pop(0)
+            answer = checkpointing.solve(cases[key].problem, limit)
+            _remember((cases[key].problem, limit), answer)
+            record(key, answer)
+        elif waiting and len(running) < config.workers:
+            key = waiting.pop(0)
+            running[pool.submit(checkpointing.solve, cases[key].problem, limit)] = key
+        elif running:
+            finished, _ = futures.wait(running, timeout=guard,
+                                       return_when=futures.FIRST_COMPLETED)
+            if not finished:
+                log.warning("a checkpointing solve did not return within %.1f s; full "
+                            "checkpointing for the rest", guard)
+                break
+            for future in finished:
+                key = running.pop(future)
+                _remember((cases[key].problem, limit), future.result())
+                record(key, future.result())
+        else:
+            return solved
     for key in [*running.values(), *waiting]:
         record(key, _fallback(cases[key].problem))
     return solved
@@ -276,22 +267,70 @@ def cut_points(docs: Sequence[tuple[int, int]], groups: int) -> list[int]:
     return points
 
 
+def group_chunking(docs: Sequence[tuple[int, int]], cost: CostModel,
+                   chunking: ChunkingConfig) -> tuple[Chunking, float]:
+    """The sequence processor's chunking of one group, ``N`` tuned by :func:`estimate`."""
+    return best_chunking(docs, cost, chunking, lambda chunks: estimate(cost, chunks))
+
+
+_inherited: tuple | None = None
+"""A worker's (sorted documents, cost model, chunking config): inherited through ``fork``,
+since the cost model's per-signature cache does not pickle."""
+
+
+def _adopt(docs, cost: CostModel, chunking: ChunkingConfig) -> None:
+    global _inherited
+    _inherited = (docs, cost, chunking)
+
+
+def _group_chunking_in_worker(i: int, j: int) -> tuple[Chunking, float]:
+    docs, cost, chunking = _inherited
+    return group_chunking(docs[i:j], cost, chunking)
+
+
+def chunk_groups(docs: Sequence[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
+                 points: list[int], pool: futures.ProcessPoolExecutor | None) -> dict:
+    """``{(i, j): chunking}`` of every candidate group that fits in memory, chunked in ``pool``
+    (the groups with the most documents first, so that the workers finish together) or in this
+    process without one."""
+    groups = sorted(((points[a], points[b]) for a in range(len(points))
+                     for b in range(a + 1, len(points))), key=lambda g: (g[0] - g[1], g))
+    if pool is None:
+        found = {(i, j): group_chunking(docs[i:j], cost, config.chunking) for i, j in groups}
+    else:
+        submitted = {(i, j): pool.submit(_group_chunking_in_worker, i, j) for i, j in groups}
+        found = {key: future.result() for key, future in submitted.items()}
+    return {key: chunking for key, (chunking, value) in sorted(found.items())
+            if math.isfinite(value)}
+
+
 def plan_elastic(lengths: Sequence[int], cost: CostModel,
                  config: SchedulerConfig = SchedulerConfig(),
                  progress: Progress | None = None) -> Plan:
-    """The elastic plan for documents of ``lengths`` (already truncated to the context)."""
+    """The elastic plan for documents of ``lengths`` (already truncated to the context).
+
+    With ``config.workers > 1`` one pool of forked processes chunks the candidate groups and
+    then solves their checkpointing."""
     started = time.perf_counter()
     check_lengths(lengths)
     docs = sorted(((i, int(n)) for i, n in enumerate(lengths)), key=lambda d: (-d[1], d[0]))
+    pool = None
+    if config.workers > 1:
+        pool = futures.ProcessPoolExecutor(
+            config.workers, mp_context=multiprocessing.get_context("fork"),
+            initializer=_adopt, initargs=(docs, cost, config.chunking))
+    try:
+        return _plan(docs, cost, config, pool, progress, started)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
+          pool: futures.ProcessPoolExecutor | None, progress: Progress | None,
+          started: float) -> Plan:
     points = cut_points(docs, config.group_cuts)
-    score = lambda chunks: estimate(cost, chunks)  # noqa: E731 -- the processor's score
-    candidates: dict[tuple[int, int], Chunking] = {}
-    for a in range(len(points)):
-        for b in range(a + 1, len(points)):
-            i, j = points[a], points[b]
-            chunking, value = best_chunking(docs[i:j], cost, config.chunking, score)
-            if math.isfinite(value):
-                candidates[(i, j)] = chunking
+    candidates = chunk_groups(docs, cost, config, points, pool)
     if len(docs) not in _shortest(points, {key: 0 for key in candidates})[0]:
         raise ValueError(_infeasible_message(docs, cost, config.chunking, points))
     keys = sorted(candidates)
@@ -314,7 +353,7 @@ def plan_elastic(lengths: Sequence[int], cost: CostModel,
     solved = {key: (CheckpointSolution(uniform[key], upper[key], "trivial" if
                                        upper[key] == lower[key] else "bounded"), upper[key])
               for key in keys}
-    answered = solve_open(cases, uniform, upper, floor, worth, points, config, progress)
+    answered = solve_open(cases, uniform, upper, floor, worth, points, config, pool, progress)
     solved.update(answered)
     log.info("solved %d of %d candidate pipelines with CP-SAT (the rest are bounded out or "
              "need no checkpointing)", len(answered), len(keys))
