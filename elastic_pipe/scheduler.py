@@ -207,10 +207,13 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
         values[key] = floors[key] = solved[key][1]
 
     guard = limit * checkpointing.WALL_FACTOR + 10.0
+    reported = (0, 0)
     while True:
         waiting = _promising(waiting, values, floors, points)
-        if progress and (solved or running or waiting):
-            progress(len(solved), len(solved) + len(running) + len(waiting), "checkpointing")
+        counts = (len(solved), len(solved) + len(running) + len(waiting))
+        if progress and counts[1] and counts != reported:
+            progress(*counts, "checkpointing")
+            reported = counts
         if waiting and (cases[waiting[0]].problem, limit) in _memo:
             key = waiting.pop(0)
             _memo.move_to_end((cases[key].problem, limit))
