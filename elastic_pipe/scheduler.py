@@ -186,11 +186,12 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
     candidate whose bound exceeds the incumbent is dropped for good (the incumbent only falls,
     bounds only rise) and keeps its uniform table. This does not change the plan: the plan P
     that solving every open candidate gives is no slower than the incumbent, and every plan
-    through a dropped candidate is slower than the incumbent, so P and every plan as fast as P
-    avoid the dropped candidates; the programme's choices along P (the first predecessor that
-    reaches each point's best time) compare the same sums, since raising the times of the
-    dropped candidates changes neither those sums nor the best times along P. Which candidates
-    get solved may depend on the order the workers finish in; the plan does not.
+    through a dropped candidate, at the times solving would give (never below the floors), is
+    slower than the incumbent, so P and every plan as fast as P avoid the dropped candidates;
+    the programme's choices along P (the first predecessor that reaches each point's best time)
+    compare the same sums, since raising the times of the dropped candidates changes neither
+    those sums nor the best times along P. Which candidates get solved may depend on the order
+    the workers finish in; given the solves' answers, the plan does not.
 
     Solves run in ``pool`` (``config.workers`` processes; in this process without one) and are
     memoised by their integer problem; one that has not answered within four times its limit
