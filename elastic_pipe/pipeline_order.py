@@ -75,27 +75,30 @@ def inflight_sets(orders: list[list[tuple[str, int]]]) -> list[list[tuple[int, t
     return result
 
 
-def makespan(orders: list[list[tuple[str, int]]], forward, backward, recompute,
-             transfer) -> float:
-    """Finish time of the per-rank ``orders`` with ``[rank][chunk]`` forward, backward and
-    recomputation durations and ``[chunk]`` stage-to-stage transfer times.
+def start_times(orders: list[list[tuple[str, int]]], forward, backward, recompute,
+                transfer) -> list[list[float]]:
+    """Per rank, when each action of ``orders`` starts, with ``[rank][chunk]`` forward, backward
+    and recomputation durations and ``[chunk]`` stage-to-stage transfer times; a backward
+    starts after its recomputation.
 
     A forward waits for the previous stage's forward of the chunk plus the transfer; a
     recomputation runs as soon as its rank is free (it needs no gradient) and the backward then
     waits for the next stage's backward plus the transfer. Sends are taken as non-blocking, so
-    this is the dependency-graph time the simulator reaches when no rank stalls on a send.
+    this is the dependency-graph timing the simulator reaches when no rank stalls on a send.
+    Every start is non-decreasing in every duration (each is a max of sums of them).
     """
     pp = len(orders)
     f_end = [dict() for _ in range(pp)]
     b_end = [dict() for _ in range(pp)]
-    position, clock = [0] * pp, [0.0] * pp
+    starts: list[list[float]] = [[] for _ in range(pp)]
+    clock = [0.0] * pp
     progress = True
     while progress:
         progress = False
         for rank in range(pp):
-            actions = orders[rank]
-            while position[rank] < len(actions):
-                kind, unit = actions[position[rank]]
+            actions, began = orders[rank], starts[rank]
+            while len(began) < len(actions):
+                kind, unit = actions[len(began)]
                 if kind == FORWARD:
                     if rank > 0 and unit not in f_end[rank - 1]:
                         break
@@ -108,9 +111,20 @@ def makespan(orders: list[list[tuple[str, int]]], forward, backward, recompute,
                     ready = b_end[rank + 1][unit] + transfer[unit] if rank < pp - 1 else 0.0
                     start = max(clock[rank] + recompute[rank][unit], ready)
                     clock[rank] = b_end[rank][unit] = start + backward[rank][unit]
-                position[rank] += 1
+                began.append(start)
                 progress = True
-    if any(position[r] < len(orders[r]) for r in range(pp)):
+    if any(len(starts[r]) < len(orders[r]) for r in range(pp)):
         raise ValueError("the per-rank orders deadlock (a forward or backward never becomes "
                          "ready)")
-    return max(clock)
+    return starts
+
+
+def makespan(orders: list[list[tuple[str, int]]], forward, backward, recompute,
+             transfer) -> float:
+    """Finish time of the per-rank ``orders`` (see :func:`start_times` for the timing rules)."""
+    starts = start_times(orders, forward, backward, recompute, transfer)
+    ends = [0.0]
+    for rank, actions in enumerate(orders):
+        for (kind, unit), start in zip(actions[-1:], starts[rank][-1:]):
+            ends.append(start + (forward if kind == FORWARD else backward)[rank][unit])
+    return max(ends)

@@ -28,9 +28,16 @@ Where the paper is vague:
   checkpointing (a lower bound); a candidate whose best lower-bound path cannot beat the
   upper-bound plan keeps its uniform table ("bounded"), one that needs no checkpointing keeps
   the all-zero table ("trivial");
-- solves are memoised by their integer problem (chunk signatures, in-flight sets, budgets) and
-  run in ``workers`` processes; a solve that has not answered within four times its limit plus
-  ten seconds is abandoned for full checkpointing (recorded in ``fallbacks``).
+- the candidates left open are solved by branch and bound (:func:`solve_open`): the most
+  promising first, each solve making its candidate's time exact, and a candidate is dropped
+  ("bounded") once its best path over lower bounds -- the stronger
+  :func:`elastic_pipe.bounds.makespan_floor`, which counts the recomputation the memory
+  budget forces -- is slower than the best plan known. The plan is the one solving every open
+  candidate gives (the proof is in :func:`solve_open`); only fewer solves run;
+- one pool of ``workers`` forked processes chunks the candidate groups and then runs the
+  solves; solves are memoised by their integer problem (chunk signatures, in-flight sets,
+  budgets), and one that has not answered within four times its limit plus ten seconds is
+  abandoned for full checkpointing (recorded in ``fallbacks``).
 """
 from __future__ import annotations
 
@@ -44,6 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from elastic_pipe import checkpointing
+from elastic_pipe.bounds import makespan_floor
 from elastic_pipe.checkpointing import CheckpointProblem, CheckpointSolution
 from elastic_pipe.chunks import Chunk
 from elastic_pipe.cost_model import GB, CostModel
@@ -136,60 +144,117 @@ def estimate(cost: CostModel, chunks: Sequence[Chunk]) -> float:
     return case.time(table) * checkpointing.TIME_UNIT
 
 
-def _solve_memoised(problem: CheckpointProblem, limit: float) -> CheckpointSolution | None:
-    key = (problem, limit)
-    if key in _memo:
-        _memo.move_to_end(key)
-        return _memo[key]
-    solution = checkpointing.solve(problem, limit)
+def _remember(key: tuple, solution: CheckpointSolution | None) -> None:
     _memo[key] = solution
+    _memo.move_to_end(key)
     if len(_memo) > _MEMO_SIZE:
         _memo.popitem(last=False)
-    return solution
 
 
-def solve_all(problems: list[CheckpointProblem], config: SchedulerConfig,
-              progress: Progress | None = None) -> list[CheckpointSolution | None]:
-    """Solve every problem (memoised; in ``config.workers`` processes when more than one is
-    new); ``None`` for a problem that does not fit even with full checkpointing."""
+def _fallback(problem: CheckpointProblem) -> CheckpointSolution | None:
+    """Full checkpointing for a solve that did not answer in time (``None`` if it is OOM)."""
+    table = checkpointing.full_table(problem)
+    if not checkpointing.fits(problem, table):
+        return None
+    return CheckpointSolution(table, checkpointing.objective(problem, table), "full")
+
+
+def settle(case: PipelineCase, answer: CheckpointSolution | None, uniform,
+           upper: int) -> tuple[CheckpointSolution, int]:
+    """The table kept for a solved candidate and its makespan: CP-SAT's when it beats the
+    uniform table ``uniform`` (makespan ``upper``), else the uniform one."""
+    if answer is None:
+        return CheckpointSolution(uniform, upper, "bounded"), upper
+    time = case.time(answer.ckpt)
+    if time < upper:
+        return answer, time
+    return CheckpointSolution(uniform, upper, "uniform"), upper
+
+
+def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: list,
+               points: list[int], config: SchedulerConfig,
+               pool: futures.ProcessPoolExecutor | None,
+               progress: Progress | None = None) -> dict:
+    """Solve the candidate pipelines ``open_keys`` that can still be part of the plan, the most
+    promising first (branch and bound over eq. 14); ``{key: settle(...)}`` of those solved.
+
+    ``upper[key]`` is an achievable time of every candidate (its uniform table) and
+    ``floor[key]`` one that no fitting table of it beats (equal to ``upper`` for candidates not
+    open: they keep their uniform table). A solve makes its candidate's time exact, raising its
+    floor and lowering its upper time. Before each solve the *incumbent* is the best plan over
+    the upper times and a candidate's *bound* the best plan through it over the floors; a
+    candidate whose bound exceeds the incumbent is dropped for good (the incumbent only falls,
+    bounds only rise) and keeps its uniform table. This does not change the plan: the plan P
+    that solving every open candidate gives is no slower than the incumbent, and every plan
+    through a dropped candidate, at the times solving would give (never below the floors), is
+    slower than the incumbent, so P and every plan as fast as P avoid the dropped candidates;
+    the programme's choices along P (the first predecessor that reaches each point's best time)
+    compare the same sums, since raising the times of the dropped candidates changes neither
+    those sums nor the best times along P. Which candidates get solved may depend on the order
+    the workers finish in; given the solves' answers, the plan does not.
+
+    Solves run in ``pool`` (``config.workers`` processes; in this process without one) and are
+    memoised by their integer problem; one that has not answered within four times its limit
+    plus ten seconds is abandoned with the rest for full checkpointing.
+    """
     limit = config.solver_time_limit
-    results: list = [_memo.get((problem, limit)) for problem in problems]
-    pending = [i for i, answer in enumerate(results) if answer is None]
-    done = len(problems) - len(pending)
-    if progress and problems:
-        progress(done, len(problems), "checkpointing")
-    if config.workers == 1 or len(pending) <= 1:
-        for index in pending:
-            results[index] = _solve_memoised(problems[index], limit)
-            done += 1
-            if progress:
-                progress(done, len(problems), "checkpointing")
-        return results
+    values, floors = dict(upper), dict(floor)
+    solved: dict = {}
+    waiting = list(open_keys)
+    running: dict[futures.Future, tuple[int, int]] = {}
+
+    def record(key, answer):
+        solved[key] = settle(cases[key], answer, uniform[key], upper[key])
+        values[key] = floors[key] = solved[key][1]
+
     guard = limit * checkpointing.WALL_FACTOR + 10.0
-    workers = min(config.workers, len(pending))
-    pool = futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"))
-    try:
-        submitted = {pool.submit(checkpointing.solve, problems[i], limit): i for i in pending}
-        waves = math.ceil(len(pending) / workers)
-        for future in futures.as_completed(submitted, timeout=guard * waves):
-            index = submitted[future]
-            results[index] = _memo[(problems[index], limit)] = future.result()
-            done += 1
-            if progress:
-                progress(done, len(problems), "checkpointing")
-    except futures.TimeoutError:
-        log.warning("checkpointing solves did not return within %.1f s; full checkpointing "
-                    "for the rest", guard)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
-    for index in pending:
-        if results[index] is None:
-            problem = problems[index]
-            table = checkpointing.full_table(problem)
-            if checkpointing.fits(problem, table):
-                results[index] = CheckpointSolution(
-                    table, checkpointing.objective(problem, table), "full")
-    return results
+    reported = (0, 0)
+    while True:
+        waiting = _promising(waiting, values, floors, points)
+        counts = (len(solved), len(solved) + len(running) + len(waiting))
+        if progress and counts[1] and counts != reported:
+            progress(*counts, "checkpointing")
+            reported = counts
+        if waiting and (cases[waiting[0]].problem, limit) in _memo:
+            key = waiting.pop(0)
+            _memo.move_to_end((cases[key].problem, limit))
+            record(key, _memo[(cases[key].problem, limit)])
+        elif waiting and pool is None:
+            key = waiting.pop(0)
+            answer = checkpointing.solve(cases[key].problem, limit)
+            _remember((cases[key].problem, limit), answer)
+            record(key, answer)
+        elif waiting and len(running) < config.workers:
+            key = waiting.pop(0)
+            running[pool.submit(checkpointing.solve, cases[key].problem, limit)] = key
+        elif running:
+            finished, _ = futures.wait(running, timeout=guard,
+                                       return_when=futures.FIRST_COMPLETED)
+            if not finished:
+                log.warning("a checkpointing solve did not return within %.1f s; full "
+                            "checkpointing for the rest", guard)
+                break
+            for future in finished:
+                key = running.pop(future)
+                _remember((cases[key].problem, limit), future.result())
+                record(key, future.result())
+        else:
+            return solved
+    for key in [*running.values(), *waiting]:
+        record(key, _fallback(cases[key].problem))
+    return solved
+
+
+def _promising(keys: list, values: dict, floors: dict, points: list[int]) -> list:
+    """``keys`` whose bound (best plan through them over ``floors``) does not exceed the best
+    plan over ``values``, lowest bound first (ties by key)."""
+    incumbent = _shortest(points, values)[0][points[-1]]
+    reach = _shortest(points, floors)[0]
+    rest = _shortest(points[::-1], {(b, a): v for (a, b), v in floors.items()})[0]
+    bound = {key: reach.get(key[0], math.inf) + floors[key] + rest.get(key[1], math.inf)
+             for key in keys}
+    return sorted((key for key in keys if bound[key] <= incumbent),
+                  key=lambda key: (bound[key], key))
 
 
 def cut_points(docs: Sequence[tuple[int, int]], groups: int) -> list[int]:
@@ -206,22 +271,70 @@ def cut_points(docs: Sequence[tuple[int, int]], groups: int) -> list[int]:
     return points
 
 
+def group_chunking(docs: Sequence[tuple[int, int]], cost: CostModel,
+                   chunking: ChunkingConfig) -> tuple[Chunking, float]:
+    """The sequence processor's chunking of one group, ``N`` tuned by :func:`estimate`."""
+    return best_chunking(docs, cost, chunking, lambda chunks: estimate(cost, chunks))
+
+
+_inherited: tuple | None = None
+"""A worker's (sorted documents, cost model, chunking config): inherited through ``fork``,
+since the cost model's per-signature cache does not pickle."""
+
+
+def _adopt(docs, cost: CostModel, chunking: ChunkingConfig) -> None:
+    global _inherited
+    _inherited = (docs, cost, chunking)
+
+
+def _group_chunking_in_worker(i: int, j: int) -> tuple[Chunking, float]:
+    docs, cost, chunking = _inherited
+    return group_chunking(docs[i:j], cost, chunking)
+
+
+def chunk_groups(docs: Sequence[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
+                 points: list[int], pool: futures.ProcessPoolExecutor | None) -> dict:
+    """``{(i, j): chunking}`` of every candidate group that fits in memory, chunked in ``pool``
+    (the groups with the most documents first, so that the workers finish together) or in this
+    process without one."""
+    groups = sorted(((points[a], points[b]) for a in range(len(points))
+                     for b in range(a + 1, len(points))), key=lambda g: (g[0] - g[1], g))
+    if pool is None:
+        found = {(i, j): group_chunking(docs[i:j], cost, config.chunking) for i, j in groups}
+    else:
+        submitted = {(i, j): pool.submit(_group_chunking_in_worker, i, j) for i, j in groups}
+        found = {key: future.result() for key, future in submitted.items()}
+    return {key: chunking for key, (chunking, value) in sorted(found.items())
+            if math.isfinite(value)}
+
+
 def plan_elastic(lengths: Sequence[int], cost: CostModel,
                  config: SchedulerConfig = SchedulerConfig(),
                  progress: Progress | None = None) -> Plan:
-    """The elastic plan for documents of ``lengths`` (already truncated to the context)."""
+    """The elastic plan for documents of ``lengths`` (already truncated to the context).
+
+    With ``config.workers > 1`` one pool of forked processes chunks the candidate groups and
+    then solves their checkpointing."""
     started = time.perf_counter()
     check_lengths(lengths)
     docs = sorted(((i, int(n)) for i, n in enumerate(lengths)), key=lambda d: (-d[1], d[0]))
+    pool = None
+    if config.workers > 1:
+        pool = futures.ProcessPoolExecutor(
+            config.workers, mp_context=multiprocessing.get_context("fork"),
+            initializer=_adopt, initargs=(docs, cost, config.chunking))
+    try:
+        return _plan(docs, cost, config, pool, progress, started)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
+          pool: futures.ProcessPoolExecutor | None, progress: Progress | None,
+          started: float) -> Plan:
     points = cut_points(docs, config.group_cuts)
-    score = lambda chunks: estimate(cost, chunks)  # noqa: E731 -- the processor's score
-    candidates: dict[tuple[int, int], Chunking] = {}
-    for a in range(len(points)):
-        for b in range(a + 1, len(points)):
-            i, j = points[a], points[b]
-            chunking, value = best_chunking(docs[i:j], cost, config.chunking, score)
-            if math.isfinite(value):
-                candidates[(i, j)] = chunking
+    candidates = chunk_groups(docs, cost, config, points, pool)
     if len(docs) not in _shortest(points, {key: 0 for key in candidates})[0]:
         raise ValueError(_infeasible_message(docs, cost, config.chunking, points))
     keys = sorted(candidates)
@@ -237,19 +350,17 @@ def plan_elastic(lengths: Sequence[int], cost: CostModel,
     worth = [key for key in keys if upper[key] > lower[key] and
              reach_lower.get(key[0], math.inf) + lower[key] + rest_lower.get(key[1], math.inf)
              < incumbent[len(docs)]]
-    log.info("solving %d of %d candidate pipelines with CP-SAT (the rest are bounded out or "
-             "need no checkpointing)", len(worth), len(keys))
-    answers = dict(zip(worth, solve_all([cases[key].problem for key in worth], config,
-                                        progress)))
-    solved = {}
-    for key in keys:
-        status = "trivial" if upper[key] == lower[key] else "bounded"
-        solved[key] = (CheckpointSolution(uniform[key], upper[key], status), upper[key])
-        answer = answers.get(key)
-        if answer is not None and cases[key].time(answer.ckpt) < upper[key]:
-            solved[key] = (answer, cases[key].time(answer.ckpt))
-        elif answer is not None:
-            solved[key] = (CheckpointSolution(uniform[key], upper[key], "uniform"), upper[key])
+    floor = {key: upper[key] for key in keys}
+    floor.update({key: max(lower[key], makespan_floor(list(cases[key].orders),
+                                                      cases[key].problem))
+                  for key in worth})
+    solved = {key: (CheckpointSolution(uniform[key], upper[key], "trivial" if
+                                       upper[key] == lower[key] else "bounded"), upper[key])
+              for key in keys}
+    answered = solve_open(cases, uniform, upper, floor, worth, points, config, pool, progress)
+    solved.update(answered)
+    log.info("solved %d of %d candidate pipelines with CP-SAT (the rest are bounded out or "
+             "need no checkpointing)", len(answered), len(keys))
     _, choice = _shortest(points, {key: value for key, (_, value) in solved.items()})
     bounds, end = [], len(docs)
     while end:

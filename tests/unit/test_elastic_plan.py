@@ -1,4 +1,6 @@
-"""The planner end to end: orders, lowering, simulated memory, determinism, bad input."""
+"""The planner end to end: orders, lowering, simulated memory, determinism, pruning, bad
+input."""
+import dataclasses
 import random
 import re
 
@@ -7,6 +9,7 @@ import pytest
 from megatron.plugin.pipeline.ir import Kind
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 
+from elastic_pipe import checkpointing, scheduler
 from elastic_pipe.cost_model import GB, CostModel, ParallelConfig
 from elastic_pipe.hardware import load_profile
 from elastic_pipe.lowering import compute_schedule, simulate_plan
@@ -75,6 +78,29 @@ def test_same_input_same_plan_in_process_and_in_workers():
     pooled = plan_elastic(lengths, cost, SchedulerConfig(
         chunking=CONFIG.chunking, solver_time_limit=CONFIG.solver_time_limit, workers=2))
     assert first.to_dict() == again.to_dict() == pooled.to_dict()
+
+
+@pytest.mark.parametrize("seed, count, memory_gb", [(0, 24, 1.2), (5, 24, 1.2), (1, 24, 2.0)])
+def test_dropping_candidates_by_bound_keeps_the_plan(monkeypatch, seed, count, memory_gb):
+    """The branch and bound solves fewer candidates and returns the plan that solving every
+    candidate the zero-checkpointing bounds leave open returns (a limit CP-SAT proves optimal
+    in, so the solves do not depend on the machine's load)."""
+    solved = []
+    solve = checkpointing.solve
+    monkeypatch.setattr(checkpointing, "solve",
+                        lambda problem, limit: solved.append(problem) or solve(problem, limit))
+    config = dataclasses.replace(CONFIG, solver_time_limit=0.5)
+    lengths, cost = lengths_for(seed, count=count), cost_for(memory_gb)
+    scheduler._memo.clear()
+    pruned = plan_elastic(lengths, cost, config)
+    dropped = len(solved)
+    monkeypatch.setattr(scheduler, "_promising",
+                        lambda keys, values, floors, points: sorted(keys))
+    scheduler._memo.clear()
+    solved.clear()
+    everything = plan_elastic(lengths, cost, config)
+    assert dropped < len(solved)
+    assert pruned.to_dict() == everything.to_dict()
 
 
 def test_tiny_time_limit_returns_and_records_fallbacks():
