@@ -300,13 +300,12 @@ def activation_coefficients(args, layers, device) -> dict:
         meter = SavedTensorMeter()
         store = KVStore()
         with meter.active():
-            output, _ = forward_step(iter([batch(tokens)]), model, store, True)
+            # the first slice's graph (``first``) stays alive across both counts
+            first, _ = forward_step(iter([batch(tokens)]), model, store, True)
             before = meter.current
             later, loss = forward_step(iter([batch(8, 1, tokens)]), model, store, False)
             torch.autograd.backward(loss(later)[0])
-            grown = meter.current - before
-            del output
-        return grown
+            return meter.current - before
 
     def slope(measure) -> float:
         s = min(args.tokens)
