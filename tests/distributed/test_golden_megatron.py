@@ -43,12 +43,16 @@ HELIX = ["--pipeline-schedule", "helix"]
 SPPO = ["--pipeline-schedule", "sppo"]
 #: tag -> (subsequences of the longest document, offload ratio of the run or None for off).
 #: The golden documents' lengths (2 to 64 tokens) rarely divide by N: the cuts are uneven, and
-#: documents shorter than N are cut into one-token subsequences.
+#: documents shorter than N are cut into one-token subsequences. With TP x CP = 2 every
+#: subsequence's row is padded to an even length; with DP = 2 each replica cuts its own share.
 SPPO_EXPECTED = {
     "pp2_sppo_n4": (4, None),
     "pp2_sppo_n6_offload": (6, 0.5),
     "pp4_sppo_n8_offload": (8, 1.0),
     "pp4_sppo_n5": (5, None),
+    "pp2_tp2_sp_sppo_n4_offload": (4, 0.5),
+    "pp2_ulysses2_sppo_n6_offload": (6, 1.0),
+    "pp2_dp2_sppo_n5_offload": (5, 0.5),
 }
 
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
@@ -112,6 +116,13 @@ VARIANTS = {
                                     "--sppo-subsequences", "8", "--sppo-offload", "1"]),
         "pp4_sppo_n5": (4, ["--pipeline-model-parallel-size", "4", *SPPO,
                             "--sppo-subsequences", "5", "--sppo-offload", "off"]),
+        "pp2_tp2_sp_sppo_n4_offload": (4, ["--pipeline-model-parallel-size", "2",
+                                           "--tensor-model-parallel-size", "2",
+                                           "--sequence-parallel", *SPPO,
+                                           "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
+        "pp2_ulysses2_sppo_n6_offload": (4, ["--pipeline-model-parallel-size", "2",
+                                             "--context-parallel-size", "2", *SPPO,
+                                             "--sppo-subsequences", "6", "--sppo-offload", "1"]),
     }),
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--disable-bias-linear",
@@ -119,6 +130,8 @@ VARIANTS = {
         "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
         "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
         "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_dp2_sppo_n5_offload": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                        "--sppo-subsequences", "5", "--sppo-offload", "0.5"]),
     }),
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
     # are not a multiple of p x folds = 4 train with empty slots.
@@ -250,13 +263,14 @@ def test_helix_mlp_ran_in_chunks(golden):
 
 @pytest.mark.parametrize("tag", sorted(SPPO_EXPECTED))
 def test_sppo_runs_exercise_what_they_claim(golden, tag):
-    """The sppo golden runs cut the documents into the asked subsequences (unevenly); every
-    subsequence but a document's last moved part of its offloadable saved bytes to the host
-    tier and back, the asked share of them over the run (within 10%); runs with offloading off
-    moved nothing."""
+    """The sppo golden runs cut the documents into the asked subsequences (unevenly); on every
+    rank (tensor-, context- and data-parallel peers included) every subsequence but a
+    document's last moved part of its offloadable saved bytes to the host tier and back, the
+    asked share of them over the run (within 10%); runs with offloading off moved nothing."""
     n, ratio = SPPO_EXPECTED[tag]
-    paths = sorted(glob.glob(str(golden / "learned" / f"sppo_{tag}_*.json")))
-    assert len(paths) == int(tag[2]), paths
+    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
+    paths = sorted(glob.glob(str(golden / variant / f"sppo_{tag}_*.json")))
+    assert len(paths) == VARIANTS[variant][1][tag][0], paths
     for path in paths:
         with open(path) as f:
             record = json.load(f)

@@ -149,6 +149,16 @@ def _run_backward(tensors: list, grads: list) -> None:
         create_graph=False, inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
 
 
+def _deallocate_sent(sends: list, config) -> None:
+    """Pseudo-deallocate the stage outputs just sent (Megatron's
+    ``deallocate_pipeline_outputs``); a checkpoint boundary that is the stage output is a
+    leaf and keeps its data."""
+    for action, tensor in sends:
+        if action.kind is Kind.SEND_F and tensor.grad_fn is not None:
+            megatron_schedules.deallocate_output_tensor(tensor,
+                                                        config.deallocate_pipeline_outputs)
+
+
 def chunk_backward(chunks: ChunkState, unit: int, input_tensor, output, output_grad, stash,
                    config):
     """Backward of one document chunk on one stage; returns the input's gradient.
@@ -259,18 +269,15 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             else:
                 channel.exchange(sends, recvs)
             inbox = received if program is None else mailbox
-            for a, buffer in recvs:
-                inbox[route(a)] = buffer
-            for a, tensor in sends:
-                # A checkpoint boundary that is the stage output is a leaf: keep its data.
-                if a.kind is Kind.SEND_F and training and tensor.grad_fn is not None and \
-                        program is None:
-                    megatron_schedules.deallocate_output_tensor(
-                        tensor, config.deallocate_pipeline_outputs)
+            inbox.update((route(a), buffer) for a, buffer in recvs)
+            if training and program is None:
+                _deallocate_sent(sends, config)
             took = time.perf_counter() - start
             ctx.events.extend(TraceEvent(rank, str(a), start - origin, took, "comm",
                                          tensor.numel() * tensor.element_size())
                               for a, tensor in sends + recvs)
+            # Names left bound to a sent output would keep its graph's nodes alive (see below).
+            del sends, recvs
             index = stop
             continue
         key = (action.unit, action.part)
@@ -323,6 +330,10 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             if training:
                 inputs[key] = input_tensor
                 outputs[key] = output
+            # The stashes own them now. A name left bound to the last forward's output would
+            # keep its graph's nodes -- and through them the K/V context leaves of every earlier
+            # slice, with their gradients -- alive through all the backwards.
+            del input_tensor, output
         elif action.kind is Kind.BACKWARD:
             if not training:
                 index += 1
@@ -350,10 +361,11 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
                     raise RuntimeError(f"{action}: the forward of unit {action.unit} "
                                        f"checkpointed no layer on this stage")
                 chunks.layers.recompute(stash)
+                del stash  # bound past its backward, it would keep the recomputed graph alive
         elif action.kind is Kind.OFFLOAD:
             if training:
-                held = [t for t in (inputs.get(key), outputs.get(key)) if t is not None]
-                resident = {storage_key(t) for t in held}
+                resident = {storage_key(t) for t in (inputs.get(key), outputs.get(key))
+                            if t is not None}
                 if chunks is not None:
                     resident |= chunks.kv_store.storage_keys()
                 offloader.offload(key, resident)
