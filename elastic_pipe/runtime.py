@@ -22,7 +22,10 @@ Cost model of a real run: the model shape comes from the Megatron flags; the har
 from ``--elastic-hardware-profile`` (default: the shipped profile matching the CUDA device name,
 ``a800`` on CPU -- the planner then only sees relative costs); the budget from
 ``--elastic-memory-gb`` (default: the device's memory on CUDA, 16 GB on CPU) minus
-``--elastic-reserved-gb`` (default 2 GB on CUDA, 0 on CPU).
+``--elastic-reserved-gb`` (default 2 GB on CUDA, 0 on CPU). With ``--elastic-refit-interval K``
+the ranks record the executor's forward and backward times and, every ``K`` training
+iterations, refit the profile's eq. 1 coefficients and backward factor to them
+(:mod:`elastic_pipe.refit`); the log shows the fit and its error.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ from megatron.core.utils import get_attr_wrapped_model
 from megatron.plugin.batches import MicroBatch, micro_batch, pack_row
 from megatron.plugin.kv_store import KVStore
 from megatron.plugin.pipeline.executor import ChunkState
-from megatron.plugin.pipeline.ir import Action
+from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
 from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
                                                   single_model_chunk)
@@ -56,6 +59,7 @@ from elastic_pipe.lowering import activation_peaks, lower
 from elastic_pipe.presolve import BackgroundPlanner, PlanTiming
 from elastic_pipe.models import ModelConfig
 from elastic_pipe.plan_types import Plan
+from elastic_pipe.refit import Observation, observations, refit
 from elastic_pipe.scheduler import SchedulerConfig
 from elastic_pipe.sequence_processor import ChunkingConfig
 
@@ -82,12 +86,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "while a slice keeps --elastic-min-slice-tokens)")
     g.add_argument("--elastic-min-slice-tokens", type=int, default=4096,
                    help="smallest first slice the automatic slice count goes down to")
+    g.add_argument("--elastic-refit-interval", type=interval_flag, default=0,
+                   help="every K training iterations, refit the cost model's eq. 1 "
+                        "coefficients and backward factor to the executor's measured "
+                        "forward and backward times (0: never)")
 
 
 register_argument_group(add_arguments)
 
 
 # -- planning --------------------------------------------------------------------------------
+
+def interval_flag(value: str) -> int:
+    """``--elastic-refit-interval``: a number of iterations, ``0`` for never."""
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0: never), got {value!r}")
+    return int(value)
+
 
 def slices_flag(value: str):
     """``--elastic-slices``: ``"auto"`` or a positive integer."""
@@ -180,6 +195,8 @@ class PlannedBatch(ChunkRows):
     planned_activation_bytes: float
     """The activation peak the plan predicts for this rank's stage (the training log shows it
     beside the measured one)."""
+    refit: bool = False
+    """Record the measured action times (``--elastic-refit-interval``)."""
 
 
 def _is_split(piece: Piece) -> bool:
@@ -209,7 +226,8 @@ def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming,
     stage = parallel_state.get_pipeline_model_parallel_rank()
     planned = activation_peaks(schedule, plan, cost)[stage]
     return PlannedBatch(schedule, batches, slices, args.hidden_size, tp * cp, plan=plan,
-                        timing=timing, planned_activation_bytes=planned)
+                        timing=timing, planned_activation_bytes=planned,
+                        refit=args.elastic_refit_interval > 0)
 
 
 def _check_agreement(plan: Plan) -> None:
@@ -259,6 +277,8 @@ def _planning_inputs(name, documents, args, model):
 def _prepare(name: str):
     def prepare_input(documents, args, model):
         """``(PlannedBatch, number of chunks)`` of this replica's documents."""
+        if args.elastic_refit_interval and _REFITS[name].due(args.elastic_refit_interval):
+            _refit(name, args, model)
         share, inputs = _planning_inputs(name, documents, args, model)
         plan, timing = _planner(name, args).take(*inputs)
         _check_agreement(plan)
@@ -277,6 +297,47 @@ def _prepare(name: str):
     return prepare_input, prefetch_input
 
 
+class _Measured:
+    """Observations of the training iterations since the last refit (this rank's)."""
+
+    def __init__(self):
+        self.seen: list[Observation] = []
+        self.iterations = 0
+
+    def due(self, interval: int) -> bool:
+        return self.iterations >= interval
+
+    def record(self, planned: "PlannedBatch", stage: int, events: list) -> None:
+        units = {str(a): (a.kind, a.unit) for a in planned.schedule[stage]
+                 if a.kind in (Kind.FORWARD, Kind.BACKWARD)}
+        times: dict[int, list[float]] = {}
+        for event in events:
+            if event.category == "compute" and event.name in units:
+                kind, unit = units[event.name]
+                times.setdefault(unit, [0.0, 0.0])[kind is Kind.BACKWARD] += event.duration
+        self.seen.extend(observations(stage, planned.plan.chunks(),
+                                      {u: (f, b) for u, (f, b) in times.items()}))
+        self.iterations += 1
+
+
+_REFITS = {name: _Measured() for name in ("elastic", "seq1f1b")}
+
+
+def _refit(name: str, args, model) -> None:
+    """Pool every rank's observations, refit the job's cost model to them (every rank gets
+    the same figures, so the ranks keep planning alike) and start counting again. The plan of
+    the next batch, already being solved in the background, keeps the old figures."""
+    measured = _REFITS[name]
+    pooled = [None] * dist.get_world_size()
+    dist.all_gather_object(pooled, measured.seen)
+    measured.seen, measured.iterations = [], 0
+    cost = job_cost_model(args, model)
+    profile, summary = refit(cost, [o for seen in pooled for o in seen])
+    log.info("%s: %s", name, summary)
+    if profile is not None:
+        _COSTS[_cost_key(args, model)] = CostModel(cost.model, profile, cost.parallel)
+
+
 _COSTS: dict[tuple, CostModel] = {}
 _COST_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                "tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -284,13 +345,18 @@ _COST_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "elastic_reserved_gb", "elastic_hardware_profile")
 
 
-def job_cost_model(args: argparse.Namespace, model) -> CostModel:
-    """:func:`cost_model_from_args` for this job, built once (the vocabulary from the model)."""
+def _cost_key(args: argparse.Namespace, model) -> tuple:
     chunk = model[0] if isinstance(model, list) else model
-    vocab = get_attr_wrapped_model(chunk, "vocab_size")
-    key = (vocab, *(getattr(args, flag) for flag in _COST_FLAGS))
+    return (get_attr_wrapped_model(chunk, "vocab_size"),
+            *(getattr(args, flag) for flag in _COST_FLAGS))
+
+
+def job_cost_model(args: argparse.Namespace, model) -> CostModel:
+    """:func:`cost_model_from_args` for this job, built once (the vocabulary from the model;
+    replaced by :func:`_refit` with ``--elastic-refit-interval``)."""
+    key = _cost_key(args, model)
     if key not in _COSTS:
-        _COSTS[key] = cost_model_from_args(args, vocab)
+        _COSTS[key] = cost_model_from_args(args, key[0])
     return _COSTS[key]
 
 
@@ -319,15 +385,20 @@ def _schedule(name: str):
             raise TypeError(f"{name} consumes the PlannedBatch its prepare_input makes from "
                             f"the documents, got {type(planned).__name__}")
         groups = megatron_process_groups()
-        stage = planned.plan.ckpt_table()[groups.pp.rank()]
+        rank = groups.pp.rank()
+        stage = planned.plan.ckpt_table()[rank]
         chunks = ChunkState(kv_store=KVStore(), layers=leading_layers(model),
                             checkpointed=stage.__getitem__, slices=planned.slices.__getitem__)
-        return run_this_rank(
+        events = [] if planned.refit and not forward_only else None
+        result = run_this_rank(
             planned.schedule, groups, forward_step_func=forward_step_func,
             data_iterator=iter(planned.batches), model=model,
             num_microbatches=num_microbatches, shape_of=planned.shape_of,
             forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step, chunks=chunks)
+            first_val_step=first_val_step, chunks=chunks, events=events)
+        if events is not None:
+            _REFITS[name].record(planned, rank, events)
+        return result
 
     forward_backward.prepare_input, forward_backward.prefetch_input = _prepare(name)
     return forward_backward

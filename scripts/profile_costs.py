@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import itertools
 import json
 import os
 import platform
@@ -70,6 +69,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from elastic_pipe.fitting import nnls
 
 MEASURED_FIELDS = ("name", "machine", "source", "backward_factor", "layer_coefficients",
                    "activation_coefficients", "notes")
@@ -81,36 +82,6 @@ def design_matrix(tokens, contexts) -> np.ndarray:
     s = np.asarray(tokens, dtype=np.float64)
     c = np.asarray(contexts, dtype=np.float64)
     return np.stack([(c + s) ** 2 - c * c, s, np.ones_like(s)], axis=1)
-
-
-def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Exact non-negative least squares ``min |a x - b|, x >= 0`` for a few columns.
-
-    Enumerates the supports (2^n subsets, n = 3 here): the constrained optimum equals the
-    unconstrained optimum on its own support, so the best feasible subset solution is it.
-    Columns are scaled to unit norm for conditioning.
-    """
-    a = np.asarray(a, dtype=np.float64)
-    b = np.asarray(b, dtype=np.float64)
-    n = a.shape[1]
-    if n > 12:
-        raise ValueError("nnls enumerates supports; use it for a few columns only")
-    norms = np.linalg.norm(a, axis=0)
-    norms[norms == 0] = 1.0
-    scaled = a / norms
-    best, best_residual = np.zeros(n), float(np.dot(b, b))
-    for size in range(1, n + 1):
-        for support in itertools.combinations(range(n), size):
-            cols = list(support)
-            sol, *_ = np.linalg.lstsq(scaled[:, cols], b, rcond=None)
-            if np.any(sol < 0):
-                continue
-            x = np.zeros(n)
-            x[cols] = sol
-            residual = float(np.sum((scaled @ x - b) ** 2))
-            if residual < best_residual:
-                best, best_residual = x, residual
-    return best / norms
 
 
 def fit_coefficients(tokens, contexts, forward_s) -> tuple[float, float, float]:

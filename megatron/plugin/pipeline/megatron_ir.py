@@ -56,9 +56,10 @@ def single_model_chunk(name: str, model, data_iterator):
 def run_this_rank(schedule, groups: ProcessGroupCollection, *, forward_step_func,
                   data_iterator, model, num_microbatches, shape_of, forward_only,
                   collect_non_loss_data, first_val_step, chunks=None, program=None,
-                  offload=None) -> list:
+                  offload=None, events: list | None = None) -> list:
     """Run this pipeline rank's row of ``schedule`` with Megatron's forward-backward
-    arguments, under the configured timeout, and record its trace; returns the loss dicts."""
+    arguments, under the configured timeout, and record its trace (also appended to
+    ``events`` when given); returns the loss dicts."""
     pp, rank = groups.pp.size(), groups.pp.rank()
     ctx = StageContext(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
@@ -69,6 +70,8 @@ def run_this_rank(schedule, groups: ProcessGroupCollection, *, forward_step_func
         program=program, offload=offload)
     result = run_schedule(schedule[rank], ctx)
     tracing.record(ctx.events)
+    if events is not None:
+        events.extend(ctx.events)
     return result
 
 

@@ -1,0 +1,105 @@
+"""Refitting the cost model to a training run's measured action times
+(``--elastic-refit-interval K``).
+
+The executor times every forward and backward it runs. Every ``K`` training iterations of
+``elastic`` or ``seq1f1b`` the ranks pool those times (:func:`observations`, gathered from
+every rank so that all of them fit the same figures and keep planning identically) and
+:func:`refit` replaces the profile's eq. 1 coefficients and backward factor with a fit to them.
+
+Model of one stage forward of chunk ``c`` on stage ``s`` with ``L_s`` layers, collectives
+removed first (the cost model's own figure for them is subtracted, so it is not counted twice)::
+
+    t = L_s (alpha1 Q_c + alpha2 S_c + beta) + [s first] e S_c + [s last] h S_c
+
+``Q_c = sum over pieces ((C + s)^2 - C^2)`` and ``S_c`` its tokens. ``e`` (embedding) and ``h``
+(final norm, output layer, loss) are fitted so that they do not bias the layer's coefficients;
+the cost model keeps its own head term, and has none for the embedding. The fit minimises
+relative residuals with exact non-negative least squares, as ``scripts/profile_costs.py``
+does on its grid. The backward factor is the ratio of all measured backwards to their
+forwards' fitted times (recomputation is its own action and is in neither).
+
+Choices: the stages' layers are assumed alike (one set of coefficients, as eq. 1 has); a fit
+needs at least four distinct chunk shapes, otherwise the profile is kept and the reason
+logged; the refitted profile is marked ``"measured"`` with a note saying where it came from.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from elastic_pipe.chunks import Chunk
+from elastic_pipe.cost_model import CostModel
+from elastic_pipe.fitting import nnls
+from elastic_pipe.hardware import HardwareProfile, LayerCoefficients
+
+MIN_SHAPES = 4
+"""Distinct ``(stage, Q, S)`` forwards a refit needs."""
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One measured forward and backward of a chunk on a stage."""
+
+    stage: int
+    quadratic: float
+    """``Q``: sum over the chunk's pieces of ``(C + s)^2 - C^2``."""
+    tokens: int
+    forward_s: float
+    backward_s: float
+
+
+def chunk_terms(chunk: Chunk) -> tuple[float, int]:
+    """``(Q, S)`` of eq. 1 for ``chunk``."""
+    quadratic = sum((p.context + p.tokens) ** 2 - p.context ** 2 for p in chunk.pieces)
+    return float(quadratic), chunk.tokens
+
+
+def observations(stage: int, chunks: Sequence[Chunk], times: dict[int, tuple[float, float]]
+                 ) -> list[Observation]:
+    """This stage's observations from ``times``: ``{unit: (forward s, backward s)}``."""
+    found = []
+    for unit, (forward, backward) in sorted(times.items()):
+        quadratic, tokens = chunk_terms(chunks[unit])
+        found.append(Observation(stage, quadratic, tokens, forward, backward))
+    return found
+
+
+def refit(cost: CostModel, seen: Iterable[Observation]) -> tuple[HardwareProfile | None, str]:
+    """``(refitted profile, summary)``, or ``(None, why not)`` when the data cannot pin eq. 1
+    down."""
+    seen = [o for o in seen if o.forward_s > 0 and o.backward_s > 0]
+    shapes = {(o.stage, o.quadratic, o.tokens) for o in seen}
+    if len(shapes) < MIN_SHAPES:
+        return None, (f"refit skipped: {len(shapes)} distinct chunk shapes measured, "
+                      f"{MIN_SHAPES} needed")
+    pp = cost.pp
+    rows, forward, backward = [], [], []
+    for o in seen:
+        layers = cost.layers(o.stage)
+        rows.append([layers * o.quadratic, layers * o.tokens, layers,
+                     o.tokens * (o.stage == 0), o.tokens * (o.stage == pp - 1)])
+        collectives = layers * (cost.comm_per_token * o.tokens + cost.comm_latency)
+        forward.append(max(o.forward_s - collectives, 1e-9))
+        backward.append(max(o.backward_s - collectives, 1e-9))
+    a, y = np.asarray(rows), np.asarray(forward)
+    x = nnls(a / y[:, None], np.ones_like(y))
+    fitted = a @ x
+    if not np.all(fitted > 0):
+        return None, "refit skipped: the fit predicts a zero time for some chunk"
+    error = np.abs(fitted / y - 1)
+    backward_factor = float(np.sum(backward) / np.sum(fitted))
+    alpha1, alpha2, beta = (float(v) for v in x[:3])
+    old = cost.hardware
+    coefficients = LayerCoefficients(alpha1, alpha2, beta, cost.model.hidden_size,
+                                     cost.parallel.sp, cost.parallel.tp)
+    summary = (f"refit from {len(seen)} measured chunks ({len(shapes)} shapes): alpha1 "
+               f"{alpha1:.3e} s, alpha2 {alpha2:.3e} s, beta {beta:.3e} s, backward factor "
+               f"{backward_factor:.3f}; fit relative error max {error.max():.3f} mean "
+               f"{error.mean():.3f}")
+    notes = dict(old.notes, layer_coefficients=summary,
+                 backward_factor="refitted to the training run's measured backwards")
+    return dataclasses.replace(old, source="measured", layer_coefficients=coefficients,
+                               backward_factor=backward_factor, notes=notes), summary

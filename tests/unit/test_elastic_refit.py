@@ -1,0 +1,77 @@
+"""``elastic_pipe.refit``: eq. 1 recovered from measured stage times, collectives subtracted,
+too little data refused, and the refitted profile usable by the cost model."""
+import random
+
+import pytest
+
+from elastic_pipe.chunks import Chunk, Piece
+from elastic_pipe.cost_model import CostModel, ParallelConfig
+from elastic_pipe.hardware import load_profile
+from elastic_pipe.models import ModelConfig
+from elastic_pipe.refit import Observation, chunk_terms, observations, refit
+
+MODEL = ModelConfig("small", 6, 256, 8, 1024, 1000)
+TRUE = dict(alpha1=3e-10, alpha2=2e-6, beta=1.5e-3, embedding=4e-7, head=9e-7, backward=1.8)
+
+
+def measured(cost: CostModel, chunks, noise=0.0, seed=0) -> list[Observation]:
+    """Stage times of ``chunks`` made from ``TRUE`` plus the cost model's collectives."""
+    rng = random.Random(seed)
+    seen = []
+    for stage in range(cost.pp):
+        layers = cost.layers(stage)
+        times = {}
+        for unit, chunk in enumerate(chunks):
+            q, s = chunk_terms(chunk)
+            compute = layers * (TRUE["alpha1"] * q + TRUE["alpha2"] * s + TRUE["beta"])
+            compute += TRUE["embedding"] * s * (stage == 0)
+            compute += TRUE["head"] * s * (stage == cost.pp - 1)
+            comm = layers * cost.layer_collectives(chunk)
+            jitter = 1 + noise * rng.uniform(-1, 1)
+            times[unit] = (jitter * compute + comm, jitter * TRUE["backward"] * compute + comm)
+        seen.extend(observations(stage, chunks, times))
+    return seen
+
+
+def some_chunks():
+    return [Chunk((Piece(0, 0, 0, 2048, False),)), Chunk((Piece(0, 1, 2048, 3072, True),)),
+            Chunk((Piece(1, 0, 0, 512, True), Piece(2, 0, 0, 700, True))),
+            Chunk((Piece(3, 0, 0, 4096, True),)), Chunk((Piece(4, 0, 0, 1500, True),))]
+
+
+@pytest.mark.parametrize("sp", [1, 2])
+def test_the_coefficients_are_recovered_with_the_collectives_taken_out(sp):
+    cost = CostModel(MODEL, load_profile("a800"), ParallelConfig(pp=3, sp=sp, memory_gb=80))
+    profile, summary = refit(cost, measured(cost, some_chunks()))
+    fit = profile.layer_coefficients
+    assert fit.alpha1 == pytest.approx(TRUE["alpha1"], rel=1e-6)
+    assert fit.alpha2 == pytest.approx(TRUE["alpha2"], rel=1e-6)
+    assert fit.beta == pytest.approx(TRUE["beta"], rel=1e-6)
+    assert profile.backward_factor == pytest.approx(TRUE["backward"], rel=1e-6)
+    assert (fit.hidden_size, fit.sp, fit.tp) == (256, sp, 1)
+    assert profile.source == "measured" and "refit from 15 measured chunks" in summary
+    refitted = CostModel(MODEL, profile, cost.parallel)
+    chunk = some_chunks()[1]
+    q, s = chunk_terms(chunk)
+    assert refitted.layer_compute(chunk) == pytest.approx(
+        TRUE["alpha1"] * q + TRUE["alpha2"] * s + TRUE["beta"], rel=1e-6)
+    assert refitted.layer_collectives(chunk) == cost.layer_collectives(chunk)
+
+
+def test_noisy_times_give_a_close_fit_and_report_the_error():
+    cost = CostModel(MODEL, load_profile("a800"), ParallelConfig(pp=2, sp=1, memory_gb=80))
+    chunks = some_chunks() * 4
+    profile, summary = refit(cost, measured(cost, chunks, noise=0.03, seed=4))
+    refitted = CostModel(MODEL, profile, cost.parallel)
+    for chunk in some_chunks():
+        q, s = chunk_terms(chunk)
+        truth = TRUE["alpha1"] * q + TRUE["alpha2"] * s + TRUE["beta"]
+        assert refitted.layer_compute(chunk) == pytest.approx(truth, rel=0.05)
+    assert "fit relative error max" in summary
+
+
+def test_too_few_shapes_keep_the_profile():
+    cost = CostModel(MODEL, load_profile("a800"), ParallelConfig(pp=1, sp=1, memory_gb=80))
+    profile, summary = refit(cost, measured(cost, some_chunks()[:3]))
+    assert profile is None
+    assert summary == "refit skipped: 3 distinct chunk shapes measured, 4 needed"
