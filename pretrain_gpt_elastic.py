@@ -14,13 +14,15 @@ def main(argv=None) -> int:
     from megatron.plugin.training import pretrain
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Megatron-style log lines: the training loop's INFO records, unprefixed, on stdout.
-    lines = logging.getLogger("megatron.plugin.training")
+    # Megatron-style log lines: the training loop's INFO records (and the elastic cost model's
+    # refits), unprefixed, on stdout.
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    lines.addHandler(handler)
-    lines.setLevel(logging.INFO)
-    lines.propagate = False
+    for name in ("megatron.plugin.training", "elastic_pipe.refit"):
+        lines = logging.getLogger(name)
+        lines.addHandler(handler)
+        lines.setLevel(logging.INFO)
+        lines.propagate = False
     args = parse_args(argv)
     try:
         pretrain(args)

@@ -64,6 +64,8 @@ from elastic_pipe.scheduler import SchedulerConfig
 from elastic_pipe.sequence_processor import ChunkingConfig
 
 log = logging.getLogger(__name__)
+refit_log = logging.getLogger("elastic_pipe.refit")
+"""The refits' summaries (``pretrain_gpt_elastic.py`` prints them with the training lines)."""
 CPU_MEMORY_GB = 16.0
 _PROFILE_BY_DEVICE = (("H100", "h100"), ("H20", "h20"), ("A800", "a800"), ("A100", "a800"))
 
@@ -333,7 +335,8 @@ def _refit(name: str, args, model) -> None:
     measured.seen, measured.iterations = [], 0
     cost = job_cost_model(args, model)
     profile, summary = refit(cost, [o for seen in pooled for o in seen])
-    log.info("%s: %s", name, summary)
+    if dist.get_rank() == 0:
+        refit_log.info("%s: %s", name, summary)
     if profile is not None:
         _COSTS[_cost_key(args, model)] = CostModel(cost.model, profile, cost.parallel)
 

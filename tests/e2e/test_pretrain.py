@@ -161,6 +161,7 @@ def test_elastic_trains_like_1f1b_and_leaks_nothing(tmp_path):
     assert all(r["peak_activation_bytes"] > 0 for r in got)
     assert all(r["num_microbatches"] > 0 for r in got)
     assert "validation loss at iteration 10" in result.stdout
+    assert result.stdout.count("elastic: refit from") == 3
 
 
 def test_sppo_trains_like_1f1b_on_one_long_document_and_leaks_nothing(tmp_path):
