@@ -20,7 +20,11 @@ forwards' fitted times (recomputation is its own action and is in neither).
 
 Choices: the stages' layers are assumed alike (one set of coefficients, as eq. 1 has); a fit
 needs at least four distinct chunk shapes, otherwise the profile is kept and the reason
-logged; the refitted profile is marked ``"measured"`` with a note saying where it came from.
+logged; the refitted profile is marked ``"measured"`` with a note saying where it came from;
+each refit uses only the iterations since the previous one (the model follows the machine).
+The fit extrapolates: from large chunks alone the per-chunk constant ``beta`` is not pinned
+down (it may come out 0), the planner may then cut finer than it should for one interval,
+and the next refit, which sees those small chunks, corrects it.
 """
 from __future__ import annotations
 
