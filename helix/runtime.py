@@ -389,7 +389,8 @@ def forward_backward_helix(*, forward_step_func, data_iterator, model, num_micro
         model=chunk, module=module, batches=batches, forward_step_func=forward_step_func,
         forward_data_store=store, num_microbatches=num_microbatches,
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        recompute=batches.recompute, flow=HelixFlow(pp, config.num_layers, batches.folds),
+        recompute=batches.recompute, flow=HelixFlow(pp, config.num_layers, batches.folds,
+                                                      num_microbatches),
         pre_tensors=pre_tensors)
     result = run_this_rank(
         schedule, groups, forward_step_func=forward_step_func, data_iterator=batches,
