@@ -17,10 +17,11 @@ Choices where HelixPipe is vague:
   its own shard into ``TOKENS / tp`` rows; the ranks run the same number of chunks, so each
   chunk's all-gather (``fc1``) and reduce-scatter (``fc2``) pair up across the group, and the
   block stays token-wise (a chunk gathers rows from every shard).
-* Under ``--helix-recompute-without-attention`` the boundary's forward already keeps the MLP
-  block's output (it is the residual ``r`` the next layer's pre-attention ships), so the
-  recomputation passes it as ``known``: the node then returns it instead of running the MLP a
-  second time before the backward, and the MLP runs twice per step in total, as without chunking.
+* Under ``--helix-recompute-without-attention`` the boundary's recomputation runs the node
+  again (the MLP's forward without autograd, before the backward), so the MLP runs three times
+  per step: the stash keeps no MLP output (it would be one more ``[s, b, h]`` per boundary
+  for the whole loop, against one MLP forward; the MLP is the cheap part of the
+  attention-dominated shapes helix is for).
 * The random state is captured when the node runs and restored for the backward's
   recomputation, which draws the same dropout masks chunk by chunk in the same order.
 """
@@ -31,17 +32,14 @@ import torch
 from megatron.plugin.rng import rng_restored, rng_state
 
 
-def chunked_mlp(block, hidden: torch.Tensor, rows: int,
-                known: torch.Tensor | None = None) -> torch.Tensor:
+def chunked_mlp(block, hidden: torch.Tensor, rows: int) -> torch.Tensor:
     """``block(hidden)`` (a token-wise ``[s, b, h] -> [s, b, h]`` function) over chunks of
-    ``rows`` sequence rows; ``known`` is the block's output when it is already known."""
+    ``rows`` sequence rows."""
     if rows < 1:
         raise ValueError(f"chunk rows must be positive, got {rows}")
     if not torch.is_grad_enabled():
-        if known is not None:
-            return known
         return _run_chunks(block, hidden, rows)
-    return _ChunkedBlock.apply(block, rows, rng_state(), known, hidden)
+    return _ChunkedBlock.apply(block, rows, rng_state(), hidden)
 
 
 def _run_chunks(block, hidden: torch.Tensor, rows: int) -> torch.Tensor:
@@ -56,11 +54,9 @@ def _run_chunks(block, hidden: torch.Tensor, rows: int) -> torch.Tensor:
 
 class _ChunkedBlock(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, block, rows, rng, known, hidden):
+    def forward(ctx, block, rows, rng, hidden):
         ctx.block, ctx.rows, ctx.rng = block, rows, rng
         ctx.save_for_backward(hidden)
-        if known is not None:
-            return known.detach().clone()
         return _run_chunks(block, hidden, rows)
 
     @staticmethod
@@ -74,4 +70,4 @@ class _ChunkedBlock(torch.autograd.Function):
                 piece = ctx.block(leaf)
                 torch.autograd.backward(piece, grad_out[start:start + rows])
                 grad_in[start:start + rows] = leaf.grad
-        return None, None, None, None, grad_in
+        return None, None, None, grad_in

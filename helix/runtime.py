@@ -22,15 +22,23 @@ LM head and loss in backward: the forward of boundary ``L`` stops at the final n
 backward computes the logits, the per-token loss (Megatron's ``forward_step`` applies
 ``loss_func``, the per-token count and the loss dict) and runs backward at once, so the
 ``[s, b, vocab]`` logits never wait through the forward phase. Under ``forward_only`` the loss
-is computed in the forward.
+is computed in the forward. With ``--helix-mlp-chunk-size`` the LM head and the loss run over
+the same sequence chunks as the MLP (:mod:`helix.chunked_loss`), so only one chunk's logits
+exist at a time.
+
+Attention parts on CPU run :mod:`helix.attention` (the fused flash kernel per document, one
+output buffer, the log-sum-exp kept); elsewhere, or with attention dropout in training,
+Megatron's ``SelfAttention`` with the project's core attention.
 
 Recomputation without attention (``--helix-recompute-without-attention``): a boundary's
 forward runs without autograd and keeps only its inputs (the attention output and residual
 it received, or the tokens at boundary 0) and the RNG state; ``RECOMPUTE`` rebuilds it right
-before its backward. Attention parts always keep their graph, so attention is never recomputed.
-With ``--helix-mlp-chunk-size`` the forward also keeps the MLP block's output (``mid``, the
-residual the next pre-attention ships anyway), so the recomputation does not run the MLP: its
-chunks are recomputed one at a time inside the backward (:mod:`helix.chunked_mlp`).
+before its backward. An attention part keeps its input ``x``, the shipped weight, its output
+and the log-sum-exp, and projects Q/K/V again in its backward (the projection belongs to the
+pre-attention); the attention itself is never recomputed. Per micro-batch and layer a loop
+then keeps about ``4 bsh``: ``x`` and ``o`` on the attention stage, ``o`` (when it came from
+another stage) and the residual on the boundary stage. With ``--helix-mlp-chunk-size`` the
+MLP's chunks are recomputed one at a time inside the backward (:mod:`helix.chunked_mlp`).
 """
 from __future__ import annotations
 
@@ -45,6 +53,8 @@ from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
+from helix import attention as helix_attention
+from helix.chunked_loss import chunked_loss
 from helix.chunked_mlp import chunked_mlp
 from helix.mapping import check_layout
 from helix.model import HelixGPTModel
@@ -243,10 +253,9 @@ class HelixProgram(PartProgram):
 
     def recompute(self, action: Action):
         entry = self.stash[(False, action.unit, action.part)]
-        known = entry["mid"].tensor if "mid" in entry else None
         with rng_restored(entry["rng"]):
             entry["out"] = _kept(self._boundary(action.unit, part_index(action.part),
-                                                _given(entry["in"]), known))
+                                                _given(entry["in"])))
 
     # The parts.
     def _leaves(self, inputs: dict) -> dict:
@@ -273,18 +282,13 @@ class HelixProgram(PartProgram):
         else:
             made = [(Kind.ATTN_F, part(index), n, out[n]) for n in self.pre_tensors]
         if self.recompute_boundaries:
-            entry = {"in": _kept(leaves), "rng": rng}
-            if self.mlp_rows is not None and index > 0:
-                entry["mid"] = keep(out["mid"])
-            self.stash[(False, unit, action.part)] = entry
+            self.stash[(False, unit, action.part)] = {"in": _kept(leaves), "rng": rng}
         elif self.training:
             self.stash[(False, unit, action.part)] = {"in": _kept(leaves), "out": _kept(out)}
         return made, tokens
 
-    def _boundary(self, unit: int, index: int, leaves: dict, known=None) -> dict:
-        """``post(index - 1)`` then ``pre(index)`` (or the embedding / final norm); ``mid``
-        is the hidden state between the two. ``known``: the MLP block's output from the
-        forward, when a recomputation with chunked MLP need not run it again."""
+    def _boundary(self, unit: int, index: int, leaves: dict) -> dict:
+        """``post(index - 1)`` then ``pre(index)`` (or the embedding / final norm)."""
         module = self.module
         if index == 0:
             call = self.steps[unit][1]
@@ -299,12 +303,12 @@ class HelixProgram(PartProgram):
             if self.mlp_rows is None:
                 hidden = layer._forward_mlp(hidden)
             else:
-                hidden = chunked_mlp(layer._forward_mlp, hidden, self.mlp_rows, known)
+                hidden = chunked_mlp(layer._forward_mlp, hidden, self.mlp_rows)
         if index == self.num_layers:
-            return {"hidden": module.decoder.final_layernorm(hidden), "mid": hidden}
+            return {"hidden": module.decoder.final_layernorm(hidden)}
         layer = module.pre_layers[index]
         qkv = layer.self_attention.linear_qkv
-        out = {"x": layer.input_layernorm(hidden), "r": hidden, "w": qkv.weight, "mid": hidden}
+        out = {"x": layer.input_layernorm(hidden), "r": hidden, "w": qkv.weight}
         if "wb" in self.pre_tensors:
             out["wb"] = qkv.bias
         return out
@@ -314,16 +318,37 @@ class HelixProgram(PartProgram):
         # comes back as the gradient of "res" and goes on unchanged).
         relayed = inputs.pop("r")
         leaves = self._leaves(inputs)
-        attention = self.module.foreign_attention
-        attention.linear_qkv.use(leaves["w"], leaves.get("wb"))
         layout = self.batches.batches[action.unit].layout()
         with contextlib.nullcontext() if self.training else torch.no_grad():
-            o, _ = attention(leaves["x"], attention_mask=None, packed_seq_params=layout)
+            o = self._attend(leaves["x"], leaves["w"], leaves.get("wb"), layout)
         if self.training:
             self.stash[(True, action.unit, action.part)] = {"in": _kept(leaves),
                                                             "out": _kept({"o": o})}
         following = part(part_index(action.part) + 1)
         return [(Kind.FORWARD, following, "o", o), (Kind.FORWARD, following, "res", relayed)], 0
+
+    def _attend(self, x, weight, bias, layout) -> torch.Tensor:
+        """``attn(l)`` with the shipped weights: through :mod:`helix.attention` where it
+        serves (the QKV projection recomputed in the backward under recomputation without
+        attention), else through Megatron's ``SelfAttention``."""
+        attention = self.module.foreign_attention
+        core = attention.core_attention
+        dropout = core.dropout if self.training else 0.0
+        if self.config.attention_output_gate or not helix_attention.supported(x, dropout):
+            attention.linear_qkv.use(weight, bias)
+            return attention(x, attention_mask=None, packed_seq_params=layout)[0]
+
+        def project(x, weight, bias):
+            attention.linear_qkv.use(weight, bias)
+            query, key, value = attention.get_query_key_value_tensors(x)
+            return (*core.rotate(query, key, layout), value)
+
+        segments = helix_attention.row_segments(layout, x.shape[1])
+        if self.recompute_boundaries:
+            return helix_attention.recomputed_attention(project, x, weight, bias, segments,
+                                                        core.softmax_scale)
+        return helix_attention.packed_attention(*project(x, weight, bias), segments,
+                                                core.softmax_scale)
 
     def _read_batch(self, unit: int) -> None:
         capture = _Capture(self.module)
@@ -336,8 +361,17 @@ class HelixProgram(PartProgram):
         module = self.module
         weight = module.shared_embedding_or_output_weight() \
             if module.share_embeddings_and_output_weights else None
-        logits, _ = module.output_layer(hidden, weight=weight)
-        losses = module.compute_language_model_loss(call["labels"], logits)
+
+        def head_loss(hidden, labels):
+            logits, _ = module.output_layer(hidden, weight=weight)
+            return module.compute_language_model_loss(labels, logits)
+
+        if self.mlp_rows is None:
+            losses = head_loss(hidden, call["labels"])
+        else:
+            shards = self.config.tensor_model_parallel_size if self.config.sequence_parallel \
+                else 1
+            losses = chunked_loss(head_loss, hidden, call["labels"], self.mlp_rows, shards)
         return megatron_schedules.forward_step(
             lambda data_iterator, model: (losses, loss_func), None, self.model,
             self.num_microbatches, None, self.store, self.config, cp_group_size=1,
@@ -389,7 +423,8 @@ def forward_backward_helix(*, forward_step_func, data_iterator, model, num_micro
         model=chunk, module=module, batches=batches, forward_step_func=forward_step_func,
         forward_data_store=store, num_microbatches=num_microbatches,
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        recompute=batches.recompute, flow=HelixFlow(pp, config.num_layers, batches.folds),
+        recompute=batches.recompute, flow=HelixFlow(pp, config.num_layers, batches.folds,
+                                                      num_microbatches),
         pre_tensors=pre_tensors)
     result = run_this_rank(
         schedule, groups, forward_step_func=forward_step_func, data_iterator=batches,

@@ -9,11 +9,12 @@ weight and bias, weight shipping) from a boundary to its attention, and ``o`` (a
 and ``res`` (the residual, relayed) from the attention to the next boundary; gradients travel
 back under the same names.
 
-Order (:func:`helix_order`). Micro-batch ``m`` has *slot* ``d = (m // F) mod p`` and *fold*
-``f = m mod F`` (``F`` folds, 2 for the two-fold schedule); ``p F`` consecutive micro-batches
-form a *repeat*. Its attention of layer ``l`` runs on stage ``(l + d + 1) mod p``, so the ``p``
-slots spread every layer's attention over all stages. Stage ``s`` walks its boundaries
-``c = s, s + p, ...`` (one past the last too, for the attention left over). For each ``c``:
+Order (:func:`helix_order`). Micro-batches form *loops* of at most ``p F`` (``F`` folds, 2
+for the two-fold schedule); in a full loop micro-batch ``m`` has *slot* ``d = (m // F) mod p``
+(its fold is ``m mod F``). Its attention of layer ``l`` runs on stage ``(l + d + 1) mod p``,
+so the ``p`` slots spread every layer's attention over all stages. Stage ``s`` walks its
+boundaries ``c = s, s + p, ...`` (one past the last too, for the attention left over). For each
+``c``:
 
 1. attention part, slots ``d = p - 2 .. 0``: the attention of layer ``c - 1 - d`` (it arrived
    from boundary ``c - 1 - d`` and feeds boundary ``c - d``); at ``d = 0`` it feeds this stage's
@@ -21,9 +22,9 @@ slots spread every layer's attention over all stages. Stage ``s`` walks its boun
 2. boundary part, slots ``d = 1 .. p - 1``: boundary ``c``; at ``d = p - 1`` the attention of
    layer ``c`` is local and runs right after it.
 
-Each slot runs its ``F`` folds back to back. A repeat is HelixPipe's *loop*: its forwards come
-first, then its backwards in exactly the reverse order (first in, last out: each stage's
-backward list for the loop is its forward list reversed), then the next loop. So at most one
+Each slot runs its folds back to back. A loop's forwards come first, then its backwards in
+exactly the reverse order (first in, last out: each stage's backward list for the loop is its
+forward list reversed), then the next loop. So at most one
 loop (``p F`` micro-batches) is stashed at any time, whatever the micro-batch count, and each
 loop adds its own bubble. With ``F = 2`` two micro-batches are in flight on every hop, so one
 fold's transfer can overlap the other fold's compute.
@@ -34,12 +35,18 @@ and ``4 F (p - 1)(t_pre + t_post)`` when the boundaries are recomputed before th
 (the paper's ``8(p-1)``); attention never appears in it. ``tests/unit/test_helix_schedule.py``
 checks this against :func:`~megatron.plugin.pipeline.simulator.simulate`.
 
-Micro-batch counts that are not a multiple of ``p F``: the schedule is generated for the next
-multiple and the units past the real count are removed whole (every action and transfer of an
-empty micro-batch), which keeps the remaining order valid; :func:`padding` reports how many.
+Micro-batch counts that are not a multiple of ``p F`` (:func:`helix_loops`): the loops are
+as many as for the next multiple, but the empty slots are spread over them (loop sizes within
+one of each other, and the slots of a loop within one micro-batch of each other) instead of
+being left at the end: ``2p + 1`` micro-batches at ``p = 2`` run as loops of 3 and 2 rather
+than 4 and a lone micro-batch, whose parts would run one after another on alternating stages
+(the simulator's idle time at uniform part costs: two loops' bubbles instead of five). A slot with
+fewer folds simply has less to overlap. :func:`padding` counts the empty slots (the log and the
+metrics report it); an empty slot runs nothing and sends nothing.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from helix.mapping import attention_stage
@@ -64,38 +71,48 @@ def part_index(name: str) -> int:
 
 
 def padding(microbatches: int, pp: int, folds: int) -> int:
-    """Empty micro-batches that complete ``microbatches`` to a multiple of ``pp x folds``."""
+    """Empty slots of the loops: what completes ``microbatches`` to a multiple of ``pp x
+    folds``."""
     return -microbatches % (pp * folds)
 
 
-def slot_of(unit: int, pp: int, folds: int) -> int:
-    return (unit // folds) % pp
+def helix_loops(microbatches: int, pp: int, folds: int) -> list[list[list[int]]]:
+    """The units of each loop, per slot: ``loops[i][d]`` are the micro-batches of slot ``d`` in
+    loop ``i``. As few loops as ``p x folds`` allows, their sizes as equal as possible (larger
+    first); within a loop the slots' counts are as equal as possible (earlier slots first) and
+    each slot takes consecutive units, so a full loop gives slot ``d`` the units
+    ``first + d F .. first + d F + F - 1``."""
+    count = -(-microbatches // (pp * folds))
+    loops, first = [], 0
+    for i in range(count):
+        size = microbatches // count + (i < microbatches % count)
+        loop = []
+        for d in range(pp):
+            n = size // pp + (d < size % pp)
+            loop.append(list(range(first, first + n)))
+            first += n
+        loops.append(loop)
+    return loops
 
 
 def helix_order(pp: int, num_layers: int, microbatches: int, folds: int = 2) -> Schedule:
-    """Per-stage compute order: loop after loop, each loop's forwards, then the same list
-    reversed as its backwards."""
+    """Per-stage compute order: loop after loop (:func:`helix_loops`), each loop's forwards,
+    then the same list reversed as its backwards."""
     if pp < 2 or num_layers % pp:
         raise ValueError(f"helix needs pp >= 2 and layers divisible by pp (got pp={pp}, "
                          f"layers={num_layers})")
     if microbatches < 1 or folds < 1:
         raise ValueError(f"helix needs micro-batches >= 1 and folds >= 1 (got "
                          f"{microbatches}, {folds})")
-    total = microbatches + padding(microbatches, pp, folds)
-    group = pp * folds
     schedule = []
     for stage in range(pp):
         actions: list[Action] = []
-        for first in range(0, total, group):
+        for units in helix_loops(microbatches, pp, folds):
             forwards: list[Action] = []
-
-            def units(d):
-                return [first + d * folds + f for f in range(folds)]
-
             for c in range(stage, num_layers + pp, pp):
                 for d in range(pp - 2, -1, -1):
                     layer = c - 1 - d
-                    for m in units(d):
+                    for m in units[d]:
                         if 0 <= layer < num_layers:
                             forwards.append(Action(stage, Kind.ATTN_F, m, part(layer)))
                         if d == 0 and c <= num_layers:
@@ -103,11 +120,10 @@ def helix_order(pp: int, num_layers: int, microbatches: int, folds: int = 2) -> 
                 if c > num_layers:
                     continue
                 for d in range(1, pp):
-                    for m in units(d):
+                    for m in units[d]:
                         forwards.append(Action(stage, Kind.FORWARD, m, part(c)))
                         if d == pp - 1 and c < num_layers:
                             forwards.append(Action(stage, Kind.ATTN_F, m, part(c)))
-            forwards = [a for a in forwards if a.unit < microbatches]
             actions += forwards
             actions += [Action(a.stage, _BACKWARD_OF[a.kind], a.unit, a.part)
                         for a in reversed(forwards)]
@@ -125,12 +141,19 @@ class HelixFlow:
     pp: int
     num_layers: int
     folds: int
+    microbatches: int
     eager_sends = True
     """Hops run both ways round the ring, so a send cannot wait for its receive (see
     :func:`~megatron.plugin.pipeline.simulator.simulate`)."""
 
+    @functools.cached_property
+    def slots(self) -> dict[int, int]:
+        """Unit -> its slot in its loop (:func:`helix_loops`)."""
+        return {m: d for loop in helix_loops(self.microbatches, self.pp, self.folds)
+                for d, units in enumerate(loop) for m in units}
+
     def attention_stage(self, layer: int, unit: int) -> int:
-        return attention_stage(layer, slot_of(unit, self.pp, self.folds), self.pp)
+        return attention_stage(layer, self.slots[unit], self.pp)
 
     def producer(self, transfer: Action) -> tuple[Kind, int, str]:
         """``(kind, unit, part)`` of the compute that makes what ``transfer`` carries."""
@@ -215,7 +238,7 @@ def add_helix_communication(schedule: Schedule, flow: HelixFlow,
 def planned_helix(pp: int, num_layers: int, microbatches: int, folds: int = 2,
                   recompute: bool = False, pre_tensors=PRE_TENSORS) -> Schedule:
     """The validated helix schedule with transfers (and recomputation of the boundaries)."""
-    flow = HelixFlow(pp, num_layers, folds)
+    flow = HelixFlow(pp, num_layers, folds, microbatches)
     schedule = helix_order(pp, num_layers, microbatches, folds)
     if recompute:
         schedule = add_recomputation(schedule, lambda a: a.kind is Kind.FORWARD)

@@ -1,15 +1,18 @@
 """Benchmark: ``helix`` against Megatron's native ``1f1b`` on the same batches.
 
-    python scripts/bench_helix.py [--iters 3] [--seq-length 4096] [--global-batch-size 8]
-        [--hidden-size 64] [--num-layers 4] [--mlp-chunk-size 1024] [--json OUT]
-        [--simulate-only]
+    python scripts/bench_helix.py [--iters 3] [--repeats 1] [--seq-length 4096]
+        [--global-batch-size 8] [--hidden-size 64] [--num-layers 4] [--mlp-chunk-size 1024]
+        [--json OUT] [--simulate-only]
 
 Measured (this machine's CPU): the script launches itself on 2 ranks (PP=2, one thread each)
 with the embedded corpus and builds three models with identical shapes: ``1f1b`` (Megatron's
 ``GPTModel`` stages), ``helix`` (two-fold FILO, weight shipping) and ``helix`` with
 recomputation without attention and chunked MLP. Every iteration draws one global batch of
 documents (packed into ``--seq-length`` micro-batches) and runs one training step of each, in
-turn, after a warm-up round. Reported per variant: tokens/s over the iterations, and the peak
+turn, after a warm-up round; with ``--repeats N`` it does so N times per batch and keeps each
+variant's fastest step (on a shared machine the minimum filters out the time other processes
+took; the ranks time a step between barriers, so it is the slower rank's time). Reported per
+variant: tokens/s over the iterations, and the peak
 saved-activation bytes of each stage (the training loop's meter, which also counts helix's own
 stash), with the ratios to ``1f1b``.
 
@@ -55,6 +58,7 @@ def worker(argv) -> int:
                                           timed_step)
 
     iters = int(os.environ["BENCH_ITERS"])
+    repeats = int(os.environ["BENCH_REPEATS"])
     chunk = int(os.environ["BENCH_MLP_CHUNK"])
     args = parse_args(argv)
     initialize_distributed(args)
@@ -73,16 +77,20 @@ def worker(argv) -> int:
                for name in VARIANTS}
     for i in range(iters + 1):
         documents = sources["train"].documents(i)
-        for name, (variant, model, optimizer, config) in jobs.items():
-            registry.use_schedule(variant.pipeline_schedule)
-            result, took, peaks = timed_step(model, optimizer, config, variant, documents,
-                                             meter)
-            if i == 0:
-                continue
+        runs = {name: [] for name in jobs}
+        for _ in range(repeats if i else 1):
+            for name, (variant, model, optimizer, config) in jobs.items():
+                registry.use_schedule(variant.pipeline_schedule)
+                runs[name].append(timed_step(model, optimizer, config, variant, documents,
+                                             meter))
+        if i == 0:
+            continue
+        for name, steps in runs.items():
+            result = steps[0][0]
             entry = results[name]
-            entry["times"].append(took)
+            entry["times"].append(min(took for _, took, _ in steps))
             entry["tokens"].append(result["tokens"])
-            entry["peaks"].append(peaks)
+            entry["peaks"].append([max(p) for p in zip(*(peaks for _, _, peaks in steps))])
             entry["microbatches"].append(result["num_microbatches"])
     if dist.get_rank() == 0:
         report = {}
@@ -101,6 +109,7 @@ def measured(options) -> dict:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                "--master-addr=127.0.0.1", "--master-port=29571", __file__, *model_flags(options)]
     env = dict(os.environ, BENCH_WORKER="1", BENCH_ITERS=str(options.iters),
+               BENCH_REPEATS=str(options.repeats),
                BENCH_MLP_CHUNK=str(options.mlp_chunk_size), OMP_NUM_THREADS="1",
                PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
@@ -110,7 +119,8 @@ def measured(options) -> dict:
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"MEASURED: PP=2 on 2 CPU ranks, one thread each; embedded corpus, --seq-length "
           f"{options.seq_length}, {options.global_batch_size} documents a batch, "
-          f"{options.iters} iterations; {options.num_layers} layers x hidden "
+          f"{options.iters} iterations (fastest of {options.repeats} steps each); "
+          f"{options.num_layers} layers x hidden "
           f"{options.hidden_size}; helix_recompute: recomputation without attention and "
           f"--helix-mlp-chunk-size {options.mlp_chunk_size}")
     base = report["1f1b"]
@@ -181,6 +191,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="steps per variant and batch; the fastest is kept")
     parser.add_argument("--seq-length", type=int, default=4096)
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=64)

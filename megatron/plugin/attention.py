@@ -153,6 +153,19 @@ class DocumentAttention(MegatronModule):
     def _apply_rope(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=self.config.rotary_interleaved)
 
+    def rotate(self, query, key, layout: PackedDocuments | None):
+        """``query``/``key`` (``[s, b, heads, dim]``) with RoPE at the layout's true positions
+        (from 0 per row without a layout); unchanged without RoPE."""
+        if self.rope is None:
+            return query, key
+        seq, batch = query.shape[0], query.shape[1]
+        if layout is not None and layout.position_ids is not None:
+            positions = layout.position_ids
+        else:
+            positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
+        freqs = self._rope_freqs(positions, query.device)
+        return self._apply_rope(query, freqs), self._apply_rope(key, freqs)
+
     # ----------------------------------------------------------------------------- forward
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
                 attention_bias=None, packed_seq_params=None):
@@ -175,14 +188,7 @@ class DocumentAttention(MegatronModule):
         layout = packed_seq_params if isinstance(packed_seq_params, PackedDocuments) else None
         if packed_seq_params is not None and layout is None:
             raise ValueError("DocumentAttention needs PackedDocuments, got a THD PackedSeqParams")
-        if self.rope is not None:
-            if layout is not None and layout.position_ids is not None:
-                positions = layout.position_ids
-            else:
-                positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
-            freqs = self._rope_freqs(positions, query.device)
-            query = self._apply_rope(query, freqs)
-            key = self._apply_rope(key, freqs)
+        query, key = self.rotate(query, key, layout)
         rows = []
         for b in range(batch):
             segments = (layout.segments[b] if layout is not None and layout.segments

@@ -2,8 +2,8 @@
 import pytest
 
 from helix.mapping import attention_stage, boundaries_of
-from helix.schedule import (HelixCosts, HelixFlow, helix_order, padding, part_index,
-                            planned_helix)
+from helix.schedule import (HelixCosts, HelixFlow, helix_loops, helix_order, padding,
+                            part_index, planned_helix)
 from megatron.plugin.pipeline.ir import Kind, format_schedule, parse_schedule
 from megatron.plugin.pipeline.simulator import simulate
 
@@ -19,6 +19,7 @@ def run(pp, layers, microbatches, folds=2, recompute=False, t_pre=1.0, t_attn=3.
 def test_every_part_runs_where_the_helix_mapping_puts_it(pp, layers, microbatches):
     folds = 2
     schedule = planned_helix(pp, layers, microbatches, folds)
+    slots = HelixFlow(pp, layers, folds, microbatches).slots
     seen = set()
     for rank, actions in enumerate(schedule):
         for a in actions:
@@ -27,7 +28,7 @@ def test_every_part_runs_where_the_helix_mapping_puts_it(pp, layers, microbatche
             if a.kind in (Kind.FORWARD, Kind.BACKWARD):
                 assert index in boundaries_of(rank, pp, layers)
             elif a.kind in (Kind.ATTN_F, Kind.ATTN_B):
-                assert rank == attention_stage(index, (a.unit // folds) % pp, pp)
+                assert rank == attention_stage(index, slots[a.unit], pp)
             if a.is_compute():
                 seen.add((a.kind, a.unit, index))
     for m in range(microbatches):
@@ -69,7 +70,7 @@ def test_weight_shipping_transfers_and_text_form_round_trip():
     assert [str(a) for a in schedule[0][1:4]] == ["0SEND_F0.l0>1:x", "0SEND_F0.l0>1:r",
                                                   "0SEND_F0.l0>1:w"]
     # The attention runs on the next boundary's stage: no transfer back for slot 0.
-    flow = HelixFlow(2, 4, 2)
+    flow = HelixFlow(2, 4, 2, 4)
     sends = [a for a in schedule[1] if a.kind is Kind.SEND_F and a.unit == 0]
     assert {a.tensor for a in sends} == {"x", "r", "w"}
     assert all(flow.consumer(a)[0] is Kind.ATTN_F for a in sends)
@@ -101,6 +102,42 @@ def test_two_folds_and_recomputation_stay_within_the_papers_bubbles(pp, layers):
 def test_memory_is_balanced_across_stages():
     _, result = run(4, 8, 8)
     assert max(result.peak_memory) / min(result.peak_memory) <= 1.15
+
+
+@pytest.mark.parametrize("pp,folds", [(2, 2), (3, 2), (4, 2), (3, 1)])
+@pytest.mark.parametrize("microbatches", range(1, 18))
+def test_loops_share_the_micro_batches_evenly(pp, folds, microbatches):
+    """As few loops as p x folds allows, sizes within one of each other; slots within one of
+    each other in a loop; units in order; a full loop is slot d = (m // folds) mod p."""
+    loops = helix_loops(microbatches, pp, folds)
+    group = pp * folds
+    assert len(loops) == -(-microbatches // group)
+    sizes = [sum(len(units) for units in loop) for loop in loops]
+    assert max(sizes) <= group and max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes)[::-1]
+    for loop in loops:
+        counts = [len(units) for units in loop]
+        assert len(loop) == pp and max(counts) - min(counts) <= 1
+    assert [m for loop in loops for units in loop for m in units] == list(range(microbatches))
+    for loop in loops:
+        if sum(len(units) for units in loop) == group:
+            assert all((m // folds) % pp == d for d, units in enumerate(loop) for m in units)
+
+
+def test_a_short_count_costs_one_bubble_per_loop():
+    """p = 2: 2p + 1 = 5 micro-batches run as loops of 3 and 2, each with a full loop's idle
+    time (a loop of 4 and a lone micro-batch would serialise the last one); likewise every
+    count from 2 to 9."""
+    _, full = run(2, 4, 4)
+    for microbatches in range(2, 10):
+        _, result = run(2, 4, microbatches)
+        loops = -(-microbatches // 4)
+        assert max(result.idle) == pytest.approx(loops * max(full.idle)), microbatches
+
+
+def test_one_micro_batch_per_slot_idles_like_one_fold():
+    """p = 4 with 4 micro-batches: one per slot, the one-fold loop's 3(p-1)(t_pre + t_post)."""
+    _, result = run(4, 8, 4)
+    assert max(result.idle) == pytest.approx(3 * 3 * (1.0 + 2.0))
 
 
 @pytest.mark.parametrize("microbatches,expected", [(1, 3), (3, 1), (4, 0), (5, 3), (9, 3)])

@@ -1,0 +1,143 @@
+"""``helix.attention``: the same values and gradients as ``DocumentAttention`` (SDPA per
+document), and only the claimed tensors saved for backward."""
+import pytest
+import torch
+from megatron.core.transformer import TransformerConfig
+
+from helix.attention import packed_attention, recomputed_attention, row_segments, supported
+from megatron.plugin.attention import (DocumentAttention, PackedDocuments, RopeSettings,
+                                       document_segments)
+from megatron.plugin.memory import SavedTensorMeter
+
+HEADS, DIM = 4, 8
+HIDDEN = HEADS * DIM
+SEQ, BATCH = 24, 2
+
+
+def make_core(rope, groups):
+    config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                               num_query_groups=groups, attention_dropout=0.0,
+                               hidden_dropout=0.0)
+    return DocumentAttention(config, layer_number=1, rope=rope).eval()
+
+
+def make_layout():
+    """Two rows of packed documents, positions restarting per document."""
+    rows = [[5, 12, 7], [24]]
+    segments = tuple(document_segments(lengths) for lengths in rows)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+    return PackedDocuments(segments=segments, position_ids=positions)
+
+
+def make_project(core, layout, groups, rotate=True):
+    """A QKV projection like Megatron's: one matmul, split into heads, then RoPE on q and k
+    (``DocumentAttention`` applies RoPE itself, so its inputs are not rotated)."""
+    def project(x, weight, bias):
+        qkv = torch.nn.functional.linear(x, weight, bias)
+        q, k, v = qkv.split([HIDDEN, groups * DIM, groups * DIM], dim=-1)
+        q = q.reshape(SEQ, BATCH, HEADS, DIM)
+        k = k.reshape(SEQ, BATCH, groups, DIM)
+        v = v.reshape(SEQ, BATCH, groups, DIM)
+        if rotate:
+            q, k = core.rotate(q, k, layout)
+        return q, k, v
+    return project
+
+
+def inputs(groups):
+    torch.manual_seed(0)
+    width = HIDDEN + 2 * groups * DIM
+    x = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64, requires_grad=True)
+    weight = (0.3 * torch.randn(width, HIDDEN, dtype=torch.float64)).requires_grad_()
+    bias = torch.randn(width, dtype=torch.float64, requires_grad=True)
+    return x, weight, bias, torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
+
+
+def grads_of(tensors):
+    out = [t.grad.clone() for t in tensors]
+    for t in tensors:
+        t.grad = None
+    return out
+
+
+@pytest.mark.parametrize("rope", [None, RopeSettings()])
+@pytest.mark.parametrize("groups", [HEADS, 2])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_matches_document_attention(rope, groups, recompute):
+    core, layout = make_core(rope, groups), make_layout()
+    project = make_project(core, layout, groups)
+    x, weight, bias, grad = inputs(groups)
+    leaves = [x, weight, bias]
+
+    unrotated = make_project(core, layout, groups, rotate=False)
+    expected = core(*unrotated(x, weight, bias), packed_seq_params=layout)
+    expected.backward(grad)
+    expected_grads = grads_of(leaves)
+
+    segments = row_segments(layout, BATCH)
+    if recompute:
+        out = recomputed_attention(project, x, weight, bias, segments, None)
+    else:
+        out = packed_attention(*project(x, weight, bias), segments, None)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    out.backward(grad)
+    for got, want in zip(grads_of(leaves), expected_grads):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_whole_rows_without_layout():
+    core = make_core(None, HEADS)
+    x, weight, bias, grad = inputs(HEADS)
+    project = make_project(core, None, HEADS)
+    expected = core(*project(x, weight, bias))
+    out = packed_attention(*project(x, weight, bias), row_segments(None, BATCH), None)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_segments_must_cover_the_row():
+    q = torch.randn(SEQ, 1, HEADS, DIM)
+    with pytest.raises(ValueError, match="cover 10 tokens of a 24-token row"):
+        packed_attention(q, q, q, (document_segments([4, 6]),), None)
+
+
+def _saved_bytes(run):
+    meter = SavedTensorMeter()
+    with meter.active():
+        out = run()
+        saved = meter.current
+    return out, saved
+
+
+def test_saves_only_what_the_backward_needs():
+    """Packed: q, k, v (views of one projection output), the output and the log-sum-exp.
+    Recomputed: the input, the weight, the bias, the output and the log-sum-exp, nothing of
+    the projection: about 2 x [s, b, h] instead of 5."""
+    core, layout = make_core(None, HEADS), make_layout()
+    project = make_project(core, layout, HEADS)
+    x, weight, bias, _ = inputs(HEADS)
+    x = x.detach().float().requires_grad_()
+    weight = weight.detach().float().requires_grad_()
+    bias = bias.detach().float().requires_grad_()
+    segments = row_segments(layout, BATCH)
+    item = 4
+    activation = SEQ * BATCH * HIDDEN * item
+    lse = SEQ * BATCH * HEADS * 4
+
+    def packed():
+        qkv = torch.nn.functional.linear(x, weight, bias).detach().requires_grad_()
+        q, k, v = qkv.split(HIDDEN, dim=-1)
+        return packed_attention(*(t.reshape(SEQ, BATCH, HEADS, DIM) for t in (q, k, v)),
+                                segments, None)
+
+    _, saved = _saved_bytes(packed)
+    assert saved == 3 * activation + activation + lse
+    _, saved = _saved_bytes(lambda: recomputed_attention(project, x, weight, bias, segments,
+                                                         None))
+    assert saved == activation + weight.numel() * item + bias.numel() * item + activation + lse
+
+
+def test_supported_only_without_dropout_on_cpu():
+    x = torch.randn(2, 1, HIDDEN)
+    assert supported(x, 0.0)
+    assert not supported(x, 0.1)
+    assert not supported(x.to(torch.int32), 0.0)
