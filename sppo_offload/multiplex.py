@@ -54,7 +54,7 @@ K/V, and on a helper the borrowed weights.
 
 IR: the shares are ``FORWARD`` / ``BACKWARD`` actions of unit 0 with part ``.mux<k>`` on the
 member's own stage; :class:`MultiplexFlow` tells the validator which compute produces and
-consumes each piece.
+consumes each piece. :mod:`sppo_offload.mux_runtime` runs this IR for real (``--sppo-multiplex``).
 """
 from __future__ import annotations
 
@@ -117,6 +117,16 @@ def pieces(tokens: int, pp: int, block: int) -> list[tuple[int, int, int, int]]:
             if max(a, c) < min(b, d):
                 found.append((block + i, block + 1 + j, max(a, c), min(b, d)))
     return found
+
+
+def piece_tokens(transfer: Action, tokens: int, pp: int) -> int:
+    """Tokens a piece transfer (or its gradient) of a ``tokens``-token ``u0`` carries."""
+    forward = transfer.kind in (Kind.SEND_F, Kind.RECV_F)
+    block = block_of(transfer) - (1 if forward else 0)
+    source = transfer.stage if transfer.kind in (Kind.SEND_F, Kind.RECV_B) else transfer.peer
+    target = transfer.peer if source == transfer.stage else transfer.stage
+    return sum(stop - start for s, t, start, stop in pieces(tokens, pp, block)
+               if (s, t) == (source, target))
 
 
 class MultiplexFlow(LayerwiseFlow):
@@ -221,11 +231,7 @@ class MultiplexCosts(SequenceCosts):
     def transfer_time(self, action: Action) -> float:
         if action.part is None:
             return super().transfer_time(action)
-        k = block_of(action) - (1 if action.kind in (Kind.SEND_F, Kind.RECV_F) else 0)
-        source = action.stage if action.kind in (Kind.SEND_F, Kind.RECV_B) else action.peer
-        target = action.peer if source == action.stage else action.stage
-        tokens = sum(stop - start for s, t, start, stop in
-                     pieces(self.chunks[0].tokens, self.cost.pp, k) if (s, t) == (source, target))
+        tokens = piece_tokens(action, self.chunks[0].tokens, self.cost.pp)
         return self._link(ACT_BYTES * tokens * self.cost.model.hidden_size / self.cost.parallel.tp)
 
     def activation_bytes(self, action: Action) -> float:
