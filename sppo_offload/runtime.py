@@ -153,10 +153,6 @@ def check_args(args: argparse.Namespace) -> None:
         if args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1:
             raise ValueError("--sppo-multiplex runs with --tensor-model-parallel-size 1 and "
                              "--context-parallel-size 1; drop one or the other")
-        if args.num_layers % pp:
-            raise ValueError(f"--sppo-multiplex runs a stage's layers on the stages after it: "
-                             f"--num-layers {args.num_layers} must be a multiple of "
-                             f"--pipeline-model-parallel-size {pp}")
     if args.sppo_host_memory_gb is not None and args.sppo_host_memory_gb <= 0:
         raise ValueError(f"--sppo-host-memory-gb must be > 0, got {args.sppo_host_memory_gb}")
     if args.sppo_memory_gb is not None and args.sppo_memory_gb <= 0:
