@@ -15,7 +15,10 @@ each variant in turn, after one warm-up round, so drift of the machine hits all 
 - ``sppo_no_offload``: the same subsequences with ``--sppo-offload off`` (what the offload
   itself costs and saves);
 - ``seq1f1b``: the same document in ``--elastic-slices N`` equal slices, nothing offloaded, no
-  checkpointing (the CPU budget is ample).
+  checkpointing (the CPU budget is ample);
+- ``sppo_multiplex``: ``sppo`` with ``--sppo-multiplex``: the first subsequence split over the
+  stages that idle in the warm-up and cool-down (:mod:`sppo_offload.multiplex`), the rest as
+  ``sppo``.
 
 Measured per variant: tokens/s over the iterations and the peak device-resident
 saved-activation bytes of each stage (the training loop's meter: offloaded bytes leave its
@@ -31,7 +34,8 @@ tier copies on a side stream), so what sppo loses here is the copy time itself.
 
 ``--json OUT`` writes ``{"schedules": {NAME: {"tokens_per_s", "tokens_per_cpu_s",
 "iteration_s", "busiest_rank_cpu_s", "peak_activation_bytes_per_stage"}}, "ratios": {BASE:
-{...}}, "setup": {...}}`` (``ratios``: sppo over ``seq1f1b`` and over ``sppo_no_offload``).
+{...}}, "setup": {...}}`` (``ratios``: sppo over ``seq1f1b`` and over ``sppo_no_offload``, and ``sppo_multiplex`` over
+``sppo`` under ``"sppo_multiplex/sppo"``).
 """
 import argparse
 import json
@@ -44,7 +48,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 #: variant -> (schedule, flags changed from the job's).
 VARIANTS = {"sppo": ("sppo", {}), "sppo_no_offload": ("sppo", {"sppo_offload": "off"}),
-            "seq1f1b": ("seq1f1b", {})}
+            "seq1f1b": ("seq1f1b", {}), "sppo_multiplex": ("sppo", {"sppo_multiplex": True})}
 
 
 def model_flags(options) -> list[str]:
@@ -169,6 +173,12 @@ def main() -> int:
               f"x{ratio['tokens_per_cpu_s']:.3f}), peak activation "
               f"x{ratio['peak_activation']:.3f}{targets}; per stage "
               f"{[round(r, 3) for r in ratio['peak_activation_per_stage']]}")
+    ratios["sppo_multiplex/sppo"] = _ratios(report["sppo_multiplex"], report["sppo"])
+    ratio = ratios["sppo_multiplex/sppo"]
+    print(f"  sppo_multiplex / sppo: tokens/s x{ratio['tokens_per_s']:.3f} (median per "
+          f"iteration x{ratio['median_iteration_speed']:.3f}; per CPU second "
+          f"x{ratio['tokens_per_cpu_s']:.3f}), peak activation x{ratio['peak_activation']:.3f}; "
+          f"per stage {[round(r, 3) for r in ratio['peak_activation_per_stage']]}")
     if options.json:
         with open(options.json, "w") as f:
             json.dump({"schedules": report, "ratios": ratios, "setup": {

@@ -3,42 +3,58 @@
 In the subsequence pipeline (:mod:`sppo_offload.pipeline`) stage ``k`` idles for ``k`` forwards
 while the first subsequence travels down the pipeline (warm-up) and for ``p - 1 - k`` backwards
 at the end while the first subsequence's gradient travels back (cool-down). Multiplexing splits
-that edge subsequence (``u0``) further, over sequence-parallel groups made of the idle stages:
+that edge subsequence (``u0``, ``T`` tokens) further, over sequence-parallel groups made of the
+idle stages:
 
 - **Left-SP** (warm-up): the forward of ``u0`` through stage ``k``'s layers (block ``k``) runs
-  on the group ``G_k = {k, ..., p-1}``, each member a ``1/|G_k|`` share of ``u0``'s tokens;
-  stages after ``k`` have nothing of their own to do yet. Stage 0 is then free after a
-  ``1/p`` share and starts the steady pipeline early; block ``k``'s group finishes its share
-  and hands over stage ``k``'s part of the output (``0SEND_F0.mux0>1`` ...) to the next group,
-  and the helpers give stage ``k`` their shares of ``u0``'s K/V for block ``k``
-  (``tensor kv``), which every later subsequence on stage ``k`` attends to.
+  on the group ``G_k = {k, ..., p-1}``; member ``k + i`` computes the ``i``-th of ``|G_k|``
+  contiguous, near-equal token ranges of ``u0`` (:func:`share_bounds`), the owner ``k`` the
+  first. Stages after ``k`` have nothing of their own to do yet; stage ``k`` is free after its
+  share and starts the steady pipeline early. From block ``k`` to block ``k + 1`` the owner
+  drops out and the ranges widen: every member of ``G_k`` keeps the part of its output that its
+  range for block ``k + 1`` still covers and sends the rest -- a suffix, the owner's whole
+  output -- to the next stage (:func:`pieces`; ``T >= p (p - 1)`` keeps every piece
+  non-empty). In the IR a piece is a transfer of tensor ``h<s>to<t>`` named by its consumer's
+  part, ``1RECV_F0.mux1<0:h0to1``; block ``p - 1`` is stage ``p - 1`` alone, the plain forward
+  of ``u0`` with the loss.
 - **Steady**: subsequences ``1 .. N-1`` as in the plain pipeline (forwards in order, backwards
   last-first), with their offloads and reloads.
 - **Right-SP** (cool-down): the backward of ``u0`` through block ``k`` runs on the same group
-  ``G_k``, where the forward left each member's share of the activations. Block ``p-1`` first
-  (stage ``p-1`` finishes its steady backwards first), down to block 0 on all stages. Stage
-  ``k`` sends its members the dK/dV of ``u0`` that its steady backwards accumulated
-  (``tensor dkv``), and the gradient of stage ``k - 1``'s share goes back to stage ``k - 1``.
+  ``G_k``, where the forward left each member's share of the activations, block ``p - 1``
+  first (stage ``p - 1`` finishes its steady backwards first) down to block 0 on all stages.
+  The gradient of a piece ``h<s>to<t>`` goes back as ``d<s>to<t>``.
 
-Weights: a helper needs block ``k``'s weights. Chosen: stage ``k`` broadcasts them (BF16, its
-TP shard; block 0 includes the embedding table) to each helper right before the Left-SP
-forward, the helper drops them after its share, fetches them again for the Right-SP backward
-and reduces its weight-gradient share back to stage ``k``. Each fetch and the reduction are
-priced as a transfer of the block's weight bytes on the stage-to-stage link, on the helper's
-critical path (not overlapped), and the borrowed weights are not charged to the helper's
-memory (they are transient, one block at a time). Inside a group, the causal attention of the
-shares exchanges ``u0``'s K/V for the block (dK/dV in the backward): priced as
-``(|G_k| - 1) / |G_k|`` of the block's K/V bytes over the same link.
+Inside a share (the collectives run within its compute action, over the group's own process
+group, in the same order on every member: blocks in ascending order in Left-SP, descending in
+Right-SP, layer by layer inside a block):
 
-Memory: a member keeps ``1/|G_k|`` of ``u0``'s offloadable activations of block ``k``; stage
-``k`` also keeps the whole K/V and dK/dV of ``u0`` for block ``k`` (later subsequences read
-them), a helper its own share. A member offloads the fraction ``alpha`` of stage ``k``'s
-ratio for ``u0`` of its share (issued before its next forward, reloaded one backward ahead,
-as in the plain pipeline).
+- **Weights**: chosen: the owner broadcasts block ``k``'s parameters (its TP shard; block 0
+  includes the embedding tables) to the helpers at the start of the Left-SP share; a helper
+  runs its own layer modules with those tensors and keeps them, referenced by its share's saved
+  activations, until its Right-SP backward, which ends with a reduction of the helpers'
+  weight-gradient shares into the owner's parameters (where autograd, and Megatron DDP's
+  hooks, accumulate them as from the owner's own backward). So one broadcast and one reduction
+  per block and iteration, and the borrowed weights count as the helper's memory between them.
+- **K/V**: each layer all-gathers ``u0``'s K/V over the group; a member attends to the gathered
+  K/V of the ranges before its own as context (the K/V-context attention of the slices) and to
+  its own causally. The owner records the gathered K/V in its K/V store as ``u0``'s, which
+  every later subsequence on stage ``k`` attends to; the dK/dV those steady backwards
+  accumulate enter the owner's share backward, whose per-layer reduction of the gathered K/V's
+  gradient hands every member the dK/dV of its own range.
+
+Offloading: the steady subsequences offload as in the plain pipeline; the shares of ``u0``
+are not offloaded (``u0`` is the one subsequence whose backward comes last anyway).
+
+Costs (:class:`MultiplexCosts`): a share costs its ``1/|G_k|`` of the block's work plus, in a
+group of two or more, the K/V exchange (``(|G_k| - 1) / |G_k|`` of the block's K/V bytes) and
+the weight broadcast (forward) or reduction (backward) of the block's weight bytes on the
+stage-to-stage link; the collectives are priced inside each member's compute, not synchronised
+across the members. A share stashes its range's offloadable activations, the whole gathered
+K/V, and on a helper the borrowed weights.
 
 IR: the shares are ``FORWARD`` / ``BACKWARD`` actions of unit 0 with part ``.mux<k>`` on the
 member's own stage; :class:`MultiplexFlow` tells the validator which compute produces and
-consumes each of the extra transfers.
+consumes each piece. :mod:`sppo_offload.mux_runtime` runs this IR for real (``--sppo-multiplex``).
 """
 from __future__ import annotations
 
@@ -57,7 +73,6 @@ from sppo_offload.offload import offloadable_bytes, resident_bytes
 from sppo_offload.pipeline import add_offload
 
 Schedule = list[list[Action]]
-KV, DKV = "kv", "dkv"
 
 
 def mux(block: int) -> str:
@@ -69,35 +84,75 @@ def block_of(action: Action) -> int:
     return int(action.part[len(".mux"):])
 
 
+def piece_name(source: int, target: int) -> str:
+    """Tensor name of the piece of ``u0`` stage ``source`` hands stage ``target``."""
+    return f"h{source}to{target}"
+
+
+def grad_name(source: int, target: int) -> str:
+    """Tensor name of the gradient of :func:`piece_name` ``(source, target)``."""
+    return f"d{source}to{target}"
+
+
+def min_tokens(pp: int) -> int:
+    """Fewest tokens of ``u0`` for which every range and every sent piece is non-empty."""
+    return pp * (pp - 1)
+
+
+def share_bounds(tokens: int, pp: int, block: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of ``u0``'s tokens per member ``block .. pp-1`` of block ``block``."""
+    size = pp - block
+    return [(i * tokens // size, (i + 1) * tokens // size) for i in range(size)]
+
+
+def pieces(tokens: int, pp: int, block: int) -> list[tuple[int, int, int, int]]:
+    """``(source stage, target stage, start, stop)``: how block ``block``'s outputs become
+    block ``block + 1``'s inputs (every non-empty overlap of a source's range with a target's),
+    in token order."""
+    old = share_bounds(tokens, pp, block)
+    new = share_bounds(tokens, pp, block + 1)
+    found = []
+    for i, (a, b) in enumerate(old):
+        for j, (c, d) in enumerate(new):
+            if max(a, c) < min(b, d):
+                found.append((block + i, block + 1 + j, max(a, c), min(b, d)))
+    return found
+
+
+def piece_tokens(transfer: Action, tokens: int, pp: int) -> int:
+    """Tokens a piece transfer (or its gradient) of a ``tokens``-token ``u0`` carries."""
+    forward = transfer.kind in (Kind.SEND_F, Kind.RECV_F)
+    block = block_of(transfer) - (1 if forward else 0)
+    source = transfer.stage if transfer.kind in (Kind.SEND_F, Kind.RECV_B) else transfer.peer
+    target = transfer.peer if source == transfer.stage else transfer.stage
+    return sum(stop - start for s, t, start, stop in pieces(tokens, pp, block)
+               if (s, t) == (source, target))
+
+
 class MultiplexFlow(LayerwiseFlow):
-    """Producers and consumers of the Left-SP / Right-SP transfers (module doc)."""
+    """Producers and consumers of the pieces of ``u0`` (a piece is named by its consumer's
+    part, see the module doc)."""
 
     def producer(self, transfer: Action) -> tuple:
         if transfer.part is None:
             return super().producer(transfer)
-        if transfer.kind is Kind.SEND_F:
-            return Kind.FORWARD, 0, transfer.part
-        if transfer.tensor == DKV:
-            return Kind.BACKWARD, 1, None
-        return Kind.BACKWARD, 0, transfer.part
+        k = block_of(transfer)
+        if transfer.kind in (Kind.SEND_F, Kind.RECV_F):
+            return Kind.FORWARD, 0, mux(k - 1)
+        return Kind.BACKWARD, 0, mux(k + 1)
 
     def consumer(self, transfer: Action) -> tuple:
         if transfer.part is None:
             return super().consumer(transfer)
-        k = block_of(transfer)
-        if transfer.kind is Kind.RECV_F:
-            return (Kind.FORWARD, 1, None) if transfer.tensor == KV else \
-                (Kind.FORWARD, 0, mux(k + 1))
-        if transfer.tensor == DKV:
-            return Kind.BACKWARD, 0, transfer.part
-        return Kind.BACKWARD, 0, mux(k - 1)
+        kind = Kind.FORWARD if transfer.kind in (Kind.SEND_F, Kind.RECV_F) else Kind.BACKWARD
+        return kind, 0, transfer.part
 
 
 def multiplexed_schedule(pp: int, num_subsequences: int,
                          offloaded=lambda action: False) -> Schedule:
-    """The validated multiplexed schedule; ``offloaded(forward)`` marks the forwards (steady
-    subsequences and shares of ``u0``) to offload (placement as in
-    :func:`sppo_offload.pipeline.add_offload`)."""
+    """The validated multiplexed schedule; ``offloaded(forward)`` marks the steady forwards to
+    offload (placement as in :func:`sppo_offload.pipeline.add_offload`; shares of ``u0`` are
+    never offloaded)."""
     n, p = num_subsequences, pp
     if p < 2 or n < 2:
         raise ValueError(f"multiplexing needs pp >= 2 and at least 2 subsequences, got pp={p}, "
@@ -110,33 +165,25 @@ def multiplexed_schedule(pp: int, num_subsequences: int,
         row: list[Action] = []
         for k in range(h + 1):
             if k >= 1:
-                row.append(Action(h, Kind.RECV_F, 0, mux(k - 1), k - 1))
+                row.append(Action(h, Kind.RECV_F, 0, mux(k), h - 1, piece_name(h - 1, h)))
             row.append(Action(h, Kind.FORWARD, 0, mux(k)))
-            if h == k:
-                row += [Action(k, Kind.SEND_F, 0, mux(k), j) for j in range(k + 1, p)]
-                row += [Action(k, Kind.RECV_F, 0, mux(k), j, KV) for j in range(k + 1, p)]
-            else:
-                row.append(Action(h, Kind.SEND_F, 0, mux(k), k, KV))
+            if h < p - 1:
+                row.append(Action(h, Kind.SEND_F, 0, mux(k + 1), h + 1, piece_name(h, h + 1)))
         row += steady[h]
         for k in range(h, -1, -1):
-            if h == k:
-                if k < p - 1:
-                    row.append(Action(k, Kind.RECV_B, 0, mux(k + 1), k + 1))
-                row += [Action(k, Kind.SEND_B, 0, mux(k), j, DKV) for j in range(k + 1, p)]
-                row.append(Action(k, Kind.BACKWARD, 0, mux(k)))
-                if k >= 1:
-                    row.append(Action(k, Kind.SEND_B, 0, mux(k), k - 1))
-            else:
-                row.append(Action(h, Kind.RECV_B, 0, mux(k), k, DKV))
-                row.append(Action(h, Kind.BACKWARD, 0, mux(k)))
+            if h < p - 1:
+                row.append(Action(h, Kind.RECV_B, 0, mux(k), h + 1, grad_name(h, h + 1)))
+            row.append(Action(h, Kind.BACKWARD, 0, mux(k)))
+            if k >= 1:
+                row.append(Action(h, Kind.SEND_B, 0, mux(k - 1), h - 1, grad_name(h - 1, h)))
         schedule.append(row)
-    schedule = add_offload(schedule, offloaded)
+    schedule = add_offload(schedule, lambda a: a.part is None and offloaded(a))
     validate(schedule, flow=MultiplexFlow())
     return schedule
 
 
 class MultiplexCosts(SequenceCosts):
-    """:class:`SequenceCosts` plus the shares, weight fetches and group exchanges of ``u0``."""
+    """:class:`SequenceCosts` plus the shares of ``u0``, their collectives and pieces."""
 
     def __init__(self, cost: CostModel, lengths: Sequence[int],
                  alphas: Sequence[Sequence[float]] | None = None,
@@ -146,8 +193,6 @@ class MultiplexCosts(SequenceCosts):
                               zip(alphas[s][1:], subsequence_chunks(lengths)[1:])]
                      for s in range(cost.pp)]
         super().__init__(cost, lengths, offloaded, None, host_gbps)
-        self.share_alpha = [alphas[k][0] for k in range(cost.pp)]
-        """Offload ratio of each member's share of ``u0`` on block ``k``."""
         hw, par = cost.hardware, cost.parallel
         inter = par.tp * par.pp > hw.gpus_per_node
         self.bandwidth = (hw.inter_node_gbps if inter else hw.intra_node_gbps) * GB
@@ -171,53 +216,40 @@ class MultiplexCosts(SequenceCosts):
         """K/V of ``u0`` on block ``block`` (one GPU of the TP group)."""
         return self.cost.layers(block) * self.chunks[0].tokens * self.cost.kv_per_token
 
-    def share_offload(self, block: int) -> float:
-        """Bytes a member offloads of its share of ``u0`` on block ``block``."""
-        return self.share_alpha[block] * offloadable_bytes(self.cost, block, self.chunks[0]) \
-            / self._group(block)
-
     def duration(self, action: Action) -> float:
         if action.part is None:
             return super().duration(action)
-        if action.is_memory():
-            return self.share_offload(block_of(action)) / (self.host_gbps * GB)
         k, g = block_of(action), self._group(block_of(action))
         chunk = self.chunks[0]
         work = (self.cost.stage_forward(k, chunk) if action.kind is Kind.FORWARD
                 else self.cost.stage_backward(k, chunk))
-        time = work / g + (self._link(self.kv_bytes(k) * (g - 1) / g) if g > 1 else 0.0)
-        if action.stage != k:
-            time += self._link(self.weight_bytes(k)) * (1 if action.kind is Kind.FORWARD else 2)
-        return time
+        if g == 1:
+            return work
+        return work / g + self._link(self.kv_bytes(k) * (g - 1) / g) + \
+            self._link(self.weight_bytes(k))
 
     def transfer_time(self, action: Action) -> float:
         if action.part is None:
             return super().transfer_time(action)
-        k = block_of(action)
-        if action.tensor in (KV, DKV):
-            return self._link(self.kv_bytes(k) / self._group(k))
-        share = self.chunks[0].tokens / self._group(k)
-        return self._link(ACT_BYTES * share * self.cost.model.hidden_size / self.cost.parallel.tp)
+        tokens = piece_tokens(action, self.chunks[0].tokens, self.cost.pp)
+        return self._link(ACT_BYTES * tokens * self.cost.model.hidden_size / self.cost.parallel.tp)
 
     def activation_bytes(self, action: Action) -> float:
         if action.part is None:
             return super().activation_bytes(action)
-        if action.is_memory():
-            return self.share_offload(block_of(action))
         k, g = block_of(action), self._group(block_of(action))
         chunk = self.chunks[0]
-        resident = resident_bytes(self.cost, k, chunk)
-        return offloadable_bytes(self.cost, k, chunk) / g + \
-            (resident if action.stage == k else resident / g)
+        borrowed = self.weight_bytes(k) if action.stage != k else 0.0
+        return offloadable_bytes(self.cost, k, chunk) / g + resident_bytes(self.cost, k, chunk) \
+            + borrowed
 
 
 def compare(plan) -> tuple[SimResult, SimResult]:
     """Simulated runs of an ``sppo`` plan (:class:`sppo_offload.solver.MethodPlan`) without
     and with multiplexing: same layout, subsequences and offload ratios."""
     plain = simulate(plan.schedule, plan.costs)
-    schedule = multiplexed_schedule(
-        plan.layout.pp, len(plan.lengths),
-        lambda a: plan.alphas[a.stage if a.part is None else block_of(a)][a.unit] > 0)
+    schedule = multiplexed_schedule(plan.layout.pp, len(plan.lengths),
+                                    lambda a: plan.alphas[a.stage][a.unit] > 0)
     multiplexed = simulate(schedule, MultiplexCosts(plan.costs.cost, plan.lengths, plan.alphas,
                                                     plan.costs.host_gbps))
     return plain, multiplexed

@@ -39,6 +39,12 @@ Per iteration (:func:`prepare_input`, called by the training loop with the globa
    The executor's own host-tier check (:class:`~megatron.plugin.pipeline.offload.HostMemory`)
    stays as the guard on the real bytes.
 
+With ``--sppo-multiplex`` (one document per replica) the schedule is
+:func:`~sppo_offload.multiplex.multiplexed_schedule`: the first subsequence's shares run through
+the executor's part program :class:`~sppo_offload.mux_runtime.MultiplexProgram`, the steady
+subsequences whole-stage as above (the shares are not offloaded); step 6 replays the plain
+schedule of the same subsequences.
+
 Every rank plans the same schedule: the plan is arithmetic on the document lengths and the
 flags, with no solver time limit involved. The cost model is the elastic runtime's
 :func:`~elastic_pipe.runtime.job_cost_model` (model shape from the Megatron flags; hardware
@@ -53,12 +59,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.plugin.batches import micro_batch
 from megatron.plugin.kv_store import KVStore
 from megatron.plugin.pipeline.executor import ChunkState
-from megatron.plugin.pipeline.ir import Kind
+from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
                                                   single_model_chunk)
 from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
@@ -71,6 +78,8 @@ from elastic_pipe.runtime import (CPU_MEMORY_GB, ChunkRows, chunk_row, job_cost_
                                    leading_layers, replica_share)
 
 from sppo_offload.costs import OffloadCosts
+from sppo_offload.multiplex import min_tokens, multiplexed_schedule, piece_tokens
+from sppo_offload.mux_runtime import MultiplexProgram, block_groups
 from sppo_offload.offload import (AUTO, capped_ratios, offload_ratios, offloadable_bytes,
                                   parse_offload, raised)
 from sppo_offload.partition import balanced_lengths, starts
@@ -110,6 +119,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sppo-host-memory-gb", type=float, default=None,
                    help="host memory one rank's offloaded activations may use, GB; default: "
                         "no limit")
+    g.add_argument("--sppo-multiplex", action="store_true",
+                   help="multiplexed sequence partitioning: the first subsequence's forward "
+                        "and backward run split over the stages that would idle in the "
+                        "warm-up and cool-down (one document per data-parallel replica; see "
+                        "sppo_offload/multiplex.py)")
     g.add_argument("--sppo-memory-gb", type=float, default=None,
                    help="device memory budget per GPU the batch's plan is checked against "
                         f"before computing, GB; default: the CUDA device's memory, "
@@ -132,6 +146,13 @@ def check_args(args: argparse.Namespace) -> None:
     if args.recompute_granularity is not None:
         raise ValueError("sppo keeps activations by offloading them, not by recomputation: drop "
                          "--recompute-granularity (elastic and seq1f1b checkpoint per chunk)")
+    if args.sppo_multiplex:
+        if pp < 2:
+            raise ValueError("--sppo-multiplex fills pipeline bubbles: it needs "
+                             "--pipeline-model-parallel-size >= 2")
+        if args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1:
+            raise ValueError("--sppo-multiplex runs with --tensor-model-parallel-size 1 and "
+                             "--context-parallel-size 1; drop one or the other")
     if args.sppo_host_memory_gb is not None and args.sppo_host_memory_gb <= 0:
         raise ValueError(f"--sppo-host-memory-gb must be > 0, got {args.sppo_host_memory_gb}")
     if args.sppo_memory_gb is not None and args.sppo_memory_gb <= 0:
@@ -271,6 +292,15 @@ class SubsequenceBatch(ChunkRows):
 
     subsequences: SubsequencePlan
     offloader: ActivationOffloader
+    multiplex: bool = False
+    """The schedule is :func:`~sppo_offload.multiplex.multiplexed_schedule` (unit 0's shares
+    run by :class:`~sppo_offload.mux_runtime.MultiplexProgram`)."""
+
+    def shape_of(self, action: Action) -> tuple[int, int, int]:
+        if action.part is None:
+            return super().shape_of(action)
+        tokens = piece_tokens(action, self.batches[0].seq_length, len(self.schedule))
+        return (tokens, 1, self.hidden_size)
 
 
 def prepare_input(documents, args, model):
@@ -285,8 +315,14 @@ def prepare_input(documents, args, model):
     check_budget(mine, plan, cost, args.sppo_subsequences, args.sppo_offload,
                  memory_budget_gb(args), host_gb, tp * cp)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    schedule = build_schedule(cost.pp, plan.counts,
-                              lambda action: plan.alphas[action.stage][action.unit] > 0)
+    offloaded = lambda action: plan.alphas[action.stage][action.unit] > 0  # noqa: E731
+    if args.sppo_multiplex:
+        _check_multiplexable(plan, cost.pp)
+        schedule = multiplexed_schedule(cost.pp, plan.counts[0], offloaded)
+        block_groups(tuple(dist.get_process_group_ranks(
+            parallel_state.get_pipeline_model_parallel_group())))
+    else:
+        schedule = build_schedule(cost.pp, plan.counts, offloaded)
     batches = [micro_batch([chunk_row(chunk, documents, share, tp * cp)])
                for chunk in plan.chunks]
     slices = [((share[p.doc], p.slice),) if plan.counts[p.doc] > 1 else ()
@@ -297,10 +333,25 @@ def prepare_input(documents, args, model):
                                     plan.alphas[stage].__getitem__)
     divisor = (tp if args.sequence_parallel else 1) * cp
     batch = SubsequenceBatch(schedule, batches, slices, args.hidden_size, divisor,
-                             subsequences=plan, offloader=offloader)
+                             subsequences=plan, offloader=offloader,
+                             multiplex=args.sppo_multiplex)
     log.info("sppo plan: %d documents in %d subsequences, %d offloaded on stage %d",
              len(share), len(batch), sum(a > 0 for a in plan.alphas[stage]), stage)
     return batch, len(batch)
+
+
+def _check_multiplexable(plan: SubsequencePlan, pp: int) -> None:
+    """Multiplexing fills the warm-up and cool-down of one sequence's pipeline."""
+    if len(plan.counts) != 1:
+        raise ValueError(f"--sppo-multiplex splits the first subsequence of one document; this "
+                         f"data-parallel replica got {len(plan.counts)} documents (with several, "
+                         f"the next document already fills the drain): train one document per "
+                         f"replica or drop --sppo-multiplex")
+    first = plan.chunks[0].pieces[0].tokens
+    if plan.counts[0] < 2 or first < min_tokens(pp):
+        raise ValueError(f"--sppo-multiplex needs at least 2 subsequences and a first "
+                         f"subsequence of at least {min_tokens(pp)} tokens on {pp} stages; got "
+                         f"{plan.counts[0]} subsequences, the first of {first} tokens")
 
 
 # -- the schedule --------------------------------------------------------------------------------
@@ -317,12 +368,24 @@ def forward_backward_sppo(*, forward_step_func, data_iterator, model, num_microb
                         f"the documents, got {type(planned).__name__}")
     chunks = ChunkState(kv_store=KVStore(), layers=leading_layers(model),
                         checkpointed=lambda unit: 0, slices=planned.slices.__getitem__)
-    return run_this_rank(
-        planned.schedule, megatron_process_groups(), forward_step_func=forward_step_func,
-        data_iterator=iter(planned.batches), model=model, num_microbatches=num_microbatches,
+    groups = megatron_process_groups()
+    program, store, batches = None, [], planned.batches
+    if planned.multiplex:
+        program = MultiplexProgram(
+            model=model, u0=batches[0], doc_key=planned.slices[0][0][0],
+            stage=groups.pp.rank(), pp=groups.pp.size(),
+            groups=block_groups(tuple(dist.get_process_group_ranks(groups.pp))),
+            chunks=chunks, forward_step_func=forward_step_func, forward_data_store=store,
+            num_microbatches=num_microbatches, forward_only=forward_only,
+            collect_non_loss_data=collect_non_loss_data)
+        batches = batches[1:]
+    result = run_this_rank(
+        planned.schedule, groups, forward_step_func=forward_step_func,
+        data_iterator=iter(batches), model=model, num_microbatches=num_microbatches,
         shape_of=planned.shape_of, forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-        chunks=chunks, offload=planned.offloader)
+        chunks=chunks, offload=planned.offloader, program=program)
+    return store + result
 
 
 forward_backward_sppo.check_args = check_args

@@ -76,12 +76,16 @@ class PackedDocuments(PackedSeqParams):
 
     ``position_ids`` is ``[b, s]`` (true positions, offset by the context length for slices).
     ``kv_store`` is required when a segment has ``slice_index > 0`` or will be continued.
+    ``share``: the row is one rank's range of a slice computed by a sequence-parallel group
+    (SPPO's multiplexed partitioning, :class:`~sppo_offload.mux_runtime.GroupShare`); its
+    ``context(key, value, layer_number)`` returns the K/V context blocks of the range.
     """
 
     segments: tuple[tuple[Segment, ...], ...] = ()
     position_ids: torch.Tensor | None = None
     kv_store: KVStore | None = None
     record_kv: bool = field(default=False)
+    share: object = None
 
     def __post_init__(self):
         self.qkv_format = "sbhd"
@@ -206,7 +210,9 @@ class DocumentAttention(MegatronModule):
         """Causal attention of one document segment ``[t, heads, dim]`` (+ K/V context)."""
         q, k, v = q[seg.start:seg.stop], k[seg.start:seg.stop], v[seg.start:seg.stop]
         context = []
-        if seg.doc_key is not None and layout is not None and layout.kv_store is not None:
+        if layout is not None and layout.share is not None:
+            context = layout.share.context(k, v, self.layer_number)
+        elif seg.doc_key is not None and layout is not None and layout.kv_store is not None:
             context = layout.kv_store.context(seg.doc_key, seg.slice_index, self.layer_number)
             if layout.record_kv:
                 layout.kv_store.record(seg.doc_key, seg.slice_index, self.layer_number, k, v)

@@ -26,6 +26,8 @@ class MicroBatch:
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
     segments: tuple[tuple[Segment, ...], ...]
+    share: object = None
+    """A sequence-parallel group's range of a slice (see ``PackedDocuments.share``)."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -37,7 +39,8 @@ class MicroBatch:
 
     def to(self, device) -> "MicroBatch":
         return MicroBatch(self.tokens.to(device), self.labels.to(device),
-                          self.loss_mask.to(device), self.position_ids.to(device), self.segments)
+                          self.loss_mask.to(device), self.position_ids.to(device), self.segments,
+                          self.share)
 
     def context_share(self, rank: int, size: int) -> "MicroBatch":
         """This context-parallel rank's contiguous ``1/size`` of the tokens (Ulysses); the
@@ -48,11 +51,11 @@ class MicroBatch:
                              f"ranks")
         part = slice(rank * seq // size, (rank + 1) * seq // size)
         return MicroBatch(self.tokens[:, part], self.labels[:, part], self.loss_mask[:, part],
-                          self.position_ids[:, part], self.segments)
+                          self.position_ids[:, part], self.segments, self.share)
 
     def layout(self, kv_store=None, record_kv=False) -> PackedDocuments:
         return PackedDocuments(segments=self.segments, position_ids=self.position_ids,
-                               kv_store=kv_store, record_kv=record_kv)
+                               kv_store=kv_store, record_kv=record_kv, share=self.share)
 
 
 def pack_row(docs: Sequence[np.ndarray], pad_to: int | None = None,

@@ -21,7 +21,6 @@ Modes:
   gradient checkpoint into the single-process layout. Everything is written with ``torch.save``
   for the test to compare.
 """
-import argparse
 import json
 import os
 import sys
@@ -135,6 +134,9 @@ def main():
             with open(os.path.join(args.golden_dir, name), "w") as f:
                 json.dump({**data_iterator.subsequences.to_dict(),
                            "stage": parallel_state.get_pipeline_model_parallel_rank(),
+                           "shares": [str(a) for a in data_iterator.schedule[
+                               parallel_state.get_pipeline_model_parallel_rank()]
+                               if a.is_compute() and a.part is not None],
                            "offloads": [[r.unit[0], r.ratio, r.offloadable, r.moved]
                                         for r in offloader.records],
                            "host_peak": offloader.tier.peak, "host_used": offloader.tier.used},

@@ -55,6 +55,14 @@ SPPO_EXPECTED = {
     "pp2_dp2_sppo_n5_offload": (5, 0.5),
 }
 
+#: tag -> (stages, subsequences, offload ratio of the steady subsequences or None for off) of
+#: the runs with multiplexed partitioning (one document: the SPPO case of one long sequence).
+MUX_EXPECTED = {
+    "pp2_sppo_mux_n4": (2, 4, None),
+    "pp2_sppo_mux_n6_offload": (2, 6, 0.5),
+    "pp4_sppo_mux_n5": (4, 5, None),
+}
+
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
 #: own initial weights and its own single-process reference.
 VARIANTS = {
@@ -134,9 +142,19 @@ VARIANTS = {
                                         "--sppo-subsequences", "5", "--sppo-offload", "0.5"]),
     }),
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
-    # are not a multiple of p x folds = 4 train with empty slots.
+    # are not a multiple of p x folds = 4 train with empty slots. One document is also the
+    # case of SPPO's multiplexed partitioning (see MUX_EXPECTED).
     "one_microbatch": (["--golden-docs", "1"], {
         "pp2_helix_m1": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_sppo_mux_n4": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                "--sppo-subsequences", "4", "--sppo-offload", "off",
+                                "--sppo-multiplex"]),
+        "pp2_sppo_mux_n6_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                        "--sppo-subsequences", "6", "--sppo-offload", "0.5",
+                                        "--sppo-multiplex"]),
+        "pp4_sppo_mux_n5": (4, ["--pipeline-model-parallel-size", "4", *SPPO,
+                                "--sppo-subsequences", "5", "--sppo-offload", "off",
+                                "--sppo-multiplex"]),
     }),
     "three_microbatches": (["--golden-docs", "5"], {
         "pp2_helix_m3": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
@@ -289,3 +307,24 @@ def test_sppo_runs_exercise_what_they_claim(golden, tag):
         moved = sum(r[3] for r in offloads) / sum(r[2] for r in offloads)
         assert abs(moved - ratio) <= 0.1 * ratio, moved
         assert record["host_peak"] > 0
+
+
+@pytest.mark.parametrize("tag", sorted(MUX_EXPECTED))
+def test_sppo_multiplexed_runs_ran_the_shares(golden, tag):
+    """The multiplexed runs (golden above) executed the first subsequence as shares: stage
+    ``h`` ran the forwards of blocks ``0..h`` and their backwards in reverse; the steady
+    subsequences but the last offloaded at the asked ratio, the shares never."""
+    pp, n, ratio = MUX_EXPECTED[tag]
+    paths = sorted(glob.glob(str(golden / "one_microbatch" / f"sppo_{tag}_*.json")))
+    assert len(paths) == pp, paths
+    for path in paths:
+        with open(path) as f:
+            record = json.load(f)
+        h = record["stage"]
+        assert record["counts"] == [n]
+        assert record["shares"] == [f"{h}F0.mux{k}" for k in range(h + 1)] + \
+            [f"{h}B0.mux{k}" for k in range(h, -1, -1)]
+        offloaded = sorted(unit for unit, *_ in record["offloads"])
+        assert offloaded == ([] if ratio is None else list(range(1, n - 1)))
+        assert all(alpha == ratio for _, alpha, _, _ in record["offloads"])
+        assert record["host_used"] == 0

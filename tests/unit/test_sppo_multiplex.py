@@ -7,7 +7,8 @@ from megatron.plugin.pipeline.simulator import simulate
 from elastic_pipe.hardware import load_profile
 
 from sppo_offload.models import get_model
-from sppo_offload.multiplex import MultiplexCosts, compare, multiplexed_schedule
+from sppo_offload.multiplex import (MultiplexCosts, compare, min_tokens, multiplexed_schedule,
+                                   pieces, share_bounds)
 from sppo_offload.solver import SPPO, SolverConfig, solve
 
 
@@ -48,3 +49,20 @@ def test_multiplexing_shortens_the_simulated_iteration(n, memory_gb):
     share = next(a for a in multiplexed_schedule(pp, n)[pp - 1]
                  if a.kind is Kind.FORWARD and a.part == ".mux0")
     assert costs.duration(share) > plan.costs.cost.stage_forward(0, costs.chunks[0]) / pp
+
+
+@pytest.mark.parametrize("pp,tokens", [(2, 2), (2, 17), (3, 6), (4, 12), (4, 37), (5, 101)])
+def test_pieces_reshard_between_neighbours_and_cover_every_token(pp, tokens):
+    assert tokens >= min_tokens(pp)
+    for block in range(pp - 1):
+        found = pieces(tokens, pp, block)
+        # in token order, covering u0 exactly once, each a non-empty overlap
+        assert [(start, stop) for *_, start, stop in found] == \
+            list(zip([0] + [stop for *_, stop in found[:-1]], [stop for *_, stop in found]))
+        assert found[-1][3] == tokens and all(start < stop for *_, start, stop in found)
+        new = dict(zip(range(block + 1, pp), share_bounds(tokens, pp, block + 1)))
+        for source, target, start, stop in found:
+            assert target in (source, source + 1)  # what the IR's transfers assume
+            assert new[target][0] <= start < stop <= new[target][1]
+        sent = {(s, t) for s, t, *_ in found if s != t}
+        assert sent == {(s, s + 1) for s in range(block, pp - 1)}

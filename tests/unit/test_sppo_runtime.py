@@ -15,8 +15,9 @@ from elastic_pipe.models import ModelConfig
 from sppo_offload.pipeline import build_schedule
 from elastic_pipe.cost_model import GB
 
-from sppo_offload.runtime import (auto_subsequences, check_budget, offload_flag,
-                                  plan_subsequences, replay, subsequences_flag)
+from sppo_offload.runtime import (_check_multiplexable, auto_subsequences, check_budget,
+                                  offload_flag, plan_subsequences, replay,
+                                  subsequences_flag)
 
 
 def cost_model(pp=2):
@@ -139,6 +140,8 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
      "drop --recompute-granularity"),
     (["--sppo-host-memory-gb", "0"], "--sppo-host-memory-gb must be > 0"),
     (["--sppo-memory-gb", "-1"], "--sppo-memory-gb must be > 0"),
+    (["--sppo-multiplex", "--tensor-model-parallel-size", "2"],
+     "--sppo-multiplex runs with --tensor-model-parallel-size 1"),
 ])
 def test_check_args_refuses_what_sppo_cannot_run(flags, message):
     args = build_parser().parse_args([*TINY, *flags])
@@ -148,3 +151,12 @@ def test_check_args_refuses_what_sppo_cannot_run(flags, message):
 
 def test_check_args_accepts_n_equal_to_pp():
     validate_args(build_parser().parse_args([*TINY, "--sppo-subsequences", "4"]))
+
+
+def test_multiplexing_needs_one_document_and_a_long_enough_first_subsequence():
+    cost = cost_model()
+    with pytest.raises(ValueError, match="this data-parallel replica got 2 documents"):
+        _check_multiplexable(plan_subsequences([61, 40], cost, 4, "off"), cost.pp)
+    with pytest.raises(ValueError, match="a first subsequence of at least"):
+        _check_multiplexable(plan_subsequences([9], cost, 4, "off"), 4)
+    _check_multiplexable(plan_subsequences([61], cost, 4, "off"), cost.pp)

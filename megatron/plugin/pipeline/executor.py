@@ -99,7 +99,11 @@ class StageContext:
 
 
 class PartProgram(Protocol):
-    """What a schedule of layer *parts* supplies to the executor (helix).
+    """What a schedule of layer *parts* supplies to the executor (helix, SPPO multiplexing).
+
+    The program runs every compute action that has a part, and the transfers named by a part
+    carry its tensors; actions without a part (the steady subsequences beside SPPO's
+    multiplexed shares) run whole-stage as in a schedule without a program.
 
     Tensors flow between compute actions by name: ``forward(action, inputs)`` and
     ``backward(action, grads)`` take ``{tensor name: tensor}`` and return
@@ -233,16 +237,20 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
     offloader = ctx.offload
     captured = {(a.unit, a.part) for a in actions if a.kind is Kind.OFFLOAD} if training \
         else set()
-    if captured and (offloader is None or program is not None):
+    if captured and (offloader is None or any(part is not None for _, part in captured)):
         raise ValueError(f"pipeline rank {rank}: OFFLOAD actions need an activation offloader "
-                         f"(StageContext.offload) and whole-stage compute, not a part program")
+                         f"(StageContext.offload) and whole-stage compute, not a part")
     eager = program is not None and program.flow.eager_sends
     in_flight = []
     arriving: dict[tuple, object] = {}
     mailbox: dict[tuple, torch.Tensor] = {}
 
+    def claimed(a: Action) -> bool:
+        """Whether the part program runs ``a`` (or its transfer carries a part's tensor)."""
+        return program is not None and a.part is not None
+
     def route(a: Action) -> tuple:
-        if program is None:
+        if not claimed(a):
             return (a.kind, a.unit, a.part)
         return (*program.flow.consumer(a), a.tensor)
 
@@ -254,8 +262,8 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             stop = batches[index]
             batch = [a for a in actions[index:stop]
                      if training or a.kind in (Kind.SEND_F, Kind.RECV_F)]
-            outbox = to_send if program is None else mailbox
-            sends = [(a, outbox.pop(route(a))) for a in batch if a.is_send()]
+            sends = [(a, (mailbox if claimed(a) else to_send).pop(route(a)))
+                     for a in batch if a.is_send()]
             recvs = [(a, torch.empty(ctx.shape_of(a), dtype=dtype, device=device))
                      for a in batch if a.is_recv()]
             if eager:
@@ -268,10 +276,10 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
                     arriving[route(a)] = posted
             else:
                 channel.exchange(sends, recvs)
-            inbox = received if program is None else mailbox
-            inbox.update((route(a), buffer) for a, buffer in recvs)
-            if training and program is None:
-                _deallocate_sent(sends, config)
+            for a, buffer in recvs:
+                (mailbox if claimed(a) else received)[route(a)] = buffer
+            if training:
+                _deallocate_sent([(a, t) for a, t in sends if not claimed(a)], config)
             took = time.perf_counter() - start
             ctx.events.extend(TraceEvent(rank, str(a), start - origin, took, "comm",
                                          tensor.numel() * tensor.element_size())
@@ -281,7 +289,7 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             index = stop
             continue
         key = (action.unit, action.part)
-        if program is not None:
+        if claimed(action):
             if action.kind is Kind.RECOMPUTE:
                 if training:
                     program.recompute(action)
