@@ -52,12 +52,12 @@ def backward_order(chunks: list[Chunk]) -> list[int]:
     return order
 
 
-def rank_orders(pp: int, border: list[int]) -> list[list[tuple[str, int]]]:
+def rank_orders(pp: int, border: list[int], lookahead: int) -> list[list[tuple[str, int]]]:
     """Per-rank ``(FORWARD|BACKWARD, local chunk)`` lists for ``len(border)`` chunks: the
-    runtime's 1F1B with a backward order
+    runtime's 1F1B with a backward order and a forward ``lookahead``
     (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`), in the planner's light form."""
     return [[(FORWARD if a.kind is Kind.FORWARD else BACKWARD, a.unit) for a in row]
-            for row in one_f_one_b(pp, len(border), border)]
+            for row in one_f_one_b(pp, len(border), border, lookahead)]
 
 
 def inflight_sets(orders: list[list[tuple[str, int]]]) -> list[list[tuple[int, tuple[int, ...]]]]:

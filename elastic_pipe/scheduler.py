@@ -86,6 +86,11 @@ class SchedulerConfig:
     """CP-SAT deterministic time limit per pipeline (about seconds on one core)."""
     workers: int = 2
     """Worker processes solving candidate pipelines in parallel (1: solve in this process)."""
+    lookaheads: tuple[int, ...] = (0, 16)
+    """Forward lookaheads to try for each pipeline
+    (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`): 0 keeps the smallest
+    windows; a larger one overlaps a split document's prefill with the backwards before it and
+    holds more chunks for longer."""
 
     def __post_init__(self):
         if self.group_cuts < 1:
@@ -95,6 +100,9 @@ class SchedulerConfig:
                              f"got {self.solver_time_limit}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if not self.lookaheads or min(self.lookaheads) < 0:
+            raise ValueError(f"lookaheads must be a non-empty tuple of backwards >= 0, "
+                             f"got {self.lookaheads}")
 
 
 def check_lengths(lengths: Sequence[int]) -> None:
@@ -117,6 +125,8 @@ class PipelineCase:
     """Backward order (local indices)."""
     orders: tuple
     """Per-rank ``(F|B, chunk)`` lists."""
+    lookahead: int
+    """The forward lookahead the orders were made with."""
     problem: CheckpointProblem
     """The integer checkpointing problem."""
 
@@ -127,17 +137,19 @@ class PipelineCase:
         return round(makespan(list(self.orders), p.forward, p.backward, recompute, p.transfer))
 
 
-def pipeline_case(cost: CostModel, chunks: Sequence[Chunk]) -> PipelineCase:
-    """Orders and checkpointing problem of one pipeline over ``chunks``."""
+def pipeline_case(cost: CostModel, chunks: Sequence[Chunk], lookahead: int) -> PipelineCase:
+    """Orders and checkpointing problem of one pipeline over ``chunks`` with the forward
+    ``lookahead`` (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`)."""
     border = backward_order(list(chunks))
-    orders = rank_orders(cost.pp, border)
+    orders = rank_orders(cost.pp, border, lookahead)
     problem = checkpointing.build_problem(cost, list(chunks), inflight_sets(orders))
-    return PipelineCase(tuple(chunks), tuple(border), tuple(map(tuple, orders)), problem)
+    return PipelineCase(tuple(chunks), tuple(border), tuple(map(tuple, orders)), lookahead,
+                        problem)
 
 
-def estimate(cost: CostModel, chunks: Sequence[Chunk]) -> float:
+def estimate(cost: CostModel, chunks: Sequence[Chunk], lookahead: int) -> float:
     """Predicted seconds of one pipeline with per-stage uniform checkpointing (inf: OOM)."""
-    case = pipeline_case(cost, chunks)
+    case = pipeline_case(cost, chunks, lookahead)
     table = checkpointing.uniform_table(case.problem)
     if table is None:
         return math.inf
@@ -272,40 +284,51 @@ def cut_points(docs: Sequence[tuple[int, int]], groups: int) -> list[int]:
 
 
 def group_chunking(docs: Sequence[tuple[int, int]], cost: CostModel,
-                   chunking: ChunkingConfig) -> tuple[Chunking, float]:
-    """The sequence processor's chunking of one group, ``N`` tuned by :func:`estimate`."""
-    return best_chunking(docs, cost, chunking, lambda chunks: estimate(cost, chunks))
+                   config: SchedulerConfig) -> tuple[Chunking, int, float]:
+    """The sequence processor's chunking of one group and its forward lookahead, ``N``, the
+    perturbation and the lookahead tuned together by :func:`estimate` (ties: the smaller
+    lookahead)."""
+    chosen = {}
+
+    def score(chunks: list[Chunk]) -> float:
+        value, lookahead = min((estimate(cost, chunks, h), h) for h in config.lookaheads)
+        chosen[tuple(chunks)] = lookahead
+        return value
+
+    chunking, value = best_chunking(docs, cost, config.chunking, score)
+    return chunking, chosen.get(chunking.chunks, min(config.lookaheads)), value
 
 
 _inherited: tuple | None = None
-"""A worker's (sorted documents, cost model, chunking config): inherited through ``fork``,
+"""A worker's (sorted documents, cost model, scheduler config): inherited through ``fork``,
 since the cost model's per-signature cache does not pickle."""
 
 
-def _adopt(docs, cost: CostModel, chunking: ChunkingConfig) -> None:
+def _adopt(docs, cost: CostModel, config: SchedulerConfig) -> None:
     global _inherited
-    _inherited = (docs, cost, chunking)
+    _inherited = (docs, cost, config)
 
 
-def _group_chunking_in_worker(i: int, j: int) -> tuple[Chunking, float]:
-    docs, cost, chunking = _inherited
-    return group_chunking(docs[i:j], cost, chunking)
+def _group_chunking_in_worker(i: int, j: int) -> tuple[Chunking, int, float]:
+    docs, cost, config = _inherited
+    return group_chunking(docs[i:j], cost, config)
 
 
 def chunk_groups(docs: Sequence[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
                  points: list[int], pool: futures.ProcessPoolExecutor | None) -> dict:
-    """``{(i, j): chunking}`` of every candidate group that fits in memory, chunked in ``pool``
+    """``{(i, j): (chunking, lookahead)}`` of every candidate group that fits in memory, chunked
+    in ``pool``
     (the groups with the most documents first, so that the workers finish together) or in this
     process without one."""
     groups = sorted(((points[a], points[b]) for a in range(len(points))
                      for b in range(a + 1, len(points))), key=lambda g: (g[0] - g[1], g))
     if pool is None:
-        found = {(i, j): group_chunking(docs[i:j], cost, config.chunking) for i, j in groups}
+        found = {(i, j): group_chunking(docs[i:j], cost, config) for i, j in groups}
     else:
         submitted = {(i, j): pool.submit(_group_chunking_in_worker, i, j) for i, j in groups}
         found = {key: future.result() for key, future in submitted.items()}
-    return {key: chunking for key, (chunking, value) in sorted(found.items())
-            if math.isfinite(value)}
+    return {key: (chunking, lookahead) for key, (chunking, lookahead, value)
+            in sorted(found.items()) if math.isfinite(value)}
 
 
 def plan_elastic(lengths: Sequence[int], cost: CostModel,
@@ -322,7 +345,7 @@ def plan_elastic(lengths: Sequence[int], cost: CostModel,
     if config.workers > 1:
         pool = futures.ProcessPoolExecutor(
             config.workers, mp_context=multiprocessing.get_context("fork"),
-            initializer=_adopt, initargs=(docs, cost, config.chunking))
+            initializer=_adopt, initargs=(docs, cost, config))
     try:
         return _plan(docs, cost, config, pool, progress, started)
     finally:
@@ -336,11 +359,12 @@ def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
     points = cut_points(docs, config.group_cuts)
     candidates = chunk_groups(docs, cost, config, points, pool)
     if len(docs) not in _shortest(points, {key: 0 for key in candidates})[0]:
-        raise ValueError(_infeasible_message(docs, cost, config.chunking, points))
+        raise ValueError(_infeasible_message(docs, cost, config, points))
     keys = sorted(candidates)
     log.info("chunked %d candidate pipelines in %.2f s", len(keys),
              time.perf_counter() - started)
-    cases = {key: pipeline_case(cost, candidates[key].chunks) for key in keys}
+    cases = {key: pipeline_case(cost, candidates[key][0].chunks, candidates[key][1])
+             for key in keys}
     uniform = {key: checkpointing.uniform_table(cases[key].problem) for key in keys}
     upper = {key: cases[key].time(uniform[key]) for key in keys}
     lower = {key: cases[key].time(_zeros(cases[key].problem)) for key in keys}
@@ -371,7 +395,7 @@ def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
         (solution, value), case = solved[key], cases[key]
         pipelines.append(PipelinePlan(case.chunks, case.backward, solution.ckpt,
                                       value * checkpointing.TIME_UNIT, solution.status,
-                                      candidates[key].num_slices))
+                                      candidates[key][0].num_slices, case.lookahead))
         if solution.status in FALLBACK_REASONS:
             fallbacks.append({"pipeline": number, "status": solution.status,
                               "reason": FALLBACK_REASONS[solution.status]})
@@ -400,16 +424,18 @@ def _shortest(points: list[int], cost: dict) -> tuple[dict, dict]:
     return best, choice
 
 
-def _infeasible_message(docs, cost: CostModel, chunking: ChunkingConfig,
+def _infeasible_message(docs, cost: CostModel, config: SchedulerConfig,
                         points: list[int]) -> str:
     """Why no plan fits, with the smallest per-GPU memory that fits: every candidate group at
-    its finest split with full checkpointing, the grouping whose largest need is smallest."""
+    its finest split with full checkpointing and the smallest lookahead, the grouping whose
+    largest need is smallest."""
     need, finest = {}, {}
     for a in range(len(points)):
         for b in range(a + 1, len(points)):
             group = docs[points[a]:points[b]]
-            slices = slice_candidates(group[0][1], chunking)[-1]
-            problem = pipeline_case(cost, make_chunks(group, slices, cost).chunks).problem
+            slices = slice_candidates(group[0][1], config.chunking)[-1]
+            problem = pipeline_case(cost, make_chunks(group, slices, cost).chunks,
+                                    min(config.lookaheads)).problem
             peaks = checkpointing.memory_peaks(problem, checkpointing.full_table(problem))
             need[(points[a], points[b])] = max(
                 cost.static_bytes(s) + (peaks[s] + 1) * problem.memory_unit

@@ -34,10 +34,11 @@ def lengths_for(seed, count=24, longest=16384):
     return lengths + [longest]
 
 
+@pytest.mark.parametrize("lookahead", [0, 16])
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("n", [1, 2, 3, 7])
-def test_orders_without_split_documents_are_megatrons_1f1b(pp, n):
-    ours = rank_orders(pp, list(range(n)))
+def test_orders_without_split_documents_are_megatrons_1f1b(pp, n, lookahead):
+    ours = rank_orders(pp, list(range(n)), lookahead)
     theirs = one_f_one_b(pp, n)
     assert [[(kind, unit) for kind, unit in row] for row in ours] == \
         [[("F" if a.kind is Kind.FORWARD else "B", a.unit) for a in row] for row in theirs]
@@ -117,7 +118,7 @@ def test_backward_order_refuses_slices_out_of_order():
     assert backward_order([Chunk((head,)), Chunk((tail,))]) == [1, 0]
     with pytest.raises(ValueError, match="must follow"):
         backward_order([Chunk((head,)), Chunk((Piece(1, 0, 0, 5, True),)), Chunk((tail,))])
-    assert rank_orders(2, [1, 0])[1][:2] == [(FORWARD, 0), (FORWARD, 1)]
+    assert rank_orders(2, [1, 0], 0)[1][:2] == [(FORWARD, 0), (FORWARD, 1)]
 
 
 @pytest.mark.parametrize("lengths, message", [
