@@ -23,15 +23,13 @@ from elastic_pipe import checkpointing
 from elastic_pipe.chunks import Chunk, Piece
 from elastic_pipe.cost_model import CostModel
 from elastic_pipe.plan_types import Plan, PipelinePlan
-from elastic_pipe.scheduler import PipelineCase, SchedulerConfig, check_lengths, pipeline_case
+from elastic_pipe.scheduler import (PipelineCase, SchedulerConfig, check_lengths, pipeline_case,
+                                    pipeline_cases)
 from elastic_pipe.sequence_processor import chunk_balance, layout, slice_candidates
 
 
-def uniform_plan(cost: CostModel, chunks: Sequence[Chunk], num_slices: int,
-                 lookahead: int) -> Plan | None:
-    """One pipeline over ``chunks`` with the forward ``lookahead`` and the smallest global
-    uniform checkpointing that fits."""
-    case = pipeline_case(cost, chunks, lookahead)
+def uniform_plan(cost: CostModel, case: PipelineCase, num_slices: int) -> Plan | None:
+    """The pipeline ``case`` with the smallest global uniform checkpointing that fits."""
     for count in range(max(case.problem.layers) + 1):
         table = tuple((min(count, layers),) * case.problem.chunks
                       for layers in case.problem.layers)
@@ -91,8 +89,8 @@ def seq1f1b(lengths: Sequence[int], cost: CostModel, config: SchedulerConfig) ->
     best = None
     for k in slice_candidates(longest, config.chunking):
         chunks = fixed_chunks(lengths, math.ceil(longest / k))
-        for lookahead in config.lookaheads:
-            plan = uniform_plan(cost, chunks, k, lookahead)
+        for case in pipeline_cases(cost, chunks, config.lookaheads):
+            plan = uniform_plan(cost, case, k)
             if plan is not None and (best is None or
                                      plan.predicted_time_s < best.predicted_time_s):
                 best = plan
@@ -106,7 +104,7 @@ def packed_1f1b(lengths: Sequence[int], cost: CostModel, context: int) -> Plan |
         raise ValueError(f"a document of {max(lengths)} tokens exceeds the context {context}; "
                          f"truncate the lengths first")
     items = [Piece(doc, 0, 0, length, final=True) for doc, length in enumerate(lengths)]
-    return uniform_plan(cost, first_fit(items, context), 1, 0)
+    return uniform_plan(cost, pipeline_case(cost, first_fit(items, context), 0), 1)
 
 
 def full_checkpointing(plan: Plan, cost: CostModel) -> Plan | None:

@@ -42,6 +42,7 @@ Where the paper is vague:
 from __future__ import annotations
 
 import concurrent.futures as futures
+import dataclasses
 import logging
 import math
 import multiprocessing
@@ -62,6 +63,10 @@ from elastic_pipe.sequence_processor import (Chunking, ChunkingConfig, best_chun
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int, str], None]
+GUARD_FACTOR = 4.0
+"""A worker's solve not answered within ``GUARD_FACTOR`` times the deterministic limit plus ten
+seconds (wall clock) is abandoned for full checkpointing: a guard against a lost worker, not a
+time limit (CP-SAT stops on its deterministic limit)."""
 _MEMO_SIZE = 512
 _memo: OrderedDict = OrderedDict()
 FALLBACK_REASONS = {
@@ -86,7 +91,7 @@ class SchedulerConfig:
     """CP-SAT deterministic time limit per pipeline (about seconds on one core)."""
     workers: int = 2
     """Worker processes solving candidate pipelines in parallel (1: solve in this process)."""
-    lookaheads: tuple[int, ...] = (0, 16)
+    lookaheads: tuple[int, ...] = (0, 64)
     """Forward lookaheads to try for each pipeline
     (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`): 0 keeps the smallest
     windows; a larger one overlaps a split document's prefill with the backwards before it and
@@ -140,20 +145,37 @@ class PipelineCase:
 def pipeline_case(cost: CostModel, chunks: Sequence[Chunk], lookahead: int) -> PipelineCase:
     """Orders and checkpointing problem of one pipeline over ``chunks`` with the forward
     ``lookahead`` (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`)."""
+    return pipeline_cases(cost, chunks, (lookahead,))[0]
+
+
+def pipeline_cases(cost: CostModel, chunks: Sequence[Chunk],
+                   lookaheads: Sequence[int]) -> list[PipelineCase]:
+    """:func:`pipeline_case` for each of ``lookaheads``, the chunks' cost tables built once."""
     border = backward_order(list(chunks))
-    orders = rank_orders(cost.pp, border, lookahead)
-    problem = checkpointing.build_problem(cost, list(chunks), inflight_sets(orders))
-    return PipelineCase(tuple(chunks), tuple(border), tuple(map(tuple, orders)), lookahead,
-                        problem)
+    cases, problem = [], None
+    for lookahead in lookaheads:
+        orders = tuple(map(tuple, rank_orders(cost.pp, border, lookahead)))
+        events = inflight_sets(list(orders))
+        problem = (checkpointing.build_problem(cost, list(chunks), events) if problem is None
+                   else dataclasses.replace(problem, events=tuple(map(tuple, events))))
+        cases.append(PipelineCase(tuple(chunks), tuple(border), orders, lookahead, problem))
+    return cases
 
 
-def estimate(cost: CostModel, chunks: Sequence[Chunk], lookahead: int) -> float:
-    """Predicted seconds of one pipeline with per-stage uniform checkpointing (inf: OOM)."""
-    case = pipeline_case(cost, chunks, lookahead)
-    table = checkpointing.uniform_table(case.problem)
-    if table is None:
-        return math.inf
-    return case.time(table) * checkpointing.TIME_UNIT
+def estimate(cost: CostModel, chunks: Sequence[Chunk],
+             lookaheads: Sequence[int]) -> tuple[float, int]:
+    """Predicted seconds of one pipeline with per-stage uniform checkpointing (inf: OOM) and
+    the lookahead giving it: the fastest of ``lookaheads``, the first of equals (lookaheads
+    giving the same orders are timed once)."""
+    best, timed = (math.inf, lookaheads[0]), {}
+    for case in pipeline_cases(cost, chunks, lookaheads):
+        if case.orders not in timed:
+            table = checkpointing.uniform_table(case.problem)
+            timed[case.orders] = (math.inf if table is None
+                                  else case.time(table) * checkpointing.TIME_UNIT)
+        if timed[case.orders] < best[0]:
+            best = (timed[case.orders], case.lookahead)
+    return best
 
 
 def _remember(key: tuple, solution: CheckpointSolution | None) -> None:
@@ -219,7 +241,7 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
         solved[key] = settle(cases[key], answer, uniform[key], upper[key])
         values[key] = floors[key] = solved[key][1]
 
-    guard = limit * checkpointing.WALL_FACTOR + 10.0
+    guard = limit * GUARD_FACTOR + 10.0
     reported = (0, 0)
     while True:
         waiting = _promising(waiting, values, floors, points)
@@ -286,17 +308,16 @@ def cut_points(docs: Sequence[tuple[int, int]], groups: int) -> list[int]:
 def group_chunking(docs: Sequence[tuple[int, int]], cost: CostModel,
                    config: SchedulerConfig) -> tuple[Chunking, int, float]:
     """The sequence processor's chunking of one group and its forward lookahead, ``N``, the
-    perturbation and the lookahead tuned together by :func:`estimate` (ties: the smaller
-    lookahead)."""
+    perturbation and the lookahead tuned together by :func:`estimate` (among equals, the
+    first of ``config.lookaheads``)."""
     chosen = {}
 
     def score(chunks: list[Chunk]) -> float:
-        value, lookahead = min((estimate(cost, chunks, h), h) for h in config.lookaheads)
-        chosen[tuple(chunks)] = lookahead
+        value, chosen[tuple(chunks)] = estimate(cost, chunks, config.lookaheads)
         return value
 
     chunking, value = best_chunking(docs, cost, config.chunking, score)
-    return chunking, chosen.get(chunking.chunks, min(config.lookaheads)), value
+    return chunking, chosen[chunking.chunks], value
 
 
 _inherited: tuple | None = None

@@ -44,35 +44,46 @@ def one_f_one_b(pp: int, microbatches: int, backward_order: Sequence[int] | None
     unit order, backwards in ``backward_order`` (default: unit order, Megatron's 1F1B); with a
     ``lookahead`` the warm-up forwards come on top of the slices of a document (see the module
     docstring)."""
+    order = list(range(microbatches)) if backward_order is None else list(backward_order)
+    schedule = []
+    for rank, counts in enumerate(forward_counts(pp, microbatches, order, lookahead)):
+        actions: list[Action] = []
+        forwards = 0
+        for target, unit in zip(counts, order):
+            actions.extend(Action(rank, Kind.FORWARD, f) for f in range(forwards, target))
+            forwards = target
+            actions.append(Action(rank, Kind.BACKWARD, unit))
+        schedule.append(actions)
+    return schedule
+
+
+def forward_counts(pp: int, microbatches: int, backward_order: Sequence[int],
+                   lookahead: int | None = None) -> list[list[int]]:
+    """Per rank, how many forwards :func:`one_f_one_b` has run before each backward (in
+    ``backward_order``); for callers that want the order without building actions."""
     if pp < 1 or microbatches < 1:
         raise ValueError(f"1F1B needs pp >= 1 and micro-batches >= 1 (got pp={pp}, "
                          f"micro-batches={microbatches})")
-    order = list(range(microbatches)) if backward_order is None else list(backward_order)
-    if sorted(order) != list(range(microbatches)):
+    if sorted(backward_order) != list(range(microbatches)):
         raise ValueError(f"backward_order must be a permutation of 0..{microbatches - 1}, "
-                         f"got {order}")
+                         f"got {list(backward_order)}")
     needed, furthest = [], -1
-    for unit in order:
+    for unit in backward_order:
         furthest = max(furthest, unit)
         needed.append(furthest + 1)
     if lookahead is not None:
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0 backwards, got {lookahead}")
         depth = window_max([n - k for k, n in enumerate(needed)], lookahead)
-    schedule = []
+    counts = []
     for rank in range(pp):
         warmup = min(pp - rank - 1, microbatches)
-        actions: list[Action] = []
-        forwards = 0
-        for k, unit in enumerate(order):
-            target = min(microbatches, max(warmup + k + 1, needed[k]) if lookahead is None
-                         else warmup + k + depth[k])
-            while forwards < target:
-                actions.append(Action(rank, Kind.FORWARD, forwards))
-                forwards += 1
-            actions.append(Action(rank, Kind.BACKWARD, unit))
-        schedule.append(actions)
-    return schedule
+        if lookahead is None:
+            counts.append([min(microbatches, max(warmup + k + 1, n))
+                           for k, n in enumerate(needed)])
+        else:
+            counts.append([min(microbatches, warmup + k + d) for k, d in enumerate(depth)])
+    return counts
 
 
 def window_max(values: Sequence[int], ahead: int) -> list[int]:
