@@ -16,12 +16,13 @@ Where the paper is vague:
   ``1/g, 2/g, ...`` of the total (``g = SchedulerConfig.group_cuts``), so the programme solves
   at most ``g (g + 1) / 2`` candidate pipelines; ``group_cuts = 1`` is one pipeline (the
   ``elastic_no_grouping`` ablation);
-- inside a group, ``N`` and the packing perturbation are chosen by a fast memory-aware estimate:
-  the dependency-graph makespan of the actual per-rank order
+- inside a group, ``N``, the packing perturbation and the forward lookahead of the per-rank
+  order (``SchedulerConfig.lookaheads``; :mod:`elastic_pipe.pipeline_order`) are chosen by a
+  fast memory-aware estimate: the dependency-graph makespan of the actual per-rank order
   (:func:`elastic_pipe.pipeline_order.makespan`) with the smallest per-stage uniform
   checkpointing that fits; CP-SAT then refines that candidate's table. The paper's ``sum_t C_t``
-  stays CP-SAT's objective, but it does not see the drain a split document's reversed backwards
-  cause, so pipeline times (DP costs, the kept table) are makespans: the CP-SAT table is kept
+  stays CP-SAT's objective, but it does not see the order a split document's reversed
+  backwards and the lookahead give, so pipeline times (DP costs, the kept table) are makespans: the CP-SAT table is kept
   when its makespan beats the uniform table's, else the uniform one ("uniform" fallback);
 - a candidate is solved only when it can matter: the programme is first run with each
   candidate's uniform-checkpointing time (an upper bound) and with its time without any
