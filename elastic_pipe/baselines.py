@@ -5,7 +5,8 @@
   first-fit-decreasing into ``S``-token chunks (never two tails together) -- in one 1F1B
   pipeline, with the same number of checkpointed layers on every stage and chunk, the smallest
   that fits the worst in-flight window. ``S = ceil(longest / k)`` with ``k`` tuned over the same
-  slice counts as the elastic planner by the same pipeline-time estimate.
+  slice counts, and the forward lookahead over the same values, as the elastic planner by the
+  same pipeline-time estimate.
 - ``1f1b_packed``: whole documents packed first-fit-decreasing into micro-batches of at most
   the context length, one 1F1B pipeline, uniform checkpointing as above.
 - ``elastic_full_ckpt``: the elastic plan with every layer checkpointed.
@@ -22,13 +23,13 @@ from elastic_pipe import checkpointing
 from elastic_pipe.chunks import Chunk, Piece
 from elastic_pipe.cost_model import CostModel
 from elastic_pipe.plan_types import Plan, PipelinePlan
-from elastic_pipe.scheduler import PipelineCase, SchedulerConfig, check_lengths, pipeline_case
+from elastic_pipe.scheduler import (PipelineCase, SchedulerConfig, check_lengths, pipeline_case,
+                                    pipeline_cases)
 from elastic_pipe.sequence_processor import chunk_balance, layout, slice_candidates
 
 
-def uniform_plan(cost: CostModel, chunks: Sequence[Chunk], num_slices: int) -> Plan | None:
-    """One pipeline over ``chunks`` with the smallest global uniform checkpointing that fits."""
-    case = pipeline_case(cost, chunks)
+def uniform_plan(cost: CostModel, case: PipelineCase, num_slices: int) -> Plan | None:
+    """The pipeline ``case`` with the smallest global uniform checkpointing that fits."""
     for count in range(max(case.problem.layers) + 1):
         table = tuple((min(count, layers),) * case.problem.chunks
                       for layers in case.problem.layers)
@@ -43,7 +44,7 @@ def single_pipeline_plan(cost: CostModel, case: PipelineCase, table, num_slices:
     peaks = checkpointing.memory_peaks(case.problem, table)
     time_rsd, length_rsd = chunk_balance(case.chunks, cost)
     return Plan((PipelinePlan(case.chunks, case.backward, table, seconds, "uniform",
-                              num_slices),),
+                              num_slices, case.lookahead),),
                 seconds, tuple(cost.static_bytes(s) + peaks[s] * case.problem.memory_unit
                                for s in range(cost.pp)),
                 time_rsd, length_rsd, 0.0)
@@ -81,14 +82,18 @@ def first_fit(items: list[Piece], size: int) -> list[Chunk]:
 
 
 def seq1f1b(lengths: Sequence[int], cost: CostModel, config: SchedulerConfig) -> Plan | None:
-    """The enhanced Seq1F1B baseline (best ``k`` by predicted time), or ``None`` when OOM."""
+    """The enhanced Seq1F1B baseline (best ``k`` and forward lookahead by predicted time), or
+    ``None`` when OOM."""
     check_lengths(lengths)
     longest = max(lengths)
     best = None
     for k in slice_candidates(longest, config.chunking):
-        plan = uniform_plan(cost, fixed_chunks(lengths, math.ceil(longest / k)), k)
-        if plan is not None and (best is None or plan.predicted_time_s < best.predicted_time_s):
-            best = plan
+        chunks = fixed_chunks(lengths, math.ceil(longest / k))
+        for case in pipeline_cases(cost, chunks, config.lookaheads):
+            plan = uniform_plan(cost, case, k)
+            if plan is not None and (best is None or
+                                     plan.predicted_time_s < best.predicted_time_s):
+                best = plan
     return best
 
 
@@ -99,20 +104,20 @@ def packed_1f1b(lengths: Sequence[int], cost: CostModel, context: int) -> Plan |
         raise ValueError(f"a document of {max(lengths)} tokens exceeds the context {context}; "
                          f"truncate the lengths first")
     items = [Piece(doc, 0, 0, length, final=True) for doc, length in enumerate(lengths)]
-    return uniform_plan(cost, first_fit(items, context), 1)
+    return uniform_plan(cost, pipeline_case(cost, first_fit(items, context), 0), 1)
 
 
 def full_checkpointing(plan: Plan, cost: CostModel) -> Plan | None:
     """``plan``'s pipelines with every layer checkpointed, or ``None`` when even that is OOM."""
     pipelines, peaks = [], [0] * cost.pp
     for pipeline in plan.pipelines:
-        case = pipeline_case(cost, pipeline.chunks)
+        case = pipeline_case(cost, pipeline.chunks, pipeline.lookahead)
         table = checkpointing.full_table(case.problem)
         if not checkpointing.fits(case.problem, table):
             return None
         pipelines.append(PipelinePlan(case.chunks, case.backward, table,
                                       case.time(table) * checkpointing.TIME_UNIT, "full",
-                                      pipeline.num_slices))
+                                      pipeline.num_slices, pipeline.lookahead))
         peaks = [max(x, y) for x, y in zip(peaks, checkpointing.memory_peaks(case.problem,
                                                                              table))]
     return Plan(tuple(pipelines), sum(p.predicted_time_s for p in pipelines),

@@ -19,8 +19,11 @@ stage's activation budget. Checkpointing therefore lowers a stage's peak only th
 an integer-feasible table is feasible in bytes: budgets down, stashes and transients up, savings
 down.
 
-The search is made reproducible with one CP-SAT worker and a deterministic time limit; a wall
-clock limit of ``WALL_FACTOR`` times as long is the hard guard against hangs.
+The search is reproducible: one CP-SAT worker and a deterministic time limit only (CP-SAT's
+deterministic time counts work, not seconds, so the solve ends whatever the machine's load; a
+wall-clock limit would make the table, and so the plan, depend on the load: the ranks of a
+training run plan independently and must agree). The scheduler guards its worker processes
+with a wall-clock timeout (:func:`elastic_pipe.scheduler.solve_open`).
 
 Memory unit: a power of two chosen per problem so that the largest stage budget is at most
 ``2**20`` units (one byte at least): MiB-scale for 80 GB devices, bytes for the tiny models of
@@ -38,7 +41,6 @@ from elastic_pipe.cost_model import CostModel
 
 TIME_UNIT = 1e-6
 BUDGET_UNITS = 2 ** 20
-WALL_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
@@ -102,17 +104,16 @@ def build_problem(cost: CostModel, chunks: list[Chunk],
                     for p in stages)
     backward = tuple(tuple(round(cost.stage_backward(p, c) / TIME_UNIT) for c in chunks)
                      for p in stages)
+    saving = [cost.layer_saving(c) for c in chunks]
     return CheckpointProblem(
         layers=tuple(cost.layers(p) for p in stages),
         forward=forward, backward=backward,
         base=tuple(tuple(f + b for f, b in zip(*rows)) for rows in zip(forward, backward)),
         transfer=tuple(round(cost.p2p_time(c) / TIME_UNIT) for c in chunks),
-        recompute=tuple(tuple(round(cost.layer_forward(c) / TIME_UNIT) for c in chunks)
-                        for p in stages),
+        recompute=(tuple(round(cost.layer_forward(c) / TIME_UNIT) for c in chunks),) * cost.pp,
         full=tuple(tuple(up(cost.stash_bytes(p, c)) for c in chunks) for p in stages),
-        saving=tuple(tuple(math.floor(cost.layer_saving(c) / unit) for c in chunks)
-                     for p in stages),
-        transient=tuple(tuple(up(cost.layer_saving(c)) for c in chunks) for p in stages),
+        saving=(tuple(math.floor(s / unit) for s in saving),) * cost.pp,
+        transient=(tuple(up(s) for s in saving),) * cost.pp,
         budget=tuple(math.floor(cost.activation_budget(p) / unit) for p in stages),
         memory_unit=unit,
         events=tuple(tuple(stage_events) for stage_events in events))
@@ -211,7 +212,6 @@ def solve(problem: CheckpointProblem, time_limit: float) -> CheckpointSolution |
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.max_deterministic_time = time_limit
-    solver.parameters.max_time_in_seconds = time_limit * WALL_FACTOR
     status = solver.Solve(model)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         table = tuple(tuple(int(solver.Value(v)) for v in row) for row in ckpt)

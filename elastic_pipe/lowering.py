@@ -1,18 +1,21 @@
 """A plan as the project's schedule IR, and the cost adapter that prices it in the simulator.
 
 Each pipeline becomes per-rank compute actions: 1F1B (``schedule_1f1b.one_f_one_b``) with the
-split documents' backwards reversed (:mod:`elastic_pipe.pipeline_order`); Megatron's 1F1B order
-when no document is split inside it. Units are numbered
-globally across pipelines and the pipelines are concatenated per rank (a rank starts the next
-pipeline's forwards as soon as it is done with the previous one's backwards). The project's
-passes then insert a ``RECOMPUTE`` before the backward of every (stage, chunk) with a
-checkpointed layer and the transfers; the result is validated (matching sends and receives, no
-deadlock) before it is returned.
+split documents' backwards reversed (:mod:`elastic_pipe.pipeline_order`) and the pipeline's
+forward lookahead; Megatron's 1F1B order when no document is split inside it. Units are
+numbered globally across pipelines and the pipelines are concatenated per rank (a rank starts
+the next pipeline's forwards as soon as it is done with the previous one's backwards). The
+project's passes then insert a ``RECOMPUTE`` before the backward of every (stage, chunk) with a
+checkpointed layer and the transfers, and move the sends that the lookahead puts ahead of
+their receivers into the batch where the receiver takes them
+(:func:`~megatron.plugin.pipeline.passes.align_sends`); the result is validated (matching sends
+and receives, no deadlock under rendezvous transfers) before it is returned.
 """
 from __future__ import annotations
 
 from megatron.plugin.pipeline.ir import Action, Kind
-from megatron.plugin.pipeline.passes import add_communication, add_recomputation
+from megatron.plugin.pipeline.passes import (add_communication, add_recomputation,
+                                             align_sends)
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import SimResult, simulate
 from megatron.plugin.pipeline.validation import validate
@@ -30,7 +33,8 @@ def compute_schedule(plan: Plan, pp: int) -> Schedule:
     for pipeline in plan.pipelines:
         n = len(pipeline.chunks)
         rows = [[Action(r, a.kind, a.unit + offset) for a in row]
-                for r, row in enumerate(one_f_one_b(pp, n, list(pipeline.backward)))]
+                for r, row in enumerate(one_f_one_b(pp, n, list(pipeline.backward),
+                                                      pipeline.lookahead))]
         for rank in range(pp):
             schedule[rank].extend(rows[rank])
         offset += n
@@ -42,7 +46,7 @@ def lower(plan: Plan, pp: int) -> Schedule:
     table = plan.ckpt_table()
     schedule = add_recomputation(compute_schedule(plan, pp),
                                  lambda action: table[action.stage][action.unit] > 0)
-    schedule = add_communication(schedule, pp)
+    schedule = align_sends(add_communication(schedule, pp))
     validate(schedule)
     return schedule
 

@@ -6,25 +6,29 @@ forward order. The chunks of a pipeline are therefore laid out so that the slice
 sit in consecutive positions (a *block*, its last chunk holding the tail), and the backward order
 is the forward order with every block reversed.
 
-Each rank ``r`` of ``d`` follows the 1F1B rule generalised to that backward order. In 1F1B the
-``j``-th backward (of chunk ``j``) follows ``j + d - r`` forwards; here the ``j``-th backward, of
-chunk ``border[j]``, follows ``max(m_j + 1, j + d - r)`` forwards (all of them when fewer
-remain), where ``m_j`` is the highest chunk among the first ``j + 1`` backwards: the chunk must
-have been forwarded, and otherwise the usual warm-up window applies: the runtime's
-``megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`` with ``backward_order``, which without
-blocks is Megatron's 1F1B. A block of ``k > d - r``
-slices makes rank ``r`` hold ``k`` chunks (the paper's ``|W_p| = d - p + N_prefill``) and run
-backwards back to back until it is down to its 1F1B window again. Forwarding further chunks
-while a block's first gradient travels back would fill that bubble but deadlocks with
-blocking sends: the next rank, busy with the same block's backwards, would not receive them.
+Each rank ``r`` of ``d`` follows the 1F1B rule generalised to that backward order, with a
+forward *lookahead* ``h`` chosen per pipeline: the runtime's
+``megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`` with ``backward_order`` and
+``lookahead``, which without blocks is Megatron's 1F1B. Let ``D_j = m_j + 1 - j``, where
+``m_j`` is the highest chunk among the first ``j + 1`` backwards (1 in plain 1F1B, up to ``k``
+at the first backward of a block of ``k`` slices). The ``j``-th backward, of chunk
+``border[j]``, follows ``j + (d - r - 1) + max(D_j, ..., D_{j+h})`` forwards (all of them when
+fewer remain): rank ``r`` keeps its ``d - r - 1`` warm-up chunks on top of a block, holding up to
+``d - r - 1 + k`` chunks (the paper's ``|W_p| = d - p + N_prefill``), so the ranks ahead go on
+forwarding while a block's first gradient travels back instead of draining the pipeline. With
+``h > 0`` the window rises ``h`` backwards before a block, so a block's slices are forwarded
+between the backwards before it; it costs memory (more chunks held for longer), which the
+planner weighs per pipeline. The ranks ahead then forward chunks that the next rank takes only
+after a run of backwards; with rendezvous transfers those sends move into the batch where the
+next rank receives them (``megatron.plugin.pipeline.passes.align_sends``), which the lowering
+does and the validator checks.
 
 The exact in-flight set at every backward is what the
 checkpointing model constrains and what the simulator replays.
 """
 from __future__ import annotations
 
-from megatron.plugin.pipeline.ir import Kind
-from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+from megatron.plugin.pipeline.schedule_1f1b import forward_counts
 
 from elastic_pipe.chunks import Chunk
 
@@ -52,12 +56,21 @@ def backward_order(chunks: list[Chunk]) -> list[int]:
     return order
 
 
-def rank_orders(pp: int, border: list[int]) -> list[list[tuple[str, int]]]:
+def rank_orders(pp: int, border: list[int], lookahead: int) -> list[list[tuple[str, int]]]:
     """Per-rank ``(FORWARD|BACKWARD, local chunk)`` lists for ``len(border)`` chunks: the
-    runtime's 1F1B with a backward order
-    (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`), in the planner's light form."""
-    return [[(FORWARD if a.kind is Kind.FORWARD else BACKWARD, a.unit) for a in row]
-            for row in one_f_one_b(pp, len(border), border)]
+    runtime's 1F1B with a backward order and a forward ``lookahead``
+    (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`, from the same
+    :func:`~megatron.plugin.pipeline.schedule_1f1b.forward_counts`), in the planner's light
+    form."""
+    orders = []
+    for counts in forward_counts(pp, len(border), border, lookahead):
+        row, forwards = [], 0
+        for target, unit in zip(counts, border):
+            row.extend((FORWARD, f) for f in range(forwards, target))
+            forwards = target
+            row.append((BACKWARD, unit))
+        orders.append(row)
+    return orders
 
 
 def inflight_sets(orders: list[list[tuple[str, int]]]) -> list[list[tuple[int, tuple[int, ...]]]]:

@@ -98,7 +98,8 @@ def summary(result: dict, plan, cost: CostModel) -> str:
         kinds = [chunk.kind for chunk in pipeline.chunks]
         lines.append(f"  pipeline {number}: {len(pipeline.chunks)} chunks (N={pipeline.num_slices}"
                      f"; {kinds.count('split')} split, {kinds.count('hybrid')} hybrid, "
-                     f"{kinds.count('batched')} batched), checkpointing {pipeline.status}")
+                     f"{kinds.count('batched')} batched), forward lookahead "
+                     f"{pipeline.lookahead}, checkpointing {pipeline.status}")
         for stage, row in enumerate(pipeline.ckpt):
             lines.append(f"    stage {stage} ({cost.layers(stage)} layers) checkpointed "
                          f"layers per chunk: {_runs(row)}")

@@ -22,6 +22,9 @@ class PipelinePlan:
     """How ``ckpt`` was found (see :class:`elastic_pipe.checkpointing.CheckpointSolution`)."""
     num_slices: int
     """The ``N`` the group's documents were chunked with."""
+    lookahead: int
+    """How many backwards ahead the stages raise their forward window for a split document
+    (:func:`megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`)."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Plan:
                                           for p in chunk.pieces]})
                 unit += 1
             pipelines.append({"chunks": chunks, "num_slices": pipeline.num_slices,
+                              "lookahead": pipeline.lookahead,
                               "backward_order": list(pipeline.backward),
                               "predicted_time_s": pipeline.predicted_time_s,
                               "status": pipeline.status})

@@ -16,12 +16,13 @@ Where the paper is vague:
   ``1/g, 2/g, ...`` of the total (``g = SchedulerConfig.group_cuts``), so the programme solves
   at most ``g (g + 1) / 2`` candidate pipelines; ``group_cuts = 1`` is one pipeline (the
   ``elastic_no_grouping`` ablation);
-- inside a group, ``N`` and the packing perturbation are chosen by a fast memory-aware estimate:
-  the dependency-graph makespan of the actual per-rank order
+- inside a group, ``N``, the packing perturbation and the forward lookahead of the per-rank
+  order (``SchedulerConfig.lookaheads``; :mod:`elastic_pipe.pipeline_order`) are chosen by a
+  fast memory-aware estimate: the dependency-graph makespan of the actual per-rank order
   (:func:`elastic_pipe.pipeline_order.makespan`) with the smallest per-stage uniform
   checkpointing that fits; CP-SAT then refines that candidate's table. The paper's ``sum_t C_t``
-  stays CP-SAT's objective, but it does not see the drain a split document's reversed backwards
-  cause, so pipeline times (DP costs, the kept table) are makespans: the CP-SAT table is kept
+  stays CP-SAT's objective, but it does not see the order a split document's reversed
+  backwards and the lookahead give, so pipeline times (DP costs, the kept table) are makespans: the CP-SAT table is kept
   when its makespan beats the uniform table's, else the uniform one ("uniform" fallback);
 - a candidate is solved only when it can matter: the programme is first run with each
   candidate's uniform-checkpointing time (an upper bound) and with its time without any
@@ -42,6 +43,7 @@ Where the paper is vague:
 from __future__ import annotations
 
 import concurrent.futures as futures
+import dataclasses
 import logging
 import math
 import multiprocessing
@@ -62,6 +64,10 @@ from elastic_pipe.sequence_processor import (Chunking, ChunkingConfig, best_chun
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int, str], None]
+GUARD_FACTOR = 4.0
+"""A worker's solve not answered within ``GUARD_FACTOR`` times the deterministic limit plus ten
+seconds (wall clock) is abandoned for full checkpointing: a guard against a lost worker, not a
+time limit (CP-SAT stops on its deterministic limit)."""
 _MEMO_SIZE = 512
 _memo: OrderedDict = OrderedDict()
 FALLBACK_REASONS = {
@@ -86,6 +92,11 @@ class SchedulerConfig:
     """CP-SAT deterministic time limit per pipeline (about seconds on one core)."""
     workers: int = 2
     """Worker processes solving candidate pipelines in parallel (1: solve in this process)."""
+    lookaheads: tuple[int, ...] = (0, 64)
+    """Forward lookaheads to try for each pipeline
+    (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`): 0 keeps the smallest
+    windows; a larger one overlaps a split document's prefill with the backwards before it and
+    holds more chunks for longer."""
 
     def __post_init__(self):
         if self.group_cuts < 1:
@@ -95,6 +106,9 @@ class SchedulerConfig:
                              f"got {self.solver_time_limit}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if not self.lookaheads or min(self.lookaheads) < 0:
+            raise ValueError(f"lookaheads must be a non-empty tuple of backwards >= 0, "
+                             f"got {self.lookaheads}")
 
 
 def check_lengths(lengths: Sequence[int]) -> None:
@@ -117,6 +131,8 @@ class PipelineCase:
     """Backward order (local indices)."""
     orders: tuple
     """Per-rank ``(F|B, chunk)`` lists."""
+    lookahead: int
+    """The forward lookahead the orders were made with."""
     problem: CheckpointProblem
     """The integer checkpointing problem."""
 
@@ -127,21 +143,40 @@ class PipelineCase:
         return round(makespan(list(self.orders), p.forward, p.backward, recompute, p.transfer))
 
 
-def pipeline_case(cost: CostModel, chunks: Sequence[Chunk]) -> PipelineCase:
-    """Orders and checkpointing problem of one pipeline over ``chunks``."""
+def pipeline_case(cost: CostModel, chunks: Sequence[Chunk], lookahead: int) -> PipelineCase:
+    """Orders and checkpointing problem of one pipeline over ``chunks`` with the forward
+    ``lookahead`` (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`)."""
+    return pipeline_cases(cost, chunks, (lookahead,))[0]
+
+
+def pipeline_cases(cost: CostModel, chunks: Sequence[Chunk],
+                   lookaheads: Sequence[int]) -> list[PipelineCase]:
+    """:func:`pipeline_case` for each of ``lookaheads``, the chunks' cost tables built once."""
     border = backward_order(list(chunks))
-    orders = rank_orders(cost.pp, border)
-    problem = checkpointing.build_problem(cost, list(chunks), inflight_sets(orders))
-    return PipelineCase(tuple(chunks), tuple(border), tuple(map(tuple, orders)), problem)
+    cases, problem = [], None
+    for lookahead in lookaheads:
+        orders = tuple(map(tuple, rank_orders(cost.pp, border, lookahead)))
+        events = inflight_sets(list(orders))
+        problem = (checkpointing.build_problem(cost, list(chunks), events) if problem is None
+                   else dataclasses.replace(problem, events=tuple(map(tuple, events))))
+        cases.append(PipelineCase(tuple(chunks), tuple(border), orders, lookahead, problem))
+    return cases
 
 
-def estimate(cost: CostModel, chunks: Sequence[Chunk]) -> float:
-    """Predicted seconds of one pipeline with per-stage uniform checkpointing (inf: OOM)."""
-    case = pipeline_case(cost, chunks)
-    table = checkpointing.uniform_table(case.problem)
-    if table is None:
-        return math.inf
-    return case.time(table) * checkpointing.TIME_UNIT
+def estimate(cost: CostModel, chunks: Sequence[Chunk],
+             lookaheads: Sequence[int]) -> tuple[float, int]:
+    """Predicted seconds of one pipeline with per-stage uniform checkpointing (inf: OOM) and
+    the lookahead giving it: the fastest of ``lookaheads``, the first of equals (lookaheads
+    giving the same orders are timed once)."""
+    best, timed = (math.inf, lookaheads[0]), {}
+    for case in pipeline_cases(cost, chunks, lookaheads):
+        if case.orders not in timed:
+            table = checkpointing.uniform_table(case.problem)
+            timed[case.orders] = (math.inf if table is None
+                                  else case.time(table) * checkpointing.TIME_UNIT)
+        if timed[case.orders] < best[0]:
+            best = (timed[case.orders], case.lookahead)
+    return best
 
 
 def _remember(key: tuple, solution: CheckpointSolution | None) -> None:
@@ -207,7 +242,7 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
         solved[key] = settle(cases[key], answer, uniform[key], upper[key])
         values[key] = floors[key] = solved[key][1]
 
-    guard = limit * checkpointing.WALL_FACTOR + 10.0
+    guard = limit * GUARD_FACTOR + 10.0
     reported = (0, 0)
     while True:
         waiting = _promising(waiting, values, floors, points)
@@ -272,40 +307,50 @@ def cut_points(docs: Sequence[tuple[int, int]], groups: int) -> list[int]:
 
 
 def group_chunking(docs: Sequence[tuple[int, int]], cost: CostModel,
-                   chunking: ChunkingConfig) -> tuple[Chunking, float]:
-    """The sequence processor's chunking of one group, ``N`` tuned by :func:`estimate`."""
-    return best_chunking(docs, cost, chunking, lambda chunks: estimate(cost, chunks))
+                   config: SchedulerConfig) -> tuple[Chunking, int, float]:
+    """The sequence processor's chunking of one group and its forward lookahead, ``N``, the
+    perturbation and the lookahead tuned together by :func:`estimate` (among equals, the
+    first of ``config.lookaheads``)."""
+    chosen = {}
+
+    def score(chunks: list[Chunk]) -> float:
+        value, chosen[tuple(chunks)] = estimate(cost, chunks, config.lookaheads)
+        return value
+
+    chunking, value = best_chunking(docs, cost, config.chunking, score)
+    return chunking, chosen[chunking.chunks], value
 
 
 _inherited: tuple | None = None
-"""A worker's (sorted documents, cost model, chunking config): inherited through ``fork``,
+"""A worker's (sorted documents, cost model, scheduler config): inherited through ``fork``,
 since the cost model's per-signature cache does not pickle."""
 
 
-def _adopt(docs, cost: CostModel, chunking: ChunkingConfig) -> None:
+def _adopt(docs, cost: CostModel, config: SchedulerConfig) -> None:
     global _inherited
-    _inherited = (docs, cost, chunking)
+    _inherited = (docs, cost, config)
 
 
-def _group_chunking_in_worker(i: int, j: int) -> tuple[Chunking, float]:
-    docs, cost, chunking = _inherited
-    return group_chunking(docs[i:j], cost, chunking)
+def _group_chunking_in_worker(i: int, j: int) -> tuple[Chunking, int, float]:
+    docs, cost, config = _inherited
+    return group_chunking(docs[i:j], cost, config)
 
 
 def chunk_groups(docs: Sequence[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
                  points: list[int], pool: futures.ProcessPoolExecutor | None) -> dict:
-    """``{(i, j): chunking}`` of every candidate group that fits in memory, chunked in ``pool``
+    """``{(i, j): (chunking, lookahead)}`` of every candidate group that fits in memory, chunked
+    in ``pool``
     (the groups with the most documents first, so that the workers finish together) or in this
     process without one."""
     groups = sorted(((points[a], points[b]) for a in range(len(points))
                      for b in range(a + 1, len(points))), key=lambda g: (g[0] - g[1], g))
     if pool is None:
-        found = {(i, j): group_chunking(docs[i:j], cost, config.chunking) for i, j in groups}
+        found = {(i, j): group_chunking(docs[i:j], cost, config) for i, j in groups}
     else:
         submitted = {(i, j): pool.submit(_group_chunking_in_worker, i, j) for i, j in groups}
         found = {key: future.result() for key, future in submitted.items()}
-    return {key: chunking for key, (chunking, value) in sorted(found.items())
-            if math.isfinite(value)}
+    return {key: (chunking, lookahead) for key, (chunking, lookahead, value)
+            in sorted(found.items()) if math.isfinite(value)}
 
 
 def plan_elastic(lengths: Sequence[int], cost: CostModel,
@@ -322,7 +367,7 @@ def plan_elastic(lengths: Sequence[int], cost: CostModel,
     if config.workers > 1:
         pool = futures.ProcessPoolExecutor(
             config.workers, mp_context=multiprocessing.get_context("fork"),
-            initializer=_adopt, initargs=(docs, cost, config.chunking))
+            initializer=_adopt, initargs=(docs, cost, config))
     try:
         return _plan(docs, cost, config, pool, progress, started)
     finally:
@@ -336,11 +381,12 @@ def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
     points = cut_points(docs, config.group_cuts)
     candidates = chunk_groups(docs, cost, config, points, pool)
     if len(docs) not in _shortest(points, {key: 0 for key in candidates})[0]:
-        raise ValueError(_infeasible_message(docs, cost, config.chunking, points))
+        raise ValueError(_infeasible_message(docs, cost, config, points))
     keys = sorted(candidates)
     log.info("chunked %d candidate pipelines in %.2f s", len(keys),
              time.perf_counter() - started)
-    cases = {key: pipeline_case(cost, candidates[key].chunks) for key in keys}
+    cases = {key: pipeline_case(cost, candidates[key][0].chunks, candidates[key][1])
+             for key in keys}
     uniform = {key: checkpointing.uniform_table(cases[key].problem) for key in keys}
     upper = {key: cases[key].time(uniform[key]) for key in keys}
     lower = {key: cases[key].time(_zeros(cases[key].problem)) for key in keys}
@@ -371,7 +417,7 @@ def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
         (solution, value), case = solved[key], cases[key]
         pipelines.append(PipelinePlan(case.chunks, case.backward, solution.ckpt,
                                       value * checkpointing.TIME_UNIT, solution.status,
-                                      candidates[key].num_slices))
+                                      candidates[key][0].num_slices, case.lookahead))
         if solution.status in FALLBACK_REASONS:
             fallbacks.append({"pipeline": number, "status": solution.status,
                               "reason": FALLBACK_REASONS[solution.status]})
@@ -400,16 +446,18 @@ def _shortest(points: list[int], cost: dict) -> tuple[dict, dict]:
     return best, choice
 
 
-def _infeasible_message(docs, cost: CostModel, chunking: ChunkingConfig,
+def _infeasible_message(docs, cost: CostModel, config: SchedulerConfig,
                         points: list[int]) -> str:
     """Why no plan fits, with the smallest per-GPU memory that fits: every candidate group at
-    its finest split with full checkpointing, the grouping whose largest need is smallest."""
+    its finest split with full checkpointing and the smallest lookahead, the grouping whose
+    largest need is smallest."""
     need, finest = {}, {}
     for a in range(len(points)):
         for b in range(a + 1, len(points)):
             group = docs[points[a]:points[b]]
-            slices = slice_candidates(group[0][1], chunking)[-1]
-            problem = pipeline_case(cost, make_chunks(group, slices, cost).chunks).problem
+            slices = slice_candidates(group[0][1], config.chunking)[-1]
+            problem = pipeline_case(cost, make_chunks(group, slices, cost).chunks,
+                                    min(config.lookaheads)).problem
             peaks = checkpointing.memory_peaks(problem, checkpointing.full_table(problem))
             need[(points[a], points[b])] = max(
                 cost.static_bytes(s) + (peaks[s] + 1) * problem.memory_unit

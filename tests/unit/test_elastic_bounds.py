@@ -14,7 +14,7 @@ def random_case(seed, layers, border):
     """A random problem whose in-flight sets are those of the 1F1B orders over ``border``."""
     rng = random.Random(seed)
     d, n = len(layers), len(border)
-    orders = rank_orders(d, border)
+    orders = rank_orders(d, border, seed % 3)
     events = inflight_sets(orders)
     full = tuple(tuple(rng.randint(10, 40) for _ in range(n)) for _ in range(d))
     saving = tuple(tuple(rng.randint(f // (2 * layers[p] + 2), f // (layers[p] + 1))
@@ -72,6 +72,6 @@ def test_one_stage_floor_is_the_forced_recomputation():
         transfer=(0,) * n, recompute=((5,) * n,), full=((10,) * n,), saving=((2,) * n,),
         transient=((0,) * n,), budget=(6,), memory_unit=1.0,
         events=(tuple((k, (k,)) for k in range(n)),))
-    orders = rank_orders(1, list(range(n)))
+    orders = rank_orders(1, list(range(n)), 0)
     assert makespan_floor(orders, problem) == n * (30 + 10)
     assert time_of(orders, problem, checkpointing.uniform_table(problem)) == n * (30 + 10)

@@ -34,10 +34,11 @@ def lengths_for(seed, count=24, longest=16384):
     return lengths + [longest]
 
 
+@pytest.mark.parametrize("lookahead", [0, 16])
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("n", [1, 2, 3, 7])
-def test_orders_without_split_documents_are_megatrons_1f1b(pp, n):
-    ours = rank_orders(pp, list(range(n)))
+def test_orders_without_split_documents_are_megatrons_1f1b(pp, n, lookahead):
+    ours = rank_orders(pp, list(range(n)), lookahead)
     theirs = one_f_one_b(pp, n)
     assert [[(kind, unit) for kind, unit in row] for row in ours] == \
         [[("F" if a.kind is Kind.FORWARD else "B", a.unit) for a in row] for row in theirs]
@@ -117,7 +118,7 @@ def test_backward_order_refuses_slices_out_of_order():
     assert backward_order([Chunk((head,)), Chunk((tail,))]) == [1, 0]
     with pytest.raises(ValueError, match="must follow"):
         backward_order([Chunk((head,)), Chunk((Piece(1, 0, 0, 5, True),)), Chunk((tail,))])
-    assert rank_orders(2, [1, 0])[1][:2] == [(FORWARD, 0), (FORWARD, 1)]
+    assert rank_orders(2, [1, 0], 0)[1][:2] == [(FORWARD, 0), (FORWARD, 1)]
 
 
 @pytest.mark.parametrize("lengths, message", [
@@ -140,3 +141,27 @@ def test_infeasible_budget_names_the_smallest_that_fits():
     assert plan.pipelines
     with pytest.raises(ValueError, match="smallest budget"):
         plan_elastic(lengths, cost_for(need - 0.02), CONFIG)
+
+
+@pytest.mark.parametrize("memory_gb", [1.2, 3.0])
+def test_each_pipeline_runs_the_lookahead_it_was_planned_with(memory_gb):
+    """The lowered order of every pipeline is the runtime's 1F1B with the pipeline's own
+    lookahead (one of the configured ones), and the plan records it."""
+    plan = plan_elastic(lengths_for(3), cost_for(memory_gb), CONFIG)
+    schedule, offset = compute_schedule(plan, 4), 0
+    for number, pipeline in enumerate(plan.pipelines):
+        assert pipeline.lookahead in CONFIG.lookaheads
+        assert plan.to_dict()["pipelines"][number]["lookahead"] == pipeline.lookahead
+        units = range(offset, offset + len(pipeline.chunks))
+        expected = one_f_one_b(4, len(pipeline.chunks), list(pipeline.backward),
+                               pipeline.lookahead)
+        for rank in range(4):
+            ours = [(a.kind, a.unit - offset) for a in schedule[rank] if a.unit in units]
+            assert ours == [(a.kind, a.unit) for a in expected[rank]]
+        offset += len(pipeline.chunks)
+
+
+@pytest.mark.parametrize("lookaheads", [(), (0, -1)])
+def test_bad_lookaheads_are_refused(lookaheads):
+    with pytest.raises(ValueError, match="lookaheads"):
+        SchedulerConfig(lookaheads=lookaheads)

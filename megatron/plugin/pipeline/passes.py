@@ -6,6 +6,7 @@ checks the result.
 """
 from __future__ import annotations
 
+import itertools
 from typing import Callable
 
 from megatron.plugin.pipeline.ir import Action, Kind
@@ -73,3 +74,67 @@ def add_recomputation(schedule: Schedule, recomputed: Callable[[Action], bool]) 
             row.append(a)
         out.append(row)
     return out
+
+
+def align_sends(schedule: Schedule) -> Schedule:
+    """Move sends later so that both ends of every channel meet its transfers in the same
+    batches (runs of consecutive transfers, posted and waited for together).
+
+    A send whose receiver first waits, in an earlier or the same batch, for a transfer that the
+    sender meets only in a later batch would block its batch until then; with rendezvous
+    transfers (NCCL, and the simulator's model) that is a deadlock when the sender's later
+    batch needs the receiver to go on. Such a send moves into that later batch, right before
+    the transfer it waited for. Receives never move, nor compute, so every action keeps its
+    data; a send only waits longer in its buffer. A schedule whose channels already agree is
+    returned unchanged (Megatron's 1F1B is). Repeated until no send moves: a send only moves
+    later, so this ends.
+    """
+    out = [list(actions) for actions in schedule]
+    owner = {a.stage: rank for rank, actions in enumerate(out) for a in actions}
+    moved = True
+    while moved:
+        moved = False
+        for rank in range(len(out)):
+            for peer in sorted({owner[a.peer] for a in out[rank] if a.is_communication()}):
+                if peer != rank and _align_channel(out, rank, peer, owner):
+                    moved = True
+    return out
+
+
+def _batch_numbers(actions: list[Action]) -> list[int]:
+    """Per action, the number of the batch of consecutive transfers it belongs to (compute
+    actions get the number of the batch after them)."""
+    numbers, batch = [], 0
+    for index, a in enumerate(actions):
+        if index and a.is_communication() != actions[index - 1].is_communication():
+            batch += a.is_communication()
+        numbers.append(batch)
+    return numbers
+
+
+def _align_channel(out: list[list[Action]], rank: int, peer: int, owner: dict) -> bool:
+    """Move ``rank``'s sends to ``peer`` into the batch the peer's order needs them in; True if
+    any moved."""
+    mine, theirs = out[rank], out[peer]
+    my_batch, their_batch = _batch_numbers(mine), _batch_numbers(theirs)
+    where = {a.transfer_key(): i for i, a in enumerate(mine)
+             if a.is_communication() and owner[a.peer] == peer}
+    channel = [i for i, a in enumerate(theirs)
+               if a.is_communication() and owner[a.peer] == rank]
+    moves: dict[int, int] = {}
+    anchor = -1
+    for _, batch in itertools.groupby(channel, key=lambda i: their_batch[i]):
+        pairs = [(theirs[i], where[theirs[i].transfer_key()]) for i in batch]
+        anchor = max([anchor, *(mine_at for _, mine_at in pairs)])
+        for action, mine_at in pairs:
+            if action.is_recv() and my_batch[mine_at] < my_batch[anchor]:
+                moves[mine_at] = anchor
+    if not moves:
+        return False
+    row: list[Action] = []
+    for index, action in enumerate(mine):
+        row.extend(mine[source] for source, target in moves.items() if target == index)
+        if index not in moves:
+            row.append(action)
+    out[rank] = row
+    return True
