@@ -45,7 +45,8 @@ class BackgroundPlanner:
     """Runs ``fn(key, *args)`` for the next batch in a worker process.
 
     ``fn`` must be a module-level function (it is pickled by reference); ``key`` identifies the
-    batch (the document lengths) and is compared by equality in :meth:`take`.
+    batch (the document lengths). :meth:`take` uses the worker's result only for the same key
+    *and* the same arguments (a cost model refitted since the submission is planned again).
     """
 
     def __init__(self, fn: Callable, timeout_s: float = 600.0):
@@ -62,7 +63,7 @@ class BackgroundPlanner:
             if self._pool is None:
                 self._pool = futures.ProcessPoolExecutor(
                     1, mp_context=multiprocessing.get_context("spawn"))
-            self._pending = (key, self._pool.submit(_timed, self.fn, (key, *args)))
+            self._pending = ((key, args), self._pool.submit(_timed, self.fn, (key, *args)))
         except Exception as error:  # noqa: BLE001 -- a broken pool must not stop training
             log.warning("could not start background planning (%s); planning in the "
                         "foreground", error)
@@ -74,7 +75,7 @@ class BackgroundPlanner:
         stays pending (an evaluation between two training steps does not discard the next
         training batch's plan)."""
         pending = self._pending
-        if pending is not None and pending[0] == key:
+        if pending is not None and pending[0] == (key, args):
             self._pending = None
             start = time.perf_counter()
             try:

@@ -21,7 +21,8 @@ forwards' fitted times (recomputation is its own action and is in neither).
 Choices: the stages' layers are assumed alike (one set of coefficients, as eq. 1 has); a fit
 needs at least four distinct chunk shapes, otherwise the profile is kept and the reason
 logged; the refitted profile is marked ``"measured"`` with a note saying where it came from;
-each refit uses only the iterations since the previous one (the model follows the machine).
+each refit uses only the iterations since the previous one (the model follows the machine);
+the executor waits for the device around each timed action (CUDA launches are asynchronous).
 The fit extrapolates: from large chunks alone the per-chunk constant ``beta`` is not pinned
 down (it may come out 0), the planner may then cut finer than it should for one interval,
 and the next refit, which sees those small chunks, corrects it.
@@ -40,7 +41,8 @@ from elastic_pipe.fitting import nnls
 from elastic_pipe.hardware import HardwareProfile, LayerCoefficients
 
 MIN_SHAPES = 4
-"""Distinct ``(stage, Q, S)`` forwards a refit needs."""
+"""Distinct chunk shapes ``(Q, S)`` a refit needs (stages alone do not tell eq. 1's terms
+apart: they only scale all three by the stage's layer count)."""
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,7 @@ def refit(cost: CostModel, seen: Iterable[Observation]) -> tuple[HardwareProfile
     """``(refitted profile, summary)``, or ``(None, why not)`` when the data cannot pin eq. 1
     down."""
     seen = [o for o in seen if o.forward_s > 0 and o.backward_s > 0]
-    shapes = {(o.stage, o.quadratic, o.tokens) for o in seen}
+    shapes = {(o.quadratic, o.tokens) for o in seen}
     if len(shapes) < MIN_SHAPES:
         return None, (f"refit skipped: {len(shapes)} distinct chunk shapes measured, "
                       f"{MIN_SHAPES} needed")

@@ -327,8 +327,9 @@ _REFITS = {name: _Measured() for name in ("elastic", "seq1f1b")}
 
 def _refit(name: str, args, model) -> None:
     """Pool every rank's observations, refit the job's cost model to them (every rank gets
-    the same figures, so the ranks keep planning alike) and start counting again. The plan of
-    the next batch, already being solved in the background, keeps the old figures."""
+    the same figures, so the ranks keep planning alike) and start counting again. The plan the
+    background worker made with the old figures is not used: every rank plans this batch again
+    in the foreground with the new ones."""
     measured = _REFITS[name]
     pooled = [None] * dist.get_world_size()
     dist.all_gather_object(pooled, measured.seen)

@@ -152,7 +152,8 @@ def check_args(args: argparse.Namespace) -> None:
                              "--pipeline-model-parallel-size >= 2")
         if args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1:
             raise ValueError("--sppo-multiplex runs with --tensor-model-parallel-size 1 and "
-                             "--context-parallel-size 1; drop one or the other")
+                             "--context-parallel-size 1: set both to 1, or drop "
+                             "--sppo-multiplex")
     if args.sppo_host_memory_gb is not None and args.sppo_host_memory_gb <= 0:
         raise ValueError(f"--sppo-host-memory-gb must be > 0, got {args.sppo_host_memory_gb}")
     if args.sppo_memory_gb is not None and args.sppo_memory_gb <= 0:
@@ -341,17 +342,29 @@ def prepare_input(documents, args, model):
 
 
 def _check_multiplexable(plan: SubsequencePlan, pp: int) -> None:
-    """Multiplexing fills the warm-up and cool-down of one sequence's pipeline."""
-    if len(plan.counts) != 1:
-        raise ValueError(f"--sppo-multiplex splits the first subsequence of one document; this "
-                         f"data-parallel replica got {len(plan.counts)} documents (with several, "
-                         f"the next document already fills the drain): train one document per "
-                         f"replica or drop --sppo-multiplex")
+    """Multiplexing fills the warm-up and cool-down of one sequence's pipeline. Every rank
+    learns every replica's verdict (one gather) and they all raise the first problem found, so
+    no replica is left waiting in a collective for one that stopped."""
+    problem = None
     first = plan.chunks[0].pieces[0].tokens
-    if plan.counts[0] < 2 or first < min_tokens(pp):
-        raise ValueError(f"--sppo-multiplex needs at least 2 subsequences and a first "
-                         f"subsequence of at least {min_tokens(pp)} tokens on {pp} stages; got "
-                         f"{plan.counts[0]} subsequences, the first of {first} tokens")
+    if len(plan.counts) != 1:
+        problem = (f"--sppo-multiplex splits the first subsequence of one document; a "
+                   f"data-parallel replica got {len(plan.counts)} documents (with several, the "
+                   f"next document already fills the drain): train one document per replica "
+                   f"(--global-batch-size equal to the data-parallel size) or drop "
+                   f"--sppo-multiplex")
+    elif plan.counts[0] < 2 or first < min_tokens(pp):
+        problem = (f"--sppo-multiplex needs at least 2 subsequences and a first subsequence of "
+                   f"at least {min_tokens(pp)} tokens on {pp} stages; got {plan.counts[0]} "
+                   f"subsequences, the first of {first} tokens: use fewer --sppo-subsequences "
+                   f"(at least 2), longer documents, or drop --sppo-multiplex")
+    verdicts = [problem]
+    if dist.is_initialized():
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, problem)
+    found = next((verdict for verdict in verdicts if verdict is not None), None)
+    if found is not None:
+        raise ValueError(found)
 
 
 # -- the schedule --------------------------------------------------------------------------------

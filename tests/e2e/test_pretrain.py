@@ -145,8 +145,8 @@ def test_elastic_trains_like_1f1b_and_leaks_nothing(tmp_path):
     pipelines) gives Megatron 1F1B's losses over 10 iterations, evaluation included (the same
     documents, another order of additions: rtol 1e-4), and after every iteration no saved
     activation is left alive (the executor also refuses to finish with K/V left in the store).
-    The cost model is refitted to the measured times every 3 iterations on the way: it changes
-    the plans, never the results."""
+    The cost model is refitted to the measured times every 3 iterations on the way: whatever
+    plans the refitted figures lead to, the results stay 1F1B's."""
     common = [*TINY, "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "1"]
     native, elastic = tmp_path / "native.jsonl", tmp_path / "elastic.jsonl"
     torchrun(2, SCRIPT, [*common, "--pipeline-schedule", "1f1b", "--metrics-jsonl", str(native)])

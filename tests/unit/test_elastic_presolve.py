@@ -31,6 +31,10 @@ def test_the_worker_plans_the_submitted_batch():
         assert timing.waited_s == timing.solve_s
         result, timing = planner.take((4,), 0)
         assert result == 16 and timing.background
+        # The same batch with other arguments (a refitted cost model): planned here again.
+        planner.submit((6,), 0)
+        result, timing = planner.take((6,), 1)
+        assert result == 37 and not timing.background
     finally:
         planner.close()
 

@@ -70,8 +70,10 @@ def test_noisy_times_give_a_close_fit_and_report_the_error():
     assert "fit relative error max" in summary
 
 
-def test_too_few_shapes_keep_the_profile():
-    cost = CostModel(MODEL, load_profile("a800"), ParallelConfig(pp=1, sp=1, memory_gb=80))
+@pytest.mark.parametrize("pp", [1, 4])
+def test_too_few_shapes_keep_the_profile(pp):
+    """Three chunk shapes are too few however many stages measured them."""
+    cost = CostModel(MODEL, load_profile("a800"), ParallelConfig(pp=pp, sp=1, memory_gb=80))
     profile, summary = refit(cost, measured(cost, some_chunks()[:3]))
     assert profile is None
     assert summary == "refit skipped: 3 distinct chunk shapes measured, 4 needed"

@@ -96,6 +96,9 @@ class StageContext:
     offload: ActivationOffloader | None = None
     """Runs ``OFFLOAD`` / ``RELOAD`` (see the module docstring)."""
     events: list = field(default_factory=list)
+    device_times: bool = False
+    """Wait for the device around every compute action, so that its traced duration is the
+    device's time rather than the launch's (CUDA; costs overlap; the elastic refit needs it)."""
 
 
 class PartProgram(Protocol):
@@ -151,6 +154,11 @@ def _run_backward(tensors: list, grads: list) -> None:
     Variable._execution_engine.run_backward(
         tensors=tuple(tensors), grad_tensors=tuple(grads), keep_graph=False,
         create_graph=False, inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
+
+
+def _wait_for_device() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _deallocate_sent(sends: list, config) -> None:
@@ -257,6 +265,8 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
     index = 0
     while index < len(actions):
         action = actions[index]
+        if ctx.device_times and not action.is_communication():
+            _wait_for_device()
         start = time.perf_counter()
         if action.is_communication():
             stop = batches[index]
@@ -384,6 +394,8 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             raise ValueError(
                 f"{action}: the executor runs forward, backward and their transfers; "
                 f"{action.kind.name} actions come with the schedules that use them")
+        if ctx.device_times:
+            _wait_for_device()
         ctx.events.append(TraceEvent(rank, str(action), start - origin,
                                      time.perf_counter() - start))
         index += 1

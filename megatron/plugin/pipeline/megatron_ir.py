@@ -59,7 +59,7 @@ def run_this_rank(schedule, groups: ProcessGroupCollection, *, forward_step_func
                   offload=None, events: list | None = None) -> list:
     """Run this pipeline rank's row of ``schedule`` with Megatron's forward-backward
     arguments, under the configured timeout, and record its trace (also appended to
-    ``events`` when given); returns the loss dicts."""
+    ``events`` when given, with device times); returns the loss dicts."""
     pp, rank = groups.pp.size(), groups.pp.rank()
     ctx = StageContext(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=model,
@@ -67,7 +67,7 @@ def run_this_rank(schedule, groups: ProcessGroupCollection, *, forward_step_func
         pg_collection=groups, is_first_stage=rank == 0, is_last_stage=rank == pp - 1,
         forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
         first_val_step=first_val_step, timeout_s=tracing.settings().timeout_s, chunks=chunks,
-        program=program, offload=offload)
+        program=program, offload=offload, device_times=events is not None)
     result = run_schedule(schedule[rank], ctx)
     tracing.record(ctx.events)
     if events is not None:

@@ -103,7 +103,7 @@ def align_sends(schedule: Schedule) -> Schedule:
 
 def _batch_numbers(actions: list[Action]) -> list[int]:
     """Per action, the number of the batch of consecutive transfers it belongs to (compute
-    actions get the number of the batch after them)."""
+    actions get the number of the batch before them, 0 before the first)."""
     numbers, batch = [], 0
     for index, a in enumerate(actions):
         if index and a.is_communication() != actions[index - 1].is_communication():
