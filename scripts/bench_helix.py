@@ -1,6 +1,6 @@
 """Benchmark: ``helix`` against Megatron's native ``1f1b`` on the same batches.
 
-    python scripts/bench_helix.py [--iters 3] [--repeats 1] [--seq-length 4096]
+    python scripts/bench_helix.py [--iters 3] [--repeats 1] [--seq-length 8192]
         [--global-batch-size 8] [--hidden-size 64] [--num-layers 4] [--mlp-chunk-size 1024]
         [--json OUT] [--simulate-only]
 
@@ -193,7 +193,9 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=1,
                         help="steps per variant and batch; the fastest is kept")
-    parser.add_argument("--seq-length", type=int, default=4096)
+    parser.add_argument("--seq-length", type=int, default=8192,
+                        help="tokens a packed micro-batch; long enough for attention to dominate "
+                             "a layer of this width")
     parser.add_argument("--global-batch-size", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-attention-heads", type=int, default=4)
