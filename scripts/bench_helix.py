@@ -26,10 +26,10 @@ import argparse
 import copy
 import json
 import os
-import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _launch import run_workers
+
 VARIANTS = {
     "1f1b": {"pipeline_schedule": "1f1b"},
     "helix": {"pipeline_schedule": "helix"},
@@ -106,17 +106,9 @@ def worker(argv) -> int:
 
 
 def measured(options) -> dict:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-               "--master-addr=127.0.0.1", "--master-port=29571", __file__, *model_flags(options)]
-    env = dict(os.environ, BENCH_WORKER="1", BENCH_ITERS=str(options.iters),
-               BENCH_REPEATS=str(options.repeats),
-               BENCH_MLP_CHUNK=str(options.mlp_chunk_size), OMP_NUM_THREADS="1",
-               PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode:
-        sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
-        raise SystemExit(done.returncode)
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_workers(__file__, model_flags(options), 29571, BENCH_ITERS=str(options.iters),
+                         BENCH_REPEATS=str(options.repeats),
+                         BENCH_MLP_CHUNK=str(options.mlp_chunk_size))
     print(f"MEASURED: PP=2 on 2 CPU ranks, one thread each; embedded corpus, --seq-length "
           f"{options.seq_length}, {options.global_batch_size} documents a batch, "
           f"{options.iters} iterations (fastest of {options.repeats} steps each); "

@@ -29,7 +29,8 @@ import subprocess
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _launch import REPO, run_workers
+
 SCHEDULES = ("elastic", "seq1f1b", "1f1b")
 LAYERS = 4
 
@@ -148,21 +149,13 @@ def main() -> int:
             print("measuring the layer on this machine (scripts/profile_costs.py) ...",
                   flush=True)
             profile(path, options)
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-                   "--master-addr=127.0.0.1", "--master-port=29561", __file__,
-                   *model_flags(options, path)]
-        env = dict(os.environ, BENCH_WORKER="1", BENCH_ITERS=str(options.iters),
-                   OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-        if done.returncode:
-            sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
-            return done.returncode
+        report = run_workers(__file__, model_flags(options, path), 29561,
+                             BENCH_ITERS=str(options.iters))
         with open(path) as f:
             fit = json.load(f)
         if options.save_profile:
             with open(options.save_profile, "w") as f:
                 json.dump(fit, f, indent=2)
-    report = json.loads(done.stdout.strip().splitlines()[-1])
     print(f"PP=2 on 2 CPU ranks, one thread each; embedded corpus, --seq-length "
           f"{options.seq_length}, {options.global_batch_size} documents a batch, "
           f"{options.iters} iterations; model {LAYERS} layers x hidden {options.hidden_size}; "

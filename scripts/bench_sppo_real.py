@@ -41,11 +41,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from _launch import run_workers
+
 #: variant -> (schedule, flags changed from the job's).
 VARIANTS = {"sppo": ("sppo", {}), "sppo_no_offload": ("sppo", {"sppo_offload": "off"}),
             "seq1f1b": ("seq1f1b", {}), "sppo_multiplex": ("sppo", {"sppo_multiplex": True})}
@@ -144,16 +144,7 @@ def main() -> int:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--json", help="write the results here")
     options = parser.parse_args()
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-               "--master-addr=127.0.0.1", "--master-port=29581", __file__,
-               *model_flags(options)]
-    env = dict(os.environ, BENCH_WORKER="1", BENCH_ITERS=str(options.iters),
-               OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
-    if done.returncode:
-        sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
-        return done.returncode
-    report = json.loads(done.stdout.strip().splitlines()[-1])
+    report = run_workers(__file__, model_flags(options), 29581, BENCH_ITERS=str(options.iters))
     print(f"MEASURED: PP=2 on 2 CPU ranks, one thread each; one document of {options.tokens} "
           f"tokens (embedded corpus) per iteration, {options.iters} iterations after a warm-up; "
           f"{options.num_layers} layers x hidden {options.hidden_size}; sppo: "
