@@ -32,9 +32,8 @@ from typing import Callable, Sequence
 import torch
 
 from megatron.plugin.attention import Segment
-
-_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+from megatron.plugin.context_attention import (FLASH_DTYPES, flash_backward, flash_forward,
+                                               heads_first)
 
 Segments = Sequence[Sequence[Segment] | None]
 """Per row of the micro-batch, the documents' segments covering it (``None``: one document)."""
@@ -42,8 +41,7 @@ Segments = Sequence[Sequence[Segment] | None]
 
 def supported(x: torch.Tensor, dropout: float) -> bool:
     """Whether this module serves an attention over ``x`` with this (effective) dropout."""
-    return x.device.type == "cpu" and dropout == 0.0 and \
-        x.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    return x.device.type == "cpu" and dropout == 0.0 and x.dtype in FLASH_DTYPES
 
 
 def row_segments(layout, batch: int) -> Segments:
@@ -61,11 +59,6 @@ def _covering(row, seq: int) -> Sequence[Segment]:
     if covered != seq:
         raise ValueError(f"segments cover {covered} tokens of a {seq}-token row")
     return row
-
-
-def _heads_first(t: torch.Tensor) -> torch.Tensor:
-    """``[t, heads, dim]`` -> ``[1, heads, t, dim]`` (a view)."""
-    return t.transpose(0, 1).unsqueeze(0)
 
 
 def _expanded(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -93,9 +86,9 @@ def _attend(q, k, v, segments: Segments, scale):
     for b, row in enumerate(segments):
         for seg in _covering(row, seq):
             rows = slice(seg.start, seg.stop)
-            o, logsumexp = _forward(_heads_first(q[rows, b]),
-                                    _heads_first(_expanded(k[rows, b], heads)),
-                                    _heads_first(_expanded(v[rows, b], heads)),
+            o, logsumexp = flash_forward(heads_first(q[rows, b]),
+                                    heads_first(_expanded(k[rows, b], heads)),
+                                    heads_first(_expanded(v[rows, b], heads)),
                                     0.0, True, scale=scale)
             out[rows, b] = o[0].transpose(0, 1).reshape(seg.length, heads * dim)
             lse[rows, b] = logsumexp[0].transpose(0, 1)
@@ -112,10 +105,10 @@ def _attend_backward(grad, q, k, v, out, lse, segments: Segments, scale):
     for b, row in enumerate(segments):
         for seg in _covering(row, seq):
             rows = slice(seg.start, seg.stop)
-            gq, gk, gv = _backward(
-                _heads_first(grad[rows, b]), _heads_first(q[rows, b]),
-                _heads_first(_expanded(k[rows, b], heads)),
-                _heads_first(_expanded(v[rows, b], heads)), _heads_first(out[rows, b]),
+            gq, gk, gv = flash_backward(
+                heads_first(grad[rows, b]), heads_first(q[rows, b]),
+                heads_first(_expanded(k[rows, b], heads)),
+                heads_first(_expanded(v[rows, b], heads)), heads_first(out[rows, b]),
                 lse[rows, b].transpose(0, 1).unsqueeze(0), 0.0, True, scale=scale)
             dq[rows, b] = gq[0].transpose(0, 1)
             dk[rows, b] = _grouped(gk[0].transpose(0, 1), groups)

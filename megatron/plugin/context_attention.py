@@ -24,14 +24,23 @@ from __future__ import annotations
 
 import torch
 
-_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+"""The fused CPU flash kernel SDPA picks for CPU inputs: ``(out, lse)`` of ``[b, heads, t, dim]``
+inputs (also used by :mod:`helix.attention`)."""
+flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+"""Element types the CPU kernel takes."""
+
+
+def heads_first(t: torch.Tensor) -> torch.Tensor:
+    """``[t, heads, dim]`` -> ``[1, heads, t, dim]`` (a view), the kernel's layout."""
+    return t.transpose(0, 1).unsqueeze(0)
 
 
 def supported(query: torch.Tensor, key: torch.Tensor, dropout: float) -> bool:
     """Whether :func:`attend_with_context` serves these inputs (``[t, heads, dim]``)."""
     return (query.device.type == "cpu" and dropout == 0.0 and query.shape[1] == key.shape[1]
-            and query.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16))
+            and query.dtype in FLASH_DTYPES)
 
 
 class _ContextAttention(torch.autograd.Function):
@@ -41,7 +50,7 @@ class _ContextAttention(torch.autograd.Function):
         blocks.append((key, value, True))
         outs, lses = [], []
         for k, v, causal in blocks:
-            out, lse = _forward(query, k, v, 0.0, causal, scale=scale)
+            out, lse = flash_forward(query, k, v, 0.0, causal, scale=scale)
             outs.append(out)
             lses.append(lse)
         lse = torch.logsumexp(torch.stack(lses), dim=0)
@@ -60,7 +69,8 @@ class _ContextAttention(torch.autograd.Function):
         grad_query = None
         block_grads = []
         for k, v, causal in blocks:
-            dq, dk, dv = _backward(grad, query, k, v, out, lse, 0.0, causal, scale=ctx.scale)
+            dq, dk, dv = flash_backward(grad, query, k, v, out, lse, 0.0, causal,
+                                        scale=ctx.scale)
             grad_query = dq if grad_query is None else grad_query + dq
             block_grads.append((dk, dv))
         *context_grads, (grad_key, grad_value) = block_grads
@@ -72,9 +82,6 @@ def attend_with_context(query, key, value, context, scale: float | None) -> torc
     """``[s, heads, dim]`` output of ``query`` over the ``context`` blocks (a list of
     ``(key, value)`` pairs, earlier tokens first, each ``[c_j, heads, dim]``) and causally over
     its own ``key``/``value`` (``[s, heads, dim]``); ``scale`` ``None`` is ``1/sqrt(dim)``."""
-    def heads_first(t):
-        return t.transpose(0, 1).unsqueeze(0)
-
     flat = [heads_first(t) for pair in context for t in pair]
     out = _ContextAttention.apply(scale, heads_first(query), heads_first(key),
                                   heads_first(value), *flat)
