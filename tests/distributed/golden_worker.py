@@ -33,8 +33,8 @@ from megatron.core import parallel_state
 from megatron.plugin import checkpointing, cpu_compat
 from megatron.plugin.arguments import build_parser, validate_args
 from megatron.plugin.batches import forward_step, micro_batch, pack_row
-from megatron.plugin.training import (initialize_distributed, reduce_losses,
-                                      schedule_input, setup_model_and_optimizer)
+from megatron.plugin.training import (initialize_distributed, reduce_losses, schedule_input,
+                                      setup_model_and_optimizer, shutdown_distributed)
 from megatron.plugin import registry
 
 
@@ -94,6 +94,11 @@ def record_call_order(order: list):
 def main():
     args = parse()
     initialize_distributed(args)
+    run(args)
+    shutdown_distributed()
+
+
+def run(args):
     registry.use_schedule(args.pipeline_schedule)
     vocab = 256
     model, optimizer, _, config = setup_model_and_optimizer(args, vocab)
