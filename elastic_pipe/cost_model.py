@@ -17,7 +17,10 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   Collectives are not overlapped with compute (they sit between dependent kernels);
 - recomputing a checkpointed layer costs one more forward of it, collectives included (eq. 11);
 - the last stage also runs the output layer (``2 h V`` FLOPs per token forward) and keeps the
-  logits; the embedding lookup of stage 0 is free.
+  logits; the embedding lookup of stage 0 is free -- unless the profile is measured with
+  ``end_coefficients``: then the first stage adds the embedding's and the last stage the final
+  norm's, output layer's and loss's measured ``seconds per token x tokens + seconds per chunk``,
+  forward and backward each (on a CPU the head is not negligible next to a small layer).
 
 Memory (bytes per GPU; activations in BF16, Korthikanti et al.'s accounting with flash
 attention, so no ``s^2`` term), per token and layer, divided by ``sp tp``:
@@ -118,6 +121,14 @@ class CostModel:
             self.alpha2 = 2 * (4 * h * h + 2 * h * f) / (shard * peak * hardware.matmul_efficiency)
             self.beta = hardware.layer_overhead_s
         self.head_per_token = 2 * h * model.vocab_size / (shard * peak_flops(hardware))
+        self.ends = hardware.end_coefficients
+        if self.ends is not None:
+            shape = (self.ends.hidden_size, self.ends.vocab_size, self.ends.sp, self.ends.tp)
+            if shape != (h, model.vocab_size, parallel.sp, parallel.tp):
+                raise ValueError(
+                    f"profile {hardware.name} timed the embedding and head for hidden, vocab, "
+                    f"sp, tp {shape}, not {(h, model.vocab_size, parallel.sp, parallel.tp)}; "
+                    f"profile this model and layout or drop end_coefficients")
         measured = hardware.activation_coefficients
         if measured is not None:
             shape = (measured.hidden_size, measured.vocab_size, measured.sp, measured.tp)
@@ -183,17 +194,36 @@ class CostModel:
         return self.hardware.backward_factor * self.layer_compute(chunk) + \
             self.layer_collectives(chunk)
 
-    def stage_forward(self, stage: int, chunk: Chunk) -> float:
-        time = self.layers(stage) * self.layer_forward(chunk)
+    def end_forward(self, stage: int, tokens: int) -> float:
+        """Forward work of ``stage`` outside its layers on a chunk of ``tokens`` tokens: the
+        embedding on the first stage, the head (final norm, output layer, loss) on the last."""
+        if self.ends is None:
+            return self.head_per_token * tokens if stage == self.pp - 1 else 0.0
+        time = 0.0
+        if stage == 0:
+            time += self.ends.time(self.ends.embedding_forward, tokens)
         if stage == self.pp - 1:
-            time += self.head_per_token * chunk.tokens
+            time += self.ends.time(self.ends.head_forward, tokens)
         return time
 
-    def stage_backward(self, stage: int, chunk: Chunk) -> float:
-        time = self.layers(stage) * self.layer_backward(chunk)
+    def end_backward(self, stage: int, tokens: int) -> float:
+        """Backward counterpart of :meth:`end_forward`."""
+        if self.ends is None:
+            return self.hardware.backward_factor * self.end_forward(stage, tokens)
+        time = 0.0
+        if stage == 0:
+            time += self.ends.time(self.ends.embedding_backward, tokens)
         if stage == self.pp - 1:
-            time += self.hardware.backward_factor * self.head_per_token * chunk.tokens
+            time += self.ends.time(self.ends.head_backward, tokens)
         return time
+
+    def stage_forward(self, stage: int, chunk: Chunk) -> float:
+        return self.layers(stage) * self.layer_forward(chunk) + \
+            self.end_forward(stage, chunk.tokens)
+
+    def stage_backward(self, stage: int, chunk: Chunk) -> float:
+        return self.layers(stage) * self.layer_backward(chunk) + \
+            self.end_backward(stage, chunk.tokens)
 
     def stage_time(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
         """Forward + backward + recomputation of ``checkpointed`` layers of ``stage``."""

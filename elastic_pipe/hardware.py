@@ -6,11 +6,14 @@ assumption each number comes from) or ``"source": "measured"`` (written by the p
 real machine). A measured profile may add ``layer_coefficients`` -- the fitted per-layer
 ``alpha1``, ``alpha2`` and ``beta`` of eq. 1 together with the model shape and layout they were
 fitted for -- which then replace the coefficients derived from FLOPs; every profile carries the
-hardware figures (bandwidths, latencies, memory) because the collectives and the output layer
-are priced from them in both cases. It may also add ``activation_coefficients``: the
+hardware figures (bandwidths, latencies, memory) because the collectives (and, unless measured,
+the output layer) are priced from them. It may also add ``activation_coefficients``: the
 activation bytes per token the profiler counted with the training loop's meter, which replace
-the cost model's BF16 accounting. ``host_link_gbps`` (optional) is what offloading planners
-(SPPO) copy activations to host memory at.
+the cost model's BF16 accounting, and ``end_coefficients``: the measured time of the embedding
+(first stage) and of the final norm, output layer and loss (last stage) per token and per
+chunk, which replace the FLOP-derived output layer and the free embedding.
+``host_link_gbps`` (optional) is what offloading planners (SPPO) copy activations to host
+memory at.
 """
 from __future__ import annotations
 
@@ -79,6 +82,39 @@ class ActivationCoefficients:
 
 
 @dataclass(frozen=True)
+class EndCoefficients:
+    """Measured time of the work at the pipeline's two ends, as ``(seconds per token, seconds
+    per chunk)`` pairs, for one model shape, vocabulary and layout: the first stage's embedding
+    and the last stage's final norm, output layer and loss, forward and backward."""
+
+    embedding_forward: tuple[float, float]
+    embedding_backward: tuple[float, float]
+    head_forward: tuple[float, float]
+    head_backward: tuple[float, float]
+    hidden_size: int
+    vocab_size: int
+    """Padded vocabulary the head was timed with; the cost model refuses another."""
+    sp: int
+    tp: int
+
+    def __post_init__(self):
+        for name in ("embedding_forward", "embedding_backward", "head_forward", "head_backward"):
+            pair = tuple(float(v) for v in getattr(self, name))
+            if len(pair) != 2 or min(pair) < 0:
+                raise ValueError(f"end_coefficients.{name} must be two non-negative numbers "
+                                 f"(seconds per token, seconds per chunk), got {pair}")
+            object.__setattr__(self, name, pair)
+        if min(self.hidden_size, self.vocab_size, self.sp, self.tp) < 1:
+            raise ValueError(f"end_coefficients: hidden_size, vocab_size, sp and tp must be "
+                             f">= 1: {self}")
+
+    @staticmethod
+    def time(pair: tuple[float, float], tokens: int) -> float:
+        """Seconds of ``tokens`` tokens in one chunk under ``pair``."""
+        return pair[0] * tokens + pair[1]
+
+
+@dataclass(frozen=True)
 class HardwareProfile:
     """One GPU type and its interconnect."""
 
@@ -111,9 +147,12 @@ class HardwareProfile:
     notes: dict = field(default_factory=dict, compare=False)
     """Where each figure comes from (free text per field)."""
     layer_coefficients: LayerCoefficients | None = None
+    """Fitted coefficients (measured profiles only); ``None`` derives them from FLOPs."""
     activation_coefficients: ActivationCoefficients | None = None
     """Measured activation bytes; replace the BF16 accounting of the cost model when present."""
-    """Fitted coefficients (measured profiles only); ``None`` derives them from FLOPs."""
+    end_coefficients: EndCoefficients | None = None
+    """Measured embedding and head times; ``None`` prices the output layer from FLOPs and the
+    embedding lookup as free."""
     machine: str | None = field(default=None, compare=False)
     """Description of the machine a measured profile was taken on."""
     host_link_gbps: float | None = None
@@ -142,7 +181,7 @@ class HardwareProfile:
                              f"got {self.host_link_gbps}")
         if self.gpus_per_node < 1:
             raise ValueError(f"profile {self.name}: gpus_per_node must be >= 1")
-        for name in ("layer_coefficients", "activation_coefficients"):
+        for name in ("layer_coefficients", "activation_coefficients", "end_coefficients"):
             if getattr(self, name) is not None and self.source != "measured":
                 raise ValueError(f"profile {self.name}: {name} belong to a 'measured' "
                                  f"profile; set source to 'measured' or drop them")
@@ -165,6 +204,8 @@ def profile_from_dict(data: dict) -> HardwareProfile:
         data["layer_coefficients"] = LayerCoefficients(**data["layer_coefficients"])
     if data.get("activation_coefficients") is not None:
         data["activation_coefficients"] = ActivationCoefficients(**data["activation_coefficients"])
+    if data.get("end_coefficients") is not None:
+        data["end_coefficients"] = EndCoefficients(**data["end_coefficients"])
     try:
         return HardwareProfile(**data)
     except TypeError as error:

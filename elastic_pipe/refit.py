@@ -6,17 +6,20 @@ The executor times every forward and backward it runs. Every ``K`` training iter
 every rank so that all of them fit the same figures and keep planning identically) and
 :func:`refit` replaces the profile's eq. 1 coefficients and backward factor with a fit to them.
 
-Model of one stage forward of chunk ``c`` on stage ``s`` with ``L_s`` layers, collectives
-removed first (the cost model's own figure for them is subtracted, so it is not counted twice)::
+Model of one stage forward of chunk ``c`` on stage ``s`` with ``L_s`` layers, after the cost
+model's own figures for the collectives and for the work outside the layers (embedding on the
+first stage, head on the last: :meth:`CostModel.end_forward`, measured or FLOP-derived) are
+subtracted, so that neither is counted twice::
 
-    t = L_s (alpha1 Q_c + alpha2 S_c + beta) + [s first] e S_c + [s last] h S_c
+    t = L_s (alpha1 Q_c + alpha2 S_c + beta)
 
-``Q_c = sum over pieces ((C + s)^2 - C^2)`` and ``S_c`` its tokens. ``e`` (embedding) and ``h``
-(final norm, output layer, loss) are fitted so that they do not bias the layer's coefficients;
-the cost model keeps its own head term, and has none for the embedding. The fit minimises
-relative residuals with exact non-negative least squares, as ``scripts/profile_costs.py``
-does on its grid. The backward factor is the ratio of all measured backwards to their
-forwards' fitted times (recomputation is its own action and is in neither).
+``Q_c = sum over pieces ((C + s)^2 - C^2)`` and ``S_c`` its tokens. The ends are not refitted:
+with two stages every stage is an end, and a per-token end term would be indistinguishable
+from ``alpha2`` (the columns are collinear), so the profile's figures are kept. The fit
+minimises relative residuals with exact non-negative least squares, as
+``scripts/profile_costs.py`` does on its grid. The backward factor is the ratio of all
+measured backwards (less their collectives and ends) to their forwards' fitted layer times
+(recomputation is its own action and is in neither).
 
 Choices: the stages' layers are assumed alike (one set of coefficients, as eq. 1 has); a fit
 needs at least four distinct chunk shapes, otherwise the profile is kept and the reason
@@ -81,15 +84,15 @@ def refit(cost: CostModel, seen: Iterable[Observation]) -> tuple[HardwareProfile
     if len(shapes) < MIN_SHAPES:
         return None, (f"refit skipped: {len(shapes)} distinct chunk shapes measured, "
                       f"{MIN_SHAPES} needed")
-    pp = cost.pp
     rows, forward, backward = [], [], []
     for o in seen:
         layers = cost.layers(o.stage)
-        rows.append([layers * o.quadratic, layers * o.tokens, layers,
-                     o.tokens * (o.stage == 0), o.tokens * (o.stage == pp - 1)])
+        rows.append([layers * o.quadratic, layers * o.tokens, layers])
         collectives = layers * (cost.comm_per_token * o.tokens + cost.comm_latency)
-        forward.append(max(o.forward_s - collectives, 1e-9))
-        backward.append(max(o.backward_s - collectives, 1e-9))
+        forward.append(max(o.forward_s - collectives - cost.end_forward(o.stage, o.tokens),
+                           1e-9))
+        backward.append(max(o.backward_s - collectives - cost.end_backward(o.stage, o.tokens),
+                            1e-9))
     a, y = np.asarray(rows), np.asarray(forward)
     x = nnls(a / y[:, None], np.ones_like(y))
     fitted = a @ x

@@ -279,8 +279,8 @@ def _planning_inputs(name, documents, args, model):
 def _prepare(name: str):
     def prepare_input(documents, args, model):
         """``(PlannedBatch, number of chunks)`` of this replica's documents."""
-        if args.elastic_refit_interval and _REFITS[name].due(args.elastic_refit_interval):
-            _refit(name, args, model)
+        if args.elastic_refit_interval and _MEASURED.due(args.elastic_refit_interval):
+            refit_cost_model(name, args, model)
         share, inputs = _planning_inputs(name, documents, args, model)
         plan, timing = _planner(name, args).take(*inputs)
         _check_agreement(plan)
@@ -300,7 +300,8 @@ def _prepare(name: str):
 
 
 class _Measured:
-    """Observations of the training iterations since the last refit (this rank's)."""
+    """Observations of the training iterations since the last refit (this rank's, whichever
+    document schedule ran them: they measure the same layers on the same machine)."""
 
     def __init__(self):
         self.seen: list[Observation] = []
@@ -322,15 +323,16 @@ class _Measured:
         self.iterations += 1
 
 
-_REFITS = {name: _Measured() for name in ("elastic", "seq1f1b")}
+_MEASURED = _Measured()
 
 
-def _refit(name: str, args, model) -> None:
+def refit_cost_model(name: str, args, model) -> str:
     """Pool every rank's observations, refit the job's cost model to them (every rank gets
-    the same figures, so the ranks keep planning alike) and start counting again. The plan the
-    background worker made with the old figures is not used: every rank plans this batch again
-    in the foreground with the new ones."""
-    measured = _REFITS[name]
+    the same figures, so the ranks keep planning alike) and start counting again; ``name``
+    labels the log line, which is also returned. Collective: every rank calls it at the same
+    point. The plan the background worker made with the old figures is not used: every rank
+    plans the next batch again in the foreground with the new ones."""
+    measured = _MEASURED
     pooled = [None] * dist.get_world_size()
     dist.all_gather_object(pooled, measured.seen)
     measured.seen, measured.iterations = [], 0
@@ -340,6 +342,7 @@ def _refit(name: str, args, model) -> None:
         refit_log.info("%s: %s", name, summary)
     if profile is not None:
         _COSTS[_cost_key(args, model)] = CostModel(cost.model, profile, cost.parallel)
+    return summary
 
 
 _COSTS: dict[tuple, CostModel] = {}
@@ -357,7 +360,7 @@ def _cost_key(args: argparse.Namespace, model) -> tuple:
 
 def job_cost_model(args: argparse.Namespace, model) -> CostModel:
     """:func:`cost_model_from_args` for this job, built once (the vocabulary from the model;
-    replaced by :func:`_refit` with ``--elastic-refit-interval``)."""
+    replaced by :func:`refit_cost_model` with ``--elastic-refit-interval``)."""
     key = _cost_key(args, model)
     if key not in _COSTS:
         _COSTS[key] = cost_model_from_args(args, key[0])
@@ -401,7 +404,7 @@ def _schedule(name: str):
             forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
             first_val_step=first_val_step, chunks=chunks, events=events)
         if events is not None:
-            _REFITS[name].record(planned, rank, events)
+            _MEASURED.record(planned, rank, events)
         return result
 
     forward_backward.prepare_input, forward_backward.prefetch_input = _prepare(name)

@@ -1,11 +1,19 @@
 """Benchmark: ``elastic``, ``seq1f1b`` and Megatron's native ``1f1b`` on the same documents.
 
     python scripts/bench_schedules.py [--iters 3] [--seq-length 8192] [--global-batch-size 8]
-        [--hidden-size 64] [--num-attention-heads 4] [--profile PROFILE.json] [--json OUT]
+        [--hidden-size 64] [--num-attention-heads 4] [--profile PROFILE.json] [--no-refit]
+        [--json OUT]
 
-1. Unless ``--profile`` is given, ``scripts/profile_costs.py`` measures the bench's layer on this
-   machine (one thread, the bench's dropout 0) and writes a measured profile, so the planner and
-   the simulator price chunks with this machine's coefficients.
+1. Unless ``--profile`` is given, ``scripts/profile_costs.py`` measures the bench's layer, its
+   embedding and its head on this machine (one thread, the bench's dropout 0) and writes a
+   measured profile, so the planner and the simulator price chunks with this machine's
+   coefficients. The profiler runs one process alone; in the pipeline two ranks share the
+   machine's caches and memory bandwidth and the executor adds its own work, which made the
+   same layers 10-20% slower on this 2-core VM. So, unless ``--no-refit``, the warm-up round
+   records the executor's measured forward and backward times (``elastic`` and ``seq1f1b``)
+   and the layer coefficients are refitted to them once (``elastic_pipe/refit.py``, what
+   ``--elastic-refit-interval`` does in training) before the timed iterations are planned and
+   predicted; the refit line is printed.
 2. The script launches itself on 2 CPU ranks (PP=2, one thread each) with the embedded corpus:
    one model and optimizer; every iteration draws one global batch of documents and runs it
    with each schedule in turn (elastic, seq1f1b, 1f1b), after one warm-up round, so drift of
@@ -76,15 +84,23 @@ def worker(argv) -> int:
     from megatron.plugin.arguments import parse_args
     from megatron.plugin.memory import SavedTensorMeter
     from megatron.plugin.training import setup_job, timed_step
+    from elastic_pipe.runtime import refit_cost_model
 
     iters = int(os.environ["BENCH_ITERS"])
+    refit = os.environ["BENCH_REFIT"] == "1"
     args = parse_args(argv)
+    if refit:  # record the warm-up round's action times; no refit on the way
+        args.elastic_refit_interval = iters + 2
     sources, model, optimizer, _, config = setup_job(args)
     meter = SavedTensorMeter()
     results = {name: {"times": [], "tokens": [], "peaks": [], "predicted": [], "planned": [],
                        "prepare": []}
                for name in SCHEDULES}
+    summary = None
     for i in range(iters + 1):
+        if i == 1 and refit:
+            summary = refit_cost_model("bench", args, model)
+            args.elastic_refit_interval = 0
         documents = sources["train"].documents(i)
         for name in SCHEDULES:
             registry.use_schedule(name)
@@ -115,7 +131,7 @@ def worker(argv) -> int:
                 "predicted_iteration_s": statistics.median(entry["predicted"]),
                 "prepare_s": statistics.median(entry["prepare"]),
             }
-        print(json.dumps(report))
+        print(json.dumps({"schedules": report, "refit": summary}))
     dist.destroy_process_group()
     return 0
 
@@ -145,6 +161,9 @@ def main() -> int:
     parser.add_argument("--min-slice-tokens", type=int, default=512,
                         help="--elastic-min-slice-tokens of elastic and seq1f1b")
     parser.add_argument("--profile", help="measured profile JSON (default: measure now)")
+    parser.add_argument("--no-refit", dest="refit", action="store_false",
+                        help="plan and predict with the profile alone (default: refit its layer "
+                             "coefficients to the warm-up round's measured action times)")
     parser.add_argument("--save-profile", help="keep the measured profile here")
     parser.add_argument("--json", help="write the results here")
     options = parser.parse_args()
@@ -155,8 +174,9 @@ def main() -> int:
             print("measuring the layer on this machine (scripts/profile_costs.py) ...",
                   flush=True)
             profile(path, options)
-        report = run_workers(__file__, model_flags(options, path), 29561,
-                             BENCH_ITERS=str(options.iters))
+        out = run_workers(__file__, model_flags(options, path), 29561,
+                          BENCH_ITERS=str(options.iters), BENCH_REFIT=str(int(options.refit)))
+        report = out["schedules"]
         with open(path) as f:
             fit = json.load(f)
         if options.save_profile:
@@ -167,6 +187,8 @@ def main() -> int:
           f"{options.iters} iterations; model {LAYERS} layers x hidden {options.hidden_size}; "
           f"profile: "
           f"{fit.get('source')} on {fit.get('machine')}")
+    if out["refit"]:
+        print(f"cost model after the warm-up round: {out['refit']}")
     def mib(values):
         return [round(b / 2**20, 1) for b in values]
 
@@ -188,7 +210,8 @@ def main() -> int:
         with open(options.json, "w") as f:
             json.dump({"schedules": report, "setup": {
                 "seq_length": options.seq_length, "global_batch_size": options.global_batch_size,
-                "iterations": options.iters, "pp": 2, "profile": fit}}, f, indent=2)
+                "iterations": options.iters, "pp": 2, "profile": fit,
+                "refit": out["refit"]}}, f, indent=2)
     return 0
 
 

@@ -42,16 +42,24 @@ What is measured and how (every choice made here):
 - ``backward_factor``: the least-squares slope through the origin of backward against forward
   time, weighted like the fit (``sum(b/f) / n``, the mean per-point ratio, which is the same
   thing on relative residuals).
+- Ends of the pipeline: a one-layer ``GPTModel`` of the same flags runs one training
+  micro-batch (``forward_step`` and its loss, forward and backward) per ``--tokens`` count;
+  hooks stamp the clock where the decoder starts and where the final norm starts (forward), and
+  gradient hooks where the gradient of those two tensors is complete (backward), which cuts
+  out the embedding (first stage) and the head -- final norm, output layer, loss (last stage).
+  Each of the four is fitted as ``seconds per token x tokens + seconds per chunk`` (NNLS on
+  relative residuals) into ``end_coefficients``.
 - Report: per grid point the measured forward/backward, the fitted forward and its relative
   error; then the max and mean relative error (printed as ``fit relative error: max ... mean``).
 - Output JSON: every field of ``--base-profile`` (a shipped profile name or a JSON path), then
   ``name`` and ``machine`` = the machine description (host, processor, torch threads),
   ``source = "measured"``, ``backward_factor`` = the fitted ratio, ``layer_coefficients`` =
-  the fit with ``hidden_size``, ``sp = 1``, ``tp = 1``, and ``notes`` recording what was measured
-  and which fields are inherited from the base profile (not measured: peak/efficiencies,
-  ``layer_overhead_s``, memory, bandwidths, latencies, ``gpus_per_node``). When
-  ``layer_coefficients`` is present the cost model uses it in place of the FLOP-derived
-  alpha/beta, so the inherited efficiencies only price the output layer.
+  the fit with ``hidden_size``, ``sp = 1``, ``tp = 1``, ``activation_coefficients``,
+  ``end_coefficients``, and ``notes`` recording what was measured and which fields are
+  inherited from the base profile (not measured: peak/efficiencies, ``layer_overhead_s``,
+  memory, bandwidths, latencies, ``gpus_per_node``). With these coefficients present the cost
+  model prices layers, embedding and head from the measurements; the inherited figures only
+  price the collectives and transfers.
 
 Only ``main`` prints; the other functions return values.
 """
@@ -73,7 +81,7 @@ import numpy as np
 from elastic_pipe.fitting import nnls
 
 MEASURED_FIELDS = ("name", "machine", "source", "backward_factor", "layer_coefficients",
-                   "activation_coefficients", "notes")
+                   "activation_coefficients", "end_coefficients", "notes")
 
 
 # ------------------------------------------------------------------------------------- fitting
@@ -293,6 +301,80 @@ def activation_coefficients(args, layers, device) -> dict:
                 hidden_size=args.hidden_size, vocab_size=model.vocab_size, sp=1, tp=1)
 
 
+def end_times(args, device) -> dict[str, list[float]]:
+    """Median seconds of the embedding and of the head (final norm, output layer, loss), forward
+    and backward, at each ``--tokens`` count: one training micro-batch (``forward_step`` and
+    its loss) through a one-layer ``GPTModel`` of the job's flags, cut at the decoder's input
+    and at the final norm's input by hooks that stamp the clock (forward) and by gradient hooks
+    on those two tensors (backward)."""
+    import torch
+
+    from megatron.plugin.arguments import parse_args
+    from megatron.plugin.batches import forward_step, micro_batch, pack_row
+    from megatron.plugin.model import build_model_chunks, transformer_config
+
+    flags = ["--num-layers", "1", "--hidden-size", str(args.hidden_size),
+             "--num-attention-heads", str(args.num_attention_heads),
+             "--seq-length", str(max(args.tokens)), "--global-batch-size", "1",
+             "--train-iters", "1", "--lr", "1e-4", "--seed", str(args.seed),
+             "--attention-dropout", str(args.attention_dropout),
+             "--hidden-dropout", str(args.hidden_dropout)]
+    if args.ffn_hidden_size is not None:
+        flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
+    model_args = parse_args(flags)
+    model = build_model_chunks(model_args, transformer_config(model_args), args.vocab_size)[0]
+    model = model.to(device).train()
+    generator = torch.Generator().manual_seed(args.seed)
+    clock: dict[str, float] = {}
+
+    def stamp(name):
+        _sync(device)
+        clock[name] = time.perf_counter()
+
+    def entering(name):
+        def hook(module, inputs, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else inputs[0]
+            stamp(name)
+            hidden.register_hook(lambda grad: stamp(f"{name} grad"))
+        return hook
+
+    handles = [model.decoder.register_forward_pre_hook(entering("decoder"), with_kwargs=True),
+               model.decoder.final_layernorm.register_forward_pre_hook(entering("head"),
+                                                                        with_kwargs=True)]
+    times = {key: [] for key in ("embedding_forward", "embedding_backward", "head_forward",
+                                 "head_backward")}
+    for tokens in args.tokens:
+        doc = torch.randint(0, args.vocab_size, (tokens + 1,), generator=generator).numpy()
+        batch = micro_batch([pack_row([doc])])
+        runs = []
+        for step in range(args.repeats + 1):  # step 0 is the warm-up
+            model.zero_grad(set_to_none=True)
+            stamp("start")
+            output, loss_func = forward_step(iter([batch]), model)
+            loss = loss_func(output)[0]
+            stamp("loss")
+            loss.backward()
+            stamp("end")
+            if step:
+                runs.append((clock["decoder"] - clock["start"],
+                             clock["end"] - clock["decoder grad"],
+                             clock["loss"] - clock["head"],
+                             clock["head grad"] - clock["loss"]))
+        for key, values in zip(times, zip(*runs)):
+            times[key].append(statistics.median(values))
+    for handle in handles:
+        handle.remove()
+    return times, model.vocab_size
+
+
+def fit_linear(tokens, seconds) -> tuple[float, float]:
+    """``(seconds per token, seconds per call) >= 0`` minimising the relative residuals."""
+    y = np.asarray(seconds, dtype=np.float64)
+    a = np.stack([np.asarray(tokens, dtype=np.float64), np.ones_like(y)], axis=1)
+    per_token, constant = nnls(a / y[:, None], np.ones_like(y))
+    return float(per_token), float(constant)
+
+
 def machine_description(threads: int, device) -> str:
     import torch
 
@@ -312,7 +394,7 @@ def base_profile_dict(name_or_path: str) -> dict:
 
 def build_profile(base: dict, base_name: str, description: str, coefficients, backward_factor,
                   hidden_size: int, grid: str, fit_error: tuple[float, float],
-                  activations: dict) -> dict:
+                  activations: dict, ends: dict) -> dict:
     """The measured profile's JSON object (see the module docstring)."""
     alpha1, alpha2, beta = coefficients
     data = dict(base)
@@ -324,6 +406,7 @@ def build_profile(base: dict, base_name: str, description: str, coefficients, ba
         layer_coefficients=dict(alpha1=alpha1, alpha2=alpha2, beta=beta,
                                 hidden_size=hidden_size, sp=1, tp=1),
         activation_coefficients=activations,
+        end_coefficients=ends,
     )
     inherited = [key for key in base if key not in MEASURED_FIELDS]
     notes = {
@@ -336,6 +419,10 @@ def build_profile(base: dict, base_name: str, description: str, coefficients, ba
         "backward_factor": "measured: mean of backward/forward time over the grid",
         "activation_coefficients": ("measured: bytes per token counted by the training loop's "
                                     "saved-tensor meter (slope between two token counts)"),
+        "end_coefficients": ("measured: embedding and head (final norm, output layer, loss) "
+                             "forward and backward of a one-layer GPTModel, cut by hooks, "
+                             "median per token count; NNLS fit of seconds per token and per "
+                             "chunk"),
         "inherited": (f"copied from base profile {base_name!r}, NOT measured: "
                       f"{', '.join(inherited)}"),
     }
@@ -425,8 +512,14 @@ def main(argv=None) -> int:
     print("activation bytes per token: " + ", ".join(
         f"{key} {activations[key]:.1f}"
         for key in ("layer", "checkpointed", "kv", "dkv", "embedding", "head")))
+    measured_ends, vocab = end_times(args, device)
+    ends = dict(hidden_size=args.hidden_size, vocab_size=vocab, sp=1, tp=1)
+    for key, seconds in measured_ends.items():
+        ends[key] = fit_linear(args.tokens, seconds)
+        print(f"{key}: {ends[key][0] * 1e6:.4f} us per token + {ends[key][1] * 1e3:.3f} ms "
+              f"(measured ms: {', '.join(f'{t * 1e3:.2f}' for t in seconds)})")
     data = build_profile(base, args.base_profile, description, coefficients, factor,
-                         args.hidden_size, grid, fit_error, activations)
+                         args.hidden_size, grid, fit_error, activations, ends)
     from elastic_pipe.hardware import profile_from_dict
 
     profile_from_dict(data)  # refuse to write a profile the loader would reject

@@ -117,3 +117,26 @@ def test_measured_profile_coefficients_are_used(tmp_path):
 def test_bad_configuration_says_what_to_change(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_measured_end_coefficients_price_embedding_and_head(tmp_path):
+    ends = {"embedding_forward": [1e-7, 1e-4], "embedding_backward": [2e-7, 2e-4],
+            "head_forward": [3e-6, 5e-4], "head_backward": [6e-6, 7e-4],
+            "hidden_size": 64, "vocab_size": 100, "sp": 1, "tp": 1}
+    profile = hand_profile(tmp_path, source="measured", end_coefficients=ends, machine="box")
+    cost = CostModel(TINY, profile, ParallelConfig(pp=3))
+    chunk = Chunk((Piece(0, 0, 0, 100, True),))
+    layers = 2 * cost.layer_forward(chunk)
+    assert cost.stage_forward(0, chunk) == pytest.approx(layers + 1e-7 * 100 + 1e-4)
+    assert cost.stage_forward(1, chunk) == pytest.approx(layers)
+    assert cost.stage_forward(2, chunk) == pytest.approx(layers + 3e-6 * 100 + 5e-4)
+    backward = 2 * cost.layer_backward(chunk)
+    assert cost.stage_backward(0, chunk) == pytest.approx(backward + 2e-7 * 100 + 2e-4)
+    assert cost.stage_backward(2, chunk) == pytest.approx(backward + 6e-6 * 100 + 7e-4)
+    with pytest.raises(ValueError, match="timed the embedding and head for hidden, vocab"):
+        CostModel(ModelConfig("wide", 6, 64, 4, 256, 200), profile, ParallelConfig(pp=3))
+    with pytest.raises(ValueError, match="two non-negative numbers"):
+        hand_profile(tmp_path, source="measured",
+                     end_coefficients=dict(ends, head_forward=[-1.0, 0.0]))
+    with pytest.raises(ValueError, match="belong to a 'measured' profile"):
+        hand_profile(tmp_path, end_coefficients=ends)

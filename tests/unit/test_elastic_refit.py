@@ -1,21 +1,27 @@
-"""``elastic_pipe.refit``: eq. 1 recovered from measured stage times, collectives subtracted,
-too little data refused, and the refitted profile usable by the cost model."""
+"""``elastic_pipe.refit``: eq. 1 recovered from measured stage times, collectives and the
+pipeline's ends subtracted, too little data refused, and the refitted profile usable by the
+cost model."""
+import dataclasses
 import random
 
 import pytest
 
 from elastic_pipe.chunks import Chunk, Piece
 from elastic_pipe.cost_model import CostModel, ParallelConfig
-from elastic_pipe.hardware import load_profile
+from elastic_pipe.hardware import EndCoefficients, load_profile
 from elastic_pipe.models import ModelConfig
 from elastic_pipe.refit import Observation, chunk_terms, observations, refit
 
 MODEL = ModelConfig("small", 6, 256, 8, 1024, 1000)
-TRUE = dict(alpha1=3e-10, alpha2=2e-6, beta=1.5e-3, embedding=4e-7, head=9e-7, backward=1.8)
+TRUE = dict(alpha1=3e-10, alpha2=2e-6, beta=1.5e-3, backward=1.8)
+ENDS = {"embedding_forward": [4e-7, 2e-4], "embedding_backward": [3e-7, 3e-4],
+        "head_forward": [9e-7, 5e-4], "head_backward": [1.2e-6, 4e-4],
+        "hidden_size": 256, "vocab_size": 1000, "sp": 1, "tp": 1}
 
 
 def measured(cost: CostModel, chunks, noise=0.0, seed=0) -> list[Observation]:
-    """Stage times of ``chunks`` made from ``TRUE`` plus the cost model's collectives."""
+    """Stage times of ``chunks`` made from ``TRUE`` plus the cost model's collectives and its
+    embedding and head times."""
     rng = random.Random(seed)
     seen = []
     for stage in range(cost.pp):
@@ -24,11 +30,10 @@ def measured(cost: CostModel, chunks, noise=0.0, seed=0) -> list[Observation]:
         for unit, chunk in enumerate(chunks):
             q, s = chunk_terms(chunk)
             compute = layers * (TRUE["alpha1"] * q + TRUE["alpha2"] * s + TRUE["beta"])
-            compute += TRUE["embedding"] * s * (stage == 0)
-            compute += TRUE["head"] * s * (stage == cost.pp - 1)
             comm = layers * cost.layer_collectives(chunk)
             jitter = 1 + noise * rng.uniform(-1, 1)
-            times[unit] = (jitter * compute + comm, jitter * TRUE["backward"] * compute + comm)
+            times[unit] = (jitter * compute + comm + cost.end_forward(stage, s),
+                           jitter * TRUE["backward"] * compute + comm + cost.end_backward(stage, s))
         seen.extend(observations(stage, chunks, times))
     return seen
 
@@ -77,3 +82,18 @@ def test_too_few_shapes_keep_the_profile(pp):
     profile, summary = refit(cost, measured(cost, some_chunks()[:3]))
     assert profile is None
     assert summary == "refit skipped: 3 distinct chunk shapes measured, 4 needed"
+
+
+def test_two_stages_with_measured_ends_recover_the_layer():
+    """With two stages each stage is an end: the ends' measured times are taken out, not
+    fitted (a per-token end term would be collinear with alpha2)."""
+    profile = dataclasses.replace(load_profile("a800"), source="measured",
+                                  end_coefficients=EndCoefficients(**ENDS))
+    cost = CostModel(MODEL, profile, ParallelConfig(pp=2, sp=1, memory_gb=80))
+    assert cost.end_forward(0, 1000) == pytest.approx(4e-7 * 1000 + 2e-4)
+    refitted, _ = refit(cost, measured(cost, some_chunks()))
+    fit = refitted.layer_coefficients
+    assert (fit.alpha1, fit.alpha2, fit.beta) == pytest.approx(
+        (TRUE["alpha1"], TRUE["alpha2"], TRUE["beta"]), rel=1e-6)
+    assert refitted.backward_factor == pytest.approx(TRUE["backward"], rel=1e-6)
+    assert refitted.end_coefficients == profile.end_coefficients

@@ -11,7 +11,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from scripts.profile_costs import design_matrix, fit_backward_factor, fit_coefficients, nnls  # noqa: E402
+from scripts.profile_costs import (  # noqa: E402
+    design_matrix, fit_backward_factor, fit_coefficients, fit_linear, nnls)
 
 from elastic_pipe.chunks import Chunk, Piece  # noqa: E402
 from elastic_pipe.cost_model import CostModel, ParallelConfig  # noqa: E402
@@ -89,3 +90,22 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
     assert costs.layer_backward(chunk) == pytest.approx(profile.backward_factor * expected)
     assert costs.stash_bytes(0, chunk) == pytest.approx(
         128 * (2 * memory.layer + memory.embedding + memory.head))
+
+    # The pipeline's ends were timed: embedding on the first stage, head on the last; with one
+    # stage both, forward and backward, on top of the layers.
+    ends = profile.end_coefficients
+    assert ends is not None and (ends.hidden_size, ends.vocab_size) == (64, 384)
+    for pair in (ends.embedding_forward, ends.embedding_backward, ends.head_forward,
+                 ends.head_backward):
+        assert min(pair) >= 0 and sum(pair) > 0
+    assert ends.head_forward[0] > 0 and ends.head_backward[0] > 0
+    layers = 2 * costs.layer_forward(chunk)
+    assert costs.stage_forward(0, chunk) == pytest.approx(
+        layers + ends.time(ends.embedding_forward, 128) + ends.time(ends.head_forward, 128))
+    assert len(re.findall(r"^(embedding|head)_(forward|backward): ", result.stdout, re.M)) == 4
+
+
+def test_linear_fit_recovers_per_token_and_per_call_seconds():
+    tokens = [64, 128, 256, 512]
+    seconds = [2e-7 * t + 3e-4 for t in tokens]
+    assert fit_linear(tokens, seconds) == pytest.approx((2e-7, 3e-4), rel=1e-9)
