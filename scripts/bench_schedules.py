@@ -33,6 +33,7 @@ Prints one line per schedule and the ratios; ``--json OUT`` writes
 "measured_iteration_s", ...}}, "setup": {...}}``.
 """
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -44,6 +45,7 @@ from _launch import REPO, run_workers
 
 SCHEDULES = ("elastic", "seq1f1b", "1f1b")
 LAYERS = 4
+UNBOUNDED_GB = 1e6
 
 
 def model_flags(options, profile: str) -> list[str]:
@@ -56,19 +58,23 @@ def model_flags(options, profile: str) -> list[str]:
             "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "elastic",
             "--elastic-hardware-profile", profile,
-            "--elastic-min-slice-tokens", str(options.min_slice_tokens)]
+            "--elastic-min-slice-tokens", str(options.min_slice_tokens),
+            *(["--elastic-memory-gb", str(options.memory_gb)] if options.memory_gb else [])]
 
 
 def predicted(name, documents, args, model) -> tuple[float, list[float]]:
     """Simulated iteration time and per-stage activation peak of this batch under ``name``."""
     from elastic_pipe.baselines import packed_1f1b
+    from elastic_pipe.cost_model import CostModel
     from elastic_pipe.evaluation import plan_schedule
     from elastic_pipe.lowering import activation_peaks, simulate_plan
     from elastic_pipe.runtime import job_cost_model, scheduler_config
 
     cost = job_cost_model(args, model)
     lengths = [len(doc) - 1 for doc in documents]
-    if name == "1f1b":
+    if name == "1f1b":  # Megatron's 1F1B recomputes nothing, whatever --memory-gb says
+        cost = CostModel(cost.model, cost.hardware,
+                         dataclasses.replace(cost.parallel, memory_gb=UNBOUNDED_GB))
         plan = packed_1f1b(lengths, cost, args.seq_length)
     else:
         plan = plan_schedule(tuple(lengths), name, cost.model, cost.hardware, cost.parallel,
@@ -138,7 +144,9 @@ def worker(argv) -> int:
 
 def profile(path: str, options) -> None:
     tokens = [t for t in (512, 1024, 2048, 4096, 8192) if t <= options.seq_length]
-    contexts = [c for c in (0, 2048, 4096) if c < options.seq_length]
+    # contexts up to half the run's: a late slice's attention over a long context runs
+    # slower per key than a short one's (cache), so the fit must see the lengths it prices
+    contexts = sorted({0, options.seq_length // 4, options.seq_length // 2})
     command = [sys.executable, "scripts/profile_costs.py", "--hidden-size",
                str(options.hidden_size), "--num-attention-heads",
                str(options.num_attention_heads), "--tokens", *map(str, tokens),
@@ -160,6 +168,9 @@ def main() -> int:
     parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--min-slice-tokens", type=int, default=512,
                         help="--elastic-min-slice-tokens of elastic and seq1f1b")
+    parser.add_argument("--memory-gb", type=float,
+                        help="--elastic-memory-gb of elastic and seq1f1b (default: the CPU "
+                             "default, which needs no checkpointing here)")
     parser.add_argument("--profile", help="measured profile JSON (default: measure now)")
     parser.add_argument("--no-refit", dest="refit", action="store_false",
                         help="plan and predict with the profile alone (default: refit its layer "

@@ -97,3 +97,29 @@ def test_two_stages_with_measured_ends_recover_the_layer():
         (TRUE["alpha1"], TRUE["alpha2"], TRUE["beta"]), rel=1e-6)
     assert refitted.backward_factor == pytest.approx(TRUE["backward"], rel=1e-6)
     assert refitted.end_coefficients == profile.end_coefficients
+
+
+def test_executor_events_become_one_observation_per_chunk():
+    """The runtime's recorder sums each chunk's forward and backward events on this stage;
+    transfers and recomputation are left out."""
+    from types import SimpleNamespace
+
+    from elastic_pipe.runtime import _Measured
+    from megatron.plugin.pipeline.ir import parse
+    from megatron.plugin.pipeline.trace import TraceEvent
+
+    chunks = some_chunks()[:2]
+    names = ["1RECV_F0<0", "1F0", "1SEND_B0>0", "1RECV_F1<0", "1F1", "1R1", "1B1", "1B0"]
+    planned = SimpleNamespace(schedule=[[], [parse(n) for n in names]],
+                              plan=SimpleNamespace(chunks=lambda: chunks))
+    durations = {"1RECV_F0<0": 9.0, "1F0": 1.0, "1SEND_B0>0": 9.0, "1RECV_F1<0": 9.0,
+                 "1F1": 2.0, "1R1": 9.0, "1B1": 4.0, "1B0": 3.0}
+    events = [TraceEvent(1, name, float(i), seconds,
+                         "comm" if "SEND" in name or "RECV" in name else "compute")
+              for i, (name, seconds) in enumerate(durations.items())]
+    measured = _Measured()
+    measured.record(planned, 1, events)
+    assert [(o.stage, o.quadratic, o.tokens, o.forward_s, o.backward_s)
+            for o in measured.seen] == [(1, *chunk_terms(chunks[0]), 1.0, 3.0),
+                                        (1, *chunk_terms(chunks[1]), 2.0, 4.0)]
+    assert measured.due(1) and not measured.due(2)
