@@ -26,8 +26,9 @@ is computed in the forward. With ``--helix-mlp-chunk-size`` the LM head and the 
 the same sequence chunks as the MLP (:mod:`helix.chunked_loss`), so only one chunk's logits
 exist at a time.
 
-Attention parts on CPU run :mod:`helix.attention` (the fused flash kernel per document, one
-output buffer, the log-sum-exp kept); elsewhere, or with attention dropout in training,
+Attention parts on CPU run :mod:`megatron.plugin.packed_attention` (the fused flash kernel
+per document, one output buffer, the log-sum-exp kept) or, under recomputation without
+attention, :mod:`helix.attention`; elsewhere, or with attention dropout in training,
 Megatron's ``SelfAttention`` with the project's core attention.
 
 Recomputation without attention (``--helix-recompute-without-attention``): a boundary's
@@ -60,6 +61,7 @@ from helix.mapping import check_layout
 from helix.model import HelixGPTModel
 from helix.schedule import (PRE_TENSORS, HelixFlow, padding, part, part_index,
                             planned_helix)
+from megatron.plugin import packed_attention
 from megatron.plugin.batches import pack_micro_batches
 from megatron.plugin.memory import keep
 from megatron.plugin.pipeline.executor import PartProgram, _run_backward
@@ -328,13 +330,13 @@ class HelixProgram(PartProgram):
         return [(Kind.FORWARD, following, "o", o), (Kind.FORWARD, following, "res", relayed)], 0
 
     def _attend(self, x, weight, bias, layout) -> torch.Tensor:
-        """``attn(l)`` with the shipped weights: through :mod:`helix.attention` where it
+        """``attn(l)`` with the shipped weights: through the packed CPU kernel where it
         serves (the QKV projection recomputed in the backward under recomputation without
         attention), else through Megatron's ``SelfAttention``."""
         attention = self.module.foreign_attention
         core = attention.core_attention
         dropout = core.dropout if self.training else 0.0
-        if self.config.attention_output_gate or not helix_attention.supported(x, dropout):
+        if self.config.attention_output_gate or not packed_attention.supported(x, dropout):
             attention.linear_qkv.use(weight, bias)
             return attention(x, attention_mask=None, packed_seq_params=layout)[0]
 
@@ -343,12 +345,12 @@ class HelixProgram(PartProgram):
             query, key, value = attention.get_query_key_value_tensors(x)
             return (*core.rotate(query, key, layout), value)
 
-        segments = helix_attention.row_segments(layout, x.shape[1])
+        segments = packed_attention.row_segments(layout, x.shape[1])
         if self.recompute_boundaries:
             return helix_attention.recomputed_attention(project, x, weight, bias, segments,
                                                         core.softmax_scale)
-        return helix_attention.packed_attention(*project(x, weight, bias), segments,
-                                                core.softmax_scale)
+        return packed_attention.packed_attention(*project(x, weight, bias), segments,
+                                                 core.softmax_scale)
 
     def _read_batch(self, unit: int) -> None:
         capture = _Capture(self.module)

@@ -29,6 +29,10 @@ CUDA when importable (``causal=True`` is bottom-right aligned there, which is th
 semantics). A slice with context on CPU (no dropout, no grouped-query heads) runs
 :mod:`megatron.plugin.context_attention`: one fused kernel call per K/V block merged by
 log-sum-exp, so neither the ``[s, c+s]`` mask nor a concatenated copy of the context is kept.
+Documents without context on CPU (no dropout) run :mod:`megatron.plugin.packed_attention`: the
+same fused kernel per document writing into one output buffer, which the output projection
+saves as its input too, instead of per-document outputs plus the row built from them (one
+``[s, b, h]`` fewer saved per layer).
 """
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_sp2hp
 from megatron.core.transformer.module import MegatronModule
 
-from megatron.plugin import context_attention
+from megatron.plugin import context_attention, packed_attention
 from megatron.plugin.kv_store import KVStore
 
 try:  # optional GPU backend
@@ -109,6 +113,13 @@ class RopeSettings:
     rotary_base: int = 10000
     rotary_percent: float = 1.0
     seq_len_interpolation_factor: float | None = None
+
+
+def _has_context(layout) -> bool:
+    """Whether some segment of ``layout`` attends to K/V outside the micro-batch (a later
+    slice of a document, or a multiplexed share)."""
+    return layout is not None and (layout.share is not None or any(
+        seg.slice_index > 0 for row in layout.segments for seg in row))
 
 
 class DocumentAttention(MegatronModule):
@@ -193,6 +204,12 @@ class DocumentAttention(MegatronModule):
         if packed_seq_params is not None and layout is None:
             raise ValueError("DocumentAttention needs PackedDocuments, got a THD PackedSeqParams")
         query, key = self.rotate(query, key, layout)
+        dropout = self.dropout if self.training else 0.0
+        if packed_attention.supported(query, dropout) and not _has_context(layout):
+            self._record(key, value, layout)
+            return packed_attention.packed_attention(
+                query, key, value, packed_attention.row_segments(layout, batch),
+                self.softmax_scale)
         rows = []
         for b in range(batch):
             segments = (layout.segments[b] if layout is not None and layout.segments
@@ -205,6 +222,18 @@ class DocumentAttention(MegatronModule):
             rows.append(torch.cat(outs, dim=0) if len(outs) > 1 else outs[0])
         out = torch.stack(rows, dim=1)
         return out.reshape(seq, batch, -1)
+
+    def _record(self, key, value, layout) -> None:
+        """Put the K/V of the layout's recorded segments (first slices of split documents)
+        into its store, as :meth:`_segment` does one segment at a time."""
+        if layout is None or layout.kv_store is None or not layout.record_kv:
+            return
+        for b, row in enumerate(layout.segments):
+            for seg in row:
+                if seg.doc_key is not None:
+                    layout.kv_store.record(seg.doc_key, seg.slice_index, self.layer_number,
+                                           key[seg.start:seg.stop, b],
+                                           value[seg.start:seg.stop, b])
 
     def _segment(self, q, k, v, seg: Segment, layout):
         """Causal attention of one document segment ``[t, heads, dim]`` (+ K/V context)."""

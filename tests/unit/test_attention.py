@@ -103,3 +103,24 @@ def test_missing_context_is_an_error():
     layout = PackedDocuments(segments=((Segment(0, 4, "doc", 1),),), kv_store=KVStore())
     with pytest.raises(KeyError, match="slices must run their forward in order"):
         attn(q, k, v, packed_seq_params=layout)
+
+
+def test_packed_documents_keep_one_output_buffer():
+    """Documents without context save q, k, v, one ``[s, b, h]`` output and the log-sum-exp;
+    the output projection saving that output as its input adds nothing."""
+    from megatron.plugin.memory import SavedTensorMeter
+
+    attn = make_attention()
+    lengths = [5, 12, 7]
+    layout = PackedDocuments(segments=(document_segments(lengths),),
+                             position_ids=torch.cat([torch.arange(n) for n in lengths])[None])
+    q, k, v = qkv(sum(lengths))
+    weight = torch.nn.Parameter(torch.randn(HEADS * DIM, HEADS * DIM, dtype=torch.float64))
+    meter = SavedTensorMeter()
+    with meter.active():
+        projected = attn(q, k, v, packed_seq_params=layout) @ weight
+        saved = meter.current
+    assert projected.requires_grad
+    tokens, item = sum(lengths), 8
+    assert saved == 3 * tokens * HEADS * DIM * item + tokens * HEADS * DIM * item \
+        + tokens * HEADS * item

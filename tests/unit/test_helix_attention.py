@@ -1,12 +1,14 @@
-"""``helix.attention``: the same values and gradients as ``DocumentAttention`` (SDPA per
-document), and only the claimed tensors saved for backward."""
+"""``megatron.plugin.packed_attention`` and ``helix.attention``: the same values and gradients
+as SDPA per document (RoPE and grouped-query heads included), and only the claimed tensors
+saved for backward."""
 import pytest
 import torch
 from megatron.core.transformer import TransformerConfig
 
-from helix.attention import packed_attention, recomputed_attention, row_segments, supported
+from helix.attention import recomputed_attention
 from megatron.plugin.attention import (DocumentAttention, PackedDocuments, RopeSettings,
                                        document_segments)
+from megatron.plugin.packed_attention import packed_attention, row_segments, supported
 from megatron.plugin.memory import SavedTensorMeter
 
 HEADS, DIM = 4, 8
@@ -53,6 +55,22 @@ def inputs(groups):
     return x, weight, bias, torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
 
 
+def per_document_sdpa(q, k, v, layout):
+    """The reference: torch SDPA on each document of each row, causal, heads expanded for
+    grouped-query K/V; ``[s, b, heads * dim]``."""
+    rows = []
+    for b in range(q.shape[1]):
+        segments = layout.segments[b] if layout is not None else document_segments([SEQ])
+        outs = []
+        for seg in segments:
+            qs, ks, vs = (t[seg.start:seg.stop, b].transpose(0, 1) for t in (q, k, v))
+            ks, vs = (t.repeat_interleave(HEADS // t.shape[0], dim=0) for t in (ks, vs))
+            out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+            outs.append(out.transpose(0, 1).reshape(seg.length, HIDDEN))
+        rows.append(torch.cat(outs))
+    return torch.stack(rows, dim=1)
+
+
 def grads_of(tensors):
     out = [t.grad.clone() for t in tensors]
     for t in tensors:
@@ -63,16 +81,19 @@ def grads_of(tensors):
 @pytest.mark.parametrize("rope", [None, RopeSettings()])
 @pytest.mark.parametrize("groups", [HEADS, 2])
 @pytest.mark.parametrize("recompute", [False, True])
-def test_matches_document_attention(rope, groups, recompute):
+def test_matches_sdpa_per_document(rope, groups, recompute):
     core, layout = make_core(rope, groups), make_layout()
     project = make_project(core, layout, groups)
     x, weight, bias, grad = inputs(groups)
     leaves = [x, weight, bias]
 
-    unrotated = make_project(core, layout, groups, rotate=False)
-    expected = core(*unrotated(x, weight, bias), packed_seq_params=layout)
+    expected = per_document_sdpa(*project(x, weight, bias), layout)
     expected.backward(grad)
     expected_grads = grads_of(leaves)
+    if not recompute:  # DocumentAttention (unrotated inputs: it applies RoPE) runs this kernel
+        unrotated = make_project(core, layout, groups, rotate=False)
+        document = core(*unrotated(x, weight, bias), packed_seq_params=layout)
+        torch.testing.assert_close(document, expected, rtol=1e-12, atol=1e-12)
 
     segments = row_segments(layout, BATCH)
     if recompute:
@@ -89,7 +110,9 @@ def test_whole_rows_without_layout():
     core = make_core(None, HEADS)
     x, weight, bias, grad = inputs(HEADS)
     project = make_project(core, None, HEADS)
-    expected = core(*project(x, weight, bias))
+    expected = per_document_sdpa(*project(x, weight, bias), None)
+    torch.testing.assert_close(core(*project(x, weight, bias)), expected, rtol=1e-12,
+                               atol=1e-12)
     out = packed_attention(*project(x, weight, bias), row_segments(None, BATCH), None)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
