@@ -213,6 +213,25 @@ def measure_point(layers, hidden, tokens, context, repeats, device, dtype, seed=
     return statistics.median(forwards) / n, statistics.median(backwards) / n
 
 
+def one_layer_model(args, device, seq_length: int):
+    """A one-layer ``GPTModel`` of the profiled flags (embedding, layer, head), in training
+    mode, for sequences up to ``seq_length``."""
+    from megatron.plugin.arguments import parse_args
+    from megatron.plugin.model import build_model_chunks, transformer_config
+
+    flags = ["--num-layers", "1", "--hidden-size", str(args.hidden_size),
+             "--num-attention-heads", str(args.num_attention_heads),
+             "--seq-length", str(seq_length), "--global-batch-size", "1",
+             "--train-iters", "1", "--lr", "1e-4", "--seed", str(args.seed),
+             "--attention-dropout", str(args.attention_dropout),
+             "--hidden-dropout", str(args.hidden_dropout)]
+    if args.ffn_hidden_size is not None:
+        flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
+    model_args = parse_args(flags)
+    model = build_model_chunks(model_args, transformer_config(model_args), args.vocab_size)[0]
+    return model.to(device).train()
+
+
 def activation_coefficients(args, layers, device) -> dict:
     """Activation bytes per token, counted by the training loop's saved-tensor meter on the real
     layer and a one-layer ``GPTModel`` of the same flags (see the module docstring).
@@ -222,24 +241,12 @@ def activation_coefficients(args, layers, device) -> dict:
     """
     import torch
 
-    from megatron.plugin.arguments import parse_args
     from megatron.plugin.batches import forward_step, micro_batch, pack_row
     from megatron.plugin.kv_store import KVStore
     from megatron.plugin.memory import SavedTensorMeter
-    from megatron.plugin.model import build_model_chunks, transformer_config
     from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
 
-    flags = ["--num-layers", "1", "--hidden-size", str(args.hidden_size),
-             "--num-attention-heads", str(args.num_attention_heads),
-             "--seq-length", str(4 * min(args.tokens)), "--global-batch-size", "1",
-             "--train-iters", "1", "--lr", "1e-4", "--seed", str(args.seed),
-             "--attention-dropout", str(args.attention_dropout),
-             "--hidden-dropout", str(args.hidden_dropout)]
-    if args.ffn_hidden_size is not None:
-        flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
-    model_args = parse_args(flags)
-    model = build_model_chunks(model_args, transformer_config(model_args), args.vocab_size)[0]
-    model = model.to(device).train()
+    model = one_layer_model(args, device, 4 * min(args.tokens))
     leading = LeadingLayers(model)
     generator = torch.Generator().manual_seed(args.seed)
 
@@ -309,21 +316,9 @@ def end_times(args, device) -> dict[str, list[float]]:
     on those two tensors (backward)."""
     import torch
 
-    from megatron.plugin.arguments import parse_args
     from megatron.plugin.batches import forward_step, micro_batch, pack_row
-    from megatron.plugin.model import build_model_chunks, transformer_config
 
-    flags = ["--num-layers", "1", "--hidden-size", str(args.hidden_size),
-             "--num-attention-heads", str(args.num_attention_heads),
-             "--seq-length", str(max(args.tokens)), "--global-batch-size", "1",
-             "--train-iters", "1", "--lr", "1e-4", "--seed", str(args.seed),
-             "--attention-dropout", str(args.attention_dropout),
-             "--hidden-dropout", str(args.hidden_dropout)]
-    if args.ffn_hidden_size is not None:
-        flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
-    model_args = parse_args(flags)
-    model = build_model_chunks(model_args, transformer_config(model_args), args.vocab_size)[0]
-    model = model.to(device).train()
+    model = one_layer_model(args, device, max(args.tokens))
     generator = torch.Generator().manual_seed(args.seed)
     clock: dict[str, float] = {}
 
