@@ -92,13 +92,13 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
         128 * (2 * memory.layer + memory.embedding + memory.head))
 
     # The pipeline's ends were timed: embedding on the first stage, head on the last; with one
-    # stage both, forward and backward, on top of the layers.
+    # stage both, forward and backward, on top of the layers. (At these few tokens the split
+    # between per-token and per-chunk seconds is noise, so only their sum is checked.)
     ends = profile.end_coefficients
     assert ends is not None and (ends.hidden_size, ends.vocab_size) == (64, 384)
     for pair in (ends.embedding_forward, ends.embedding_backward, ends.head_forward,
                  ends.head_backward):
         assert min(pair) >= 0 and sum(pair) > 0
-    assert ends.head_forward[0] > 0 and ends.head_backward[0] > 0
     layers = 2 * costs.layer_forward(chunk)
     assert costs.stage_forward(0, chunk) == pytest.approx(
         layers + ends.time(ends.embedding_forward, 128) + ends.time(ends.head_forward, 128))
