@@ -1,5 +1,6 @@
 """The CPU benchmarks' launcher: a script runs itself as workers on 2 CPU ranks (one thread
-each, ``BENCH_WORKER=1``) and reads the JSON report its rank 0 prints last."""
+each, ``BENCH_WORKER=1``) and reads the JSON report its rank 0 prints last; and the per-stage
+peak over iterations that every benchmark reports."""
 import json
 import os
 import subprocess
@@ -21,3 +22,8 @@ def run_workers(script: str, flags: list[str], port: int, **env: str) -> dict:
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
         raise SystemExit(done.returncode)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def stage_peaks(runs: list[list[float]]) -> list[float]:
+    """Per stage, the largest of the iterations' per-stage values (``runs[i][stage]``)."""
+    return [max(column) for column in zip(*runs)]

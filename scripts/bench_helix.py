@@ -28,7 +28,7 @@ import json
 import os
 import sys
 
-from _launch import run_workers
+from _launch import run_workers, stage_peaks
 
 VARIANTS = {
     "1f1b": {"pipeline_schedule": "1f1b"},
@@ -95,7 +95,7 @@ def worker(argv) -> int:
     if dist.get_rank() == 0:
         report = {}
         for name, entry in results.items():
-            stages = [max(p[r] for p in entry["peaks"]) for r in range(len(entry["peaks"][0]))]
+            stages = stage_peaks(entry["peaks"])
             report[name] = {"tokens_per_s": sum(entry["tokens"]) / sum(entry["times"]),
                             "iteration_s": entry["times"],
                             "microbatches": entry["microbatches"],

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 
-from _launch import REPO, run_workers
+from _launch import REPO, run_workers, stage_peaks
 
 SCHEDULES = ("elastic", "seq1f1b", "1f1b")
 LAYERS = 4
@@ -126,8 +126,8 @@ def worker(argv) -> int:
         report = {}
         for name, entry in results.items():
             measured = statistics.median(entry["times"])
-            stages = [max(p[r] for p in entry["peaks"]) for r in range(len(entry["peaks"][0]))]
-            planned = [max(p[r] for p in entry["planned"]) for r in range(len(stages))]
+            stages = stage_peaks(entry["peaks"])
+            planned = stage_peaks(entry["planned"])
             report[name] = {
                 "tokens_per_s": sum(entry["tokens"]) / sum(entry["times"]),
                 "peak_activation_bytes": max(stages),

@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 
-from _launch import run_workers
+from _launch import run_workers, stage_peaks
 
 #: variant -> (schedule, flags changed from the job's).
 VARIANTS = {"sppo": ("sppo", {}), "sppo_no_offload": ("sppo", {"sppo_offload": "off"}),
@@ -117,7 +117,7 @@ def worker(argv) -> int:
     if dist.get_rank() == 0:
         report = {}
         for name, entry in results.items():
-            stages = [max(p[r] for p in entry["peaks"]) for r in range(len(entry["peaks"][0]))]
+            stages = stage_peaks(entry["peaks"])
             report[name] = {"tokens_per_s": sum(entry["tokens"]) / sum(entry["times"]),
                             "tokens_per_cpu_s": sum(entry["tokens"]) / sum(entry["cpu"]),
                             "busiest_rank_cpu_s": entry["cpu"],
