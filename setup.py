@@ -9,7 +9,7 @@ setup(
     name="megatron-longctx-pipelines",
     version="0.1.0",
     description="Elastic, Helix and SPPO pipeline schedules for Megatron-LM (drop-in pretrain_gpt)",
-    python_requires=">=3.11,<3.12",
+    python_requires=">=3.12",
     packages=find_namespace_packages(
         include=["megatron.plugin", "megatron.plugin.*", "elastic_pipe", "elastic_pipe.*",
                  "helix", "helix.*", "sppo_offload", "sppo_offload.*"]
@@ -17,8 +17,8 @@ setup(
     py_modules=["pretrain_gpt_elastic"],
     package_data={"elastic_pipe": ["profiles/*.json"]},
     install_requires=[
-        "torch==2.13.0",
-        "megatron-core==0.16.1",
+        "torch>=2.6",
+        "megatron-core>=0.17.0,<0.20",
         "ortools>=9.10",
         "numpy",
         "matplotlib",

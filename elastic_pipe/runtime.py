@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 refit_log = logging.getLogger("elastic_pipe.refit")
 """The refits' summaries (``pretrain_gpt_elastic.py`` prints them with the training lines)."""
 CPU_MEMORY_GB = 16.0
-_PROFILE_BY_DEVICE = (("H100", "h100"), ("H20", "h20"), ("A800", "a800"), ("A100", "a800"))
+_PROFILE_BY_DEVICE = (("H100", "h100"), ("H20", "h20"), ("A800", "a800"), ("A100", "a100"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="part of the budget never planned for (CUDA context, NCCL buffers, "
                         "fragmentation); default 2 on CUDA, 0 on CPU")
     g.add_argument("--elastic-hardware-profile", default=None,
-                   help="a800|h100|h20 or a profile JSON (scripts/profile_costs.py); default: "
+                   help="a800|a100|h100|h20 or a profile JSON (scripts/profile_costs.py); default: "
                         "matched from the CUDA device name, a800 on CPU")
     g.add_argument("--elastic-solver-time-limit", type=float, default=0.2,
                    help="CP-SAT deterministic time limit per candidate pipeline, seconds")
@@ -95,6 +95,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 register_argument_group(add_arguments)
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse the Megatron options ``elastic`` and ``seq1f1b`` would not honour, naming them.
+
+    Recomputation is the plan's own (the first ``ckpt(stage, chunk)`` layers of each chunk,
+    chosen by CP-SAT within ``--elastic-memory-gb``); Megatron's ``--recompute-granularity``
+    would run the forward without autograd and leave the K/V that later slices read without a
+    graph. Each chunk is one packed row of the plan's length, so a micro-batch size other than
+    1 has nothing to count.
+    """
+    if args.recompute_granularity is not None:
+        raise ValueError(f"{args.pipeline_schedule} checkpoints layers per chunk itself (chosen "
+                         "within --elastic-memory-gb): drop --recompute-granularity, and lower "
+                         "--elastic-memory-gb to make it recompute more")
+    if args.micro_batch_size != 1:
+        raise ValueError(f"{args.pipeline_schedule} runs each chunk as one packed row: set "
+                         f"--micro-batch-size 1 (got {args.micro_batch_size}); "
+                         "--global-batch-size sets the documents per iteration")
 
 
 # -- planning --------------------------------------------------------------------------------
@@ -408,6 +427,7 @@ def _schedule(name: str):
         return result
 
     forward_backward.prepare_input, forward_backward.prefetch_input = _prepare(name)
+    forward_backward.check_args = check_args
     return forward_backward
 
 

@@ -97,6 +97,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.context_parallel_size > 1:
         raise ValueError("helix runs each attention on one stage; --context-parallel-size > 1 "
                          "is not supported with it (use elastic for Ulysses)")
+    if args.recompute_granularity is not None:
+        raise ValueError("helix recomputes its own layer parts: drop --recompute-granularity "
+                         "and pass --helix-recompute-without-attention (pre/post-attention "
+                         "parts recomputed, attention never)")
     if args.helix_folds < 1:
         raise ValueError(f"--helix-folds must be >= 1, got {args.helix_folds}")
     chunk = args.helix_mlp_chunk_size

@@ -146,6 +146,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.recompute_granularity is not None:
         raise ValueError("sppo keeps activations by offloading them, not by recomputation: drop "
                          "--recompute-granularity (elastic and seq1f1b checkpoint per chunk)")
+    if args.micro_batch_size != 1:
+        raise ValueError(f"sppo runs each subsequence as one row: set --micro-batch-size 1 "
+                         f"(got {args.micro_batch_size}); --global-batch-size sets the "
+                         "documents per iteration")
     if args.sppo_multiplex:
         if pp < 2:
             raise ValueError("--sppo-multiplex fills pipeline bubbles: it needs "

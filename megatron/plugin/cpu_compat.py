@@ -1,4 +1,4 @@
-"""CPU compatibility layer for megatron-core 0.16.x.
+"""CPU compatibility layer for megatron-core 0.17 to 0.19.
 
 megatron-core hard-codes CUDA in a handful of places (token counters and autocast in the
 pipeline schedules, shape tensors, receive buffers and ``synchronize`` in the p2p code, DDP grad
@@ -28,7 +28,7 @@ builds Megatron's ``RotaryEmbedding`` with ``use_cpu_initialization``), DDP's co
 stream (used only with ``--overlap-grad-reduce``, which the training script refuses) and
 asynchronous checkpoint saving (not used). Every listed patch is exercised by the golden tests.
 
-The patch is scoped (only the modules listed in :data:`PATCHED_MODULES`), pinned to the
+The patch is scoped (only the modules listed in :data:`PATCHED_MODULES`), limited to the
 supported megatron-core version, installed only when CUDA is absent, and reversible
 (:func:`uninstall`). Every redirected call is counted in :data:`HITS` per module, so tests can
 prove that each patched spot is exercised.
@@ -38,6 +38,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib
+import importlib.metadata
 import logging
 import types
 
@@ -45,7 +46,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MEGATRON_CORE = ("0.16.",)
+#: The releases whose CUDA spots are listed below (the golden tests run the oldest and newest).
+SUPPORTED_MEGATRON_CORE = ("0.17.", "0.18.", "0.19.")
 
 #: megatron-core modules whose global name ``torch`` is rebound, and why.
 PATCHED_MODULES = {
@@ -164,16 +166,16 @@ class _CpuTorch(types.ModuleType):
 
 
 def megatron_core_version() -> str:
-    from megatron.core import package_info
-
-    return package_info.__version__
+    """The installed distribution's version (``package_info`` appends the git hash of the
+    working directory's repository to it)."""
+    return importlib.metadata.version("megatron-core")
 
 
 def install(force: bool = False) -> bool:
     """Install the proxies when CUDA is absent (or ``force``). Returns whether installed.
 
     Idempotent. Raises ``RuntimeError`` on an unsupported megatron-core version, because the
-    list of patched spots is only known to be complete for the pinned version.
+    list of patched spots is only known to be complete for the supported releases.
     """
     if torch.cuda.is_available() and not force:
         return False
@@ -181,7 +183,7 @@ def install(force: bool = False) -> bool:
     if not version.startswith(SUPPORTED_MEGATRON_CORE):
         raise RuntimeError(
             f"The CPU compatibility layer supports megatron-core {SUPPORTED_MEGATRON_CORE}, "
-            f"found {version}: install megatron-core==0.16.1 or run on a CUDA machine."
+            f"found {version}: install megatron-core>=0.17.0,<0.20 or run on a CUDA machine."
         )
     for name in PATCHED_MODULES:
         module = importlib.import_module(name)

@@ -51,3 +51,23 @@ def test_slices_flag(value, expected):
 def test_slices_flag_refuses(value):
     with pytest.raises(argparse.ArgumentTypeError, match="positive integer or 'auto'"):
         slices_flag(value)
+
+
+@pytest.mark.parametrize("device,profile", [("NVIDIA A100-SXM4-80GB", "a100"),
+                                            ("NVIDIA A800-SXM4-80GB", "a800"),
+                                            ("NVIDIA H100 80GB HBM3", "h100"),
+                                            ("NVIDIA H20", "h20"),
+                                            ("NVIDIA L40S", "a800")])
+def test_the_default_profile_matches_the_cuda_device(monkeypatch, device, profile):
+    """Each shipped profile is the default on its device (an A100 once got the A800's)."""
+    from elastic_pipe import runtime
+
+    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(runtime.torch.cuda, "get_device_name", lambda *a: device)
+    args = argparse.Namespace(
+        elastic_hardware_profile=None, elastic_memory_gb=80.0, elastic_reserved_gb=2.0,
+        num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=2, context_parallel_size=1,
+        use_distributed_optimizer=False)
+    cost = runtime.cost_model_from_args(args, 512)
+    assert cost.hardware.name == load_profile(profile).name

@@ -49,7 +49,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch.autograd import Variable
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
-from megatron.core.utils import get_model_config, get_model_type
+from megatron.core.utils import get_model_config
 
 from megatron.plugin.kv_store import KVStore
 from megatron.plugin.memory import storage_key
@@ -213,7 +213,6 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
     """Execute ``actions`` (this rank's list); returns Megatron's ``forward_data_store``."""
     model = ctx.model
     config = get_model_config(model)
-    model_type = get_model_type(model)
     dtype = config.pipeline_dtype or torch.float32
     device = next(model.parameters()).device
     rank = ctx.pp_group.rank()
@@ -363,7 +362,7 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
                 offloader.before_backward(key)
             if chunks is None:
                 input_grad = megatron_schedules.backward_step(
-                    inputs.pop(key), outputs.pop(key), output_grad, model_type, config)
+                    inputs.pop(key), outputs.pop(key), output_grad, config)
             else:
                 input_grad = chunk_backward(chunks, action.unit, inputs.pop(key),
                                             outputs.pop(key), output_grad,
