@@ -25,8 +25,9 @@ the document layout and the K/V store see whole rows, so slicing and packing wor
 and trades back with one all-to-all of the output.
 
 Backends: torch SDPA per document on any device (exact, device-agnostic), flash-attn varlen on
-CUDA when importable (``causal=True`` is bottom-right aligned there, which is the K/V-context
-semantics). A slice with context on CPU (no dropout, no grouped-query heads) runs
+CUDA when importable and the inputs are fp16 or bf16 (fp32 falls back to SDPA, with a warning):
+once per packed row with the row's documents as ``cu_seqlens``, or per slice with its K/V
+context (``causal=True`` is bottom-right aligned there, which is the K/V-context semantics). A slice with context on CPU (no dropout, no grouped-query heads) runs
 :mod:`megatron.plugin.context_attention`: one fused kernel call per K/V block merged by
 log-sum-exp, so neither the ``[s, c+s]`` mask nor a concatenated copy of the context is kept.
 Documents without context on CPU (no dropout) run :mod:`megatron.plugin.packed_attention`: the
@@ -36,6 +37,7 @@ saves as its input too, instead of per-document outputs plus the row built from 
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +56,8 @@ try:  # optional GPU backend
     from flash_attn import flash_attn_varlen_func
 except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = None
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,9 @@ class DocumentAttention(MegatronModule):
             return packed_attention.packed_attention(
                 query, key, value, packed_attention.row_segments(layout, batch),
                 self.softmax_scale)
+        if flash_usable(query) and not _has_context(layout):
+            self._record(key, value, layout)
+            return self._flash_rows(query, key, value, layout, dropout)
         rows = []
         for b in range(batch):
             segments = (layout.segments[b] if layout is not None and layout.segments
@@ -253,7 +260,7 @@ class DocumentAttention(MegatronModule):
         if context:
             k = torch.cat([key for key, _ in context] + [k], dim=0)
             v = torch.cat([value for _, value in context] + [v], dim=0)
-        if q.is_cuda and flash_attn_varlen_func is not None:
+        if flash_usable(q):
             return self._flash(q, k, v, dropout)
         ctx_len = k.shape[0] - q.shape[0]
         # [1, heads, t, dim]: with a batch dimension and no mask, SDPA can pick a fused kernel
@@ -272,12 +279,47 @@ class DocumentAttention(MegatronModule):
                 enable_gqa=gqa)
         return out.squeeze(0).transpose(0, 1)
 
-    def _flash(self, q, k, v, dropout):  # pragma: no cover - CUDA only
+    def _flash_rows(self, query, key, value, layout, dropout):
+        """flash-attn varlen once per packed row ``[s, heads, dim]``, its documents (and the
+        padding) as the sequences of ``cu_seqlens``: no token attends across a boundary."""
+        seq, batch = query.shape[0], query.shape[1]
+        rows = []
+        for b, segments in enumerate(packed_attention.row_segments(layout, batch)):
+            bounds = [0] + [seg.stop for seg in segments] if segments else [0, seq]
+            if bounds[-1] != seq:
+                raise ValueError(f"segments cover {bounds[-1]} tokens of a {seq}-token row")
+            cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
+            longest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+            rows.append(flash_attn_varlen_func(
+                query[:, b], key[:, b], value[:, b], cu, cu, longest, longest,
+                dropout_p=dropout, softmax_scale=self.softmax_scale, causal=True))
+        return torch.stack(rows, dim=1).reshape(seq, batch, -1)
+
+    def _flash(self, q, k, v, dropout):
+        """One document segment with its K/V context in front (causal aligned to the end)."""
         cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
         cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
         return flash_attn_varlen_func(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0],
                                       dropout_p=dropout, softmax_scale=self.softmax_scale,
                                       causal=True)
+
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_warned_fp32 = []
+
+
+def flash_usable(x: torch.Tensor) -> bool:
+    """Whether flash-attn serves ``x``: installed, on CUDA, in fp16 or bf16 (the only dtypes it
+    takes). CUDA tensors in fp32 fall back to SDPA, with one warning per process."""
+    if flash_attn_varlen_func is None or not x.is_cuda:
+        return False
+    if x.dtype in _FLASH_DTYPES:
+        return True
+    if not _warned_fp32:
+        _warned_fp32.append(True)
+        logger.warning("flash-attn takes fp16 or bf16 only; attention in %s runs through torch "
+                       "SDPA (train with --bf16 or --fp16 to use flash-attn)", x.dtype)
+    return False
 
 
 def _sequence_to_heads(t: torch.Tensor, group) -> torch.Tensor:

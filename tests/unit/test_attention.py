@@ -124,3 +124,72 @@ def test_packed_documents_keep_one_output_buffer():
     tokens, item = sum(lengths), 8
     assert saved == 3 * tokens * HEADS * DIM * item + tokens * HEADS * DIM * item \
         + tokens * HEADS * item
+
+
+def _varlen_reference(calls):
+    """Stands in for flash-attn's ``flash_attn_varlen_func`` on the CPU: causal attention of
+    each ``cu_seqlens`` sequence (bottom-right aligned), recording every call's bounds."""
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None,
+               causal=True):
+        assert causal and dropout_p == 0.0
+        calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
+        outs = []
+        for (q0, q1), (k0, k1) in zip(zip(cu_q[:-1], cu_q[1:]), zip(cu_k[:-1], cu_k[1:])):
+            qh, kh, vh = (t.transpose(0, 1).unsqueeze(0)
+                          for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+            rows = torch.arange(q1 - q0).unsqueeze(1) + (k1 - k0) - (q1 - q0)
+            mask = torch.arange(k1 - k0).unsqueeze(0) <= rows
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=mask, scale=softmax_scale,
+                enable_gqa=qh.shape[1] != kh.shape[1])
+            outs.append(out.squeeze(0).transpose(0, 1))
+        return torch.cat(outs)
+
+    return varlen
+
+
+@pytest.mark.parametrize("groups", [HEADS, 2])
+def test_flash_attn_runs_once_per_packed_row_with_the_documents_as_cu_seqlens(
+        monkeypatch, groups):
+    """The CUDA path: one varlen call per row, bounded by its documents and padding, equal to
+    the per-document SDPA path (flash-attn replaced by a CPU reference of its semantics)."""
+    from megatron.plugin import attention
+
+    attn = make_attention(groups=groups)
+    rows = [[5, 1, 9, 3], [7, 7, 4]]
+    q, k, v = (torch.cat([t, t2], dim=1) for t, t2 in zip(qkv(18, groups), qkv(18, groups, 3)))
+    layout = PackedDocuments(segments=tuple(document_segments(r) for r in rows),
+                             position_ids=torch.stack([torch.cat([torch.arange(n) for n in r])
+                                                       for r in rows]))
+    expected = attn(q, k, v, packed_seq_params=layout)
+    calls = []
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", _varlen_reference(calls))
+    monkeypatch.setattr(attention, "flash_usable", lambda x: True)
+    # As on CUDA, where the fused CPU kernel does not serve.
+    monkeypatch.setattr(attention.packed_attention, "supported", lambda x, dropout: False)
+    got = attn(q, k, v, packed_seq_params=layout)
+    assert calls == [([0, 5, 6, 15, 18], [0, 5, 6, 15, 18], 9, 9),
+                     ([0, 7, 14, 18], [0, 7, 14, 18], 7, 7)]
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_flash_attn_takes_half_precision_only(monkeypatch, caplog):
+    """fp32 on CUDA falls back to SDPA with one warning; CPU tensors never go to flash-attn."""
+    from megatron.plugin import attention
+
+    class CudaLike:
+        is_cuda = True
+
+        def __init__(self, dtype):
+            self.dtype = dtype
+
+    monkeypatch.setattr(attention, "flash_attn_varlen_func", object())
+    monkeypatch.setattr(attention, "_warned_fp32", [])
+    assert attention.flash_usable(CudaLike(torch.bfloat16))
+    assert attention.flash_usable(CudaLike(torch.float16))
+    with caplog.at_level("WARNING", logger="megatron.plugin.attention"):
+        assert not attention.flash_usable(CudaLike(torch.float32))
+        assert not attention.flash_usable(CudaLike(torch.float32))
+    assert len([r for r in caplog.records if "fp16 or bf16" in r.message]) == 1
+    assert not attention.flash_usable(torch.zeros(2, dtype=torch.bfloat16))
