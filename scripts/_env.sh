@@ -6,7 +6,7 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   if [ ! -x "$REPO_ROOT/.venv/bin/python" ]; then
     # megatron-core >= 0.17 (the first with megatron.training) ships wheels for CPython 3.12.
     python=""
-    for candidate in python3.12 python3 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+    for candidate in python3.12 python3 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
       if "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
         python="$candidate"
         break
