@@ -1,31 +1,29 @@
 """Drop-in for Megatron-LM's ``pretrain_gpt.py`` with long-context pipeline schedules.
 
-    torchrun --nproc-per-node 2 pretrain_gpt_elastic.py <Megatron-LM flags> \
-        --pipeline-schedule {default,1f1b,interleaved,1f1b-ir,elastic,seq1f1b}
+    torchrun --nproc-per-node 2 pretrain_gpt_elastic.py <Megatron-LM flags> \\
+        --pipeline-schedule {default,1f1b,interleaved,1f1b-ir,elastic,seq1f1b,helix,sppo}
+
+Megatron-LM's own parser, training loop, checkpointing and logging (``megatron.training``);
+the project provides the model (document attention), the document batches and the schedules.
 """
 import logging
 import sys
 
 
-def main(argv=None) -> int:
+def main() -> int:
     # Imported here, not at the top: the elastic planner's worker process (spawned) re-imports
     # this file and needs none of torch or Megatron.
-    from megatron.plugin.arguments import parse_args
-    from megatron.plugin.training import pretrain
+    from megatron.plugin.launch import run_pretrain
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    # Megatron-style log lines: the training loop's INFO records (and the elastic cost model's
-    # refits), unprefixed, on stdout.
+    # The elastic cost model's refits, unprefixed, on stdout beside Megatron's log lines.
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
-    for name in ("megatron.plugin.training", "elastic_pipe.refit"):
-        lines = logging.getLogger(name)
-        lines.addHandler(handler)
-        lines.setLevel(logging.INFO)
-        lines.propagate = False
-    args = parse_args(argv)
+    refits = logging.getLogger("elastic_pipe.refit")
+    refits.addHandler(handler)
+    refits.setLevel(logging.INFO)
+    refits.propagate = False
     try:
-        pretrain(args)
+        run_pretrain()
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         return 2

@@ -24,6 +24,8 @@ setup(
         "matplotlib",
         # megatron-core's checkpoint writer needs it (Megatron-LM lists it too).
         "psutil",
+        # megatron.training imports yaml at start-up in 0.17 (its YAML argument files).
+        "pyyaml",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout"],

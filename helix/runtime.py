@@ -89,7 +89,7 @@ register_argument_group(add_arguments)
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Raise ``ValueError`` for settings helix cannot run (called by ``validate_args``)."""
+    """Raise ``ValueError`` for settings helix cannot run (called by the training script's ``check_args``)."""
     check_layout(args.num_layers, args.pipeline_model_parallel_size)
     if args.num_layers_per_virtual_pipeline_stage is not None:
         raise ValueError("helix interleaves layer parts itself: drop "
@@ -145,9 +145,9 @@ def helix_process_groups(for_model: bool = False) -> ProcessGroupCollection:
 def build_model(args: argparse.Namespace, config, vocab_size: int, layer_spec, **gpt_kwargs):
     """This rank's :class:`~helix.model.HelixGPTModel` (one model chunk)."""
     _own_rank_group()  # every rank creates the one-rank groups before any model is built
-    return [HelixGPTModel(config, layer_spec, vocab_size,
-                          stage=parallel_state.get_pipeline_model_parallel_rank(),
-                          pg_collection=helix_process_groups(for_model=True), **gpt_kwargs)]
+    return HelixGPTModel(config, layer_spec, vocab_size,
+                         stage=parallel_state.get_pipeline_model_parallel_rank(),
+                         pg_collection=helix_process_groups(for_model=True), **gpt_kwargs)
 
 
 # -- input -----------------------------------------------------------------------------------

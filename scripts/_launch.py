@@ -27,3 +27,61 @@ def run_workers(script: str, flags: list[str], port: int, **env: str) -> dict:
 def stage_peaks(runs: list[list[float]]) -> list[float]:
     """Per stage, the largest of the iterations' per-stage values (``runs[i][stage]``)."""
     return [max(column) for column in zip(*runs)]
+
+
+class Job:
+    """A benchmark worker's Megatron start-up without Megatron's loop: the flags parsed by
+    Megatron-LM's parser (``launch.initialize``), the model, optimizer and scheduler built by
+    Megatron-LM, and the training split's document batches."""
+
+    def __init__(self, argv: list[str]):
+        from megatron.plugin import launch
+        from megatron.plugin.sources import build_document_sources
+        from megatron.training import get_tokenizer
+
+        self.args = launch.initialize(argv)
+        self.sources = build_document_sources(self.args, get_tokenizer().vocab_size)
+        self.model, self.optimizer, self.scheduler, self.config = \
+            launch.setup_model_and_optimizer()
+
+    def documents(self, index: int):
+        return self.sources["train"].documents(index)
+
+
+def timed_step(job: Job, documents, upcoming=None, args=None):
+    """One training step (Megatron's ``train_step`` through the selected schedule) between
+    barriers, under ``args`` (a variant of the job's flags) when given: ``(record, wall
+    seconds, per-stage peak saved-activation bytes)``. The record is the schedule's
+    (:mod:`megatron.plugin.reporting`). The wall seconds leave out the preparation of the
+    schedule's input (for ``elastic`` and ``seq1f1b``: planning the batch), slowest rank's,
+    because a training run prepares it off the critical path (the background planner)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from megatron.training.global_vars import get_args, set_args
+
+    from megatron.plugin import launch
+    from megatron.plugin.document_data import GlobalBatch
+
+    saved = get_args()
+    set_args(args or job.args)
+    try:
+        batch = GlobalBatch(documents, lambda: upcoming if upcoming is not None else documents)
+        dist.barrier()
+        start = time.perf_counter()
+        record = launch.train_step(job.model, job.optimizer, job.scheduler, job.config,
+                                   iter([batch]))
+        dist.barrier()
+        took = time.perf_counter() - start
+    finally:
+        set_args(saved)
+    prepare = torch.tensor([record["prepare_s"]], dtype=torch.float64)
+    dist.all_reduce(prepare, op=dist.ReduceOp.MAX)
+    return record, took - float(prepare), record["peak_activation_bytes_per_stage"]
+
+
+#: The embedded corpus's tokens (bytes 0-255 and the end-of-document token 256) through
+#: Megatron-LM's ``NullTokenizer``; the document schedules' per-token loss.
+CORPUS_FLAGS = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "257",
+                "--calculate-per-token-loss"]

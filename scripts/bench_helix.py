@@ -28,7 +28,7 @@ import json
 import os
 import sys
 
-from _launch import run_workers, stage_peaks
+from _launch import CORPUS_FLAGS, Job, run_workers, stage_peaks, timed_step
 
 VARIANTS = {
     "1f1b": {"pipeline_schedule": "1f1b"},
@@ -43,53 +43,49 @@ def model_flags(options) -> list[str]:
             "--seq-length", str(options.seq_length),
             "--max-position-embeddings", str(options.seq_length), "--micro-batch-size", "1",
             "--global-batch-size", str(options.global_batch_size), "--train-iters", "1000",
-            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0", *CORPUS_FLAGS,
             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]
 
 
 def worker(argv) -> int:
     import torch.distributed as dist
+    from megatron.training.global_vars import set_args
 
-    from megatron.plugin import registry
-    from megatron.plugin.arguments import parse_args
-    from megatron.plugin.memory import SavedTensorMeter
-    from megatron.plugin.sources import build_document_sources
-    from megatron.plugin.training import (initialize_distributed, setup_model_and_optimizer,
-                                          timed_step)
+    from megatron.plugin import launch, registry
 
     iters = int(os.environ["BENCH_ITERS"])
     repeats = int(os.environ["BENCH_REPEATS"])
     chunk = int(os.environ["BENCH_MLP_CHUNK"])
-    args = parse_args(argv)
-    initialize_distributed(args)
-    sources, vocab = build_document_sources(args)
+    job = Job(argv)
     jobs = {}
     for name, settings in VARIANTS.items():
-        variant = copy.copy(args)
+        variant = copy.copy(job.args)
         for key, value in settings.items():
             setattr(variant, key, value)
         if name == "helix_recompute":
             variant.helix_mlp_chunk_size = chunk
-        model, optimizer, _, config = setup_model_and_optimizer(variant, vocab)
-        jobs[name] = (variant, model, optimizer, config)
-    meter = SavedTensorMeter()
+        set_args(variant)  # helix builds its own layout of the model
+        variant_job = copy.copy(job)
+        variant_job.model, variant_job.optimizer, variant_job.scheduler, variant_job.config = \
+            launch.setup_model_and_optimizer()
+        jobs[name] = (variant, variant_job)
+    set_args(job.args)
     results = {name: {"times": [], "tokens": [], "peaks": [], "microbatches": []}
                for name in VARIANTS}
     for i in range(iters + 1):
-        documents = sources["train"].documents(i)
+        documents = job.documents(i)
         runs = {name: [] for name in jobs}
         for _ in range(repeats if i else 1):
-            for name, (variant, model, optimizer, config) in jobs.items():
+            for name, (variant, variant_job) in jobs.items():
                 registry.use_schedule(variant.pipeline_schedule)
-                runs[name].append(timed_step(model, optimizer, config, variant, documents,
-                                             meter))
+                runs[name].append(timed_step(variant_job, documents, args=variant))
         if i == 0:
             continue
         for name, steps in runs.items():
             result = steps[0][0]
             entry = results[name]
             entry["times"].append(min(took for _, took, _ in steps))
-            entry["tokens"].append(result["tokens"])
+            entry["tokens"].append(result["num_tokens"])
             entry["peaks"].append([max(p) for p in zip(*(peaks for _, _, peaks in steps))])
             entry["microbatches"].append(result["num_microbatches"])
     if dist.get_rank() == 0:

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+from _launch import CORPUS_FLAGS
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -25,25 +27,20 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
 
 def worker(argv) -> int:
     import torch.distributed as dist
+    from _launch import Job, timed_step
 
     from megatron.plugin import registry
-    from megatron.plugin.arguments import parse_args
-    from megatron.plugin.training import setup_job, step
 
     iters = int(os.environ["BENCH_ITERS"])
-    args = parse_args(argv)
-    sources, model, optimizer, _, config = setup_job(args)
+    job = Job(argv)
+    args = job.args
     times = {"1f1b": [], "1f1b-ir": []}
     for i in range(2 * (iters + 1)):
         name = ("1f1b", "1f1b-ir")[i % 2]
         registry.use_schedule(name)
-        documents = sources["train"].documents(i // 2)
-        dist.barrier()
-        start = time.perf_counter()
-        step(model, optimizer, config, args, documents)
-        dist.barrier()
+        _, took, _ = timed_step(job, job.documents(i // 2))
         if i >= 2:
-            times[name].append(time.perf_counter() - start)
+            times[name].append(took)
     if dist.get_rank() == 0:
         native, ir = (statistics.median(times[n]) for n in ("1f1b", "1f1b-ir"))
         print(f"pp={args.pipeline_model_parallel_size} iterations={iters} each, "
@@ -87,7 +84,7 @@ def main() -> int:
     known, rest = parser.parse_known_args()
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={known.pp}",
                "--master-addr=127.0.0.1", "--master-port=29531", os.path.abspath(__file__),
-               *MODEL, "--pipeline-model-parallel-size", str(known.pp), *rest]
+               *MODEL, *CORPUS_FLAGS, "--pipeline-model-parallel-size", str(known.pp), *rest]
     env = dict(os.environ, OMP_NUM_THREADS="1", BENCH_ITERS=str(known.iters),
                PYTHONPATH=REPO, PYTHONWARNINGS="ignore")
     return subprocess.call(command, cwd=REPO, env=env)

@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 
-from _launch import REPO, run_workers, stage_peaks
+from _launch import CORPUS_FLAGS, REPO, Job, run_workers, stage_peaks, timed_step
 
 SCHEDULES = ("elastic", "seq1f1b", "1f1b")
 LAYERS = 4
@@ -55,7 +55,7 @@ def model_flags(options, profile: str) -> list[str]:
             "--seq-length", str(seq_length),
             "--max-position-embeddings", str(seq_length), "--micro-batch-size", "1",
             "--global-batch-size", str(options.global_batch_size), "--train-iters", "1000",
-            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0", *CORPUS_FLAGS,
             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "elastic",
             "--elastic-hardware-profile", profile,
             "--elastic-min-slice-tokens", str(options.min_slice_tokens),
@@ -87,18 +87,15 @@ def worker(argv) -> int:
     import torch.distributed as dist
 
     from megatron.plugin import registry
-    from megatron.plugin.arguments import parse_args
-    from megatron.plugin.memory import SavedTensorMeter
-    from megatron.plugin.training import setup_job, timed_step
     from elastic_pipe.runtime import refit_cost_model
 
     iters = int(os.environ["BENCH_ITERS"])
     refit = os.environ["BENCH_REFIT"] == "1"
-    args = parse_args(argv)
+    job = Job(argv)
+    args = job.args
     if refit:  # record the warm-up round's action times; no refit on the way
         args.elastic_refit_interval = iters + 2
-    sources, model, optimizer, _, config = setup_job(args)
-    meter = SavedTensorMeter()
+    model = job.model
     results = {name: {"times": [], "tokens": [], "peaks": [], "predicted": [], "planned": [],
                        "prepare": []}
                for name in SCHEDULES}
@@ -107,15 +104,15 @@ def worker(argv) -> int:
         if i == 1 and refit:
             summary = refit_cost_model("bench", args, model)
             args.elastic_refit_interval = 0
-        documents = sources["train"].documents(i)
+        documents = job.documents(i)
         for name in SCHEDULES:
             registry.use_schedule(name)
-            result, took, peaks = timed_step(model, optimizer, config, args, documents, meter)
+            result, took, peaks = timed_step(job, documents)
             if i == 0:
                 continue
             entry = results[name]
             entry["times"].append(took)
-            entry["tokens"].append(result["tokens"])
+            entry["tokens"].append(result["num_tokens"])
             entry["peaks"].append(peaks)
             entry["prepare"].append(result["prepare_s"])
             if dist.get_rank() == 0:

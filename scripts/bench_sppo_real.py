@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 
-from _launch import run_workers, stage_peaks
+from _launch import CORPUS_FLAGS, Job, run_workers, stage_peaks, timed_step
 
 #: variant -> (schedule, flags changed from the job's).
 VARIANTS = {"sppo": ("sppo", {}), "sppo_no_offload": ("sppo", {"sppo_offload": "off"}),
@@ -57,7 +57,7 @@ def model_flags(options) -> list[str]:
             "--seq-length", str(options.tokens),
             "--max-position-embeddings", str(options.tokens), "--micro-batch-size", "1",
             "--global-batch-size", "8", "--train-iters", "1000",
-            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0",
+            "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0", *CORPUS_FLAGS,
             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "sppo",
             "--sppo-subsequences", str(options.subsequences),
             "--sppo-offload", str(options.offload),
@@ -84,14 +84,10 @@ def worker(argv) -> int:
     import torch.distributed as dist
 
     from megatron.plugin import registry
-    from megatron.plugin.arguments import parse_args
-    from megatron.plugin.memory import SavedTensorMeter
-    from megatron.plugin.training import setup_job, timed_step
 
     iters = int(os.environ["BENCH_ITERS"])
-    args = parse_args(argv)
-    sources, model, optimizer, _, config = setup_job(args)
-    meter = SavedTensorMeter()
+    job = Job(argv)
+    args = job.args
     variants = {}
     for name, (schedule, flags) in VARIANTS.items():
         variants[name] = copy.copy(args)
@@ -99,12 +95,11 @@ def worker(argv) -> int:
     results = {name: {"times": [], "cpu": [], "tokens": [], "peaks": []} for name in VARIANTS}
     batch = 0
     for i in range(iters + 1):
-        document, batch = long_document(sources["train"], args.seq_length, batch)
+        document, batch = long_document(job.sources["train"], args.seq_length, batch)
         for name, variant in variants.items():
             registry.use_schedule(variant.pipeline_schedule)
             start = time.process_time()
-            result, took, peaks = timed_step(model, optimizer, config, variant, [document],
-                                             meter)
+            result, took, peaks = timed_step(job, [document], args=variant)
             cpu = [None] * dist.get_world_size()
             dist.all_gather_object(cpu, time.process_time() - start)
             if i == 0:
@@ -112,7 +107,7 @@ def worker(argv) -> int:
             entry = results[name]
             entry["times"].append(took)
             entry["cpu"].append(max(cpu))
-            entry["tokens"].append(result["tokens"])
+            entry["tokens"].append(result["num_tokens"])
             entry["peaks"].append(peaks)
     if dist.get_rank() == 0:
         report = {}

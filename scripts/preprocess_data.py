@@ -1,22 +1,34 @@
-"""Build a Megatron ``.bin/.idx`` dataset from jsonl or text files (Megatron-LM's flag names).
+"""Build a Megatron ``.bin/.idx`` dataset from jsonl or text files with Megatron-LM's tokenizers.
 
-    python scripts/preprocess_data.py --input docs.jsonl --output-prefix data/my_corpus \
-        --tokenizer-type ByteLevel --append-eod [--json-keys text]
-    python scripts/preprocess_data.py --input a.txt b.txt --output-prefix data/texts
+    python scripts/preprocess_data.py --input docs.jsonl --output-prefix data/my_corpus \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json \\
+        --merge-file gpt2-merges.txt --append-eod --workers 8
+    python scripts/preprocess_data.py --input a.txt b.txt --output-prefix data/texts \\
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH --append-eod
     python scripts/preprocess_data.py --embedded-corpus     # the default training corpus
 
-A ``.jsonl`` input gives one document per line (the ``--json-keys`` field); any other file is
-one document. The dataset is read with ``--data-path data/my_corpus``.
+Flags as Megatron-LM's ``tools/preprocess_data.py``: the tokenizer group is Megatron-LM's own
+(``--tokenizer-type``, ``--vocab-file``, ``--merge-file``, ``--tokenizer-model``,
+``--vocab-size``, ...), built by its ``build_tokenizer``, so a dataset written here and one
+written by Megatron-LM's tool read the same. A ``.jsonl`` input gives one document per line
+(the ``--json-keys`` field); any other file is one document. ``--workers`` processes tokenize
+in parallel (documents keep their input order); progress goes to stderr every
+``--log-interval`` documents. Read the dataset with ``--data-path PREFIX`` and the same
+tokenizer flags.
 """
 import argparse
 import json
+import multiprocessing
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 from megatron.plugin.corpus import embedded_corpus, write_dataset
-from megatron.plugin.tokenizer import TOKENIZER_TYPES, build_tokenizer
+
+_tokenizer = None
+_append_eod = False
 
 
 def texts(paths, json_key):
@@ -35,34 +47,94 @@ def texts(paths, json_key):
             yield path.read_text(encoding="utf-8", errors="replace")
 
 
+def build_tokenizer(args):
+    """Megatron-LM's tokenizer from its tokenizer flags (the rest at Megatron's defaults)."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build
+
+    from megatron.plugin.arguments import megatron_defaults
+
+    full = argparse.Namespace(**{dest: default for dest, (_, default)
+                                 in megatron_defaults().items()})
+    vars(full).update(vars(args), rank=0)
+    return megatron_build(full)
+
+
+def _start_worker(args) -> None:
+    global _tokenizer, _append_eod
+    _tokenizer = build_tokenizer(args)
+    _append_eod = args.append_eod
+
+
+def _encode(text: str) -> np.ndarray:
+    """A document's token ids; an empty text is an empty document (skipped when written, no
+    end-of-document token: as Megatron-LM's tool)."""
+    ids = np.asarray(_tokenizer.tokenize(text) if text else [], dtype=np.int64)
+    return np.append(ids, _tokenizer.eod) if _append_eod and len(ids) else ids
+
+
+def parser() -> argparse.ArgumentParser:
+    from megatron.training.arguments import _add_tokenizer_args
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    group = p.add_argument_group("input and output")
+    group.add_argument("--input", nargs="+", type=Path, help="jsonl or text files")
+    group.add_argument("--output-prefix", help="dataset prefix (writes PREFIX.bin, PREFIX.idx)")
+    group.add_argument("--json-keys", nargs="+", default=["text"],
+                       help="jsonl field holding the text (one key)")
+    group.add_argument("--append-eod", action="store_true",
+                       help="end each document with the tokenizer's end-of-document token")
+    group.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    group.add_argument("--log-interval", type=int, default=1000,
+                       help="report progress every this many documents")
+    group.add_argument("--embedded-corpus", action="store_true",
+                       help="build the embedded corpus (Python's standard library) if missing")
+    _add_tokenizer_args(p)
+    return p
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--input", nargs="+", type=Path, help="jsonl or text files")
-    parser.add_argument("--output-prefix", help="dataset prefix (writes PREFIX.bin, PREFIX.idx)")
-    parser.add_argument("--json-keys", default="text", help="jsonl field holding the text")
-    parser.add_argument("--tokenizer-type", default="ByteLevel", choices=TOKENIZER_TYPES)
-    parser.add_argument("--append-eod", action="store_true",
-                        help="end each document with the end-of-document token")
-    parser.add_argument("--embedded-corpus", action="store_true",
-                        help="build the embedded corpus (Python's standard library) if missing")
-    args = parser.parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if args.embedded_corpus:
         print(f"embedded corpus: {embedded_corpus()}")
         return 0
     if not args.input or not args.output_prefix:
-        parser.error("--input and --output-prefix are required (or --embedded-corpus)")
-    missing = [str(p) for p in args.input if not p.is_file()]
+        p.error("--input and --output-prefix are required (or --embedded-corpus)")
+    if len(args.json_keys) != 1:
+        p.error("--json-keys takes one key: the project writes one dataset per call")
+    if args.tokenizer_type is None:
+        p.error("--tokenizer-type is required (as for Megatron-LM's tools/preprocess_data.py)")
+    if args.workers < 1:
+        p.error(f"--workers must be >= 1, got {args.workers}")
+    missing = [str(path) for path in args.input if not path.is_file()]
     if missing:
-        parser.error(f"input files not found: {', '.join(missing)}")
-    tokenizer = build_tokenizer(args.tokenizer_type)
+        p.error(f"input files not found: {', '.join(missing)}")
+    vocab_size = build_tokenizer(args).vocab_size
+    start = time.perf_counter()
+    state = {"documents": 0, "tokens": 0}
 
-    def documents():
-        for text in texts(args.input, args.json_keys):
-            ids = tokenizer.tokenize(text)
-            yield np.append(ids, tokenizer.eod) if args.append_eod else ids
+    def progress(ids_stream):
+        for ids in ids_stream:
+            state["documents"] += 1
+            state["tokens"] += len(ids)
+            if state["documents"] % args.log_interval == 0:
+                took = time.perf_counter() - start
+                print(f"processed {state['documents']} documents, {state['tokens']} tokens "
+                      f"({state['documents'] / took:.1f} documents/s)", file=sys.stderr,
+                      flush=True)
+            yield ids
 
-    count = write_dataset(args.output_prefix, documents(), tokenizer.vocab_size)
-    print(f"wrote {count} documents to {args.output_prefix}.bin/.idx")
+    stream = texts(args.input, args.json_keys[0])
+    if args.workers == 1:
+        _start_worker(args)
+        count = write_dataset(args.output_prefix, progress(map(_encode, stream)), vocab_size)
+    else:
+        with multiprocessing.get_context("spawn").Pool(
+                args.workers, initializer=_start_worker, initargs=(args,)) as pool:
+            count = write_dataset(args.output_prefix,
+                                  progress(pool.imap(_encode, stream, chunksize=16)), vocab_size)
+    print(f"wrote {count} documents ({state['tokens']} tokens) to "
+          f"{args.output_prefix}.bin/.idx in {time.perf_counter() - start:.1f} s")
     return 0
 
 

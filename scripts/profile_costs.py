@@ -9,17 +9,17 @@ What is measured and how (every choice made here):
 - The layer is a real Megatron ``TransformerLayer`` built from the project's spec
   (:func:`megatron.plugin.attention.document_layer_spec`, core attention
   :class:`~megatron.plugin.attention.DocumentAttention`) with the ``TransformerConfig`` that
-  :func:`megatron.plugin.model.transformer_config` builds from the training flags (parsed by
-  :func:`megatron.plugin.arguments.parse_args`, so the defaults -- LayerNorm, GeLU, biases,
-  learned-absolute positions, FP32 on CPU -- are those of a training run with the same model
-  flags). Dropout is ``--attention-dropout`` / ``--hidden-dropout`` (Megatron's 0.1 unless
+  :func:`megatron.plugin.model.model_config` builds from the training flags (parsed by
+  Megatron-LM's own parser, so the defaults -- LayerNorm, GeLU, biases, learned-absolute
+  positions, FP32 on CPU -- are those of a training run with the same model flags). Dropout is
+  ``--attention-dropout`` / ``--hidden-dropout`` (Megatron's 0.1 unless
   given): profile with the job's values, because on CPU SDPA's fused causal kernel does not
   take dropout, so attention dropout > 0 times the math kernel, many times slower at long
   sequences. ``--num-layers-profiled N`` builds N layers run back to back; the times
   are divided by N, so the result is per layer.
-- Process groups: a 1-rank gloo group and ``parallel_state.initialize_model_parallel`` (as
-  ``megatron/plugin/training.py`` does); on a machine without CUDA the project's
-  ``cpu_compat.install()`` is applied first. TP = SP = 1, so the fit is stamped ``sp=1, tp=1``.
+- Process groups and seeds: Megatron-LM's start-up on one process
+  (:func:`megatron.plugin.launch.initialize`, which applies ``cpu_compat`` on a machine
+  without CUDA). TP = SP = 1, so the fit is stamped ``sp=1, tp=1``.
 - Grid point ``(s, C)``: one document with a packed row of ``s`` tokens (micro-batch 1). For
   ``C = 0`` it is slice 0 with no context. For ``C > 0`` slice 0 of ``C`` tokens is first run
   forward with grad enabled and ``record_kv=True`` into a :class:`KVStore` (not timed), then the
@@ -115,44 +115,35 @@ def fit_backward_factor(forward_s, backward_s) -> float:
 
 # ------------------------------------------------------------------------------------ measuring
 def build_layers(args):
-    """Process groups, CPU compatibility and ``args.num_layers_profiled`` Megatron layers."""
+    """Megatron start-up on one process (parser, process groups, seeds; CPU compatibility
+    without CUDA) and ``args.num_layers_profiled`` Megatron layers."""
     import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron.plugin import cpu_compat
-    from megatron.plugin.arguments import parse_args
+    from megatron.plugin import launch
     from megatron.plugin.attention import document_layer_spec
-    from megatron.plugin.model import transformer_config
+    from megatron.plugin.model import model_config
 
-    longest = max(args.tokens) + max(args.contexts)
+    # the longest slice with its context, and the one-layer model's longest batch
+    longest = max(max(args.tokens) + max(args.contexts), 4 * min(args.tokens))
     flags = ["--num-layers", str(args.num_layers_profiled), "--hidden-size", str(args.hidden_size),
              "--num-attention-heads", str(args.num_attention_heads),
-             "--seq-length", str(longest), "--global-batch-size", "1", "--train-iters", "1",
-             "--lr", "1e-4", "--seed", str(args.seed),
+             "--seq-length", str(longest), "--max-position-embeddings", str(longest),
+             "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters", "1",
+             "--lr", "1e-4", "--seed", str(args.seed), "--tokenizer-type", "NullTokenizer",
+             "--vocab-size", str(args.vocab_size),
              "--attention-dropout", str(args.attention_dropout),
              "--hidden-dropout", str(args.hidden_dropout)]
     if args.ffn_hidden_size is not None:
         flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
-    train_args = parse_args(flags)
-    cuda = torch.cuda.is_available()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 20000))
-        dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    if not cuda:
-        cpu_compat.install()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1,
-                                             pipeline_model_parallel_size=1)
-    torch.manual_seed(args.seed)
-    if cuda:
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(args.seed)
-    config = transformer_config(train_args)
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                        ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(29500 + os.getpid() % 20000))):
+        os.environ.setdefault(name, value)
+    train_args = launch.initialize(flags)
+    config = model_config(train_args)
     spec = document_layer_spec(args.num_layers_profiled, train_args.normalization)
-    device = torch.device("cuda") if cuda else torch.device("cpu")
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     layers = [build_module(layer_spec, config=config, layer_number=i + 1).to(device).train()
               for i, layer_spec in enumerate(spec.layer_specs)]
     return layers, config, train_args, device
@@ -213,26 +204,18 @@ def measure_point(layers, hidden, tokens, context, repeats, device, dtype, seed=
     return statistics.median(forwards) / n, statistics.median(backwards) / n
 
 
-def one_layer_model(args, device, seq_length: int):
+def one_layer_model(config, device):
     """A one-layer ``GPTModel`` of the profiled flags (embedding, layer, head), in training
-    mode, for sequences up to ``seq_length``."""
-    from megatron.plugin.arguments import parse_args
-    from megatron.plugin.model import build_model_chunks, transformer_config
+    mode (the training script's model provider)."""
+    import dataclasses
 
-    flags = ["--num-layers", "1", "--hidden-size", str(args.hidden_size),
-             "--num-attention-heads", str(args.num_attention_heads),
-             "--seq-length", str(seq_length), "--global-batch-size", "1",
-             "--train-iters", "1", "--lr", "1e-4", "--seed", str(args.seed),
-             "--attention-dropout", str(args.attention_dropout),
-             "--hidden-dropout", str(args.hidden_dropout)]
-    if args.ffn_hidden_size is not None:
-        flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
-    model_args = parse_args(flags)
-    model = build_model_chunks(model_args, transformer_config(model_args), args.vocab_size)[0]
+    from megatron.plugin.model import model_provider
+
+    model = model_provider(config=dataclasses.replace(config, num_layers=1))
     return model.to(device).train()
 
 
-def activation_coefficients(args, layers, device) -> dict:
+def activation_coefficients(args, config, layers, device) -> dict:
     """Activation bytes per token, counted by the training loop's saved-tensor meter on the real
     layer and a one-layer ``GPTModel`` of the same flags (see the module docstring).
 
@@ -246,7 +229,7 @@ def activation_coefficients(args, layers, device) -> dict:
     from megatron.plugin.memory import SavedTensorMeter
     from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
 
-    model = one_layer_model(args, device, 4 * min(args.tokens))
+    model = one_layer_model(config, device)
     leading = LeadingLayers(model)
     generator = torch.Generator().manual_seed(args.seed)
 
@@ -308,7 +291,7 @@ def activation_coefficients(args, layers, device) -> dict:
                 hidden_size=args.hidden_size, vocab_size=model.vocab_size, sp=1, tp=1)
 
 
-def end_times(args, device) -> dict[str, list[float]]:
+def end_times(args, config, device) -> dict[str, list[float]]:
     """Median seconds of the embedding and of the head (final norm, output layer, loss), forward
     and backward, at each ``--tokens`` count: one training micro-batch (``forward_step`` and
     its loss) through a one-layer ``GPTModel`` of the job's flags, cut at the decoder's input
@@ -318,7 +301,7 @@ def end_times(args, device) -> dict[str, list[float]]:
 
     from megatron.plugin.batches import forward_step, micro_batch, pack_row
 
-    model = one_layer_model(args, device, max(args.tokens))
+    model = one_layer_model(config, device)
     generator = torch.Generator().manual_seed(args.seed)
     clock: dict[str, float] = {}
 
@@ -444,8 +427,8 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden-dropout", type=float, default=0.1,
                         help="as the job's flag (Megatron's default 0.1)")
     parser.add_argument("--vocab-size", type=int, default=257,
-                        help="tokenizer vocabulary before Megatron's padding (the project's "
-                             "byte tokenizer: 257); the head's activation bytes depend on it")
+                        help="tokenizer vocabulary before Megatron's padding (the embedded "
+                             "corpus: 257); the head's activation bytes depend on it")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--base-profile", default="a800",
                         help="shipped profile name or JSON path the unmeasured fields come from")
@@ -503,11 +486,11 @@ def main(argv=None) -> int:
     grid = (f"tokens {args.tokens} x contexts {args.contexts}, median of {args.repeats} after a "
             f"warm-up, {args.num_layers_profiled} layer(s), ffn {config.ffn_hidden_size}, "
             f"{str(config.params_dtype).replace('torch.', '')}")
-    activations = activation_coefficients(args, layers, device)
+    activations = activation_coefficients(args, config, layers, device)
     print("activation bytes per token: " + ", ".join(
         f"{key} {activations[key]:.1f}"
         for key in ("layer", "checkpointed", "kv", "dkv", "embedding", "head")))
-    measured_ends, vocab = end_times(args, device)
+    measured_ends, vocab = end_times(args, config, device)
     ends = dict(hidden_size=args.hidden_size, vocab_size=vocab, sp=1, tp=1)
     for key, seconds in measured_ends.items():
         ends[key] = fit_linear(args.tokens, seconds)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up a virtual environment (unless one is active), installs the project, prepares the
-# embedded corpus, and trains a small GPT for a few dozen iterations on 2 CPU ranks with
-# pipeline-parallel size 2 under the elastic schedule (long documents split into slices, short
-# ones packed). Extra arguments are passed to pretrain_gpt_elastic.py
+# embedded corpus (UTF-8 bytes and an end-of-document token 256: Megatron-LM's NullTokenizer
+# with --vocab-size 257 reads it), and trains a small GPT for a few dozen iterations on 2 CPU
+# ranks with pipeline-parallel size 2 under the elastic schedule (long documents split into
+# slices, short ones packed). Extra arguments are passed to pretrain_gpt_elastic.py
 # (e.g. `bash scripts/quickstart.sh --pipeline-schedule 1f1b` for Megatron's own 1F1B).
 source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -18,6 +19,7 @@ python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
   --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 4 --weight-decay 0.01 \
   --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --seed 1234 \
   --pipeline-model-parallel-size 2 --pipeline-schedule elastic --elastic-min-slice-tokens 128 \
+  --calculate-per-token-loss --tokenizer-type NullTokenizer --vocab-size 257 \
   --log-interval 5 --eval-interval 20 --eval-iters 2 \
   --save "$run_dir/checkpoints" --save-interval 20 \
   --metrics-jsonl "$run_dir/metrics.jsonl" "$@"

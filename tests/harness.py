@@ -14,6 +14,7 @@ TINY_MODEL = [
     "--seq-length", "64", "--max-position-embeddings", "128", "--micro-batch-size", "1",
     "--global-batch-size", "12", "--train-iters", "1", "--lr", "1e-3",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
+    "--calculate-per-token-loss", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
 ]
 
 

@@ -6,8 +6,9 @@ under a temporary prefix and renamed into place (``.bin`` first, ``.idx`` last),
 never sees a half-written dataset.
 
 The embedded corpus (used when no ``--data-path`` is given) is the Python standard library's own
-``.py`` files on this machine (``site-packages`` excluded), byte-level tokenized with an
-end-of-document token: about 1,800 documents and 31 MB of real code whose length distribution is
+``.py`` files on this machine (``site-packages`` excluded), one token per UTF-8 byte (ids 0-255)
+and the end-of-document token 256 (read it with Megatron-LM's
+``--tokenizer-type NullTokenizer --vocab-size 257``): about 1,800 documents and 31 MB of real code whose length distribution is
 skewed like GitHub's (median 6.5 KB, max 757 KB). Nothing is downloaded. It is built on first use
 and cached under the repository's ignored ``data/`` folder.
 """
@@ -22,10 +23,12 @@ import numpy as np
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-from megatron.plugin.tokenizer import ByteLevelTokenizer
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 EMBEDDED_PREFIX = DATA_DIR / "stdlib_bytelevel_document"
+#: The embedded corpus's end-of-document token and vocabulary (bytes, then the marker).
+EMBEDDED_EOD = 256
+EMBEDDED_VOCAB_SIZE = 257
 
 
 def token_dtype(vocab_size: int):
@@ -73,14 +76,13 @@ def embedded_corpus(prefix: str | os.PathLike = EMBEDDED_PREFIX) -> str:
     prefix = str(prefix)
     if IndexedDataset.exists(prefix):
         return prefix
-    tokenizer = ByteLevelTokenizer()
-
     def documents():
         for path in stdlib_files():
             text = path.read_bytes().decode("utf-8", errors="replace")
-            yield np.append(tokenizer.tokenize(text), tokenizer.eod)
+            data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+            yield np.append(data, EMBEDDED_EOD)
 
-    count = write_dataset(prefix, documents(), tokenizer.vocab_size)
+    count = write_dataset(prefix, documents(), EMBEDDED_VOCAB_SIZE)
     if count == 0:
         raise FileNotFoundError(
             "no .py files found in the Python standard library to build the embedded corpus; "

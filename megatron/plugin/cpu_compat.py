@@ -24,9 +24,9 @@ function that asserts CUDA tensors (gradient clipping), replaced by a device-agn
 the same arithmetic (:data:`_FUNCTIONS`).
 
 Spots that need no patch here: the rotary embedding's ``inv_freq`` (the project's attention
-builds Megatron's ``RotaryEmbedding`` with ``use_cpu_initialization``), DDP's communication
-stream (used only with ``--overlap-grad-reduce``, which the training script refuses) and
-asynchronous checkpoint saving (not used). Every listed patch is exercised by the golden tests.
+builds Megatron's ``RotaryEmbedding`` with ``use_cpu_initialization``) and asynchronous
+checkpoint saving (not used). ``--overlap-grad-reduce`` (refused by the document schedules) is
+not exercised on the CPU. Every listed patch is exercised by the golden tests.
 
 The patch is scoped (only the modules listed in :data:`PATCHED_MODULES`), limited to the
 supported megatron-core version, installed only when CUDA is absent, and reversible
@@ -39,6 +39,7 @@ import collections
 import contextlib
 import importlib
 import importlib.metadata
+import importlib.util
 import logging
 import types
 
@@ -61,6 +62,14 @@ PATCHED_MODULES = {
     "megatron.core.tensor_parallel.mappings": "all-gather / reduce-scatter buffers",
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize before save",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "consistency-check tensors",
+    "megatron.core.tensor_parallel.random": "RNG tracker seeding (device generator states)",
+    "megatron.core.timers": "synchronize around timed spans",
+    "megatron.core.rerun_state_machine": "RNG states saved for a rerun",
+    "megatron.training.initialize": "device count and selection, seeds",
+    "megatron.training.training": "start-time and flag tensors, model placement, DDP stream",
+    "megatron.training.checkpointing": "RNG state of the device generator",
+    "megatron.training.utils": "0.17: reductions of step statistics over model parallelism",
+    "megatron.training.utils.common_utils": "0.18+: reductions of step statistics",
 }
 
 #: ``HITS[module][what]``: how many calls the proxy redirected from CUDA to the CPU.
@@ -119,6 +128,25 @@ class _CudaShim:
     def default_stream(self, *args, **kwargs):
         HITS[self._module]["cuda.default_stream"] += 1
         return _NullStream()
+
+    def device_count(self):
+        HITS[self._module]["cuda.device_count"] += 1
+        return 1
+
+    def set_device(self, device):
+        del device
+        HITS[self._module]["cuda.set_device"] += 1
+
+    def get_rng_state(self, *args, **kwargs):
+        HITS[self._module]["cuda.get_rng_state"] += 1
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_rng_state(self, *args, **kwargs):
+        HITS[self._module]["cuda.set_rng_state"] += 1
+
+    def manual_seed(self, seed):
+        del seed
+        HITS[self._module]["cuda.manual_seed"] += 1
 
     def current_stream(self, *args, **kwargs):
         HITS[self._module]["cuda.current_stream"] += 1
@@ -185,10 +213,10 @@ def install(force: bool = False) -> bool:
             f"The CPU compatibility layer supports megatron-core {SUPPORTED_MEGATRON_CORE}, "
             f"found {version}: install megatron-core>=0.17.0,<0.20 or run on a CUDA machine."
         )
-    for name in PATCHED_MODULES:
-        module = importlib.import_module(name)
+    for name in installed_modules():
         if name in _originals:
             continue
+        module = importlib.import_module(name)
         _originals[name] = module.torch
         module.torch = _CpuTorch(name)
     _replace_functions()
@@ -214,10 +242,30 @@ def installed() -> bool:
     return bool(_originals)
 
 
+def installed_modules() -> list[str]:
+    """The modules of :data:`PATCHED_MODULES` that the installed release has as modules.
+
+    Some moved between releases (``megatron.training.utils`` is a module in 0.17 and a
+    package from 0.18 on, its functions in ``utils.common_utils``); each release gets the
+    names it has, and the golden tests check that each of those is exercised.
+    """
+    names = []
+    for name in PATCHED_MODULES:
+        try:
+            if importlib.util.find_spec(name) is None:
+                continue
+        except ModuleNotFoundError:  # its parent is a module, not a package, in this release
+            continue
+        if hasattr(importlib.import_module(name), "__path__"):
+            continue  # a package: its functions live in a submodule listed on its own
+        names.append(name)
+    return names
+
+
 def patched_modules() -> set[str]:
-    """Every megatron-core module touched by the layer (proxies, twins, wrappers, RNG fork)."""
-    owners = {name.partition(":")[0] for name in (*_FUNCTIONS, *_METHODS)}
-    return set(PATCHED_MODULES) | owners | {"megatron.core.tensor_parallel.random"}
+    """Every megatron module touched by the layer (proxies, twins, wrappers, RNG fork)."""
+    owners = {name.partition(":")[0] for name in (*_FUNCTIONS, *_WRAPPED, *_METHODS)}
+    return set(installed_modules()) | owners | {"megatron.core.tensor_parallel.random"}
 
 
 def _clip_grad_by_total_norm(parameters, max_norm, total_norm, use_decoupled_grad=False):
@@ -255,21 +303,70 @@ def _set_device_rng_state(new_state, *args, **kwargs) -> None:
     HITS["megatron.core.tensor_parallel.random"]["set_cuda_rng_state"] += 1
 
 
+def _no_fusion_warmup(*args, **kwargs) -> None:
+    """CPU twin of ``set_jit_fusion_options``: the warm-up compiles CUDA fusion kernels on
+    random CUDA tensors; on the CPU there is nothing to compile, and its draws would move the
+    CPU generator that initialises the weights."""
+    del args, kwargs
+    HITS["megatron.training.training"]["set_jit_fusion_options"] += 1
+
+
+def _no_device_arch() -> int:
+    """CPU twin of ``get_device_arch_version`` (which queries CUDA device 0): Megatron's argument
+    validation asks it whether tensor or context parallelism needs
+    ``CUDA_DEVICE_MAX_CONNECTIONS=1`` (below Blackwell's 10). Without a device there are no
+    CUDA connections to order: answer 10, the first architecture without that requirement."""
+    HITS["megatron.training.arguments"]["get_device_arch_version"] += 1
+    return 10
+
+
 #: ``"module:function"`` -> CPU twin, rebound in that module's namespace.
 _FUNCTIONS = {
+    "megatron.training.arguments:get_device_arch_version": _no_device_arch,
+    "megatron.training.training:set_jit_fusion_options": _no_fusion_warmup,
     "megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32": _clip_grad_by_total_norm,
     "megatron.core.tensor_parallel.random:_get_cuda_rng_state": _get_device_rng_state,
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state": _set_device_rng_state,
 }
 
 
+def _allow_no_cuda(initialize_megatron):
+    """``initialize_megatron`` asserts CUDA unless told ``allow_no_cuda``."""
+
+    def initialize(*args, **kwargs):
+        HITS["megatron.training.training"]["initialize_megatron"] += 1
+        return initialize_megatron(*args, **dict(kwargs, allow_no_cuda=True))
+
+    return initialize
+
+
+def _models_stay_on_the_cpu(get_model):
+    """``get_model`` moves every model chunk with ``Module.cuda``: identity during the call."""
+
+    def build(*args, **kwargs):
+        with _cuda_is_identity("megatron.training.training"):
+            return get_model(*args, **kwargs)
+
+    return build
+
+
+#: ``"module:function"`` -> wrapper factory, applied to the function in that module.
+_WRAPPED = {
+    "megatron.training.training:initialize_megatron": _allow_no_cuda,
+    "megatron.training.training:get_model": _models_stay_on_the_cpu,
+}
+
+
 def _replace_functions() -> None:
-    for name, replacement in _FUNCTIONS.items():
+    replacements = {**_FUNCTIONS, **{name: None for name in _WRAPPED}}
+    for name, replacement in replacements.items():
         if name in _originals:
             continue
         module_name, _, attr = name.partition(":")
         module = importlib.import_module(module_name)
         _originals[name] = getattr(module, attr)
+        if replacement is None:
+            replacement = _WRAPPED[name](_originals[name])
         setattr(module, attr, replacement)
 
 
@@ -281,19 +378,21 @@ _METHODS = {
 
 
 @contextlib.contextmanager
-def _tensor_cuda_is_identity(module_name: str):
-    original = torch.Tensor.cuda
+def _cuda_is_identity(module_name: str):
+    """``Tensor.cuda`` and ``Module.cuda`` return their object unchanged, for the duration."""
+    originals = torch.Tensor.cuda, torch.nn.Module.cuda
 
-    def stay(tensor, *args, **kwargs):
+    def stay(obj, *args, **kwargs):
         del args, kwargs
-        HITS[module_name]["Tensor.cuda"] += 1
-        return tensor
+        kind = "Tensor" if isinstance(obj, torch.Tensor) else "Module"
+        HITS[module_name][f"{kind}.cuda"] += 1
+        return obj
 
-    torch.Tensor.cuda = stay
+    torch.Tensor.cuda = torch.nn.Module.cuda = stay
     try:
         yield
     finally:
-        torch.Tensor.cuda = original
+        torch.Tensor.cuda, torch.nn.Module.cuda = originals
 
 
 def _wrap_methods() -> None:
@@ -307,7 +406,7 @@ def _wrap_methods() -> None:
         _originals[name] = method
 
         def wrapped(*args, _method=method, _module=module_name, **kwargs):
-            with _tensor_cuda_is_identity(_module):
+            with _cuda_is_identity(_module):
                 return _method(*args, **kwargs)
 
         setattr(cls, method_name, wrapped)

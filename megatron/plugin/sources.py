@@ -3,7 +3,7 @@
 Each iteration draws ``--global-batch-size`` whole documents. The draw is a pure function of
 ``(seed, split, iteration)``, so every rank computes the same batch without communication and a
 run resumed at iteration ``i`` continues with exactly the documents it would have seen (the data
-position is the iteration number stored in the checkpoint).
+position is Megatron-LM's ``consumed_train_samples``, in documents, stored in the checkpoint).
 
 Choices, written down:
 
@@ -16,8 +16,8 @@ Choices, written down:
   gets at least its rounded share).
 * **Truncation**: a document longer than ``--seq-length`` inputs keeps its first
   ``seq_length + 1`` tokens. Documents shorter than 2 tokens (no input/label pair) are skipped.
-* **Evaluation**: ``documents(i)`` of the ``valid`` split for ``i < --eval-iters``: every
-  evaluation sees the same validation batches, so validation losses compare across iterations.
+* **Evaluation**: Megatron-LM's loop reads the ``valid`` split's batches in order, on from
+  where the previous evaluation stopped (``consumed_valid_samples``).
 """
 from __future__ import annotations
 
@@ -30,7 +30,6 @@ import torch.distributed as dist
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.plugin.corpus import embedded_corpus
-from megatron.plugin.tokenizer import build_tokenizer
 
 SPLITS = ("train", "valid", "test")
 
@@ -184,16 +183,16 @@ def _open(prefix: str) -> IndexedDataset:
     return IndexedDataset(prefix, mmap=True)
 
 
-def build_document_sources(args: argparse.Namespace):
-    """``({"train": ..., "valid": ..., "test": ...}, vocab_size)`` from the data flags.
+def build_document_sources(args: argparse.Namespace, vocab_size: int):
+    """``{"train": ..., "valid": ..., "test": ...}`` from the data flags; token ids must lie
+    below ``vocab_size`` (the tokenizer's, unpadded).
 
     The embedded corpus is built by rank 0 (others wait at a barrier) when no ``--data-path``
     and no ``--mock-data`` is given.
     """
-    tokenizer = build_tokenizer(args.tokenizer_type)
     if args.mock_data:
-        return ({name: MockSource(args.global_batch_size, args.seq_length, args.seed, i)
-                 for i, name in enumerate(SPLITS)}, tokenizer.vocab_size)
+        return {name: MockSource(args.global_batch_size, args.seq_length, args.seed, i)
+                for i, name in enumerate(SPLITS)}
     if args.data_path:
         pairs = parse_data_path(args.data_path)
     else:
@@ -203,15 +202,16 @@ def build_document_sources(args: argparse.Namespace):
             dist.barrier()
         pairs = [(1.0, embedded_corpus())]
     datasets = [_open(prefix) for _, prefix in pairs]
+    split = args.split or "969, 30, 1"  # Megatron-LM's default with --data-path
     sources = {}
     for i, name in enumerate(SPLITS):
         streams = []
         for k, dataset in enumerate(datasets):
-            start, stop = split_ranges(args.split, len(dataset.index.document_indices) - 1)[i]
+            start, stop = split_ranges(split, len(dataset.index.document_indices) - 1)[i]
             streams.append(_DatasetStream(dataset, start, stop, seed=args.seed * 1000 + 10 * k + i))
         sources[name] = DocumentSource(streams, [w for w, _ in pairs], args.global_batch_size,
-                                       args.seq_length, tokenizer.vocab_size, name)
+                                       args.seq_length, vocab_size, name)
     if len(sources["train"]) == 0:
         raise ValueError("the train split has no documents of 2 tokens or more: check "
                          "--data-path and --split")
-    return sources, tokenizer.vocab_size
+    return sources

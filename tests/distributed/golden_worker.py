@@ -1,18 +1,18 @@
 """Worker for golden gradient tests (launched with torchrun by ``harness.py``).
 
 Modes:
-* ``init`` (1 process): build the model with the given seed and save its weights as a
-  Megatron distributed checkpoint, so every layout starts from identical parameters.
-* ``run`` (any layout): load those weights, run one forward-backward with the schedule under
-  test over the fixed documents, then save the reduced gradients (``main_grad``) *as model
+* ``init`` (1 process): build the model with the given seed and save it with Megatron-LM's
+  ``save_checkpoint`` (``--save``), so every layout starts from identical parameters.
+* ``run`` (any layout): Megatron-LM's loader reads those weights (``--load``, resharded into
+  the layout), run one training step (Megatron's ``train_step``:
+  the schedule under test over the fixed documents, then the optimizer step), then save the reduced gradients (``main_grad``) *as model
   weights* — dist_checkpointing then reshards them into any other layout — and the loss.
   Document-level schedules (``elastic``, ``seq1f1b``) also write their plan's chunk kinds and
   checkpointing table (``plan_<tag>.json``), ``helix`` its micro-batch and padding counts
   and MLP chunk rows (``helix_<tag>.json``), ``sppo`` its subsequences, offload ratios and
   what each offload moved, per rank (``sppo_<tag>_<rank>.json``), so the test can check what a
   run exercised.
-  Finally step Megatron's optimizer (grad-norm and clipping on CPU) and record which
-  CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
+  Finally record which CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
   native ``1f1b`` the order in which its loop called ``forward_step`` / ``backward_step`` on
   each rank is recorded too (``order_<tag>_<rank>.json``), an independent oracle for the IR
   generator of 1F1B.
@@ -28,14 +28,11 @@ import sys
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
+from megatron.core import dist_checkpointing, parallel_state
 
-from megatron.plugin import checkpointing, cpu_compat
-from megatron.plugin.arguments import build_parser, validate_args
+from megatron.plugin import cpu_compat, launch
 from megatron.plugin.batches import forward_step, micro_batch, pack_row
-from megatron.plugin.training import (initialize_distributed, reduce_losses, schedule_input,
-                                      setup_model_and_optimizer, shutdown_distributed)
-from megatron.plugin import registry
+from megatron.plugin.document_data import GlobalBatch
 
 
 def golden_documents(count: int, seq_length: int, vocab: int, seed: int):
@@ -50,26 +47,63 @@ def golden_documents(count: int, seq_length: int, vocab: int, seed: int):
     return [rng.integers(0, vocab, size=n + 1).astype(np.int64) for n in lengths]
 
 
-def parse():
-    parser = build_parser()
-    parser.add_argument("--golden-mode", choices=["init", "run", "reference"], required=True)
-    parser.add_argument("--golden-dir", required=True)
-    parser.add_argument("--golden-tag", default="")
-    parser.add_argument("--golden-tags", nargs="*", default=[])
-    parser.add_argument("--golden-docs", type=int, default=12)
-    args = parser.parse_args()
-    validate_args(args)
-    return args
+def golden_arguments(parser):
+    group = parser.add_argument_group("golden test")
+    group.add_argument("--golden-mode", choices=["init", "run", "reference"], required=True)
+    group.add_argument("--golden-dir", required=True)
+    group.add_argument("--golden-tag", default="")
+    group.add_argument("--golden-tags", nargs="*", default=[])
+    group.add_argument("--golden-docs", type=int, default=12)
+    return parser
 
 
-def grads_as_weights(model):
-    """Replace every parameter's data by its reduced gradient (after finalize_model_grads)."""
+def _sharded_state(model) -> dict:
+    if len(model) == 1:
+        return {"model": model[0].module.sharded_state_dict()}
+    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def save_model(directory: str, model) -> None:
+    """Model weights only, in Megatron's distributed format (any layout can load them)."""
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model), directory)
+    dist.barrier()
+
+
+def load_model(directory: str, model) -> None:
+    loaded = dist_checkpointing.load(_sharded_state(model), directory)
+    keys = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+    for chunk, key in zip(model, keys):
+        chunk.module.load_state_dict(loaded[key], strict=True)
+
+
+def capture_grads_before_step(model, optimizer) -> dict:
+    """Wrap ``optimizer.step`` to copy every parameter's reduced gradient (``main_grad``, after
+    ``finalize_model_grads``) first: the optimizer's clipping scales it in place."""
+    captured = {}
+    step = optimizer.step
+
+    def capturing_step(*args, **kwargs):
+        for chunk in model:
+            for param in chunk.module.parameters():
+                grad = getattr(param, "main_grad", None)
+                if grad is None:
+                    grad = param.grad
+                captured[param] = (grad.detach().clone().view_as(param) if grad is not None
+                                   else torch.zeros_like(param))
+        return step(*args, **kwargs)
+
+    optimizer.step = capturing_step
+    return captured
+
+
+def grads_as_weights(model, captured: dict):
+    """Replace every parameter's data by its captured reduced gradient."""
     for chunk in model:
         for param in chunk.module.parameters():
-            grad = getattr(param, "main_grad", None)
-            if grad is None:
-                grad = param.grad
-            param.data.copy_(grad.view_as(param) if grad is not None else torch.zeros_like(param))
+            param.data.copy_(captured[param])
 
 
 def record_call_order(order: list):
@@ -92,36 +126,35 @@ def record_call_order(order: list):
 
 
 def main():
-    args = parse()
-    initialize_distributed(args)
+    args = launch.initialize(sys.argv[1:], golden_arguments)
     run(args)
-    shutdown_distributed()
+    launch.shutdown()
 
 
 def run(args):
-    registry.use_schedule(args.pipeline_schedule)
     vocab = 256
-    model, optimizer, _, config = setup_model_and_optimizer(args, vocab)
-    init_dir = os.path.join(args.golden_dir, "init")
+    model, optimizer, scheduler, config = launch.setup_model_and_optimizer()
     docs = golden_documents(args.golden_docs, args.seq_length, vocab, args.seed)
     if args.golden_mode == "init":
-        checkpointing.save_model(init_dir, model)
+        from megatron.training.checkpointing import save_checkpoint
+
+        save_checkpoint(0, model, optimizer, scheduler, 0)  # into --save
         return
-    checkpointing.load_model(init_dir, model)
     if args.golden_mode == "run":
         from megatron.core.pipeline_parallel import get_forward_backward_func
-        schedule_fn = get_forward_backward_func()
-        data_iterator, num_microbatches = schedule_input(schedule_fn, docs, args, model)
+        batch = GlobalBatch(docs, lambda: docs)
+        data_iterator = [iter([batch]) for _ in model] if len(model) > 1 else iter([batch])
         order: list[str] = []
         if args.pipeline_schedule == "1f1b":
             record_call_order(order)
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        losses = schedule_fn(forward_step_func=forward_step, data_iterator=data_iterator,
-                             model=model, num_microbatches=num_microbatches,
-                             seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                             forward_only=False)
-        loss_sum, tokens = reduce_losses(losses)
+        # Megatron's train_step: the schedule, then the optimizer step (grad norm and
+        # clipping), which sees the gradients after they are captured.
+        captured = capture_grads_before_step(model, optimizer)
+        record = launch.train_step(model, optimizer, scheduler, config, data_iterator)
+        tokens = record["num_tokens"]
+        loss_sum = record["lm_loss"] * tokens
+        num_microbatches = record["num_microbatches"]
+        data_iterator = get_forward_backward_func().last_input
         plan = getattr(data_iterator, "plan", None)
         if plan is not None and dist.get_rank() == 0:
             with open(os.path.join(args.golden_dir, f"plan_{args.golden_tag}.json"), "w") as f:
@@ -146,8 +179,8 @@ def run(args):
                                         for r in offloader.records],
                            "host_peak": offloader.tier.peak, "host_used": offloader.tier.used},
                           f)
-        grads_as_weights(model)
-        checkpointing.save_model(os.path.join(args.golden_dir, f"grads_{args.golden_tag}"), model)
+        grads_as_weights(model, captured)
+        save_model(os.path.join(args.golden_dir, f"grads_{args.golden_tag}"), model)
         if dist.get_rank() == 0:
             with open(os.path.join(args.golden_dir, f"loss_{args.golden_tag}.json"), "w") as f:
                 json.dump({"loss_sum": loss_sum, "tokens": tokens}, f)
@@ -157,7 +190,6 @@ def run(args):
                 json.dump({"pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                            "pp": args.pipeline_model_parallel_size,
                            "microbatches": num_microbatches, "order": order}, f)
-        optimizer.step()
         hits = {module: dict(counter) for module, counter in cpu_compat.HITS.items()}
         name = f"hits_{args.golden_tag}_{dist.get_rank()}.json"
         with open(os.path.join(args.golden_dir, name), "w") as f:
@@ -180,7 +212,7 @@ def run(args):
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": reference},
                os.path.join(args.golden_dir, "reference.pt"))
     for tag in args.golden_tags:
-        checkpointing.load_model(os.path.join(args.golden_dir, f"grads_{tag}"), model)
+        load_model(os.path.join(args.golden_dir, f"grads_{tag}"), model)
         grads = {name: p.detach().clone() for name, p in module.named_parameters()}
         torch.save(grads, os.path.join(args.golden_dir, f"grads_{tag}.pt"))
 

@@ -211,7 +211,11 @@ def golden(tmp_path_factory):
     root = tmp_path_factory.mktemp("golden")
     for variant, (model_flags, layouts) in RUN.items():
         common = [*TINY_MODEL, *model_flags, "--golden-dir", str(root / variant)]
-        torchrun(1, WORKER, [*common, "--golden-mode", "init"])
+        init = str(root / variant / "init")
+        torchrun(1, WORKER, [*common, "--golden-mode", "init", "--save", init,
+                             "--save-interval", "1"])
+        # Megatron-LM's loader reads the initial weights into each layout.
+        common += ["--load", init, "--no-load-optim", "--no-load-rng"]
         for tag, (nprocs, flags) in layouts.items():
             torchrun(nprocs, WORKER, [*common, *flags, "--golden-mode", "run", "--golden-tag", tag])
         torchrun(1, WORKER, [*common, "--golden-mode", "reference", "--golden-tags", *layouts])

@@ -14,8 +14,9 @@ TINY = [
     "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
     "--global-batch-size", "6", "--lr", "3e-3", "--lr-decay-style", "cosine",
     "--lr-warmup-iters", "2", "--hidden-dropout", "0", "--attention-dropout", "0",
-    "--seed", "1234", "--log-interval", "1", "--eval-interval", "0",
-    "--pipeline-model-parallel-size", "2",
+    "--seed", "1234", "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+    "--pipeline-model-parallel-size", "2", "--calculate-per-token-loss",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "257",
 ]
 
 
@@ -31,26 +32,32 @@ def test_training_logs_megatron_lines_and_metrics(tmp_path):
     lines = [line for line in result.stdout.splitlines() if " iteration " in line]
     assert len(lines) == 8
     assert "lm loss:" in lines[0] and "elapsed time per iteration (ms):" in lines[0]
+    # What the schedule reports reaches Megatron's log line (and its TensorBoard/W&B writers).
+    assert "peak activation bytes:" in lines[0] and "tokens per second:" in lines[0]
     records = metrics(out)
     assert [r["iteration"] for r in records] == list(range(1, 9))
     for record in records:
-        assert {"lm_loss", "num_tokens", "iteration_time_s", "tokens_per_s",
+        assert {"lm_loss", "num_tokens", "forward_backward_s", "tokens_per_s",
                 "peak_activation_bytes"} <= set(record)
         assert record["num_tokens"] > 0 and record["peak_activation_bytes"] > 0
     assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 0.5
 
 
 def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path):
+    """Megatron-LM's ``--save DIR --load DIR`` idiom: the first launch finds DIR empty and
+    starts fresh (Megatron's warning), exits at iteration 3 with a checkpoint; the same command
+    line resumes there and prints the losses of an uninterrupted run."""
     common = [*TINY, "--train-iters", "6", "--pipeline-schedule", "1f1b"]
     whole = tmp_path / "whole.jsonl"
     torchrun(2, SCRIPT, [*common, "--metrics-jsonl", str(whole)])
     save = tmp_path / "ckpt"
     part = tmp_path / "part.jsonl"
-    torchrun(2, SCRIPT, [*common, "--save", str(save), "--exit-interval", "3",
-                         "--metrics-jsonl", str(part)])
-    assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
-    assert not [p for p in os.listdir(save) if p.endswith(".partial")]
-    torchrun(2, SCRIPT, [*common, "--load", str(save), "--metrics-jsonl", str(part)])
+    same = [*common, "--save", str(save), "--load", str(save), "--save-interval", "100",
+            "--metrics-jsonl", str(part)]
+    first = torchrun(2, SCRIPT, [*same, "--exit-interval", "3"])
+    assert "will not load any checkpoints and will start from random" in first.stdout
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    torchrun(2, SCRIPT, same)
     expected = [r["lm_loss"] for r in metrics(whole)]
     resumed = [r["lm_loss"] for r in metrics(part)]
     assert [r["iteration"] for r in metrics(part)] == list(range(1, 7))
@@ -61,7 +68,7 @@ def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path):
     (["--data-path", "/nonexistent/corpus"],
      "--data-path /nonexistent/corpus: /nonexistent/corpus.bin, /nonexistent/corpus.idx not found"),
     (["--tensor-model-parallel-size", "4"],
-     "world size 2 is not divisible by tensor x pipeline x context parallel sizes (4 x 2 x 1)"),
+     "world size (2) is not divisible by total_model_size (total_model_size=8)"),
     (["--pipeline-schedule", "elastic", "--elastic-memory-gb", "0.0001"],
      "no plan fits 0.0001 GB per GPU even with full checkpointing"),
     (["--pipeline-schedule", "sppo", "--sppo-offload", "1", "--sppo-host-memory-gb", "1e-6"],
@@ -74,17 +81,23 @@ def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path):
 ])
 def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, message):
     save = tmp_path / "ckpt"
-    result = torchrun(2, SCRIPT, [*TINY, "--train-iters", "2", "--save", str(save), *flags],
-                      check=False, timeout=180)
+    result = torchrun(2, SCRIPT, [*TINY, "--train-iters", "3", "--save", str(save),
+                                  "--save-interval", "1", *flags], check=False, timeout=180)
     assert result.returncode != 0
     assert message in result.stderr
     assert not save.exists()
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--seq-length", "256"], "--seq-length 256 is larger than --max-position-embeddings 128"),
-    (["--num-layers", "3"], "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
-    (["--num-experts", "8"], "Megatron-LM flag --num-experts is not supported"),
+    # Megatron-LM's own validation, its message named as a refusal:
+    (["--seq-length", "256"], "Megatron-LM refused the arguments (arguments.py:"),
+    (["--seq-length", "256"], "max_position_embeddings (128) must be greater than or equal to "
+                              "seq_length (256)"),
+    (["--num-layers", "3"], "Number of layers should be divisible by the "
+                            "pipeline-model-parallel size"),
+    (["--save-interval", "0", "--save-interval", None], "assert args.save_interval is not None"),
+    # The project's checks:
+    (["--num-experts", "8"], "--num-experts is not supported by pretrain_gpt_elastic.py"),
     (["--pipeline-schedule", "zigzag"],
      "valid names: default, 1f1b, 1f1b-ir, elastic, helix, interleaved, seq1f1b, sppo"),
     (["--not-a-megatron-flag"], "unrecognized arguments: --not-a-megatron-flag"),
@@ -113,9 +126,14 @@ def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
     import sys
 
     save = tmp_path / "ckpt"
-    result = subprocess.run([sys.executable, SCRIPT, *TINY, "--train-iters", "2", "--save",
-                             str(save), *flags], cwd=REPO, capture_output=True, text=True,
-                            timeout=120)
+    save_flags = ["--save", str(save), "--save-interval", "1"]
+    if None in flags:  # drop --save-interval: Megatron-LM asserts it is given with --save
+        save_flags, flags = save_flags[:2], []
+    cp = int(flags[flags.index("--context-parallel-size") + 1]) \
+        if "--context-parallel-size" in flags else 1
+    result = subprocess.run([sys.executable, SCRIPT, *TINY, "--train-iters", "2", *save_flags,
+                             *flags], cwd=REPO, capture_output=True, text=True, timeout=120,
+                            env=dict(os.environ, WORLD_SIZE=str(2 * cp)))
     assert result.returncode == 2
     assert message in result.stderr
     assert not save.exists()
@@ -132,7 +150,9 @@ def test_ir_schedule_prints_the_same_losses_and_writes_measured_traces(tmp_path)
                          "--trace-dir", str(traces)])
     assert [r["lm_loss"] for r in metrics(ir)] == [r["lm_loss"] for r in metrics(native)]
     files = sorted(os.listdir(traces))
-    assert len(files) == 2 * (4 + 2)  # 4 training steps and 2 evaluations, on 2 ranks
+    # 4 training steps, 2 evaluations on the way, and Megatron-LM's evaluations of the
+    # validation and test splits after training, on 2 ranks
+    assert len(files) == 2 * (4 + 2 + 2)
     with open(traces / files[0]) as f:
         events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X"]
     names = {e["name"] for e in events}
@@ -188,23 +208,23 @@ def test_sppo_trains_like_1f1b_on_one_long_document_and_leaks_nothing(tmp_path):
 
 
 def test_helix_continues_a_1f1b_checkpoint_like_1f1b_and_ships_weights(tmp_path):
-    """A checkpoint Megatron's ``1f1b`` wrote after 2 iterations (model, Adam state, data
+    """A checkpoint Megatron's ``1f1b`` wrote after 3 iterations (model, Adam state, data
     position, RNG) loads into helix's layout; from there ``helix`` and ``1f1b`` train 10 more
     iterations with the same losses (rtol 1e-4). Weight shipping, counted by the executor in the
     measured trace: what a pre-attention part sends to the stage that runs its attention is the
     normed input, the residual and the QKV weight and bias, 4 x (2bsh + 3h^2 + 3h) bytes in fp32,
     less than the 4 x 3bsh of Q, K and V."""
     save = tmp_path / "ckpt"
-    torchrun(2, SCRIPT, [*TINY, "--train-iters", "2", "--pipeline-schedule", "1f1b",
-                         "--save", str(save)])
-    common = [*TINY, "--train-iters", "12", "--load", str(save)]
+    torchrun(2, SCRIPT, [*TINY, "--train-iters", "13", "--pipeline-schedule", "1f1b",
+                         "--save", str(save), "--save-interval", "3", "--exit-interval", "3"])
+    common = [*TINY, "--train-iters", "13", "--load", str(save)]
     native, helix = tmp_path / "native.jsonl", tmp_path / "helix.jsonl"
     torchrun(2, SCRIPT, [*common, "--pipeline-schedule", "1f1b", "--metrics-jsonl", str(native)])
     traces = tmp_path / "traces"
     torchrun(2, SCRIPT, [*common, "--pipeline-schedule", "helix", "--metrics-jsonl", str(helix),
                          "--trace-dir", str(traces)])
     expected, got = metrics(native), metrics(helix)
-    assert [r["iteration"] for r in got] == list(range(3, 13))
+    assert [r["iteration"] for r in got] == list(range(4, 14))
     assert [r["num_tokens"] for r in got] == [r["num_tokens"] for r in expected]
     torch.testing.assert_close([r["lm_loss"] for r in got], [r["lm_loss"] for r in expected],
                                rtol=1e-4, atol=0)
@@ -271,3 +291,23 @@ def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
     peak = max(max(row["planned_activation_bytes_per_stage"]) for row in roomy)
     tight = run("tight", "--elastic-memory-gb", f"{(state + 0.7 * peak) / 1e9:.6f}")
     assert max(max(r["peak_activation_bytes_per_stage"]) for r in tight) < 0.8 * peak
+
+
+def test_elastic_checkpoint_is_a_megatron_checkpoint_of_a_plain_gpt(tmp_path):
+    """A checkpoint written under ``elastic`` (PP=2) is Megatron-LM's: ``megatron.training``'s
+    own loader reads it, resharded to one process, into a plain megatron-core ``GPTModel``
+    (Megatron's local layer spec and causal attention), at the saved iteration, and that model
+    computes the same loss on whole documents as the project's model loaded from it."""
+    save = tmp_path / "ckpt"
+    torchrun(2, SCRIPT, [*TINY, "--train-iters", "3", "--pipeline-schedule", "elastic",
+                         "--save", str(save), "--save-interval", "3"])
+    out = tmp_path / "losses.json"
+    one_rank = [flag for flag in TINY]
+    one_rank[one_rank.index("--pipeline-model-parallel-size") + 1] = "1"
+    torchrun(1, "tests/e2e/plain_gpt_worker.py",
+             [*one_rank, "--train-iters", "3", "--load", str(save), "--no-load-optim",
+              "--no-load-rng", "--no-persist-layer-norm", "--out", str(out)])
+    with open(out) as f:
+        result = json.load(f)
+    assert result["iteration"] == 3
+    torch.testing.assert_close(result["plain"], result["project"], rtol=1e-5, atol=0)

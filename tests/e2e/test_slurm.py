@@ -29,11 +29,11 @@ def test_sbatch_script_runs_one_node(tmp_path):
     job = tmp_path / "slurm_script"
     job.write_text(open(os.path.join(REPO, "scripts/slurm/pretrain_gpt_elastic.sbatch")).read())
     result = subprocess.run(
-        ["bash", str(job), *TINY, "--train-iters", "2",
+        ["bash", str(job), *TINY, "--train-iters", "3",
          "--pipeline-schedule", "1f1b"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "1 node(s) x 2 rank(s), rendezvous 127.0.0.1:" in result.stdout
-    assert len([line for line in result.stdout.splitlines() if " iteration " in line]) == 2
+    assert len([line for line in result.stdout.splitlines() if " iteration " in line]) == 3
     srun_options = (tmp_path / "srun.log").read_text()
     assert "--nodes=1 --ntasks-per-node=1" in srun_options

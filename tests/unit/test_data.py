@@ -7,42 +7,68 @@ import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron.plugin import corpus, sources
-from megatron.plugin.tokenizer import ByteLevelTokenizer, build_tokenizer
 from scripts import preprocess_data
+
+#: Megatron-LM's NullTokenizer: a text is its space-separated token ids. Its end-of-document
+#: token is 256 (0.18 and later count it within --vocab-size) or 257 (0.17 adds it on top).
+NULL = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "257"]
+TOKENIZER = preprocess_data.build_tokenizer(preprocess_data.parser().parse_args(NULL))
+VOCAB = TOKENIZER.vocab_size
 
 
 def data_args(**overrides):
-    values = dict(tokenizer_type="ByteLevel", mock_data=False, data_path=None, split="8,1,1",
-                  global_batch_size=4, seq_length=16, seed=7)
+    values = dict(mock_data=False, data_path=None, split="8,1,1", global_batch_size=4,
+                  seq_length=16, seed=7)
     values.update(overrides)
     return argparse.Namespace(**values)
 
 
-@pytest.fixture
-def dataset(tmp_path):
-    lengths = (3, 40, 1, 0, 7, 12, 25, 5, 9, 30, 2, 18)
-    lines = [{"text": chr(ord("a") + i) * n} for i, n in enumerate(lengths)]
+LENGTHS = (3, 40, 1, 0, 7, 12, 25, 5, 9, 30, 2, 18)
+
+
+def preprocess(tmp_path, *flags):
+    lines = [{"text": " ".join([str(97 + i)] * n)} for i, n in enumerate(LENGTHS)]
     source = tmp_path / "docs.jsonl"
     source.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
     prefix = str(tmp_path / "docs")
     assert preprocess_data.main(["--input", str(source), "--output-prefix", prefix,
-                                 "--append-eod"]) == 0
+                                 "--append-eod", *NULL, *flags]) == 0
     return prefix
 
 
-def test_preprocess_writes_megatron_dataset(dataset):
+@pytest.fixture
+def dataset(tmp_path):
+    return preprocess(tmp_path)
+
+
+def test_preprocess_writes_megatron_dataset_with_megatron_tokenizer(dataset, tmp_path):
     data = IndexedDataset(dataset)
-    tokenizer = ByteLevelTokenizer()
-    # The empty text gives a 1-token document (EOD only); nothing is dropped but empty items.
-    assert len(data.index.document_indices) - 1 == 12
-    first = data.get(0)
-    assert list(first) == [ord("a")] * 3 + [tokenizer.eod]
-    assert tokenizer.detokenize(first) == "aaa"
+    eod = TOKENIZER.eod
+    # The empty text is dropped (no end-of-document token alone), as by Megatron-LM's tool.
+    assert len(data.index.document_indices) - 1 == 11
+    assert list(data.get(0)) == [97] * 3 + [eod]
+    assert list(data.get(3)) == [101] * 7 + [eod]
+    # Parallel tokenizing writes the same dataset, documents in input order.
+    (tmp_path / "parallel").mkdir()
+    parallel = IndexedDataset(preprocess(tmp_path / "parallel", "--workers", "2",
+                                         "--log-interval", "5"))
+    for i in range(11):
+        np.testing.assert_array_equal(parallel.get(i), data.get(i))
+
+
+def test_preprocess_refuses_unknown_tokenizers_and_needs_one(tmp_path):
+    with pytest.raises(SystemExit):
+        preprocess_data.main(["--input", "x", "--output-prefix", "y",
+                              "--tokenizer-type", "ByteLevel"])
+    (tmp_path / "x.txt").write_text("1 2")
+    with pytest.raises(SystemExit):
+        preprocess_data.main(["--input", str(tmp_path / "x.txt"), "--output-prefix",
+                              str(tmp_path / "y")])
 
 
 def test_batches_are_deterministic_resumable_and_truncated(dataset):
-    train = sources.build_document_sources(data_args(data_path=[dataset]))[0]["train"]
-    again = sources.build_document_sources(data_args(data_path=[dataset]))[0]["train"]
+    train = sources.build_document_sources(data_args(data_path=[dataset]), VOCAB)["train"]
+    again = sources.build_document_sources(data_args(data_path=[dataset]), VOCAB)["train"]
     seen = []
     for iteration in range(6):
         batch = train.documents(iteration)
@@ -73,25 +99,20 @@ def test_split_and_blend():
 def test_missing_data_path_names_the_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.bin, .*nope\.idx not found.*"
                                                  r"preprocess_data\.py"):
-        sources.build_document_sources(data_args(data_path=[str(tmp_path / "nope")]))
+        sources.build_document_sources(data_args(data_path=[str(tmp_path / "nope")]), VOCAB)
 
 
 def test_tokens_outside_the_vocabulary_are_refused(tmp_path):
     prefix = str(tmp_path / "wide")
     corpus.write_dataset(prefix, [np.array([1, 2, 300])], vocab_size=70000)
-    train = sources.build_document_sources(data_args(data_path=[prefix], split="1,0,0"))[0]
-    with pytest.raises(ValueError, match="outside the 257-token vocabulary"):
+    train = sources.build_document_sources(data_args(data_path=[prefix], split="1,0,0"), VOCAB)
+    with pytest.raises(ValueError, match=f"token id 300 is outside the {VOCAB}-token vocabulary"):
         train["train"].documents(0)
-
-
-def test_unknown_tokenizer_is_refused():
-    with pytest.raises(ValueError, match="use one of: ByteLevel"):
-        build_tokenizer("GPT2BPETokenizer")
 
 
 def test_mock_data_is_seeded_and_skewed():
     mock = sources.build_document_sources(data_args(mock_data=True, global_batch_size=64,
-                                                    seq_length=256))[0]["train"]
+                                                    seq_length=256), VOCAB)["train"]
     batch = mock.documents(3)
     assert [len(d) for d in batch] == [len(d) for d in mock.documents(3)]
     lengths = np.array([len(d) for d in batch])
@@ -106,5 +127,5 @@ def test_embedded_corpus_is_the_standard_library(tmp_path):
     data = IndexedDataset(prefix)
     assert len(data.index.document_indices) - 1 == len(files)
     first = data.get(0)
-    assert first[-1] == ByteLevelTokenizer.eod
+    assert first[-1] == corpus.EMBEDDED_EOD
     assert bytes(first[:-1].astype(np.uint8)) == files[0].read_bytes()

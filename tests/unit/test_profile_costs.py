@@ -70,7 +70,7 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
     base = load_profile("a800")
     assert profile.hbm_gb == base.hbm_gb and profile.intra_node_gbps == base.intra_node_gbps
 
-    # Activation bytes per token of the fp32 layer (hidden 64) and the byte tokenizer's padded
+    # Activation bytes per token of the fp32 layer (hidden 64) and the embedded corpus's padded
     # vocabulary (257 -> 384): a checkpointed range keeps its input (4h), the dK/dV
     # accumulators are K and V in fp32 (8h), the embedding keeps token and position ids (and,
     # with Megatron's default dropout, its mask).

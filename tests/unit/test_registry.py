@@ -1,5 +1,5 @@
 """Schedule registry: Megatron's dispatcher (and every module that imported it) answers with
-the schedule named by ``--pipeline-schedule``."""
+the schedule named by ``--pipeline-schedule``, wrapped to take global batches of documents."""
 import sys
 import types
 
@@ -13,7 +13,7 @@ from megatron.plugin import registry
 @pytest.fixture(autouse=True)
 def restore_dispatcher():
     yield
-    registry.use_schedule(registry.DEFAULT)
+    registry.restore_megatron()
     registry._REGISTRY.pop("test-schedule", None)
 
 
@@ -36,12 +36,19 @@ def test_dispatcher_returns_each_registered_schedule_everywhere():
     sys.modules[user.__name__] = user
     try:
         for name in ("1f1b", "interleaved", "test-schedule"):
-            assert registry.use_schedule(name)() is registry.get_schedule(name)
+            wrapped = registry.use_schedule(name)()
+            assert isinstance(wrapped, registry.DocumentSchedule)
+            assert wrapped.schedule is registry.get_schedule(name)
             for getter in (schedules.get_forward_backward_func,
                            pipeline_parallel.get_forward_backward_func,
                            user.get_forward_backward_func):
-                assert getter() is registry.get_schedule(name)
+                assert getter() is wrapped  # one reporter per process and layout
             assert registry.active_schedule_name() == name
+        registry.restore_megatron()
+        for getter in (schedules.get_forward_backward_func,
+                       pipeline_parallel.get_forward_backward_func,
+                       user.get_forward_backward_func):
+            assert getter is registry._MEGATRON_DISPATCH
     finally:
         del sys.modules[user.__name__]
 
@@ -49,11 +56,11 @@ def test_dispatcher_returns_each_registered_schedule_everywhere():
 def test_default_keeps_megatron_choice():
     registry.use_schedule("1f1b")
     registry.use_schedule(registry.DEFAULT)
-    assert schedules.get_forward_backward_func is registry._MEGATRON_DISPATCH
-    # Megatron's own choice: without pipeline parallelism, no pipelining.
-    assert schedules.get_forward_backward_func(pp_size=1) is \
+    # Megatron's own choice, fed with document batches: without pipeline parallelism, no
+    # pipelining.
+    assert schedules.get_forward_backward_func(pp_size=1).schedule is \
         schedules.forward_backward_no_pipelining
-    assert schedules.get_forward_backward_func(pp_size=2, vp_size=None) is \
+    assert schedules.get_forward_backward_func(pp_size=2, vp_size=None).schedule is \
         schedules.forward_backward_pipelining_without_interleaving
 
 

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from megatron.plugin.arguments import build_parser, validate_args
+from megatron.plugin.arguments import parse
 from megatron.plugin.pipeline.ir import Kind
 from megatron.plugin.pipeline.validation import validate
 
@@ -129,7 +129,9 @@ def test_check_budget_refuses_a_fixed_ratio_the_host_cap_cannot_hold():
 
 TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "64", "--global-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
-        "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "sppo"]
+        "--pipeline-model-parallel-size", "4", "--pipeline-schedule", "sppo",
+        "--max-position-embeddings", "64", "--micro-batch-size", "1",
+        "--calculate-per-token-loss", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -143,14 +145,15 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--sppo-multiplex", "--tensor-model-parallel-size", "2"],
      "--sppo-multiplex runs with --tensor-model-parallel-size 1"),
 ])
-def test_check_args_refuses_what_sppo_cannot_run(flags, message):
-    args = build_parser().parse_args([*TINY, *flags])
+def test_check_args_refuses_what_sppo_cannot_run(flags, message, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8" if "--tensor-model-parallel-size" in flags else "4")
     with pytest.raises(ValueError, match=message):
-        validate_args(args)
+        parse([*TINY, *flags])
 
 
-def test_check_args_accepts_n_equal_to_pp():
-    validate_args(build_parser().parse_args([*TINY, "--sppo-subsequences", "4"]))
+def test_check_args_accepts_n_equal_to_pp(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    parse([*TINY, "--sppo-subsequences", "4"])
 
 
 def test_multiplexing_needs_one_document_and_a_long_enough_first_subsequence():

@@ -38,7 +38,7 @@ def planned_1f1b(pp: int, microbatches: int):
 def megatron_process_groups() -> ProcessGroupCollection:
     """The groups Megatron's own schedules use, from ``parallel_state``."""
     return ProcessGroupCollection.use_mpu_process_groups(
-        required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp_cp"])
+        required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp", "dp_cp", "mp"])
 
 
 def single_model_chunk(name: str, model, data_iterator):

@@ -1,0 +1,59 @@
+"""Megatron-LM's dataset provider for document-level batches.
+
+Megatron-LM's loop (``--dataloader-type external``) calls ``next()`` on the iterators this
+provider returns; each call yields one :class:`GlobalBatch`: ``--global-batch-size`` whole documents, the
+same on every rank. The schedule's forward-backward function
+(:mod:`megatron.plugin.registry`) takes one global batch per step and cuts it for its layout:
+Megatron's own schedules get this replica's packed ``--seq-length`` micro-batches, the
+document-level schedules plan the documents.
+
+A sample is a document: Megatron's ``consumed_train_samples`` (and ``consumed_valid_samples``)
+count documents, so a resumed run starts at the batch after the last one it trained on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from megatron.plugin.sources import build_document_sources
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """One step's documents, and a way to read the next step's (a schedule may plan it while
+    this one trains)."""
+
+    documents: list[np.ndarray]
+    upcoming: Callable[[], list[np.ndarray]]
+
+
+class GlobalBatches:
+    """Endless iterator over the global batches of one split, from batch ``start`` on."""
+
+    def __init__(self, source, start: int):
+        self.source = source
+        self.index = start
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> GlobalBatch:
+        index = self.index
+        self.index += 1
+        return GlobalBatch(self.source.documents(index),
+                           lambda: self.source.documents(index + 1))
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """``(train, valid, test)`` iterators of global batches (Megatron's provider contract)."""
+    from megatron.training import get_args, get_tokenizer
+
+    del train_val_test_num_samples, vp_stage  # every batch is drawn by its index
+    args = get_args()
+    sources = build_document_sources(args, get_tokenizer().vocab_size)
+    batch = args.global_batch_size
+    return (GlobalBatches(sources["train"], args.consumed_train_samples // batch),
+            GlobalBatches(sources["valid"], args.consumed_valid_samples // batch),
+            GlobalBatches(sources["test"], 0))

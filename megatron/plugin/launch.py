@@ -1,0 +1,212 @@
+"""``pretrain_gpt_elastic.py`` on Megatron-LM's own training loop (``megatron.training``).
+
+Megatron-LM parses and validates every flag (the schedules add theirs through the extra-args
+hook), builds the model through :func:`model_provider`, loads and saves checkpoints, logs,
+evaluates and steps the optimizer. The project hands it three things: the model provider (the
+layer spec with the project's document attention), a dataset provider whose iterators yield one
+global batch of whole documents per step (:mod:`megatron.plugin.document_data`), and
+``forward_step``. The schedule named by ``--pipeline-schedule`` enters through
+``get_forward_backward_func`` (:mod:`megatron.plugin.registry`), which turns each global batch
+into what that schedule consumes.
+
+The signatures changed between releases: 0.17's ``pretrain`` and ``initialize_megatron`` parse
+the arguments themselves (``extra_args_provider``); 0.18 and 0.19 parse with
+``parse_and_validate_args`` and ``pretrain`` takes a config container built from the parsed
+arguments. :func:`run_pretrain` (the training script) and :func:`initialize` (tests and
+benchmarks that drive single steps) call whichever is installed.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import traceback
+from typing import Callable, Sequence
+
+import torch
+from megatron.core.enums import ModelType
+
+from megatron.plugin import arguments, cpu_compat, registry
+from megatron.plugin.batches import forward_step
+from megatron.plugin.document_data import train_valid_test_datasets_provider
+from megatron.plugin.model import model_provider
+from megatron.plugin.pipeline import tracing
+
+MODEL_TYPE = ModelType.encoder_or_decoder
+
+
+def run_pretrain() -> None:
+    """Parse the command line with Megatron-LM's parser and train with its ``pretrain``."""
+    _prepare()
+    from megatron.training import pretrain
+    from megatron.training import training as megatron_training
+
+    if _parses_in_initialize():
+        megatron_training.initialize_megatron = _with_checks(megatron_training.initialize_megatron)
+        pretrain(train_valid_test_datasets_provider, model_provider, MODEL_TYPE, forward_step,
+                 extra_args_provider=arguments.add_arguments, args_defaults=arguments.DEFAULTS)
+        return
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+
+    with _refusals():
+        args = parse_and_validate_args(extra_args_provider=arguments.add_arguments,
+                                       args_defaults=arguments.DEFAULTS)
+    arguments.check_training_args(args)
+    _after_parsing(args)
+    # No model config in the container: Megatron then builds the model with model_provider.
+    container = pretrain_cfg_container_from_args(args, None)
+    pretrain(container, train_valid_test_dataset_provider=train_valid_test_datasets_provider,
+             model_provider=model_provider, model_type=MODEL_TYPE,
+             forward_step_func=forward_step)
+
+
+def initialize(argv: Sequence[str], extra_args_provider: Callable | None = None):
+    """Megatron-LM's start-up without its loop, for tests and benchmarks that run single steps:
+    parse ``argv`` (Megatron's flags, the project's, and ``extra_args_provider``'s), validate,
+    check, initialize the process groups and seeds, and select the schedule. Returns the
+    arguments (also Megatron's global ``get_args()``)."""
+    _prepare()
+    from megatron.training import get_args
+    from megatron.training.initialize import initialize_megatron
+
+    def extra(parser):
+        arguments.add_arguments(parser)
+        return extra_args_provider(parser) if extra_args_provider else parser
+
+    with arguments.command_line(argv), _refusals():
+        if _parses_in_initialize():
+            initialize_megatron(extra_args_provider=extra, args_defaults=arguments.DEFAULTS,
+                                allow_no_cuda=True)
+            _after_parsing(get_args())
+        else:
+            from megatron.training.arguments import parse_and_validate_args
+
+            _after_parsing(parse_and_validate_args(extra_args_provider=extra,
+                                                   args_defaults=arguments.DEFAULTS))
+            initialize_megatron(allow_no_cuda=True)
+    return get_args()
+
+
+def setup_model_and_optimizer():
+    """Megatron-LM's model (``get_model`` with :func:`model_provider`: DDP-wrapped chunks),
+    optimizer and LR scheduler from the flags, plus the model config prepared for a schedule
+    the way Megatron's ``train()`` prepares it. Returns ``(model, optimizer, scheduler,
+    config)``."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.training import get_args
+    from megatron.training import training as megatron_training
+    from megatron.core.utils import get_model_config
+
+    model, optimizer, scheduler = megatron_training.setup_model_and_optimizer(
+        model_provider_func=model_provider, model_type=MODEL_TYPE)
+    args = get_args()
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        no_sync = [chunk.no_sync for chunk in model]
+        config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+    return model, optimizer, scheduler, config
+
+
+def train_step(model, optimizer, scheduler, config, data_iterator, iteration: int = 0):
+    """One training step on ``data_iterator`` (of global batches) as Megatron's loop takes it (``megatron.training.train_step``: zero
+    the grad buffers, the selected schedule's forward-backward inside the rerun state machine,
+    the optimizer step and the LR-scheduler step). Returns the schedule's record
+    (:mod:`megatron.plugin.reporting`) extended with Megatron's ``update_successful`` and
+    ``grad_norm``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import RerunDataIterator
+    from megatron.training import training as megatron_training
+
+    schedule = get_forward_backward_func()
+    # Megatron's loop wraps the iterators it builds for the rerun state machine.
+    if isinstance(data_iterator, list):
+        data_iterator = [RerunDataIterator(iterator) for iterator in data_iterator]
+    else:
+        data_iterator = RerunDataIterator(data_iterator)
+    result = megatron_training.train_step(forward_step, data_iterator, model, optimizer,
+                                          scheduler, config, schedule, iteration=iteration)
+    _, skipped, _, _, _, grad_norm = result[:6]
+    return dict(schedule.reporter.last, update_successful=not skipped, grad_norm=grad_norm)
+
+
+def shutdown() -> None:
+    """Tear the process groups down after a run that did not go through ``pretrain``, on every
+    rank: a barrier keeps a fast rank from destroying a group a peer still uses, and exiting
+    with gloo's threads alive can abort the interpreter after the work is done."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _prepare() -> None:
+    if not torch.cuda.is_available():
+        cpu_compat.install()
+    _use_shipped_dataset_helpers()
+
+
+def _parses_in_initialize() -> bool:
+    """megatron-core 0.17: ``initialize_megatron`` (and ``pretrain``) parse the flags."""
+    from megatron.training.initialize import initialize_megatron
+
+    return "extra_args_provider" in inspect.signature(initialize_megatron).parameters
+
+
+def _after_parsing(args) -> None:
+    arguments.check_args(args)
+    tracing.configure(args.pipeline_timeout_s, args.trace_dir)
+    registry.use_schedule(args.pipeline_schedule)
+
+
+def _with_checks(initialize_megatron):
+    """0.17: run the project's checks right after Megatron parsed and validated the flags."""
+
+    def initialize(*args, **kwargs):
+        from megatron.training import get_args
+
+        with _refusals():
+            result = initialize_megatron(*args, allow_no_cuda=True, **kwargs)
+        arguments.check_training_args(get_args())
+        _after_parsing(get_args())
+        return result
+
+    return initialize
+
+
+@contextlib.contextmanager
+def _refusals():
+    """Megatron-LM validates the flags with ``assert``: its refusal becomes a ``ValueError``
+    (the training script exits 2 with it) naming the check, its message, or the asserted
+    expression when it has none."""
+    try:
+        yield
+    except AssertionError as err:
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        what = str(err) or frame.line
+        raise ValueError(f"Megatron-LM refused the arguments "
+                         f"({os.path.basename(frame.filename)}:{frame.lineno}): {what}") from err
+
+
+def _use_shipped_dataset_helpers() -> None:
+    """Megatron-LM's start-up runs ``make`` for the C++ dataset helpers. The megatron-core
+    wheel ships them compiled, but not the Makefile, so ``make`` fails and rank 0 exits: use
+    the compiled module when it imports, and compile only when it does not."""
+    from megatron.core.datasets import utils
+
+    compile_helpers = utils.compile_helpers
+    if getattr(compile_helpers, "uses_shipped", False):
+        return
+
+    def compiled_or_compile():
+        try:
+            from megatron.core.datasets import helpers_cpp  # noqa: F401
+        except ImportError:
+            compile_helpers()
+
+    compiled_or_compile.uses_shipped = True
+    utils.compile_helpers = compiled_or_compile
