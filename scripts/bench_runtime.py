@@ -21,7 +21,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
          "--seq-length", "1024", "--max-position-embeddings", "1024",
-         "--global-batch-size", "16", "--train-iters", "1", "--lr", "1e-4",
+         "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", "1",
+         "--lr", "1e-4",
          "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
