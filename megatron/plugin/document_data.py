@@ -57,3 +57,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     return (GlobalBatches(sources["train"], args.consumed_train_samples // batch),
             GlobalBatches(sources["valid"], args.consumed_valid_samples // batch),
             GlobalBatches(sources["test"], 0))
+
+
+# Every rank builds its own iterators (they are cheap and need no broadcast): without this,
+# Megatron builds them on tensor-parallel rank 0 only and hands the other ranks ``None``.
+train_valid_test_datasets_provider.is_distributed = True
