@@ -9,6 +9,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.plugin import registry
 from megatron.plugin.attention import RopeSettings, document_layer_spec
+from megatron.plugin.cpu_compat import megatron_core_version
 
 
 def model_config(args: argparse.Namespace) -> TransformerConfig:
@@ -20,12 +21,21 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     peer, and gloo's batched isend/irecv (all on one tag) can hand the activation to the
     gradient buffer and vice versa (Megatron-LM issue 750). Megatron's unbatched path orders the
     operations by rank parity on two communicators and stays exact.
+
+    ``deallocate_pipeline_outputs`` is off for the interleaved schedule with
+    ``--overlap-p2p-communication`` (Megatron's default there) on megatron-core 0.17: its
+    interleaved loop frees a stage's output while the asynchronous send of it may still be
+    reading it, and the next stage receives garbage (0.18 waits for the send first). Keeping the
+    outputs costs one activation per in-flight micro-batch and changes no number.
     """
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
     if config.virtual_pipeline_model_parallel_size and args.distributed_backend == "gloo":
         config.batch_p2p_comm = False
+    if (config.virtual_pipeline_model_parallel_size and config.overlap_p2p_comm
+            and megatron_core_version().startswith("0.17.")):
+        config.deallocate_pipeline_outputs = False
     return config
 
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from harness import REPO, torchrun
+from harness import NULL_TOKENIZER_256, REPO, torchrun
 
 SCRIPT = "pretrain_gpt_elastic.py"
 
@@ -48,11 +48,11 @@ def test_tensor_parallel_ranks_read_the_same_documents(tmp_path):
     like DP=2 (each replica its share of it), both under Megatron's no-pipelining schedule from
     the same seeded initialization: same tokens, losses to rtol 1e-4. (Megatron seeds each
     pipeline stage differently and pads the vocabulary to a multiple of 128 x TP, so the
-    layouts share PP = 1 and a vocabulary of 256: mock documents of bytes.)"""
+    layouts share PP = 1 and a 256-row embedding: mock documents.)"""
     one_stage = [flag for flag in TINY]
     one_stage[one_stage.index("--pipeline-model-parallel-size") + 1] = "1"
-    one_stage[one_stage.index("--vocab-size") + 1] = "256"
-    common = [*one_stage, "--mock-data", "--train-iters", "3", "--pipeline-schedule", "default"]
+    del one_stage[one_stage.index("--tokenizer-type"):one_stage.index("--vocab-size") + 2]
+    common = [*one_stage, *NULL_TOKENIZER_256, "--mock-data", "--train-iters", "3", "--pipeline-schedule", "default"]
     data, tensor = tmp_path / "dp2.jsonl", tmp_path / "tp2.jsonl"
     torchrun(2, SCRIPT, [*common, "--metrics-jsonl", str(data)])
     torchrun(2, SCRIPT, [*common, "--tensor-model-parallel-size", "2",
