@@ -28,7 +28,9 @@ setup(
         "pyyaml",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout"],
+        # tokenizers + transformers: the tests build a BPE tokenizer for Megatron-LM's
+        # HuggingFace and GPT-2 BPE tokenizers (tests/e2e/test_megatron_examples.py).
+        "test": ["pytest>=8", "pytest-timeout", "tokenizers", "transformers"],
         # On CUDA clusters. NVIDIA apex is built from source (see README); the PyPI package
         # named "apex" is an unrelated project and must never be installed.
         "gpu": ["flash-attn", "transformer-engine"],

@@ -58,8 +58,6 @@ NOT_IMPLEMENTED = {
     "sft": "supervised fine-tuning data is not read; drop --sft",
     "fim_data": "fill-in-the-middle data is not read; drop --fim-data",
     "eod_mask_loss": "every label of a document counts in the loss; drop --eod-mask-loss",
-    "create_attention_mask_in_dataloader": "attention masks come from document boundaries; "
-                                           "drop the flag",
     "train_data_path": "give the data with --data-path (and --split)",
     "valid_data_path": "give the data with --data-path (and --split)",
     "test_data_path": "give the data with --data-path (and --split)",
@@ -67,8 +65,6 @@ NOT_IMPLEMENTED = {
     "per_split_data_args_path": "give the data with --data-path (and --split)",
     "multiple_validation_sets": "one validation split is read; drop the flag",
     "full_validation": "validation runs --eval-iters batches; drop --full-validation",
-    "data_cache_path": "document batches need no index cache; drop --data-cache-path",
-    "train_samples": "document batches count iterations: use --train-iters",
     "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
 }
 
@@ -228,3 +224,7 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--bf16, --fp16 and --use-distributed-optimizer need CUDA (megatron-core's "
                          "mixed-precision and distributed optimizers only wrap CUDA tensors): "
                          "drop them on a machine without a GPU")
+    if not torch.cuda.is_available() and args.profile and not args.use_pytorch_profiler:
+        raise ValueError("--profile starts and stops CUDA's profiler (for nsys) unless "
+                         "--use-pytorch-profiler is given: add --use-pytorch-profiler, or drop "
+                         "--profile on a machine without a GPU")

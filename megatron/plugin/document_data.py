@@ -47,16 +47,18 @@ class GlobalBatches:
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
-    """``(train, valid, test)`` iterators of global batches (Megatron's provider contract)."""
+    """``(train, valid, test)`` iterators of global batches (Megatron's provider contract);
+    ``None`` for a split weighted 0 by ``--split``."""
     from megatron.training import get_args, get_tokenizer
 
     del train_val_test_num_samples, vp_stage  # every batch is drawn by its index
     args = get_args()
     sources = build_document_sources(args, get_tokenizer().vocab_size)
     batch = args.global_batch_size
-    return (GlobalBatches(sources["train"], args.consumed_train_samples // batch),
-            GlobalBatches(sources["valid"], args.consumed_valid_samples // batch),
-            GlobalBatches(sources["test"], 0))
+    starts = {"train": args.consumed_train_samples // batch,
+              "valid": args.consumed_valid_samples // batch, "test": 0}
+    return tuple(None if sources[name] is None else GlobalBatches(sources[name], start)
+                 for name, start in starts.items())
 
 
 # Every rank builds its own iterators (they are cheap and need no broadcast): without this,

@@ -16,6 +16,12 @@ Choices, written down:
   gets at least its rounded share).
 * **Truncation**: a document longer than ``--seq-length`` inputs keeps its first
   ``seq_length + 1`` tokens. Documents shorter than 2 tokens (no input/label pair) are skipped.
+* **Reading**: ``.bin`` files are memory-mapped unless ``--no-mmap-bin-files`` (then read
+  into memory, as Megatron-LM's ``IndexedDataset`` does). No index files are built (the draws
+  are computed), so ``--data-cache-path`` has nothing to hold and is accepted as is.
+* **Splits weighted 0** (``--split 99,1,0``) are not built: the provider hands Megatron-LM
+  ``None`` for them, and its loop skips evaluating them, as with its own datasets. A split with
+  a positive weight but no documents is refused at start when ``--eval-iters`` reads it.
 * **Evaluation**: Megatron-LM's loop reads the ``valid`` split's batches in order, on from
   where the previous evaluation stopped (``consumed_valid_samples``).
 """
@@ -50,12 +56,18 @@ def parse_data_path(data_path: Sequence[str]) -> list[tuple[float, str]]:
     return pairs
 
 
-def split_ranges(split: str, count: int) -> list[tuple[int, int]]:
-    """Megatron-LM's document split: ``"969,30,1"`` -> contiguous [start, stop) per split."""
+def split_weights(split: str) -> list[float]:
+    """``"969,30,1"`` -> the train / valid / test weights (missing ones are 0)."""
     parts = [float(x) for x in split.replace("/", ",").split(",") if x.strip()]
     parts = (parts + [0.0, 0.0, 0.0])[:3]
     if any(p < 0 for p in parts) or sum(parts) <= 0:
         raise ValueError(f"--split {split!r}: give three non-negative weights, e.g. 969,30,1")
+    return parts
+
+
+def split_ranges(split: str, count: int) -> list[tuple[int, int]]:
+    """Megatron-LM's document split: ``"969,30,1"`` -> contiguous [start, stop) per split."""
+    parts = split_weights(split)
     total = sum(parts)
     bounds = [0]
     for p in parts:
@@ -151,10 +163,13 @@ class MockSource:
     """``--mock-data``: seeded synthetic documents with a skewed (log-normal) length mix.
 
     Each document is a learnable pattern (an arithmetic progression of byte values with a
-    random start and stride), so the loss falls as it trains.
+    random start and stride, modulo the vocabulary when it is smaller), so the loss falls as
+    it trains.
     """
 
-    def __init__(self, global_batch_size: int, seq_length: int, seed: int, split: int):
+    def __init__(self, global_batch_size: int, seq_length: int, seed: int, split: int,
+                 vocab_size: int = 256):
+        self.modulus = min(256, vocab_size)
         self.global_batch_size = global_batch_size
         self.seq_length = seq_length
         self.seed = seed
@@ -169,18 +184,18 @@ class MockSource:
         lengths = np.clip(rng.lognormal(np.log(self.seq_length / 4), 1.0,
                                         self.global_batch_size).astype(np.int64),
                           2, self.seq_length + 1)
-        return [(rng.integers(0, 256) + rng.integers(1, 8) * np.arange(n)) % 256
+        return [(rng.integers(0, 256) + rng.integers(1, 8) * np.arange(n)) % self.modulus
                 for n in lengths]
 
 
-def _open(prefix: str) -> IndexedDataset:
+def _open(prefix: str, mmap: bool) -> IndexedDataset:
     if not IndexedDataset.exists(prefix):
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.exists(p)]
         raise FileNotFoundError(
             f"--data-path {prefix}: {', '.join(missing)} not found; give the prefix of a dataset "
             "written by scripts/preprocess_data.py (without .bin/.idx), or omit --data-path to "
             "use the embedded corpus")
-    return IndexedDataset(prefix, mmap=True)
+    return IndexedDataset(prefix, mmap=mmap)
 
 
 def build_document_sources(args: argparse.Namespace, vocab_size: int):
@@ -191,7 +206,8 @@ def build_document_sources(args: argparse.Namespace, vocab_size: int):
     and no ``--mock-data`` is given.
     """
     if args.mock_data:
-        return {name: MockSource(args.global_batch_size, args.seq_length, args.seed, i)
+        return {name: MockSource(args.global_batch_size, args.seq_length, args.seed, i,
+                                 vocab_size)
                 for i, name in enumerate(SPLITS)}
     if args.data_path:
         pairs = parse_data_path(args.data_path)
@@ -201,7 +217,7 @@ def build_document_sources(args: argparse.Namespace, vocab_size: int):
         if dist.is_initialized():
             dist.barrier()
         pairs = [(1.0, embedded_corpus())]
-    datasets = [_open(prefix) for _, prefix in pairs]
+    datasets = [_open(prefix, args.mmap_bin_files) for _, prefix in pairs]
     split = args.split or "969, 30, 1"  # Megatron-LM's default with --data-path
     sources = {}
     for i, name in enumerate(SPLITS):
@@ -214,4 +230,12 @@ def build_document_sources(args: argparse.Namespace, vocab_size: int):
     if len(sources["train"]) == 0:
         raise ValueError("the train split has no documents of 2 tokens or more: check "
                          "--data-path and --split")
+    for name, weight in zip(SPLITS[1:], split_weights(split)[1:]):
+        if weight == 0:
+            sources[name] = None
+        elif getattr(args, "eval_iters", 0) > 0 and len(sources[name]) == 0:
+            raise ValueError(f"--split {split} leaves the {name} split without documents "
+                             f"of 2 tokens or more, and --eval-iters {args.eval_iters} "
+                             "evaluates on it: adjust --split, add documents, or set "
+                             "--eval-iters 0")
     return sources

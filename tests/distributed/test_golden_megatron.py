@@ -163,7 +163,8 @@ VARIANTS = {
                                              "--sppo-subsequences", "6", "--sppo-offload", "1"]),
     }),
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
-                             "--normalization", "RMSNorm", "--disable-bias-linear",
+                             "--normalization", "RMSNorm", "--apply-layernorm-1p",
+                             "--disable-bias-linear",
                              "--untie-embeddings-and-output-weights"], {
         "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
         "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),

@@ -140,6 +140,9 @@ def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, mes
      "--sppo-offload ratio must be in [0, 1], got 1.5"),
     (["--pipeline-schedule", "sppo", "--num-layers-per-virtual-pipeline-stage", "1"],
      "sppo runs one model chunk per rank: drop --num-layers-per-virtual-pipeline-stage"),
+    pytest.param(["--profile"], "--profile starts and stops CUDA's profiler (for nsys) unless "
+                                "--use-pytorch-profiler is given",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")),
 ])
 def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
     import subprocess

@@ -18,7 +18,7 @@ VOCAB = TOKENIZER.vocab_size
 
 def data_args(**overrides):
     values = dict(mock_data=False, data_path=None, split="8,1,1", global_batch_size=4,
-                  seq_length=16, seed=7)
+                  seq_length=16, seed=7, mmap_bin_files=True)
     values.update(overrides)
     return argparse.Namespace(**values)
 
@@ -85,6 +85,24 @@ def test_batches_are_deterministic_resumable_and_truncated(dataset):
     assert max(len(doc) for doc in seen) == 17
 
 
+def test_no_mmap_bin_files_reads_the_same_documents_into_memory(dataset, monkeypatch):
+    opened = []
+    original = sources.IndexedDataset
+
+    def recording(prefix, mmap):
+        opened.append(mmap)
+        return original(prefix, mmap=mmap)
+
+    monkeypatch.setattr(sources, "IndexedDataset", recording)
+    monkeypatch.setattr(recording, "exists", original.exists, raising=False)
+    mapped = sources.build_document_sources(data_args(data_path=[dataset]), VOCAB)["train"]
+    read = sources.build_document_sources(data_args(data_path=[dataset], mmap_bin_files=False),
+                                          VOCAB)["train"]
+    assert opened == [True, False]
+    for a, b in zip(mapped.documents(2), read.documents(2)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_split_and_blend():
     assert sources.split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
     assert sources.split_ranges("1,0,0", 7) == [(0, 7), (7, 7), (7, 7)]
@@ -102,6 +120,18 @@ def test_missing_data_path_names_the_files(tmp_path):
         sources.build_document_sources(data_args(data_path=[str(tmp_path / "nope")]), VOCAB)
 
 
+def test_splits_weighted_zero_are_not_built_and_empty_evaluated_splits_are_refused(dataset):
+    built = sources.build_document_sources(data_args(data_path=[dataset], split="9,2,0",
+                                                     eval_iters=2), VOCAB)
+    assert built["test"] is None and len(built["valid"]) > 0
+    with pytest.raises(ValueError, match=r"--split 100,1,0 leaves the valid split without "
+                                         r"documents .* --eval-iters 2 evaluates on it"):
+        sources.build_document_sources(data_args(data_path=[dataset], split="100,1,0",
+                                                 eval_iters=2), VOCAB)
+    sources.build_document_sources(data_args(data_path=[dataset], split="100,1,0",
+                                             eval_iters=0), VOCAB)
+
+
 def test_tokens_outside_the_vocabulary_are_refused(tmp_path):
     prefix = str(tmp_path / "wide")
     corpus.write_dataset(prefix, [np.array([1, 2, 300])], vocab_size=70000)
@@ -117,6 +147,9 @@ def test_mock_data_is_seeded_and_skewed():
     assert [len(d) for d in batch] == [len(d) for d in mock.documents(3)]
     lengths = np.array([len(d) for d in batch])
     assert lengths.min() >= 2 and lengths.max() <= 257 and np.median(lengths) < lengths.max()
+    small = sources.build_document_sources(data_args(mock_data=True, global_batch_size=64,
+                                                     seq_length=256), 100)["train"]
+    assert max(int(doc.max()) for doc in small.documents(3)) < 100
 
 
 def test_embedded_corpus_is_the_standard_library(tmp_path):

@@ -1,0 +1,250 @@
+"""Megatron-LM's example launch scripts as clients: the GPT-3 example
+(``examples/gpt3/train_gpt3_175b_distributed.sh``) and the Llama-3 8B example's real-data branch
+(``examples/llama/train_llama3_8b_h100_fp8.sh``), flag for flag apart from sizes, paths, the
+launcher and FP8, on 2 CPU ranks under ``1f1b`` and ``elastic``.
+
+The tokenizers are built here (nothing is downloaded): a byte-level BPE trained on the
+project's own sources, saved as a HuggingFace tokenizer directory (Llama-3's
+``HuggingFaceTokenizer --tokenizer-model``) and as GPT-2 ``vocab.json``/``merges.txt``
+(GPT-3's ``--vocab-file``/``--merge-file``; Megatron's ``GPT2BPETokenizer`` asks HuggingFace's
+``AutoTokenizer`` for ``gpt2`` with those files, so the test gives it an offline hub cache entry
+holding only the tokenizer class, as an air-gapped cluster would). The data is written by
+``scripts/preprocess_data.py`` with the same tokenizer flags.
+
+What a CPU run cannot take is refused by name, and each refusal is checked before the flag is
+dropped: half precision and the distributed optimizer (CUDA-only in megatron-core),
+``--overlap-param-gather`` (Megatron requires the distributed optimizer for it) and ``--profile``
+without ``--use-pytorch-profiler`` (nsys). What ``elastic`` cannot take is refused for it alone:
+``--overlap-grad-reduce``; GPT-3's example averages per micro-batch, which a document schedule
+does not have, so ``elastic`` asks for ``--calculate-per-token-loss``. ``--rampup-batch-size``
+is refused for every schedule (the document batches are of a fixed size).
+Both schedules then train the same documents from the same seed: the losses agree.
+"""
+import glob
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+from harness import REPO, torchrun
+
+tokenizers = pytest.importorskip("tokenizers", reason="the BPE tokenizer is built with it")
+transformers = pytest.importorskip("transformers", reason="Megatron's HF tokenizers need it")
+
+SCRIPT = "pretrain_gpt_elastic.py"
+ITERATIONS = 6
+
+
+def gpt3(data, vocab, merges, checkpoints, tensorboard):
+    """The GPT-3 175B example's flags, its sizes scaled to a 2-layer model on 2 ranks."""
+    return [
+        "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "128", "--max-position-embeddings", "128", "--attention-backend", "auto",
+        "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--rampup-batch-size", "4", "4", "16",
+        "--train-iters", str(ITERATIONS), "--weight-decay", "0.1", "--adam-beta1", "0.9",
+        "--adam-beta2", "0.95", "--init-method-std", "0.006", "--clip-grad", "1.0", "--fp16",
+        "--lr", "6.0e-5", "--lr-decay-style", "cosine", "--min-lr", "6.0e-6",
+        "--lr-warmup-fraction", ".001", "--lr-decay-iters", str(ITERATIONS),
+        "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+        "--data-path", data, "--vocab-file", vocab, "--merge-file", merges,
+        "--split", "949,50,1",
+        "--log-interval", "1", "--save-interval", str(ITERATIONS), "--eval-interval", "3",
+        "--save", checkpoints, "--load", checkpoints, "--eval-iters", "2",
+        "--tensorboard-dir", tensorboard,
+    ]
+
+
+def llama3(data, tokenizer, checkpoints, tensorboard, cache):
+    """The Llama-3 8B example's flags (real-data branch, FP8 block left out), its sizes scaled
+    to a 2-layer model with grouped-query attention on 2 ranks at PP = 2."""
+    return [
+        "--use-mcore-models", "--num-layers", "2", "--hidden-size", "64",
+        "--ffn-hidden-size", "224", "--num-attention-heads", "4", "--group-query-attention",
+        "--num-query-groups", "2", "--kv-channels", "16", "--seq-length", "128",
+        "--max-position-embeddings", "128", "--position-embedding-type", "rope",
+        "--rotary-base", "1000000", "--rotary-percent", "1.0", "--attention-dropout", "0.0",
+        "--hidden-dropout", "0.0", "--swiglu", "--init-method-std", "0.0134",
+        "--attention-backend", "fused", "--apply-layernorm-1p",
+        "--untie-embeddings-and-output-weights", "--disable-bias-linear",
+        "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--train-samples", str(8 * ITERATIONS), "--lr-decay-samples", str(8 * ITERATIONS - 4),
+        "--lr-warmup-samples", "8", "--lr", "0.00015", "--min-lr", "0.00001",
+        "--decoupled-lr", "5.0e-4", "--decoupled-min-lr", "4.5e-5", "--lr-decay-style", "cosine",
+        "--clip-grad", "1.0", "--weight-decay", "0.1", "--adam-beta1", "0.9",
+        "--adam-beta2", "0.95", "--bf16", "--grad-reduce-in-bf16", "--cross-entropy-loss-fusion",
+        "--calculate-per-token-loss", "--manual-gc", "--empty-unused-memory-level", "1",
+        "--exit-duration-in-mins", "235",
+        "--tensor-model-parallel-size", "1", "--context-parallel-size", "1",
+        "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
+        "--data-path", data, "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", tokenizer, "--data-cache-path", cache, "--split", "99,1,0",
+        "--no-create-attention-mask-in-dataloader", "--no-mmap-bin-files", "--num-workers", "1",
+        "--vocab-size", "600",
+        "--log-interval", "1", "--eval-iters", "2", "--eval-interval", "3",
+        "--save-interval", str(ITERATIONS), "--log-throughput", "--profile",
+        "--profile-step-start", "2", "--profile-step-end", "4", "--ckpt-format", "torch_dist",
+        "--distributed-timeout-minutes", "60", "--save", checkpoints, "--load", checkpoints,
+        "--tensorboard-dir", tensorboard,
+    ]
+
+
+CPU_HALF = ("--bf16, --fp16 and --use-distributed-optimizer need CUDA", torch.cuda.is_available())
+#: ``(flag, values it takes, (the refusal naming it, whether it is kept here), schedules)``:
+#: a flag dropped where it is refused.
+DROPS = {
+    "gpt3": [
+        ("--fp16", 0, CPU_HALF, ("1f1b", "elastic")),
+        ("--rampup-batch-size", 3, ("the global batch size (documents) is fixed: drop "
+                                    "--rampup-batch-size", False), ("1f1b", "elastic")),
+    ],
+    "llama3": [
+        ("--bf16", 0, CPU_HALF, ("1f1b", "elastic")),
+        ("--use-distributed-optimizer", 0, CPU_HALF, ("1f1b", "elastic")),
+        ("--overlap-param-gather", 0, ("--overlap-param-gather is not supported by "
+                                       "--pipeline-schedule elastic", False), ("elastic",)),
+        ("--overlap-grad-reduce", 0, ("--overlap-grad-reduce is not supported by "
+                                      "--pipeline-schedule elastic", False), ("elastic",)),
+        ("--overlap-param-gather", 0, ("--overlap-param-gather only supported with distributed "
+                                       "optimizer", torch.cuda.is_available()), ("1f1b",)),
+    ],
+}
+#: ``(example, schedule or "cpu") -> (flags added, the refusal asking for them)``.
+ADDS = {
+    ("gpt3", "elastic"): (["--calculate-per-token-loss"],
+                          "elastic computes the per-token mean loss over the global batch"),
+    ("llama3", "cpu"): (["--use-pytorch-profiler"],
+                        "--profile starts and stops CUDA's profiler (for nsys) unless "
+                        "--use-pytorch-profiler is given"),
+}
+
+
+def drop(argv, flag, values):
+    i = argv.index(flag)
+    return argv[:i] + argv[i + 1 + values:]
+
+
+def build_tokenizer(directory):
+    """Byte-level BPE over the project's sources: a HuggingFace tokenizer directory, GPT-2
+    vocab/merges files, and an offline hub cache entry for ``gpt2`` naming its class."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = [open(path).read() for path in sorted(glob.glob(os.path.join(REPO, "*", "*.py")))]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=600, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    hf = directory / "hf"
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>").save_pretrained(hf)
+    gpt2 = directory / "gpt2"
+    gpt2.mkdir()
+    bpe.model.save(str(gpt2))
+    commit = "0" * 40
+    snapshot = directory / "hub" / "hub" / "models--gpt2" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (directory / "hub" / "hub" / "models--gpt2" / "refs").mkdir()
+    (directory / "hub" / "hub" / "models--gpt2" / "refs" / "main").write_text(commit)
+    (snapshot / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "model_max_length": 1024}))
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    # Documents of 100 to 1000 characters, enough for GPT-3's --split 949,50,1 to leave the
+    # test split some.
+    texts = [text[start:start + 100 + 37 * (start % 25)] for text in texts
+             for start in range(0, len(text), 400)]
+    return hf, gpt2, directory / "hub", texts
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("examples")
+    hf, gpt2, hub, texts = build_tokenizer(root)
+    env = {"HF_HOME": str(hub), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    with open(root / "docs.jsonl", "w") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    data = {}
+    for name, flags in (("llama3", ["--tokenizer-type", "HuggingFaceTokenizer",
+                                    "--tokenizer-model", str(hf)]),
+                        ("gpt3", ["--tokenizer-type", "GPT2BPETokenizer",
+                                  "--vocab-file", str(gpt2 / "vocab.json"),
+                                  "--merge-file", str(gpt2 / "merges.txt")])):
+        import subprocess
+
+        result = subprocess.run(
+            [sys.executable, "scripts/preprocess_data.py", "--input", str(root / "docs.jsonl"),
+             "--output-prefix", str(root / name), "--append-eod", *flags],
+            cwd=REPO, env=dict(os.environ, **env), capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        data[name] = str(root / name)
+    return root, hf, gpt2, env, data
+
+
+def example(workspace, name, schedule):
+    root, hf, gpt2, _, data = workspace
+    paths = [str(root / f"{name}_{schedule}_{kind}") for kind in ("ckpt", "tb")]
+    if name == "gpt3":
+        return gpt3(data[name], str(gpt2 / "vocab.json"), str(gpt2 / "merges.txt"), *paths)
+    return llama3(data[name], str(hf), *paths, str(root / "cache"))
+
+
+def parse_refusal(argv, env):
+    from megatron.plugin import arguments
+
+    saved = dict(os.environ)
+    os.environ.update(env, WORLD_SIZE="2")
+    try:
+        arguments.parse(argv)
+    except (ValueError, AssertionError) as err:
+        return str(err)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return None
+
+
+def losses(stdout: str) -> list[float]:
+    return [float(v) for v in re.findall(r"iteration +\d+/ +\d+ \|.*? lm loss: ([0-9.E+-]+)",
+                                         stdout)]
+
+
+@pytest.mark.parametrize("name", ["gpt3", "llama3"])
+def test_megatron_example_trains_under_1f1b_and_elastic(workspace, name):
+    env = workspace[3]
+    trained = {}
+    for schedule in ("1f1b", "elastic"):
+        argv = example(workspace, name, schedule) + ["--pipeline-schedule", schedule]
+        drops = [(flag, values, message) for flag, values, (message, kept), schedules
+                 in DROPS[name] if schedule in schedules and not kept]
+        adds = [ADDS[key] for key in ((name, schedule), (name, "cpu"))
+                if key in ADDS and not (key[1] == "cpu" and torch.cuda.is_available())]
+        # Each refusal names what to change; apply exactly the expected changes, one at a time.
+        while (refusal := parse_refusal(argv, env)) is not None:
+            dropped = next((d for d in drops if d[2] in refusal and d[0] in argv), None)
+            added = next((a for a in adds if a[1] in refusal), None)
+            assert dropped or added, f"unexpected refusal: {refusal}"
+            if dropped:
+                drops.remove(dropped)
+                argv = drop(argv, dropped[0], dropped[1])
+            else:
+                adds.remove(added)
+                argv += added[0]
+        assert not drops and not adds, (drops, adds)
+        assert parse_refusal(argv, env) is None
+        result = torchrun(2, SCRIPT, argv, env=env, timeout=420)
+        trained[schedule] = losses(result.stdout)
+        assert len(trained[schedule]) == ITERATIONS, result.stdout[-3000:]
+        checkpoint = argv[argv.index("--save") + 1]
+        with open(os.path.join(checkpoint, "latest_checkpointed_iteration.txt")) as f:
+            assert f.read().strip() == str(ITERATIONS)
+        if name == "llama3" and not torch.cuda.is_available():  # --use-pytorch-profiler
+            assert glob.glob(os.path.join(os.path.dirname(checkpoint), "torch_profile", "*"))
+    torch.testing.assert_close(torch.tensor(trained["elastic"]), torch.tensor(trained["1f1b"]),
+                               rtol=1e-4, atol=0)
+    assert trained["1f1b"][-1] < trained["1f1b"][0]
