@@ -168,7 +168,7 @@ class MockSource:
     """
 
     def __init__(self, global_batch_size: int, seq_length: int, seed: int, split: int,
-                 vocab_size: int = 256):
+                 vocab_size: int):
         self.modulus = min(256, vocab_size)
         self.global_batch_size = global_batch_size
         self.seq_length = seq_length
@@ -233,7 +233,7 @@ def build_document_sources(args: argparse.Namespace, vocab_size: int):
     for name, weight in zip(SPLITS[1:], split_weights(split)[1:]):
         if weight == 0:
             sources[name] = None
-        elif getattr(args, "eval_iters", 0) > 0 and len(sources[name]) == 0:
+        elif args.eval_iters > 0 and len(sources[name]) == 0:
             raise ValueError(f"--split {split} leaves the {name} split without documents "
                              f"of 2 tokens or more, and --eval-iters {args.eval_iters} "
                              "evaluates on it: adjust --split, add documents, or set "

@@ -18,7 +18,7 @@ VOCAB = TOKENIZER.vocab_size
 
 def data_args(**overrides):
     values = dict(mock_data=False, data_path=None, split="8,1,1", global_batch_size=4,
-                  seq_length=16, seed=7, mmap_bin_files=True)
+                  seq_length=16, seed=7, mmap_bin_files=True, eval_iters=0)
     values.update(overrides)
     return argparse.Namespace(**values)
 
