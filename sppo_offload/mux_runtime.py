@@ -42,6 +42,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.plugin.attention import Segment
 from megatron.plugin.batches import MicroBatch
+from megatron.plugin.devices import collective_device
 from megatron.plugin.pipeline.executor import ChunkState, _run_backward, chunk_backward
 from megatron.plugin.pipeline.ir import Action, Kind
 
@@ -217,11 +218,12 @@ class MultiplexProgram:
         owner = ranks[0]
         if self.stage == block:
             tensors, header = self._owned(block)
-            dist.broadcast(torch.tensor(header, dtype=torch.int64), owner, group=group)
+            dist.broadcast(torch.tensor(header, dtype=torch.int64,
+                                        device=collective_device(group)), owner, group=group)
             dist.broadcast(torch.cat([t.detach().reshape(-1) for t in tensors]), owner,
                            group=group)
             return tensors, None, None
-        header = torch.zeros(2, dtype=torch.int64)
+        header = torch.zeros(2, dtype=torch.int64, device=collective_device(group))
         dist.broadcast(header, owner, group=group)
         hidden = self.config.hidden_size
         shapes = [(int(rows), hidden) for rows in header.tolist() if rows]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import sys
 from typing import Sequence
 
@@ -123,6 +124,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         reset_attention_mask=True)
     if not torch.cuda.is_available():
         parser.set_defaults(**_CPU_DEFAULTS)
+    elif importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is None:
+        # The local layers fuse weight-gradient accumulation with apex's CUDA extension only;
+        # without it Megatron-LM's default (on) stops at model construction. Off computes the
+        # same gradients unfused.
+        parser.set_defaults(gradient_accumulation_fusion=False)
     return parser
 
 

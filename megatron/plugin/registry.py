@@ -23,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as _schedules
 
 from megatron.plugin.batches import pack_micro_batches
+from megatron.plugin.devices import collective_device
 from megatron.plugin.reporting import StepReporter, loss_entries
 
 _MEGATRON_DISPATCH = _schedules.get_forward_backward_func
@@ -170,11 +171,12 @@ def _packed_input(documents, args, model):
 
 def _pipeline_totals(losses) -> torch.Tensor:
     """This replica's ``(loss sum, tokens)`` as float64, on every pipeline stage."""
-    totals = torch.zeros(2, dtype=torch.float64)
+    group = parallel_state.get_pipeline_model_parallel_group()
+    totals = torch.zeros(2, dtype=torch.float64, device=collective_device(group))
     for report in losses:
-        totals += report["lm loss"].detach().to("cpu", torch.float64)
-    dist.all_reduce(totals, group=parallel_state.get_pipeline_model_parallel_group())
-    return totals
+        totals += report["lm loss"].detach().to(totals.device, torch.float64)
+    dist.all_reduce(totals, group=group)
+    return totals.cpu()
 
 
 def use_schedule(name: str) -> Callable:

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.plugin.devices import collective_device
 from megatron.plugin.memory import SavedTensorMeter, device_peak_bytes
 
 #: record key -> name in Megatron's log line, TensorBoard and W&B.
@@ -63,9 +64,10 @@ class StepReporter:
                forward_only: bool) -> dict:
         """The record of the call just measured, from this replica's ``(loss sum, tokens)``
         on every pipeline stage; written to ``--metrics-jsonl`` after a training step."""
-        totals = totals.clone()
-        dist.all_reduce(totals, group=parallel_state.get_data_parallel_group(
-            with_context_parallel=True))
+        group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+        totals = totals.to(collective_device(group), copy=True)
+        dist.all_reduce(totals, group=group)
+        totals = totals.cpu()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         stage = parallel_state.get_pipeline_model_parallel_rank()
         planned = getattr(prepared, "planned_activation_bytes", None)
@@ -73,7 +75,9 @@ class StepReporter:
         held[0], held[1], held[2 + stage] = self.meter.peak, self.meter.current, self.meter.peak
         if planned is not None:
             held[2 + pp + stage] = planned
+        held = held.to(collective_device())
         dist.all_reduce(held, op=dist.ReduceOp.MAX)
+        held = held.cpu()
         tokens = float(totals[1])
         record = {
             "iteration": getattr(args, "curr_iteration", 0) + 1,

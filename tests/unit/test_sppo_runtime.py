@@ -147,6 +147,7 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
 ])
 def test_check_args_refuses_what_sppo_cannot_run(flags, message, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8" if "--tensor-model-parallel-size" in flags else "4")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asks it of TP on CUDA
     with pytest.raises(ValueError, match=message):
         parse([*TINY, *flags])
 

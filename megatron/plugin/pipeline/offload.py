@@ -70,6 +70,12 @@ class HostMemory:
         self.peak = 0
         self.moved = 0
 
+    def resident(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is in the memory this tier offloads from: any tensor for the twin
+        (the CPU stands in for the device)."""
+        del tensor
+        return True
+
     def check(self, nbytes: int, what: str) -> None:
         """Raise before anything is written when ``nbytes`` more do not fit."""
         if self.capacity is not None and self.used + nbytes > self.capacity:
@@ -114,6 +120,10 @@ class PinnedHostMemory(HostMemory):  # pragma: no cover - CUDA only, tested wher
         super().__init__(capacity_bytes)
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
+
+    def resident(self, tensor: torch.Tensor) -> bool:
+        """Device tensors only: what a layer saves on the host stays where it is."""
+        return tensor.device.type == "cuda"
 
     def write(self, data: torch.Tensor) -> torch.Tensor:
         host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
@@ -236,7 +246,8 @@ class ActivationOffloader:
         state = set()
         for handle in unit.handles:
             tensor = handle.tensor
-            if tensor is not None and tensor.layout is torch.strided:
+            if (tensor is not None and tensor.layout is torch.strided
+                    and self.tier.resident(tensor)):
                 storages.setdefault(storage_key(tensor), []).append(handle)
                 if _is_model_state(tensor):
                     state.add(storage_key(tensor))

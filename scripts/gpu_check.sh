@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Validates an install on a CUDA machine: versions, the unit tests (the CUDA-only ones run
+# here), a short training run of every schedule that fits the GPUs present (NCCL, fp32 and
+# bf16), then the golden suite when there are 4 GPUs or more (its layouts use up to 4 ranks,
+# one GPU each). Prints a report; exits non-zero if any step failed.
+# Usage: bash scripts/gpu_check.sh   (in an environment with the project installed)
+set -u
+cd "$(dirname "$0")/.."
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+if [ "$gpus" -lt 1 ]; then
+  echo "error: no CUDA device visible: run this on a GPU machine" >&2
+  exit 1
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-LM requires it with tensor parallelism
+log="${GPU_CHECK_LOG_DIR:-$(mktemp -d)}"  # where each step's log is kept
+mkdir -p "$log"
+report=()
+failed=0
+step() {  # step NAME COMMAND...: run, keep the log, record the result
+  local name=$1
+  shift
+  if timeout 900 "$@" >"$log/$name.log" 2>&1; then
+    report+=("ok      $name")
+  else
+    report+=("FAILED  $name (log: $log/$name.log)")
+    failed=1
+  fi
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c 'import torch, importlib.metadata as m; print("torch", torch.__version__, "CUDA",
+torch.version.cuda, "GPUs", torch.cuda.device_count(), "megatron-core", m.version("megatron-core"))'
+step unit python3 -m pytest -q -p no:cacheprovider tests/unit
+pp=$(( gpus >= 2 ? 2 : 1 ))
+tiny=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 256
+      --max-position-embeddings 256 --micro-batch-size 1 --global-batch-size 8 --lr 1e-3
+      --train-iters 6 --lr-warmup-iters 1 --log-interval 1 --eval-interval 1000 --eval-iters 0
+      --calculate-per-token-loss --tokenizer-type NullTokenizer --vocab-size 257 --mock-data
+      --seed 1234 --pipeline-model-parallel-size "$pp")
+schedules=(default elastic seq1f1b sppo)
+[ "$pp" -ge 2 ] && schedules+=(1f1b 1f1b-ir helix)
+for schedule in "${schedules[@]}"; do
+  extra=()
+  [ "$schedule" = sppo ] && extra=(--sppo-subsequences "$(( pp * 2 ))")
+  for dtype in fp32 bf16; do
+    precision=()
+    [ "$dtype" = bf16 ] && precision=(--bf16)
+    step "train-$schedule-$dtype" torchrun --nproc-per-node "$pp" --master-port 29511 \
+      pretrain_gpt_elastic.py "${tiny[@]}" --pipeline-schedule "$schedule" "${extra[@]}" \
+      "${precision[@]}"
+  done
+done
+if [ "$gpus" -ge 4 ]; then
+  step golden python3 -m pytest -q -p no:cacheprovider tests/distributed/test_golden_megatron.py
+else
+  report+=("skipped golden: its layouts need 4 GPUs, $gpus present")
+fi
+[ "$pp" -ge 2 ] || report+=("skipped 1f1b, 1f1b-ir, helix training: they need 2 GPUs or more")
+printf '%s\n' "${report[@]}"
+for name in "$log"/train-*.log; do
+  [ -f "$name" ] || continue
+  printf '%s: ' "$(basename "$name" .log)"
+  grep -oE "lm loss: [0-9.E+-]+" "$name" | awk '{printf "%s ", $3}'
+  echo
+done
+exit "$failed"
