@@ -18,10 +18,11 @@ without ``--use-pytorch-profiler`` (nsys). What ``elastic`` cannot take is refus
 ``--overlap-grad-reduce``; GPT-3's example averages per micro-batch, which a document schedule
 does not have, so ``elastic`` asks for ``--calculate-per-token-loss``. ``--rampup-batch-size``
 is refused for every schedule (the document batches are of a fixed size).
-Both schedules then train the same documents from the same seed: the losses agree to 1e-4.
-(GPT-3's example has no ``--calculate-per-token-loss``, so its ``1f1b`` run averages each
-micro-batch's token mean, which equals ``elastic``'s per-token mean where the packed rows hold
-equal token counts: nearly all of them are full ``--seq-length`` rows.)
+Both schedules then train the same documents from the same seed. Llama-3's example minimizes the
+per-token mean (``--calculate-per-token-loss``) under both: every iteration's loss agrees to
+1e-4. GPT-3's example does not, so its ``1f1b`` run minimizes the mean of the micro-batches'
+token means while ``elastic`` minimizes the per-token mean: the first loss (same weights, same
+documents, both logged per token) agrees, the updates after it legitimately differ.
 """
 import glob
 import json
@@ -248,6 +249,7 @@ def test_megatron_example_trains_under_1f1b_and_elastic(workspace, name):
             assert f.read().strip() == str(ITERATIONS)
         if name == "llama3" and not torch.cuda.is_available():  # --use-pytorch-profiler
             assert glob.glob(os.path.join(os.path.dirname(checkpoint), "torch_profile", "*"))
-    torch.testing.assert_close(torch.tensor(trained["elastic"]), torch.tensor(trained["1f1b"]),
-                               rtol=1e-4, atol=0)
+    same_objective = ITERATIONS if name == "llama3" else 1
+    torch.testing.assert_close(torch.tensor(trained["elastic"][:same_objective]),
+                               torch.tensor(trained["1f1b"][:same_objective]), rtol=1e-4, atol=0)
     assert trained["1f1b"][-1] < trained["1f1b"][0]
