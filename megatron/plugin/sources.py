@@ -220,7 +220,10 @@ def build_document_sources(args: argparse.Namespace, vocab_size: int):
     datasets = [_open(prefix, args.mmap_bin_files) for _, prefix in pairs]
     split = args.split or "969, 30, 1"  # Megatron-LM's default with --data-path
     sources = {}
-    for i, name in enumerate(SPLITS):
+    for i, (name, weight) in enumerate(zip(SPLITS, split_weights(split))):
+        if weight == 0 and name != "train":
+            sources[name] = None
+            continue
         streams = []
         for k, dataset in enumerate(datasets):
             start, stop = split_ranges(split, len(dataset.index.document_indices) - 1)[i]
@@ -230,10 +233,8 @@ def build_document_sources(args: argparse.Namespace, vocab_size: int):
     if len(sources["train"]) == 0:
         raise ValueError("the train split has no documents of 2 tokens or more: check "
                          "--data-path and --split")
-    for name, weight in zip(SPLITS[1:], split_weights(split)[1:]):
-        if weight == 0:
-            sources[name] = None
-        elif args.eval_iters > 0 and len(sources[name]) == 0:
+    for name in SPLITS[1:]:
+        if sources[name] is not None and args.eval_iters > 0 and len(sources[name]) == 0:
             raise ValueError(f"--split {split} leaves the {name} split without documents "
                              f"of 2 tokens or more, and --eval-iters {args.eval_iters} "
                              "evaluates on it: adjust --split, add documents, or set "

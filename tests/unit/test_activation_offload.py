@@ -168,6 +168,33 @@ def test_a_handle_counts_in_the_active_meter():
         assert meter.current == 0
 
 
+def test_offload_leaves_saved_tensors_outside_the_tier_where_they_are():
+    """A tier offloads only what is resident in its memory (on CUDA: device tensors; a layer
+    may also save host tensors). Here a tier that counts nothing as resident moves nothing,
+    and the backward still gets every saved tensor."""
+
+    class NothingResident(HostMemory):
+        def resident(self, tensor):
+            return False
+
+    model, x = stack(layers=2), torch.randn(8, 64)
+    model(x).square().sum().backward()
+    expected = gradients(model)
+    model.zero_grad()
+    offloader = ActivationOffloader(NothingResident(), lambda unit: 1.0)
+    loss = captured_forward(offloader, model, x)
+    record = offloader.offload(KEY, resident=set())
+    assert record.offloadable == 0 and record.moved == 0
+    assert all(t is not None for t in saved_tensors(offloader))
+    offloader.reload(KEY)
+    offloader.before_backward(KEY)
+    loss.backward()
+    offloader.release(KEY)
+    for got, want in zip(gradients(model), expected):
+        assert torch.equal(got, want)
+    assert HostMemory().resident(x)  # the CPU twin stands in for the device: all of it
+
+
 def test_host_tier_by_device():
     assert type(host_tier(torch.device("cpu"))) is HostMemory
     with pytest.raises(ValueError, match="host capacity must be >= 0"):
