@@ -65,6 +65,26 @@ def test_recompute_costs_time_and_adds_memory():
     assert result.memory_timeline[0][-1][1] == pytest.approx(10.0)
 
 
+def test_each_link_runs_its_groups_in_posting_order():
+    """NCCL runs one communicator's groups one after the other: rank 0's second send, posted
+    at 1.0 while the first is in flight until 1.5, starts at 1.5 and arrives at 2.5 (not at
+    2.0, as it would with each transfer on its own)."""
+    schedule = parse_schedule("0: 0F0 0SEND_F0>1 0F1 0SEND_F1>1\n"
+                              "1: 1RECV_F0<0 1RECV_F1<0")
+    result = simulate(schedule, UniformCosts(forward=0.5, transfer=1.0), eager_sends=True)
+    assert result.iteration_time == pytest.approx(2.5)
+    assert result.idle[1] == pytest.approx(2.5)
+
+
+def test_links_in_opposite_directions_do_not_wait_for_each_other():
+    """Two ranks that each send first and receive second, both eagerly: on one communicator per
+    pipeline NCCL would queue each receive behind the rank's own send; on links they pass."""
+    schedule = parse_schedule("0: 0F0 0SEND_F0>1 0F2 0RECV_F1<1 0F3\n"
+                              "1: 1F1 1SEND_F1>0 1F4 1RECV_F0<0 1F5")
+    result = simulate(schedule, UniformCosts(transfer=1.0), eager_sends=True)
+    assert result.iteration_time == pytest.approx(4.0)  # F, F, the later post + 1, F
+
+
 def test_deadlock_is_reported_with_blocked_ranks():
     schedule = parse_schedule("0: 0RECV_B0<1 0F0 0SEND_F0>1 0B0\n"
                               "1: 1RECV_F0<0 1F0 1B0 1SEND_B0>0")

@@ -276,13 +276,15 @@ def run_schedule(actions: list[Action], ctx: StageContext) -> list:
             recvs = [(a, torch.empty(ctx.shape_of(a), dtype=dtype, device=device))
                      for a in batch if a.is_recv()]
             if eager:
-                # Sends and receives in separate posts: waiting for a receive must never wait
-                # for a send of the same batch (its peer may be waiting for this rank).
+                # One post per link (p2p): a receive is waited for with its link's batch, never
+                # with a send of this rank (its peer may be waiting for this rank).
                 in_flight = [p for p in in_flight if not p.done()]
-                in_flight.append(channel.post(sends, []))
-                posted = channel.post([], recvs)
-                for a, _ in recvs:
-                    arriving[route(a)] = posted
+                for posted in channel.post(sends, recvs):
+                    if posted.actions[0].is_recv():
+                        for a in posted.actions:
+                            arriving[route(a)] = posted
+                    else:
+                        in_flight.append(posted)
             else:
                 channel.exchange(sends, recvs)
             for a, buffer in recvs:

@@ -88,6 +88,11 @@ class Action:
     def is_memory(self) -> bool:
         return self.kind in (Kind.OFFLOAD, Kind.RELOAD)
 
+    def link(self) -> tuple[int, int]:
+        """``(source stage, destination stage)`` of a transfer: each ordered pair of stages
+        is a link with a communicator of its own (:mod:`~megatron.plugin.pipeline.p2p`)."""
+        return self.transfer_key()[:2]
+
     def transfer_key(self) -> tuple:
         """Identity shared by a send and its matching receive:
         ``(source stage, destination stage, send kind, unit, part, tensor)``."""

@@ -1,17 +1,28 @@
 """Device-agnostic point-to-point transfers between pipeline stages, with timeouts.
 
-The same code runs on gloo (CPU) and NCCL (CUDA): ``torch.distributed.batch_isend_irecv`` on
-Megatron's pipeline group, peers named by their pipeline stage. A run of consecutive transfer
-actions of one rank is posted as one batch (Megatron's ``send_forward_recv_backward`` and
-friends) and waited for as a whole: on NCCL a batch is one group call, so a rank that sends to
-and receives from the same peer in one step cannot deadlock. Shapes come from the plan, so no
-shape is exchanged at run time.
+The same code runs on gloo (CPU) and NCCL (CUDA): ``torch.distributed.batch_isend_irecv``,
+peers named by their pipeline stage. A run of consecutive transfer actions of one rank is
+posted as one batch (Megatron's ``send_forward_recv_backward`` and friends) and waited for as a
+whole, or per link (below). Shapes come from the plan, so no shape is exchanged at run time.
+
+**Links.** Each ordered pair of stages of a pipeline (``a -> b`` and ``b -> a`` apart) has a
+two-rank process group of its own, its *link* (:func:`pipeline_links`); a batch is posted as
+one ``batch_isend_irecv`` per link it uses. NCCL runs the operations of one communicator in the order they were posted, one group
+after the other, and a group completes only when every peer has posted its side. With one
+communicator for the whole pipeline, a send posted ahead (helix's eager sends) would hold back
+every later receive of its rank until the peer takes it: ranks sending to each other first and
+receiving second would wait for each other forever, which gloo, matching by tag, never shows.
+On a link only one rank sends and only the other receives, so in-order execution is exactly
+the channel order the validator requires (receives posted in send order), and the dry run
+(:func:`~megatron.plugin.pipeline.simulator.simulate`) replays one in-order stream per rank and
+link: a schedule that passes it cannot hang on NCCL. The price: ``P (P - 1)`` two-rank groups
+per pipeline of ``P`` stages (helix sends to every stage, not only to neighbours), created
+once, at the first schedule run, by every rank (``new_group`` requires it).
 
 Matching: NCCL pairs transfers between two ranks by issue order only, gloo by (peer, tag) and
-then by order. The validator guarantees that receives are posted in send order on every
-channel; each transfer also carries a tag derived from its identity
+then by order. Each transfer also carries a tag derived from its identity
 (:meth:`~megatron.plugin.pipeline.ir.Action.transfer_key`), so gloo cannot pair two different
-transfers even if that guarantee were broken.
+transfers even if the channel order were broken.
 
 Every wait has a timeout; the error names the rank, the action and the peer instead of hanging.
 Handles and send buffers are released as soon as their batch completes (or, for transfers
@@ -21,12 +32,15 @@ complete).
 from __future__ import annotations
 
 import datetime
+import functools
+import itertools
 import time
 import zlib
 
 import torch
 import torch.distributed as dist
 
+from megatron.plugin.devices import collective_device
 from megatron.plugin.pipeline.ir import Action
 
 
@@ -39,37 +53,67 @@ def tag_of(action: Action) -> int:
     return zlib.crc32(repr(action.transfer_key()).encode()) & 0x7FFFFFFF
 
 
+@functools.lru_cache(maxsize=4)
+def pipeline_links(pipeline: tuple[int, ...]) -> dict[tuple[int, int], object]:
+    """``(source stage, destination stage) -> two-rank group`` for the links of this rank: the
+    ordered pairs of stages of the pipeline whose global ranks are ``pipeline`` that have this
+    rank at one end (module doc).
+
+    Every rank takes part in creating the links of every pipeline (``new_group`` requires it),
+    at its first call; each link then runs one collective so that NCCL sets its communicator up
+    while both ranks are here (a first point-to-point batch must involve all of a group's ranks).
+    """
+    pipelines = [None] * dist.get_world_size()
+    dist.all_gather_object(pipelines, pipeline)
+    mine = {}
+    for ranks in sorted(set(pipelines)):
+        for src, dst in itertools.permutations(range(len(ranks)), 2):
+            group = dist.new_group([ranks[src], ranks[dst]])
+            if dist.get_rank() in (ranks[src], ranks[dst]):
+                mine[(src, dst)] = group
+    for group in mine.values():
+        dist.all_reduce(torch.zeros(1, device=collective_device(group)), group=group)
+    return mine
+
+
 class PeerChannel:
-    """Batched transfers of one rank over the pipeline group."""
+    """Batched transfers of one rank with its pipeline's other stages, over the links."""
 
     def __init__(self, group, rank_label: str, timeout_s: float):
         self.group = group
         self.rank_label = rank_label
         self.timeout_s = timeout_s
+        self.links = pipeline_links(tuple(dist.get_process_group_ranks(group)))
 
     def _global(self, stage: int) -> int:
         return dist.get_global_rank(self.group, stage)
 
     def exchange(self, sends: list[tuple[Action, torch.Tensor]],
                  recvs: list[tuple[Action, torch.Tensor]]) -> None:
-        """Post every send and every receive (into the given buffers) together, then wait for
-        all of them."""
-        self.post(sends, recvs).wait()
+        """Post every send and every receive (into the given buffers), then wait for all of
+        them."""
+        for posted in self.post(sends, recvs):
+            posted.wait()
 
     def post(self, sends: list[tuple[Action, torch.Tensor]],
-             recvs: list[tuple[Action, torch.Tensor]]) -> "Posted":
-        """Post every send and every receive together; :meth:`Posted.wait` waits for them."""
-        ops, actions = [], []
-        for action, tensor in sends:
-            ops.append(dist.P2POp(dist.isend, tensor.detach().contiguous(),
-                                  self._global(action.peer), self.group, tag_of(action)))
-            actions.append(action)
-        for action, buffer in recvs:
-            ops.append(dist.P2POp(dist.irecv, buffer, self._global(action.peer), self.group,
-                                  tag_of(action)))
-            actions.append(action)
-        works = dist.batch_isend_irecv(ops) if ops else []
-        return Posted(self, actions, works, ops)
+             recvs: list[tuple[Action, torch.Tensor]]) -> list["Posted"]:
+        """Post every send and every receive at once, one batch per link; each
+        :class:`Posted` waits for the transfers of its link."""
+        per_link: dict[tuple[int, int], list] = {}
+        for action, tensor in sends + recvs:
+            link = action.link()
+            op = dist.isend if action.is_send() else dist.irecv
+            if action.is_send():
+                tensor = tensor.detach().contiguous()
+            per_link.setdefault(link, []).append(
+                (action, dist.P2POp(op, tensor, self._global(action.peer), self.links[link],
+                                    tag_of(action))))
+        posted = []
+        for link in sorted(per_link):
+            actions = [action for action, _ in per_link[link]]
+            ops = [op for _, op in per_link[link]]
+            posted.append(Posted(self, actions, dist.batch_isend_irecv(ops), ops))
+        return posted
 
 
 class Posted:

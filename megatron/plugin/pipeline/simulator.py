@@ -3,15 +3,18 @@
 Execution model (the executor's): each rank runs its actions in order. Compute actions
 (forward, backward, recompute, foreign attention) occupy the rank for
 ``costs.duration(action)``. A run of consecutive transfers is one *batch* (Megatron's
-``send_forward_recv_backward`` and friends): the rank posts all of them at once and waits until
-each has been posted by its peer too; a transfer completes ``costs.transfer_time(send)`` after
-the later of the two postings. This is how NCCL behaves (a send occupies the stream until the
-peer receives), so a schedule that finishes here cannot deadlock on NCCL or gloo. Waiting for
-a batch is the rank's idle time.
+``send_forward_recv_backward`` and friends), posted as one group per *link* (ordered pair of
+stages, :mod:`~megatron.plugin.pipeline.p2p`). Each rank has one stream per link, as NCCL
+has one per communicator: a group starts when it is posted and the previous group on its
+stream has completed, a transfer completes ``costs.transfer_time(send)`` after the later of
+its two groups' starts, and a group completes with its last transfer. The rank waits for every
+group of the batch; waiting is the rank's idle time. A schedule that finishes here cannot
+deadlock on NCCL or gloo.
 
 With ``eager_sends`` (schedules whose hops run against the pipeline's direction, helix) a rank
-posts its sends and goes on at once: only the batch's receives are waited for, and the sends
-complete in the background (the executor waits for them at the end of the schedule).
+posts its sends and goes on at once: only the batch's receiving groups are waited for, and the
+sends complete in the background, in order on their link's stream (the executor waits for them
+at the end of the schedule).
 
 Memory model: a ``FORWARD`` or ``RECOMPUTE`` adds ``costs.activation_bytes(action)`` to the
 stash of its ``(stage, unit, part)`` when it ends; the ``BACKWARD`` of that key releases the
@@ -29,17 +32,17 @@ is allocated first). A ``BACKWARD`` waits until the last copy of its key has end
 Copy time is not compute time (``busy``); a rank's finish time includes its copy stream. A
 schedule without memory actions replays exactly as before.
 
-The engine is a work list: a rank runs until a batch has a transfer whose peer has not posted
-it, parks, and is woken when the peer posts. Every action is visited once, so 64 stages x 512
-micro-batches replay in well under a second. A rank parked when the work list empties is a
-deadlock: :class:`Deadlock` names the blocked batch of every unfinished rank (the validator
-turns it into the grid).
+The engine is a work list: a rank runs until a group it waits for has a transfer whose peer has
+not started it, parks, and is woken when that group completes. Every action is visited once,
+so 64 stages x 512 micro-batches replay in well under a second. A rank parked when the work list empties is a
+deadlock (so is a group that never completes after its rank's last action): :class:`Deadlock`
+names the blocked batch of every unfinished rank (the validator turns it into the grid).
 """
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from megatron.plugin.pipeline.ir import Action, Kind
@@ -118,6 +121,22 @@ _STASH = (Kind.FORWARD, Kind.RECOMPUTE, Kind.ATTN_F)
 _RELEASE = (Kind.BACKWARD, Kind.ATTN_B)
 
 
+class _Group:
+    """The transfers of one batch on one link, posted on the rank's stream for that link:
+    launched when the stream is free, complete when every transfer in it is."""
+
+    __slots__ = ("rank", "link", "index", "ops", "posted", "start", "finish", "open")
+
+    def __init__(self, rank: int, link: tuple, index: int, ops: list[Action], posted: float):
+        self.rank, self.link, self.index, self.ops = rank, link, index, ops
+        self.posted = posted
+        self.start = self.finish = posted
+        self.open = len(ops)
+
+    def launch(self, stream_free: float) -> None:
+        self.start = self.finish = max(self.posted, stream_free)
+
+
 def transfer_batches(actions: list[Action]) -> list[tuple[int, int]]:
     """``[start, stop)`` of every maximal run of consecutive transfers in one rank's list:
     the groups the executor posts together (``batch_isend_irecv``) and waits for together."""
@@ -144,14 +163,11 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
     clock = [0.0] * ranks
     busy = [0.0] * ranks
     position = [0] * ranks
-    posted_batch = [False] * ranks
     memory = [float(costs.static_bytes(r)) for r in range(ranks)]
     timeline = [[(0.0, memory[r])] for r in range(ranks)]
     peak = list(memory)
     stash: list[dict] = [{} for _ in range(ranks)]
     events: list[TraceEvent] = []
-    posted: dict[tuple, tuple[float, int, Action]] = {}
-    done: dict[tuple, float] = {}
     parked = [False] * ranks
     copy_free = [0.0] * ranks
     copied: list[dict] = [{} for _ in range(ranks)]
@@ -168,7 +184,50 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
             peak[r] = max(peak[r], memory[r])
             timeline[r].append((at, memory[r]))
 
+    # Communication streams, one per rank and link (key ``(rank, link)``).
+    queue: dict[tuple, deque] = defaultdict(deque)
+    current: dict[tuple, _Group] = {}
+    stream_free: dict[tuple, float] = defaultdict(float)
+    launched: dict[tuple, tuple[_Group, Action]] = {}
+    awaited: list[list[_Group]] = [[] for _ in range(ranks)]
     ready = deque(range(ranks))
+
+    def advance(first: tuple) -> None:
+        """Launch queued batches on every stream that has become free, matching transfers
+        whose peers are launched too; wake ranks whose awaited batches completed."""
+        free = [first]
+        while free:
+            stream = free.pop()
+            while stream not in current and queue[stream]:
+                group = queue[stream].popleft()
+                group.launch(stream_free[stream])
+                current[stream] = group
+                for op in group.ops:
+                    other = launched.pop(op.transfer_key(), None)
+                    if other is None:
+                        launched[op.transfer_key()] = (group, op)
+                        continue
+                    peer, peer_op = other
+                    send = op if op.is_send() else peer_op
+                    at = max(group.start, peer.start) + costs.transfer_time(send)
+                    for side in (group, peer):
+                        side.finish = max(side.finish, at)
+                        side.open -= 1
+                    if peer.open == 0:
+                        free.append(complete(peer))
+                if group.open == 0:
+                    complete(group)
+
+    def complete(group: _Group) -> tuple:
+        stream = (group.rank, group.link)
+        del current[stream]
+        stream_free[stream] = group.finish
+        q = group.rank
+        if parked[q] and all(g.open == 0 for g in awaited[q]):
+            parked[q] = False
+            ready.append(q)
+        return stream
+
     while ready:
         r = ready.popleft()
         parked[r] = False
@@ -180,32 +239,22 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
             kind = a.kind
             if a.is_communication():
                 stop = ends[i]
-                if not posted_batch[r]:
-                    posted_batch[r] = True
+                if not awaited[r]:
+                    per_link: dict[tuple, list[Action]] = {}
                     for op in actions[i:stop]:
-                        key = op.transfer_key()
-                        other = posted.pop(key, None)
-                        if other is None:
-                            posted[key] = (now, r, op)
-                            continue
-                        send = op if op.is_send() else other[2]
-                        done[key] = max(now, other[0]) + costs.transfer_time(send)
-                        if parked[other[1]]:
-                            parked[other[1]] = False
-                            ready.append(other[1])
-                finish = now
-                for op in actions[i:stop]:
-                    if eager_sends and op.is_send():
-                        continue
-                    at = done.get(op.transfer_key())
-                    if at is None:
-                        parked[r] = True
-                        break
-                    finish = max(finish, at)
-                if parked[r]:
+                        per_link.setdefault(op.link(), []).append(op)
+                    for link in sorted(per_link):
+                        group = _Group(r, link, i, per_link[link], now)
+                        queue[(r, link)].append(group)
+                        if not eager_sends or group.ops[0].is_recv():
+                            awaited[r].append(group)
+                        advance((r, link))
+                if any(group.open for group in awaited[r]):
+                    parked[r] = True
                     break
-                posted_batch[r] = False
-                now, i = finish, stop
+                now = max([now, *(group.finish for group in awaited[r])])
+                awaited[r].clear()
+                i = stop
                 continue
             if a.is_memory():
                 start = max(now, copy_free[r])
@@ -245,11 +294,14 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
             i += 1
         position[r], clock[r] = i, now
     blocked = {r: position[r] for r in range(ranks) if position[r] < len(schedule[r])}
+    for (r, _), group in current.items():
+        blocked[r] = min(blocked.get(r, group.index), group.index)
     if blocked:
         raise Deadlock(blocked)
     for r in range(ranks):
         settle(r, float("inf"))
-        clock[r] = max(clock[r], copy_free[r])
+        clock[r] = max([clock[r], copy_free[r],
+                        *(free for (q, _), free in stream_free.items() if q == r)])
     total = max(clock, default=0.0)
     return SimResult(iteration_time=total, busy=busy, idle=[total - b for b in busy],
                      peak_memory=peak, memory_timeline=timeline, events=events)

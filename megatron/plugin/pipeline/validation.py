@@ -19,8 +19,10 @@
    matches point-to-point transfers by issue order only, so this is what makes a schedule
    portable between gloo and NCCL;
 6. a dry run (:func:`~megatron.plugin.pipeline.simulator.dry_run`) proves there is no
-   deadlock: transfers posted in batches, each batch waited for whole (or, when the flow has
-   ``eager_sends``, only its receives).
+   deadlock under NCCL's rules: transfers posted in batches, one group per link, each link an
+   in-order stream on each of its two ranks (a group starts when the previous one on that
+   stream has completed and completes when both sides have posted); a rank waits for every
+   group of its batch (or, when the flow has ``eager_sends``, for its receiving groups only).
 
 A failure raises :class:`ScheduleError` (a ``ValueError``) whose message holds the
 per-rank grid around the failing step, the failing cells marked ``<-- ERROR HERE``.
