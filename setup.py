@@ -32,7 +32,9 @@ setup(
         # HuggingFace and GPT-2 BPE tokenizers (tests/e2e/test_megatron_examples.py).
         "test": ["pytest>=8", "pytest-timeout", "tokenizers", "transformers"],
         # On CUDA clusters. NVIDIA apex is built from source (see README); the PyPI package
-        # named "apex" is an unrelated project and must never be installed.
-        "gpu": ["flash-attn", "transformer-engine"],
+        # named "apex" is an unrelated project and must never be installed. Transformer Engine
+        # is not listed: the layer spec is Megatron's local one with the document attention,
+        # and --transformer-impl transformer_engine is refused by name.
+        "gpu": ["flash-attn"],
     },
 )
