@@ -7,13 +7,15 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   tokens attends causally to ``c`` context tokens (eq. 1). Derived from FLOPs unless the profile
   is measured: causal attention does ``4h`` FLOPs per (query, key) pair and a slice has
   ``((c+s)^2 - c^2) / 2`` pairs, so ``alpha1 = 2h / (sp tp peak attention_efficiency)``; the
-  GEMMs do ``2 (4h^2 + 2hf)`` FLOPs per token, so ``alpha2 = that / (sp tp peak
-  matmul_efficiency)``; ``beta`` is the profile's fixed per-layer overhead.
+  GEMMs do ``2 (4h^2 + 2hf)`` FLOPs per token (``2 (4h^2 + 3hf)`` with a gated MLP), so
+  ``alpha2 = that / (sp tp peak matmul_efficiency)``; ``beta`` is the profile's fixed per-layer
+  overhead.
 - backward compute = ``backward_factor`` x forward compute;
 - collectives (eq. 2-3): Ulysses moves Q, K, V and the attention output with four all-to-alls per
-  layer and direction, each ``latency + bytes (sp-1)/sp / bandwidth`` with ``bytes = tokens h 2
-  / (sp tp)``; tensor parallelism with sequence parallelism adds two all-gathers and two
-  reduce-scatters per layer and direction, each ``latency + bytes (tp-1)/tp / bandwidth``.
+  layer and direction, each ``latency + bytes (sp-1)/sp / bandwidth`` with ``bytes = tokens h e
+  / (sp tp)`` (``e``: bytes of an element of the model's dtype, see Memory); tensor parallelism
+  with sequence parallelism adds two all-gathers and two reduce-scatters per layer and
+  direction, each ``latency + bytes (tp-1)/tp / bandwidth``.
   Collectives are not overlapped with compute (they sit between dependent kernels);
 - recomputing a checkpointed layer costs one more forward of it, collectives included (eq. 11);
 - the last stage also runs the output layer (``2 h V`` FLOPs per token forward) and keeps the
@@ -22,14 +24,19 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   norm's, output layer's and loss's measured ``seconds per token x tokens + seconds per chunk``,
   forward and backward each (on a CPU the head is not negligible next to a small layer).
 
-Memory (bytes per GPU; activations in BF16, Korthikanti et al.'s accounting with flash
-attention, so no ``s^2`` term), per token and layer, divided by ``sp tp``:
+Memory (bytes per GPU; Korthikanti et al.'s accounting with flash attention, so no ``s^2``
+term, in elements of the model's dtype, ``e`` bytes each: 2 for BF16 and FP16, 4 for FP32 --
+the run's ``params_dtype``, whichever profile prices the time), per token and layer, divided by
+``sp tp``:
 
-- not checkpointed: ``18h + 4f`` (``34h`` for ``f = 4h``: LayerNorm inputs, Q/K/V, attention
-  output, projection input, MLP input, activations before and after GeLU, dropout masks);
-- checkpointed: the layer input ``2h``; a piece with later slices also keeps its K/V ``4h``
+- not checkpointed: ``(9h + 2f) e`` (``34h`` bytes for ``f = 4h`` in BF16: LayerNorm inputs,
+  Q/K/V, attention output, projection input, MLP input, activations before and after GeLU,
+  dropout masks); a gated MLP keeps its ``2f`` wide first projection, ``(9h + 3f) e``. What an
+  implementation saves beyond that (an unfused RMSNorm, RoPE outside the attention kernel) is
+  not counted; a measured profile's coefficients count it;
+- checkpointed: the layer input ``h e``; a piece with later slices also keeps its K/V ``2h e``
   (later slices attend to them and a recomputation must not rebuild them);
-- dK/dV accumulator of a piece with later slices: ``4h`` (BF16). It is charged from the piece's
+- dK/dV accumulator of a piece with later slices: ``2h e``. It is charged from the piece's
   forward to its backward -- the simulator's stash model releases memory only at a backward --
   which over-estimates the peak by at most that buffer between the forward and the backward of
   the document's last slice (conservative, the same number for the solver and the simulator);
@@ -41,11 +48,13 @@ attention, so no ``s^2`` term), per token and layer, divided by ``sp tp``:
 - last stage: FP32 logits, ``4 V / tp`` bytes per local token; the embedding adds nothing;
 - a measured profile's ``activation_coefficients`` replace these per-token figures (layer,
   checkpointed input, K/V, dK/dV, embedding, head) with the bytes the profiler counted on the
-  real layer and model with the training loop's meter (``scripts/profile_costs.py``);
-- model state per stage (eq. 10): BF16 weights (2 bytes/param), FP32 main gradients (4), FP32
-  master weights and Adam moments (12, sharded over the ``dp x sp`` replicas when the
-  distributed optimizer is on), weights split over ``tp``; stage 0 holds the embedding, the
-  last stage the (untied) output layer; plus ``reserved_gb`` of runtime overhead.
+  real layer and model with the training loop's meter (``scripts/profile_costs.py``); they
+  were counted in one dtype, and the cost model refuses them for a model of another;
+- model state per stage (eq. 10): weights in the model's dtype (``e`` bytes/param), FP32 main
+  gradients (4), Adam moments (8) and, below FP32, FP32 master weights (4) -- moments and
+  master weights sharded over the ``dp x sp`` replicas when the distributed optimizer is on --
+  all split over ``tp``; stage 0 holds the embedding, the last stage the (untied) output layer;
+  plus ``reserved_gb`` of runtime overhead.
 
 Layers per stage: ``L // pp``, the remainder going one each to the last stages (stage 0 holds
 the most in-flight chunks in 1F1B, so it gets the fewest layers).
@@ -59,8 +68,6 @@ from elastic_pipe.chunks import Chunk
 from elastic_pipe.hardware import HardwareProfile
 from elastic_pipe.models import ModelConfig
 
-ACT_BYTES = 2
-"""Bytes of a BF16 activation element."""
 GB = 1e9
 
 
@@ -107,6 +114,7 @@ class CostModel:
                              f"{parallel.pp} stages; lower --pp")
         self.model, self.hardware, self.parallel = model, hardware, parallel
         h, f, shard = model.hidden_size, model.ffn_hidden_size, parallel.sp * parallel.tp
+        w, e = model.mlp_width, model.element_bytes
         fit = hardware.layer_coefficients
         if fit is not None:
             if (fit.hidden_size, fit.sp, fit.tp) != (h, parallel.sp, parallel.tp):
@@ -118,7 +126,8 @@ class CostModel:
         else:
             peak = hardware.peak_tflops * 1e12
             self.alpha1 = 2 * h / (shard * peak * hardware.attention_efficiency)
-            self.alpha2 = 2 * (4 * h * h + 2 * h * f) / (shard * peak * hardware.matmul_efficiency)
+            gemm_flops = 2 * (4 * h * h + h * w + h * f)
+            self.alpha2 = gemm_flops / (shard * peak * hardware.matmul_efficiency)
             self.beta = hardware.layer_overhead_s
         self.head_per_token = 2 * h * model.vocab_size / (shard * peak_flops(hardware))
         self.ends = hardware.end_coefficients
@@ -137,14 +146,19 @@ class CostModel:
                     f"profile {hardware.name} measured activations for hidden, vocab, sp, tp "
                     f"{shape}, not {(h, model.vocab_size, parallel.sp, parallel.tp)}; profile "
                     f"this model and layout or drop activation_coefficients")
+            if measured.dtype != model.dtype:
+                raise ValueError(
+                    f"profile {hardware.name} measured activations in {measured.dtype}, not "
+                    f"{model.dtype}; profile in the run's precision or drop "
+                    f"activation_coefficients")
             self.full_per_token, self.ckpt_per_token = measured.layer, measured.checkpointed
             self.kv_per_token, self.dkv_per_token = measured.kv, measured.dkv
             self.embedding_per_token, self.logits_per_token = measured.embedding, measured.head
         else:
-            self.full_per_token = ACT_BYTES * (9 * h + 2 * f) / shard
-            self.ckpt_per_token = ACT_BYTES * h / shard
-            self.kv_per_token = ACT_BYTES * 2 * h / shard
-            self.dkv_per_token = ACT_BYTES * 2 * h / shard
+            self.full_per_token = e * (9 * h + f + w) / shard
+            self.ckpt_per_token = e * h / shard
+            self.kv_per_token = e * 2 * h / shard
+            self.dkv_per_token = e * 2 * h / shard
             self.embedding_per_token = 0.0
             self.logits_per_token = 4 * model.vocab_size / shard
         self.comm_latency = self.comm_per_token = 0.0
@@ -152,7 +166,7 @@ class CostModel:
             if degree > 1:
                 bandwidth, latency = self._link(span)
                 self.comm_latency += 4 * latency
-                self.comm_per_token += 4 * ACT_BYTES * h / shard * (degree - 1) / degree / bandwidth
+                self.comm_per_token += 4 * e * h / shard * (degree - 1) / degree / bandwidth
         self.linear_per_token = self.alpha2 + self.comm_per_token
         self.chunk_constant = self.beta + self.comm_latency
         self._layers = stage_layers(model.num_layers, parallel.pp)
@@ -234,8 +248,8 @@ class CostModel:
         """Sending one chunk's activations (or their gradients) to the next stage."""
         p = self.parallel
         bandwidth, latency = self._link(p.tp * p.sp * p.dp * p.pp)
-        return latency + ACT_BYTES * chunk.tokens * self.model.hidden_size / (p.sp * p.tp) \
-            / bandwidth
+        return latency + self.model.element_bytes * chunk.tokens * self.model.hidden_size \
+            / (p.sp * p.tp) / bandwidth
 
     # -- memory -----------------------------------------------------------------------------
 
@@ -265,8 +279,10 @@ class CostModel:
         if stage == self.pp - 1:
             params += m.vocab_size * m.hidden_size + 2 * m.hidden_size
         params /= p.tp
-        optimizer = 12 / (p.dp * p.sp) if p.distributed_optimizer else 12
-        return params * (2 + 4 + optimizer) + p.reserved_gb * GB
+        optimizer = 8 + (4 if m.element_bytes < 4 else 0)
+        if p.distributed_optimizer:
+            optimizer /= p.dp * p.sp
+        return params * (m.element_bytes + 4 + optimizer) + p.reserved_gb * GB
 
     def activation_budget(self, stage: int) -> float:
         """Bytes left for activations on ``stage``."""

@@ -8,10 +8,11 @@ real machine). A measured profile may add ``layer_coefficients`` -- the fitted p
 fitted for -- which then replace the coefficients derived from FLOPs; every profile carries the
 hardware figures (bandwidths, latencies, memory) because the collectives (and, unless measured,
 the output layer) are priced from them. It may also add ``activation_coefficients``: the
-activation bytes per token the profiler counted with the training loop's meter, which replace
-the cost model's BF16 accounting, and ``end_coefficients``: the measured time of the embedding
-(first stage) and of the final norm, output layer and loss (last stage) per token and per
-chunk, which replace the FLOP-derived output layer and the free embedding.
+activation bytes per token the profiler counted with the training loop's meter in one dtype,
+which replace the cost model's derived accounting for models of that dtype, and
+``end_coefficients``: the measured time of the embedding (first stage) and of the final norm,
+output layer and loss (last stage) per token and per chunk, which replace the FLOP-derived
+output layer and the free embedding.
 ``host_link_gbps`` (optional) is what offloading planners (SPPO) copy activations to host
 memory at.
 """
@@ -21,6 +22,8 @@ import json
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
+
+from elastic_pipe.models import DTYPE_BYTES
 
 SOURCES = ("spec-derived", "measured")
 
@@ -71,6 +74,9 @@ class ActivationCoefficients:
     """Padded vocabulary the head was measured with; the cost model refuses another."""
     sp: int
     tp: int
+    dtype: str
+    """Element type of the profiled weights and activations (a key of
+    :data:`~elastic_pipe.models.DTYPE_BYTES`); the cost model refuses another."""
 
     def __post_init__(self):
         values = (self.layer, self.checkpointed, self.kv, self.dkv, self.embedding, self.head)
@@ -79,6 +85,9 @@ class ActivationCoefficients:
         if min(self.hidden_size, self.vocab_size, self.sp, self.tp) < 1:
             raise ValueError(f"activation_coefficients: hidden_size, vocab_size, sp and tp "
                              f"must be >= 1: {self}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"activation_coefficients: dtype must be one of "
+                             f"{', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -149,7 +158,7 @@ class HardwareProfile:
     layer_coefficients: LayerCoefficients | None = None
     """Fitted coefficients (measured profiles only); ``None`` derives them from FLOPs."""
     activation_coefficients: ActivationCoefficients | None = None
-    """Measured activation bytes; replace the BF16 accounting of the cost model when present."""
+    """Measured activation bytes; replace the cost model's derived accounting when present."""
     end_coefficients: EndCoefficients | None = None
     """Measured embedding and head times; ``None`` prices the output layer from FLOPs and the
     embedding lookup as free."""
@@ -200,13 +209,12 @@ def profile_from_dict(data: dict) -> HardwareProfile:
     if unknown:
         raise ValueError(f"unknown profile keys {unknown}; valid: {sorted(known)}")
     data = dict(data)
-    if data.get("layer_coefficients") is not None:
-        data["layer_coefficients"] = LayerCoefficients(**data["layer_coefficients"])
-    if data.get("activation_coefficients") is not None:
-        data["activation_coefficients"] = ActivationCoefficients(**data["activation_coefficients"])
-    if data.get("end_coefficients") is not None:
-        data["end_coefficients"] = EndCoefficients(**data["end_coefficients"])
     try:
+        for name, kind in (("layer_coefficients", LayerCoefficients),
+                           ("activation_coefficients", ActivationCoefficients),
+                           ("end_coefficients", EndCoefficients)):
+            if data.get(name) is not None:
+                data[name] = kind(**data[name])
         return HardwareProfile(**data)
     except TypeError as error:
         raise ValueError(f"incomplete profile {data.get('name')!r}: {error}") from None

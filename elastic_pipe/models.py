@@ -1,11 +1,14 @@
 """GPT model shapes the planner prices (presets and explicit shapes).
 
 The presets follow the usual GPT-3-style shapes (feed-forward width 4h, multi-head attention,
-the GPT-2 vocabulary padded to a multiple of 128, as Megatron-LM pads it).
+the GPT-2 vocabulary padded to a multiple of 128, as Megatron-LM pads it), trained in BF16.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes of one element of each training precision (Megatron's ``params_dtype``)."""
 
 
 @dataclass(frozen=True)
@@ -24,8 +27,15 @@ class ModelConfig:
     """Width of the MLP's inner layer."""
     vocab_size: int
     """Vocabulary (padded); sizes the embedding, the output layer and the logits."""
+    dtype: str = "bfloat16"
+    """Element type of the weights and activations: a key of :data:`DTYPE_BYTES`."""
+    gated_mlp: bool = False
+    """SwiGLU-style MLP: the first projection is ``2f`` wide (gate and value), ``f`` after."""
 
     def __post_init__(self):
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"model {self.name}: dtype must be one of "
+                             f"{', '.join(DTYPE_BYTES)}, got {self.dtype!r}")
         for field in ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size", "vocab_size"):
             if getattr(self, field) < 1:
                 raise ValueError(f"model {self.name}: {field} must be >= 1, "
@@ -34,10 +44,20 @@ class ModelConfig:
             raise ValueError(f"model {self.name}: hidden_size {self.hidden_size} must be "
                              f"divisible by num_heads {self.num_heads}")
 
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one weight or activation element."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def mlp_width(self) -> int:
+        """Output width of the MLP's first projection: ``2f`` gated, ``f`` otherwise."""
+        return 2 * self.ffn_hidden_size if self.gated_mlp else self.ffn_hidden_size
+
     def params_per_layer(self) -> int:
         """Weights and biases of one layer: QKV + output projection, the MLP, two LayerNorms."""
-        h, f = self.hidden_size, self.ffn_hidden_size
-        return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+        h, f, w = self.hidden_size, self.ffn_hidden_size, self.mlp_width
+        return 4 * h * h + 4 * h + h * w + w + h * f + h + 4 * h
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -22,10 +22,14 @@ Cost model of a real run: the model shape comes from the Megatron flags; the har
 from ``--elastic-hardware-profile`` (default: the shipped profile matching the CUDA device name,
 ``a800`` on CPU -- the planner then only sees relative costs); the budget from
 ``--elastic-memory-gb`` (default: the device's memory on CUDA, 16 GB on CPU) minus
-``--elastic-reserved-gb`` (default 2 GB on CUDA, 0 on CPU). With ``--elastic-refit-interval K``
-the ranks record the executor's forward and backward times and, every ``K`` training
-iterations, refit the profile's eq. 1 coefficients and backward factor to them
-(:mod:`elastic_pipe.refit`); the log shows the fit and its error.
+``--elastic-reserved-gb`` (default 2 GB on CUDA, 0 on CPU). Activation and model-state bytes
+are counted in the run's ``params_dtype`` (4 bytes an element in FP32, 2 in BF16 and FP16)
+whichever profile prices the time; a measured profile's activation bytes are used only if they
+were counted in that dtype (otherwise the run stops). Rank 0 logs once which profile the
+planner uses and for which dtype. With ``--elastic-refit-interval K`` the ranks record the
+executor's forward and backward times and, every ``K`` training iterations, refit the profile's
+eq. 1 coefficients and backward factor to them (:mod:`elastic_pipe.refit`); the log shows the
+fit and its error.
 """
 from __future__ import annotations
 
@@ -135,15 +139,17 @@ def slices_flag(value: str):
 
 
 def cost_model_from_args(args: argparse.Namespace, vocab_size: int) -> CostModel:
-    """The planner's cost model for this job's model, layout, device and budget
-    (``vocab_size`` already padded)."""
+    """The planner's cost model for this job's model (in its ``params_dtype``), layout, device
+    and budget (``vocab_size`` already padded); rank 0 logs the profile and dtype it uses."""
     cuda = torch.cuda.is_available()
-    profile = args.elastic_hardware_profile
+    profile, origin = args.elastic_hardware_profile, "--elastic-hardware-profile"
     if profile is None:
-        profile = "a800"
+        profile, origin = "a800", "the default on CPU"
         if cuda:
             name = torch.cuda.get_device_name()
-            profile = next((p for key, p in _PROFILE_BY_DEVICE if key in name), "a800")
+            matched = next((p for key, p in _PROFILE_BY_DEVICE if key in name), None)
+            profile = matched or "a800"
+            origin = f"matched from {name}" if matched else f"no shipped profile matches {name}"
     memory = args.elastic_memory_gb
     if memory is None:
         memory = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda \
@@ -152,14 +158,22 @@ def cost_model_from_args(args: argparse.Namespace, vocab_size: int) -> CostModel
     if reserved is None:
         reserved = 2.0 if cuda else 0.0
     model = ModelConfig("custom", args.num_layers, args.hidden_size, args.num_attention_heads,
-                        args.ffn_hidden_size, vocab_size)
+                        args.ffn_hidden_size, vocab_size,
+                        dtype=str(args.params_dtype).removeprefix("torch."),
+                        gated_mlp=args.swiglu)
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
     parallel = ParallelConfig(pp=pp, sp=cp, tp=tp, dp=max(1, world // (tp * pp * cp)),
                               memory_gb=memory, reserved_gb=reserved,
                               distributed_optimizer=args.use_distributed_optimizer)
-    return CostModel(model, load_profile(profile), parallel)
+    cost = CostModel(model, load_profile(profile), parallel)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        counted = "measured in" if cost.hardware.activation_coefficients else "derived for"
+        log.info("%s planner: hardware profile %s (%s, %s), activation bytes %s %s",
+                 args.pipeline_schedule, profile, cost.hardware.source, origin, counted,
+                 model.dtype)
+    return cost
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -366,9 +380,10 @@ def refit_cost_model(name: str, args, model) -> str:
 
 _COSTS: dict[tuple, CostModel] = {}
 _COST_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-               "tensor_model_parallel_size", "pipeline_model_parallel_size",
-               "context_parallel_size", "use_distributed_optimizer", "elastic_memory_gb",
-               "elastic_reserved_gb", "elastic_hardware_profile")
+               "params_dtype", "swiglu", "tensor_model_parallel_size",
+               "pipeline_model_parallel_size", "context_parallel_size",
+               "use_distributed_optimizer", "elastic_memory_gb", "elastic_reserved_gb",
+               "elastic_hardware_profile")
 
 
 def _cost_key(args: argparse.Namespace, model) -> tuple:

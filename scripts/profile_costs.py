@@ -54,7 +54,8 @@ What is measured and how (every choice made here):
 - Output JSON: every field of ``--base-profile`` (a shipped profile name or a JSON path), then
   ``name`` and ``machine`` = the machine description (host, processor, torch threads),
   ``source = "measured"``, ``backward_factor`` = the fitted ratio, ``layer_coefficients`` =
-  the fit with ``hidden_size``, ``sp = 1``, ``tp = 1``, ``activation_coefficients``,
+  the fit with ``hidden_size``, ``sp = 1``, ``tp = 1``, ``activation_coefficients`` (with the
+  ``dtype`` they were counted in: the cost model refuses them for a run of another),
   ``end_coefficients``, and ``notes`` recording what was measured and which fields are
   inherited from the base profile (not measured: peak/efficiencies, ``layer_overhead_s``,
   memory, bandwidths, latencies, ``gpus_per_node``). With these coefficients present the cost
@@ -288,7 +289,8 @@ def activation_coefficients(args, config, layers, device) -> dict:
     return dict(layer=layer, checkpointed=layer - (full - checkpointed), kv=kv,
                 dkv=slope(dkv_bytes),
                 embedding=embedding, head=full - embedding - layer,
-                hidden_size=args.hidden_size, vocab_size=model.vocab_size, sp=1, tp=1)
+                hidden_size=args.hidden_size, vocab_size=model.vocab_size, sp=1, tp=1,
+                dtype=str(config.params_dtype).removeprefix("torch."))
 
 
 def end_times(args, config, device) -> dict[str, list[float]]:

@@ -66,7 +66,7 @@ from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import SimResult, simulate
 from megatron.plugin.pipeline.validation import LayerwiseFlow, validate
 
-from elastic_pipe.cost_model import ACT_BYTES, GB, CostModel
+from elastic_pipe.cost_model import GB, CostModel
 
 from sppo_offload.costs import SequenceCosts, subsequence_chunks
 from sppo_offload.offload import offloadable_bytes, resident_bytes
@@ -205,12 +205,12 @@ class MultiplexCosts(SequenceCosts):
         return self.latency + size / self.bandwidth
 
     def weight_bytes(self, block: int) -> float:
-        """BF16 weights of block ``block`` on one GPU (its TP shard)."""
+        """Weights of block ``block`` on one GPU (its TP shard), in the model's dtype."""
         m = self.cost.model
         params = self.cost.layers(block) * m.params_per_layer()
         if block == 0:
             params += m.vocab_size * m.hidden_size
-        return ACT_BYTES * params / self.cost.parallel.tp
+        return m.element_bytes * params / self.cost.parallel.tp
 
     def kv_bytes(self, block: int) -> float:
         """K/V of ``u0`` on block ``block`` (one GPU of the TP group)."""
@@ -232,7 +232,8 @@ class MultiplexCosts(SequenceCosts):
         if action.part is None:
             return super().transfer_time(action)
         tokens = piece_tokens(action, self.chunks[0].tokens, self.cost.pp)
-        return self._link(ACT_BYTES * tokens * self.cost.model.hidden_size / self.cost.parallel.tp)
+        model = self.cost.model
+        return self._link(model.element_bytes * tokens * model.hidden_size / self.cost.parallel.tp)
 
     def activation_bytes(self, action: Action) -> float:
         if action.part is None:

@@ -47,9 +47,10 @@ schedule of the same subsequences.
 
 Every rank plans the same schedule: the plan is arithmetic on the document lengths and the
 flags, with no solver time limit involved. The cost model is the elastic runtime's
-:func:`~elastic_pipe.runtime.job_cost_model` (model shape from the Megatron flags; hardware
-profile from ``--elastic-hardware-profile``, by default matched from the CUDA device name,
-``a800`` on CPU; its ``host_link_gbps`` prices the ``auto`` ratios).
+:func:`~elastic_pipe.runtime.job_cost_model` (model shape and bytes per element from the
+Megatron flags and ``params_dtype``; hardware profile from ``--elastic-hardware-profile``, by
+default matched from the CUDA device name, ``a800`` on CPU; its ``host_link_gbps`` prices the
+``auto`` ratios).
 """
 from __future__ import annotations
 

@@ -308,7 +308,7 @@ def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
         return rows
 
     roomy = run("roomy")
-    model = ModelConfig("tiny", 4, 64, 4, 256, 384)
+    model = ModelConfig("tiny", 4, 64, 4, 256, 384, dtype="float32")
     cost = CostModel(model, load_profile(str(profile)), ParallelConfig(pp=2, reserved_gb=0))
     state = max(cost.static_bytes(stage) for stage in range(2))
     peak = max(max(row["planned_activation_bytes_per_stage"]) for row in roomy)

@@ -67,6 +67,40 @@ def test_activation_memory_by_hand(tmp_path):
     assert cost.stash_bytes(1, whole) == pytest.approx(30 * full + 10 * 4 * 100 / 2)
 
 
+def test_an_fp32_model_prices_twice_the_activation_bytes_of_a_bf16_one(tmp_path):
+    """Activations, K/V, dK/dV and what a stage sends are in the model's dtype whichever profile
+    prices the time; the logits are FP32 in both."""
+    profile = hand_profile(tmp_path)
+    bf16, fp32 = (CostModel(ModelConfig("tiny", 6, 64, 4, 256, 100, dtype=dtype), profile,
+                            ParallelConfig(pp=2, sp=2)) for dtype in ("bfloat16", "float32"))
+    split, whole = Chunk((Piece(0, 0, 0, 10, False),)), Chunk((Piece(1, 0, 0, 10, True),))
+    for chunk in (split, whole):
+        assert fp32.layer_activation(chunk) == pytest.approx(2 * bf16.layer_activation(chunk))
+        assert fp32.layer_saving(chunk) == pytest.approx(2 * bf16.layer_saving(chunk))
+        assert fp32.stash_bytes(0, chunk, 1) == pytest.approx(2 * bf16.stash_bytes(0, chunk, 1))
+    logits = 10 * 4 * 100 / 2
+    assert fp32.stash_bytes(1, whole) - logits == pytest.approx(
+        2 * (bf16.stash_bytes(1, whole) - logits))
+    assert fp32.kv_per_token == 2 * bf16.kv_per_token == 4 * 2 * 64 / 2
+    assert fp32.layer_compute(whole) == bf16.layer_compute(whole)
+    # the bytes of the all-to-alls (four, 1e-5 s latency each) and of a send to the next stage
+    assert fp32.layer_collectives(whole) - 4e-5 == pytest.approx(
+        2 * (bf16.layer_collectives(whole) - 4e-5))
+    assert fp32.p2p_time(whole) - 1e-5 == pytest.approx(2 * (bf16.p2p_time(whole) - 1e-5))
+    with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16, float16"):
+        ModelConfig("tiny", 6, 64, 4, 256, 100, dtype="fp8")
+
+
+def test_a_gated_mlp_prices_its_wide_first_projection(tmp_path):
+    gated = ModelConfig("gated", 6, 64, 4, 256, 100, gated_mlp=True)
+    cost = CostModel(gated, hand_profile(tmp_path), ParallelConfig(pp=2))
+    h, f = 64, 256
+    whole = Chunk((Piece(0, 0, 0, 10, True),))
+    assert cost.layer_activation(whole) == pytest.approx(10 * 2 * (9 * h + 3 * f))
+    assert cost.alpha2 == pytest.approx(2 * (4 * h * h + 3 * h * f) / 0.5e12)
+    assert gated.params_per_layer() == 4 * h * h + 4 * h + 3 * h * f + 2 * f + h + 4 * h
+
+
 def test_model_state_by_hand(tmp_path):
     parallel = ParallelConfig(pp=2, sp=2, memory_gb=1.0, reserved_gb=0.0)
     cost = CostModel(TINY, hand_profile(tmp_path), parallel)
@@ -76,6 +110,10 @@ def test_model_state_by_hand(tmp_path):
     params1 = 3 * per_layer + 100 * 64 + 2 * 64
     assert cost.static_bytes(1) == pytest.approx(params1 * (2 + 4 + 12 / 2))
     assert cost.activation_budget(0) == pytest.approx(1e9 - cost.static_bytes(0))
+    # FP32: 4-byte weights and gradients, no master copy, sharded Adam moments.
+    fp32 = CostModel(ModelConfig("tiny", 6, 64, 4, 256, 100, dtype="float32"),
+                     hand_profile(tmp_path), parallel)
+    assert fp32.static_bytes(0) == pytest.approx(params0 * (4 + 4 + 8 / 2))
 
 
 def test_stage_layers_put_the_remainder_on_late_stages():
@@ -117,6 +155,22 @@ def test_measured_profile_coefficients_are_used(tmp_path):
 def test_bad_configuration_says_what_to_change(make, message):
     with pytest.raises(ValueError, match=message):
         make()
+
+
+def test_measured_activation_bytes_are_used_only_in_their_dtype(tmp_path):
+    counted = {"layer": 9000.0, "checkpointed": 256.0, "kv": 512.0, "dkv": 512.0,
+               "embedding": 16.0, "head": 2000.0, "hidden_size": 64, "vocab_size": 100,
+               "sp": 1, "tp": 1, "dtype": "float32"}
+    profile = hand_profile(tmp_path, source="measured", activation_coefficients=counted,
+                           machine="box")
+    fp32 = ModelConfig("tiny", 6, 64, 4, 256, 100, dtype="float32")
+    whole = Chunk((Piece(0, 0, 0, 10, True),))
+    assert CostModel(fp32, profile, ParallelConfig(pp=2)).layer_activation(whole) == 90000.0
+    with pytest.raises(ValueError, match="measured activations in float32, not bfloat16"):
+        CostModel(TINY, profile, ParallelConfig(pp=2))
+    del counted["dtype"]
+    with pytest.raises(ValueError, match="incomplete profile .* 'dtype'"):
+        hand_profile(tmp_path, source="measured", activation_coefficients=counted)
 
 
 def test_measured_end_coefficients_price_embedding_and_head(tmp_path):

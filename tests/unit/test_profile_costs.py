@@ -76,13 +76,14 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
     # with Megatron's default dropout, its mask).
     memory = profile.activation_coefficients
     assert memory is not None and (memory.hidden_size, memory.vocab_size) == (64, 384)
+    assert memory.dtype == "float32"
     assert memory.checkpointed == 4 * 64 and memory.dkv == 8 * 64
     assert memory.embedding >= 16
     assert memory.layer > 8 * 4 * 64 and memory.head > 4 * 384
     assert memory.kv >= 8 * 64
 
     model = ModelConfig("custom", num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256,
-                        vocab_size=384)
+                        vocab_size=384, dtype="float32")
     costs = CostModel(model, profile, ParallelConfig(pp=1))
     chunk = Chunk((Piece(0, 1, 128, 256, True),))
     expected = fit.alpha1 * (256 ** 2 - 128 ** 2) + fit.alpha2 * 128 + fit.beta
