@@ -30,7 +30,9 @@ setup(
     extras_require={
         # tokenizers + transformers: the tests build a BPE tokenizer for Megatron-LM's
         # HuggingFace and GPT-2 BPE tokenizers (tests/e2e/test_megatron_examples.py).
-        "test": ["pytest>=8", "pytest-timeout", "tokenizers", "transformers"],
+        # tensorboard: Megatron-LM's TensorBoard writer (torch.utils.tensorboard) needs it; the
+        # tests read its event files back (--tensorboard-dir is refused without it).
+        "test": ["pytest>=8", "pytest-timeout", "tokenizers", "transformers", "tensorboard"],
         # On CUDA clusters. NVIDIA apex is built from source (see README); the PyPI package
         # named "apex" is an unrelated project and must never be installed. Transformer Engine
         # is not listed: the layer spec is Megatron's local one with the document attention,

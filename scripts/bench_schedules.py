@@ -19,9 +19,11 @@
    with each schedule in turn (elastic, seq1f1b, 1f1b), after one warm-up round, so drift of
    the machine hits all alike. Measured per schedule: median iteration time, tokens/s, and the
    peak saved-activation bytes of each stage (the training loop's meter), beside the peak the
-   plan predicts for that stage (the simulator's memory timeline less the model state). The
-   batch is planned (packed, for ``1f1b``) before the timed span, as a training run's
-   background planner does it off the critical path; the median planning wall time is
+   plan predicts for that stage (the simulator's memory timeline less the model state), and
+   the share of padding in what it computed (``1f1b`` packs whole documents best-fit
+   decreasing into padded ``--seq-length`` rows; the document schedules pad nothing at this
+   layout). The batch is planned (packed, for ``1f1b``) before the timed span, as a training
+   run's background planner does it off the critical path; the median planning wall time is
    reported as ``prepare_s``, not counted in the iteration time.
 3. Predicted iteration time: the plan of that batch (for ``1f1b``, the documents packed
    first-fit-decreasing into ``--seq-length`` rows, one 1F1B pipeline) replayed by the
@@ -30,7 +32,7 @@
 
 Prints one line per schedule and the ratios; ``--json OUT`` writes
 ``{"schedules": {NAME: {"tokens_per_s", "peak_activation_bytes", "predicted_iteration_s",
-"measured_iteration_s", ...}}, "setup": {...}}``.
+"measured_iteration_s", "padding_fraction", ...}}, "setup": {...}}``.
 """
 import argparse
 import dataclasses
@@ -97,7 +99,7 @@ def worker(argv) -> int:
         args.elastic_refit_interval = iters + 2
     model = job.model
     results = {name: {"times": [], "tokens": [], "peaks": [], "predicted": [], "planned": [],
-                       "prepare": []}
+                       "prepare": [], "padding": []}
                for name in SCHEDULES}
     summary = None
     for i in range(iters + 1):
@@ -115,6 +117,7 @@ def worker(argv) -> int:
             entry["tokens"].append(result["num_tokens"])
             entry["peaks"].append(peaks)
             entry["prepare"].append(result["prepare_s"])
+            entry["padding"].append(result.get("padding_fraction", 0.0))
             if dist.get_rank() == 0:
                 seconds, peaks = predicted(name, documents, args, model)
                 entry["predicted"].append(seconds)
@@ -133,6 +136,7 @@ def worker(argv) -> int:
                 "measured_iteration_s": measured,
                 "predicted_iteration_s": statistics.median(entry["predicted"]),
                 "prepare_s": statistics.median(entry["prepare"]),
+                "padding_fraction": statistics.mean(entry["padding"]),
             }
         print(json.dumps({"schedules": report, "refit": summary}))
     dist.destroy_process_group()
@@ -207,7 +211,8 @@ def main() -> int:
               f"{entry['predicted_iteration_s']:.3f} s ({100 * error:+.1f}%) | peak activation "
               f"{entry['peak_activation_bytes'] / 2**20:.1f} MiB per stage "
               f"{mib(entry['peak_activation_bytes_per_stage'])}, planned "
-              f"{mib(entry['planned_activation_bytes_per_stage'])} | planned in "
+              f"{mib(entry['planned_activation_bytes_per_stage'])} | padding "
+              f"{100 * entry['padding_fraction']:.1f}% | planned in "
               f"{entry['prepare_s']:.2f} s (not timed)")
     elastic = report["elastic"]
     for base in ("seq1f1b", "1f1b"):

@@ -5,7 +5,8 @@ Megatron-LM parses and validates every one of its flags (``megatron.training.arg
 flags and each registered schedule's group. :func:`check_args` then refuses, by name and with
 what to use instead, every setting this script would not honour with Megatron-LM's meaning:
 flags read only by the code this script replaces (Megatron-LM's GPT model builder and GPT
-dataset), and options a schedule cannot run. It runs before any process does work.
+dataset), options a schedule cannot run, and ``--tensorboard-dir`` without the ``tensorboard``
+package (Megatron-LM would warn and write nothing). It runs before any process does work.
 
 Defaults that differ from Megatron-LM's, and why:
 
@@ -234,3 +235,20 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--profile starts and stops CUDA's profiler (for nsys) unless "
                          "--use-pytorch-profiler is given: add --use-pytorch-profiler, or drop "
                          "--profile on a machine without a GPU")
+    if args.tensorboard_dir:
+        error = _tensorboard_import_error()
+        if error is not None:
+            raise ValueError(f"--tensorboard-dir {args.tensorboard_dir}: torch.utils.tensorboard "
+                             f"cannot be imported ({error}), and without it Megatron-LM writes "
+                             "no TensorBoard log: pip install tensorboard, or drop "
+                             "--tensorboard-dir")
+
+
+def _tensorboard_import_error() -> ImportError | None:
+    """Why ``torch.utils.tensorboard`` (Megatron-LM's writer) cannot be imported, or ``None``.
+    Megatron-LM only prints a warning when it is missing and writes nothing."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError as error:
+        return error
+    return None

@@ -144,6 +144,21 @@ def padding_fraction(batches: Sequence[MicroBatch]) -> float:
     return 1.0 - sum(float(batch.loss_mask.sum()) for batch in batches) / max(slots, 1)
 
 
+class MicroBatches:
+    """An iterator over packed micro-batches that tells how much of the global batch's packing
+    is padding (:attr:`padding_fraction`, for the step's report)."""
+
+    def __init__(self, batches: Sequence[MicroBatch], padding: float):
+        self._batches = iter(batches)
+        self.padding_fraction = padding
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> MicroBatch:
+        return next(self._batches)
+
+
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
     """Per-token loss in Megatron's 3-tuple form: ``(sum, tokens, {"lm loss": [sum, tokens]})``."""
     losses = output.float()

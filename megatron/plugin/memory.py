@@ -1,11 +1,12 @@
 """Activation-memory accounting that works on any device.
 
 :class:`SavedTensorMeter` counts the bytes autograd holds for backward (saved-tensor hooks),
-de-duplicated by storage, and tracks the peak. On CUDA the training loop also reports
-``torch.cuda.max_memory_allocated``. Parameters are not counted: they are model state, not
-activations. Every other saved tensor is, leaves included: a stage's received input, the
+de-duplicated by storage, and tracks the peak. Parameters are not counted: they are model state,
+not activations. Every other saved tensor is, leaves included: a stage's received input, the
 boundary of a checkpointed range and the K/V store's context leaves are activations held until
-a backward, like any other.
+a backward, like any other. On CUDA the training loop also reports the allocator's peak over
+each forward-backward call (:func:`reset_device_peak` when it starts, :func:`device_peak_bytes`
+after it): every allocation, model state included.
 
 A schedule that keeps tensors for a later backward outside autograd (helix's per-part stash:
 received inputs, graph outputs, recomputation inputs) holds them through :func:`keep`, so the
@@ -111,8 +112,18 @@ class _Saved:
         self.meter._release(self.key)
 
 
+def reset_device_peak() -> None:
+    """Start a new :func:`device_peak_bytes` window (CUDA's peak statistics); nothing elsewhere.
+    Megatron-LM's own peak figures read the same statistics: its one-off memory report after
+    the first logged iteration counts from there too, and under ``--log-memory-to-tensorboard``
+    (a peak since the start of the run) the reporter does not reset them."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
 def device_peak_bytes() -> int | None:
-    """``torch.cuda.max_memory_allocated`` on CUDA, ``None`` elsewhere."""
+    """``torch.cuda.max_memory_allocated`` since the last :func:`reset_device_peak` on CUDA,
+    ``None`` elsewhere."""
     if torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated())
     return None

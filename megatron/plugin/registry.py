@@ -22,7 +22,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as _schedules
 
-from megatron.plugin.batches import pack_micro_batches
+from megatron.plugin.batches import MicroBatches, pack_micro_batches, padding_fraction
 from megatron.plugin.devices import collective_device
 from megatron.plugin.reporting import StepReporter, loss_entries
 
@@ -130,7 +130,7 @@ class DocumentSchedule:
         prefetch = getattr(self.schedule, "prefetch_input", None)
         if prefetch is not None and not forward_only:
             prefetch(batch.upcoming(), args, model)
-        with self.reporter.measure():
+        with self.reporter.measure(device_window=not args.log_memory_to_tensorboard):
             losses = self.schedule(data_iterator=prepared, model=model, num_microbatches=count,
                                    forward_only=forward_only, **kwargs)
         totals = _pipeline_totals(losses)
@@ -164,9 +164,10 @@ def _packed_input(documents, args, model):
     dp = parallel_state.get_data_parallel_world_size()
     batches = pack_micro_batches(documents, args.seq_length, args.micro_batch_size, dp)
     mine = batches[parallel_state.get_data_parallel_rank()::dp]
+    padding = padding_fraction(batches)
     if len(model) == 1:
-        return iter(mine), len(mine)
-    return [iter(mine) for _ in model], len(mine)
+        return MicroBatches(mine, padding), len(mine)
+    return [MicroBatches(mine, padding) for _ in model], len(mine)
 
 
 def _pipeline_totals(losses) -> torch.Tensor:

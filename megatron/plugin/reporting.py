@@ -1,21 +1,28 @@
 """What a schedule reports about one training step, to Megatron-LM's log and to a JSON-lines file.
 
-:class:`StepReporter` measures one forward-backward call (wall time, and the bytes autograd
-saved for backward through :class:`~megatron.plugin.memory.SavedTensorMeter`), reads what the
-schedule's input carries (the plan's predicted activation peak, planning time, padding) and
+:class:`StepReporter` measures one forward-backward call (wall time, the bytes autograd
+saved for backward through :class:`~megatron.plugin.memory.SavedTensorMeter` and, on CUDA, the
+allocator's peak over the call: :func:`~megatron.plugin.memory.device_peak_bytes`), reads what
+the schedule's input carries (the plan's predicted activation peak, planning time, padding:
+helix's empty micro-batches, the padded share of Megatron's packed rows) and
 turns it into:
 
 * **entries of Megatron's loss dictionary**: ``[value, 1]`` pairs next to ``lm loss``. Megatron's
   ``train_step`` averages each pair over the data-parallel ranks (every rank reports the same
   value, so the value is kept), ``training_log`` averages it over the log interval and prints
-  ``name: value |`` in its log line, and writes it to TensorBoard and W&B under that name.
-  Training steps only: Megatron's evaluation prints a perplexity for every entry it gets.
-  The names are :data:`LOG_NAMES`' values.
+  ``name: value |`` in its log line, and writes the step's own value to TensorBoard (every
+  ``--tensorboard-log-interval`` steps, from the last rank; ``--tensorboard-dir`` is refused at
+  start-up without the ``tensorboard`` package) and W&B under that name. Training steps only:
+  Megatron's evaluation prints a perplexity for every entry it gets. The names are
+  :data:`LOG_NAMES`' values.
 * **one JSON object per training step** in ``--metrics-jsonl`` (written by the last rank):
-  per-stage peaks and predictions in full, for benchmarks and plots.
+  per-stage peaks (activations, planned, device) and predictions in full, for benchmarks and
+  plots.
 
 Memory figures are the maximum over all ranks; per-stage figures the maximum over the ranks of
-that stage. Token counts are global (all data-parallel replicas).
+that stage. A figure that is not measured here (the device peak off CUDA, the planned peak of a
+schedule without a plan) is left out of the record. Token counts are global (all data-parallel
+replicas).
 """
 from __future__ import annotations
 
@@ -28,7 +35,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.plugin.devices import collective_device
-from megatron.plugin.memory import SavedTensorMeter, device_peak_bytes
+from megatron.plugin.memory import SavedTensorMeter, device_peak_bytes, reset_device_peak
 
 #: record key -> name in Megatron's log line, TensorBoard and W&B.
 LOG_NAMES = {
@@ -38,6 +45,7 @@ LOG_NAMES = {
     "plan_solve_s": "plan solve seconds",
     "plan_wait_s": "plan wait seconds",
     "padding_microbatches": "padding micro-batches",
+    "padding_fraction": "padding fraction",
 }
 
 
@@ -50,11 +58,18 @@ class StepReporter:
         self.prepare_s = 0.0
         """Seconds the schedule's input took to prepare (planning, packing), set by the caller."""
         self._elapsed = 0.0
+        self._device_window = False
 
     @contextlib.contextmanager
-    def measure(self):
-        """Around the schedule call: saved-tensor bytes and wall seconds."""
+    def measure(self, device_window: bool = True):
+        """Around the schedule call: saved-tensor bytes, wall seconds and, with
+        ``device_window``, the device peak over the call (the allocator's peak statistics are
+        reset: not while Megatron-LM logs them, ``--log-memory-to-tensorboard``, whose peak
+        counts from the start of the run; the record then has no device peak)."""
         self.meter.reset_peak()
+        self._device_window = device_window
+        if device_window:
+            reset_device_peak()
         start = time.perf_counter()
         with self.meter.active():
             yield
@@ -70,11 +85,16 @@ class StepReporter:
         totals = totals.cpu()
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         stage = parallel_state.get_pipeline_model_parallel_rank()
-        planned = getattr(prepared, "planned_activation_bytes", None)
-        held = torch.zeros(2 + 2 * pp, dtype=torch.float64)
-        held[0], held[1], held[2 + stage] = self.meter.peak, self.meter.current, self.meter.peak
-        if planned is not None:
-            held[2 + pp + stage] = planned
+        # Per-stage figures (None: not measured here), one row each in the stage's column, and
+        # the live bytes in the last row; a MAX all-reduce gives every rank the stage maxima.
+        peaks = {"peak_activation_bytes": self.meter.peak,
+                 "planned_activation_bytes": getattr(prepared, "planned_activation_bytes", None),
+                 "device_peak_bytes": device_peak_bytes() if self._device_window else None}
+        held = torch.zeros(len(peaks) + 1, pp, dtype=torch.float64)
+        for row, value in enumerate(peaks.values()):
+            if value is not None:
+                held[row, stage] = value
+        held[-1, 0] = self.meter.current
         held = held.to(collective_device())
         dist.all_reduce(held, op=dist.ReduceOp.MAX)
         held = held.cpu()
@@ -87,23 +107,22 @@ class StepReporter:
             "forward_backward_s": self._elapsed,
             "prepare_s": self.prepare_s,
             "tokens_per_s": tokens / self._elapsed if self._elapsed > 0 else 0.0,
-            "peak_activation_bytes": int(held[0]),
-            "peak_activation_bytes_per_stage": [int(b) for b in held[2:2 + pp]],
-            "live_activation_bytes": int(held[1]),
+            "live_activation_bytes": int(held[-1, 0]),
         }
-        if planned is not None:
-            per_stage = [int(b) for b in held[2 + pp:]]
-            record.update(planned_activation_bytes=max(per_stage),
-                          planned_activation_bytes_per_stage=per_stage)
+        for row, (key, value) in enumerate(peaks.items()):
+            if value is not None:
+                per_stage = [int(b) for b in held[row]]
+                record.update({key: max(per_stage), f"{key}_per_stage": per_stage})
         timing = getattr(prepared, "timing", None)
         if timing is not None:
             record.update(plan_solve_s=timing.solve_s, plan_wait_s=timing.waited_s)
         padding = getattr(prepared, "padding", None)
         if padding is not None:
             record["padding_microbatches"] = padding
-        device_peak = device_peak_bytes()
-        if device_peak is not None:
-            record["device_peak_bytes"] = device_peak
+        fraction = getattr(prepared[0] if isinstance(prepared, list) else prepared,
+                           "padding_fraction", None)
+        if fraction is not None:
+            record["padding_fraction"] = fraction
         self.last = record
         if not forward_only and args.metrics_jsonl and \
                 dist.get_rank() == dist.get_world_size() - 1:

@@ -43,6 +43,47 @@ def test_training_logs_megatron_lines_and_metrics(tmp_path):
     assert records[-1]["lm_loss"] < records[0]["lm_loss"] - 0.5
 
 
+@pytest.mark.parametrize("schedule,flags,entries", [
+    ("1f1b", [], ["tokens per second", "peak activation bytes"]),
+    ("elastic", ["--elastic-slices", "2"],
+     ["tokens per second", "peak activation bytes", "planned activation bytes"]),
+], ids=["1f1b", "elastic"])
+def test_tensorboard_gets_the_loss_and_the_schedule_report_of_every_iteration(
+        tmp_path, schedule, flags, entries):
+    """Megatron-LM's TensorBoard writer (one event file, from the last rank) holds ``lm loss``
+    and every figure the schedule reports under its log name, one value per iteration: the
+    values ``--metrics-jsonl`` recorded, in fp32 (Megatron's loss dictionary); the loss to fp32
+    rounding (Megatron divides the fp32 loss sum by the fp32 token count)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron.plugin.reporting import LOG_NAMES
+
+    out, board = tmp_path / "metrics.jsonl", tmp_path / "tensorboard"
+    torchrun(2, SCRIPT, [*TINY, "--train-iters", "3", "--pipeline-schedule", schedule, *flags,
+                         "--metrics-jsonl", str(out), "--tensorboard-dir", str(board)])
+    records = metrics(out)
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert len(os.listdir(board)) == 1
+    events = EventAccumulator(str(board))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    reported = {name: key for key, name in LOG_NAMES.items() if key in records[0]}
+    assert {"lm loss", *entries} <= tags and set(entries) <= set(reported)
+    assert {name for name in LOG_NAMES.values() if name in tags} == set(reported)
+
+    def logged(name):
+        scalars = events.Scalars(name)
+        assert [s.step for s in scalars] == [r["iteration"] for r in records], name
+        return [s.value for s in scalars]
+
+    fp32 = [torch.tensor(r["lm_loss"], dtype=torch.float32) for r in records]
+    torch.testing.assert_close([torch.tensor(v, dtype=torch.float32)
+                                for v in logged("lm loss")], fp32)
+    for name, key in reported.items():
+        expected = [torch.tensor(float(r[key]), dtype=torch.float32).item() for r in records]
+        assert logged(name) == expected, name
+
+
 def test_tensor_parallel_ranks_read_the_same_documents(tmp_path):
     """TP=2 (both ranks of one tensor-parallel group read the global batch themselves) trains
     like DP=2 (each replica its share of it), both under Megatron's no-pipelining schedule from
@@ -63,11 +104,17 @@ def test_tensor_parallel_ranks_read_the_same_documents(tmp_path):
                                rtol=1e-4, atol=0)
 
 
-def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "elastic"])
+def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule):
     """Megatron-LM's ``--save DIR --load DIR`` idiom: the first launch finds DIR empty and
     starts fresh (Megatron's warning), exits at iteration 3 with a checkpoint; the same command
-    line resumes there and prints the losses of an uninterrupted run."""
-    common = [*TINY, "--train-iters", "6", "--pipeline-schedule", "1f1b"]
+    line resumes there and prints the losses of an uninterrupted run. With dropout on, so the
+    checkpoint must carry the random states (Megatron's: host, device and its tensor-parallel
+    tracker's) that the masks of the iterations after the resume are drawn from."""
+    with_dropout = [flag for flag in TINY]
+    for name in ("--hidden-dropout", "--attention-dropout"):
+        with_dropout[with_dropout.index(name) + 1] = "0.1"
+    common = [*with_dropout, "--train-iters", "6", "--pipeline-schedule", schedule]
     whole = tmp_path / "whole.jsonl"
     torchrun(2, SCRIPT, [*common, "--metrics-jsonl", str(whole)])
     save = tmp_path / "ckpt"
