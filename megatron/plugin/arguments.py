@@ -228,8 +228,8 @@ def check_args(args: argparse.Namespace) -> None:
                                  f"{args.pipeline_schedule}: {instead}")
     if not torch.cuda.is_available() and (args.bf16 or args.fp16
                                            or args.use_distributed_optimizer):
-        raise ValueError("--bf16, --fp16 and --use-distributed-optimizer need CUDA (megatron-core's "
-                         "mixed-precision and distributed optimizers only wrap CUDA tensors): "
+        raise ValueError("--bf16, --fp16 and --use-distributed-optimizer need CUDA "
+                         "(megatron-core's mixed-precision and distributed optimizers only wrap CUDA tensors): "
                          "drop them on a machine without a GPU")
     if not torch.cuda.is_available() and args.profile and not args.use_pytorch_profiler:
         raise ValueError("--profile starts and stops CUDA's profiler (for nsys) unless "

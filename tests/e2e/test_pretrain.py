@@ -93,7 +93,8 @@ def test_tensor_parallel_ranks_read_the_same_documents(tmp_path):
     one_stage = [flag for flag in TINY]
     one_stage[one_stage.index("--pipeline-model-parallel-size") + 1] = "1"
     del one_stage[one_stage.index("--tokenizer-type"):one_stage.index("--vocab-size") + 2]
-    common = [*one_stage, *NULL_TOKENIZER_256, "--mock-data", "--train-iters", "3", "--pipeline-schedule", "default"]
+    common = [*one_stage, *NULL_TOKENIZER_256, "--mock-data", "--train-iters", "3",
+              "--pipeline-schedule", "default"]
     data, tensor = tmp_path / "dp2.jsonl", tmp_path / "tp2.jsonl"
     torchrun(2, SCRIPT, [*common, "--metrics-jsonl", str(data)])
     torchrun(2, SCRIPT, [*common, "--tensor-model-parallel-size", "2",

@@ -6,18 +6,18 @@ posted as one batch (Megatron's ``send_forward_recv_backward`` and friends) and 
 whole, or per link (below). Shapes come from the plan, so no shape is exchanged at run time.
 
 **Links.** Each ordered pair of stages of a pipeline (``a -> b`` and ``b -> a`` apart) has a
-two-rank process group of its own, its *link* (:func:`pipeline_links`); a batch is posted as
-one ``batch_isend_irecv`` per link it uses. NCCL runs the operations of one communicator in the order they were posted, one group
-after the other, and a group completes only when every peer has posted its side. With one
-communicator for the whole pipeline, a send posted ahead (helix's eager sends) would hold back
-every later receive of its rank until the peer takes it: ranks sending to each other first and
-receiving second would wait for each other forever, which gloo, matching by tag, never shows.
-On a link only one rank sends and only the other receives, so in-order execution is exactly
-the channel order the validator requires (receives posted in send order), and the dry run
-(:func:`~megatron.plugin.pipeline.simulator.simulate`) replays one in-order stream per rank and
-link: a schedule that passes it cannot hang on NCCL. The price: ``P (P - 1)`` two-rank groups
-per pipeline of ``P`` stages (helix sends to every stage, not only to neighbours), created
-once, at the first schedule run, by every rank (``new_group`` requires it).
+two-rank process group of its own, its *link* (:func:`pipeline_links`); a batch is posted as one
+``batch_isend_irecv`` per link it uses. NCCL runs the operations of one communicator in the
+order they were posted, one group after the other, and a group completes only when every peer
+has posted its side. With one communicator for the whole pipeline, a send posted ahead (helix's
+eager sends) would hold back every later receive of its rank until the peer takes it: ranks
+sending to each other first and receiving second would wait for each other forever, which gloo,
+matching by tag, never shows. On a link only one rank sends and only the other receives, so
+in-order execution is exactly the channel order the validator requires (receives posted in send
+order), and the dry run (:func:`~megatron.plugin.pipeline.simulator.simulate`) replays one
+in-order stream per rank and link: a schedule that passes it cannot hang on NCCL. The price:
+``P(P-1)`` two-rank groups per pipeline of ``P`` stages (helix sends to every stage, not only to
+neighbours), created once, at the first schedule run, by every rank (``new_group`` requires it).
 
 Matching: NCCL pairs transfers between two ranks by issue order only, gloo by (peer, tag) and
 then by order. Each transfer also carries a tag derived from its identity

@@ -18,8 +18,9 @@ at the end of the schedule).
 
 Memory model: a ``FORWARD`` or ``RECOMPUTE`` adds ``costs.activation_bytes(action)`` to the
 stash of its ``(stage, unit, part)`` when it ends; the ``BACKWARD`` of that key releases the
-whole stash when it ends (``ATTN_F`` / ``ATTN_B`` likewise, in a stash of their own). Each rank starts at ``costs.static_bytes(rank)`` (model state). The
-timeline lists ``(time, bytes)`` after every change; its maximum is the rank's peak.
+whole stash when it ends (``ATTN_F`` / ``ATTN_B`` likewise, in a stash of their own). Each rank
+starts at ``costs.static_bytes(rank)`` (model state). The timeline lists ``(time, bytes)`` after
+every change; its maximum is the rank's peak.
 
 Offload and reload (``OFFLOAD`` / ``RELOAD``) run on a per-rank *copy stream* beside the compute
 stream (CUDA: a side stream and pinned host buffers). Reaching one in its list, a rank enqueues
@@ -33,10 +34,11 @@ Copy time is not compute time (``busy``); a rank's finish time includes its copy
 schedule without memory actions replays exactly as before.
 
 The engine is a work list: a rank runs until a group it waits for has a transfer whose peer has
-not started it, parks, and is woken when that group completes. Every action is visited once,
-so 64 stages x 512 micro-batches replay in well under a second. A rank parked when the work list empties is a
-deadlock (so is a group that never completes after its rank's last action): :class:`Deadlock`
-names the blocked batch of every unfinished rank (the validator turns it into the grid).
+not started it, parks, and is woken when that group completes. Every action is visited once, so
+64 stages x 512 micro-batches replay in well under a second. A rank parked when the work list
+empties is a deadlock (so is a group that never completes after its rank's last action):
+:class:`Deadlock` names the blocked batch of every unfinished rank (the validator turns it into
+the grid).
 """
 from __future__ import annotations
 
