@@ -318,6 +318,24 @@ def test_helix_continues_a_1f1b_checkpoint_like_1f1b_and_ships_weights(tmp_path)
     assert 2 * b * s * h + 3 * h * h + 3 * h < 3 * b * s * h
 
 
+def test_helix_recomputation_draws_the_dropout_masks_of_the_forward(tmp_path):
+    """With dropout on, ``--helix-recompute-without-attention`` rebuilds the parts around the
+    attention before their backward: its dropout must draw the masks the forward drew, so the
+    run trains exactly like one that keeps the activations, every iteration."""
+    flags = [flag for flag in TINY]
+    for name in ("--hidden-dropout", "--attention-dropout"):
+        flags[flags.index(name) + 1] = "0.1"
+    kept, recomputed = tmp_path / "kept.jsonl", tmp_path / "recomputed.jsonl"
+    common = [*flags, "--train-iters", "4", "--pipeline-schedule", "helix"]
+    torchrun(2, SCRIPT, [*common, "--metrics-jsonl", str(kept)])
+    torchrun(2, SCRIPT, [*common, "--helix-recompute-without-attention",
+                         "--metrics-jsonl", str(recomputed)])
+    expected, got = metrics(kept), metrics(recomputed)
+    assert [r["iteration"] for r in got] == [1, 2, 3, 4]
+    assert [r["lm_loss"] for r in got] == [r["lm_loss"] for r in expected]
+    assert got[-1]["peak_activation_bytes"] < expected[-1]["peak_activation_bytes"]
+
+
 def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
     """The activation peak the elastic plan predicts for each stage (the simulator's memory
     timeline with a profile measured on this machine by ``scripts/profile_costs.py``) is within
