@@ -1,6 +1,7 @@
 """The CPU benchmarks' launcher: a script runs itself as workers on 2 CPU ranks (one thread
-each, ``BENCH_WORKER=1``) and reads the JSON report its rank 0 prints last; and the per-stage
-peak over iterations that every benchmark reports."""
+each, ``BENCH_WORKER=1``) and reads the JSON report its rank 0 prints last; the per-stage
+peak over iterations that every benchmark reports; and the ``--json`` writer every benchmark
+uses, which records the command line arguments."""
 import json
 import os
 import subprocess
@@ -22,6 +23,13 @@ def run_workers(script: str, flags: list[str], port: int, **env: str) -> dict:
         sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
         raise SystemExit(done.returncode)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def write_json(path: str, report: dict, argv: list[str] | None = None) -> None:
+    """Write ``report`` to ``path`` as JSON, with the benchmark's command line arguments
+    (``argv``; default this process's) under ``"argv"``."""
+    with open(path, "w") as f:
+        json.dump({"argv": sys.argv[1:] if argv is None else argv, **report}, f, indent=2)
 
 
 def stage_peaks(runs: list[list[float]]) -> list[float]:

@@ -28,7 +28,7 @@ import json
 import os
 import sys
 
-from _launch import CORPUS_FLAGS, Job, run_workers, stage_peaks, timed_step
+from _launch import CORPUS_FLAGS, Job, run_workers, stage_peaks, timed_step, write_json
 
 VARIANTS = {
     "1f1b": {"pipeline_schedule": "1f1b"},
@@ -196,8 +196,7 @@ def main() -> int:
     if not options.simulate_only:
         report["measured"] = measured(options)
     if options.json:
-        with open(options.json, "w") as f:
-            json.dump(report, f, indent=2)
+        write_json(options.json, report)
     return 0
 
 

@@ -31,8 +31,8 @@
    measured one.
 
 Prints one line per schedule and the ratios; ``--json OUT`` writes
-``{"schedules": {NAME: {"tokens_per_s", "peak_activation_bytes", "predicted_iteration_s",
-"measured_iteration_s", "padding_fraction", ...}}, "setup": {...}}``.
+``{"argv": [...], "schedules": {NAME: {"tokens_per_s", "peak_activation_bytes",
+"predicted_iteration_s", "measured_iteration_s", "padding_fraction", ...}}, "setup": {...}}``.
 """
 import argparse
 import dataclasses
@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 
-from _launch import CORPUS_FLAGS, REPO, Job, run_workers, stage_peaks, timed_step
+from _launch import CORPUS_FLAGS, REPO, Job, run_workers, stage_peaks, timed_step, write_json
 
 SCHEDULES = ("elastic", "seq1f1b", "1f1b")
 LAYERS = 4
@@ -220,11 +220,9 @@ def main() -> int:
         memory = elastic["peak_activation_bytes"] / report[base]["peak_activation_bytes"]
         print(f"elastic / {base}: tokens/s x{speed:.3f}, peak activation x{memory:.3f}")
     if options.json:
-        with open(options.json, "w") as f:
-            json.dump({"schedules": report, "setup": {
-                "seq_length": options.seq_length, "global_batch_size": options.global_batch_size,
-                "iterations": options.iters, "pp": 2, "profile": fit,
-                "refit": out["refit"]}}, f, indent=2)
+        write_json(options.json, {"schedules": report, "setup": {
+            "seq_length": options.seq_length, "global_batch_size": options.global_batch_size,
+            "iterations": options.iters, "pp": 2, "profile": fit, "refit": out["refit"]}})
     return 0
 
 

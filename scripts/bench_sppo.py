@@ -15,8 +15,8 @@ no limit); the table then shows each sppo plan's host memory per GPU.
 from __future__ import annotations
 
 import argparse
-import json
 
+from _launch import write_json
 from elastic_pipe.hardware import load_profile
 
 from sppo_offload.models import get_model
@@ -67,11 +67,9 @@ def main() -> None:
         print(f"{gpus:4d} {found[SPPO]:9d} {found[MEGATRON]:9d} {found[SEQ1F1B]:9d} "
               f"{ratio:12.2f}x")
     if args.json:
-        with open(args.json, "w") as handle:
-            json.dump({"simulated": True, "hardware": hardware.name, "model": model.name,
-                       "memory_gb": args.memory_gb, "host_memory_gb": args.host_memory_gb,
-                       "cells": rows,
-                       "largest_seq_length": largest}, handle, indent=1)
+        write_json(args.json, {"simulated": True, "hardware": hardware.name, "model": model.name,
+                               "memory_gb": args.memory_gb, "host_memory_gb": args.host_memory_gb,
+                               "cells": rows, "largest_seq_length": largest})
 
 
 def _line(row: dict) -> str:

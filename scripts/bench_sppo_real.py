@@ -32,7 +32,7 @@ The issue's targets, sppo over seq1f1b: peak at least 40% lower, tokens/s at mos
 On CPU the host tier is the same memory as the "device"; its copies are synchronous (the CUDA
 tier copies on a side stream), so what sppo loses here is the copy time itself.
 
-``--json OUT`` writes ``{"schedules": {NAME: {"tokens_per_s", "tokens_per_cpu_s",
+``--json OUT`` writes ``{"argv": [...], "schedules": {NAME: {"tokens_per_s", "tokens_per_cpu_s",
 "iteration_s", "busiest_rank_cpu_s", "peak_activation_bytes_per_stage"}}, "ratios": {BASE:
 {...}}, "setup": {...}}`` (``ratios``: sppo over ``seq1f1b`` and over ``sppo_no_offload``, and ``sppo_multiplex`` over
 ``sppo`` under ``"sppo_multiplex/sppo"``).
@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 
-from _launch import CORPUS_FLAGS, Job, run_workers, stage_peaks, timed_step
+from _launch import CORPUS_FLAGS, Job, run_workers, stage_peaks, timed_step, write_json
 
 #: variant -> (schedule, flags changed from the job's).
 VARIANTS = {"sppo": ("sppo", {}), "sppo_no_offload": ("sppo", {"sppo_offload": "off"}),
@@ -166,12 +166,11 @@ def main() -> int:
           f"x{ratio['tokens_per_cpu_s']:.3f}), peak activation x{ratio['peak_activation']:.3f}; "
           f"per stage {[round(r, 3) for r in ratio['peak_activation_per_stage']]}")
     if options.json:
-        with open(options.json, "w") as f:
-            json.dump({"schedules": report, "ratios": ratios, "setup": {
-                "tokens": options.tokens, "subsequences": options.subsequences,
-                "offload": options.offload, "iterations": options.iters, "pp": 2,
-                "num_layers": options.num_layers, "hidden_size": options.hidden_size,
-                "num_attention_heads": options.num_attention_heads}}, f, indent=2)
+        write_json(options.json, {"schedules": report, "ratios": ratios, "setup": {
+            "tokens": options.tokens, "subsequences": options.subsequences,
+            "offload": options.offload, "iterations": options.iters, "pp": 2,
+            "num_layers": options.num_layers, "hidden_size": options.hidden_size,
+            "num_attention_heads": options.num_attention_heads}})
     return 0
 
 
