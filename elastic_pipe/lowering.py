@@ -13,7 +13,7 @@ and receives, no deadlock under rendezvous transfers) before it is returned.
 """
 from __future__ import annotations
 
-from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.passes import (add_communication, add_recomputation,
                                              align_sends)
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
@@ -22,8 +22,6 @@ from megatron.plugin.pipeline.validation import validate
 
 from elastic_pipe.cost_model import CostModel
 from elastic_pipe.plan_types import Plan
-
-Schedule = list[list[Action]]
 
 
 def compute_schedule(plan: Plan, pp: int) -> Schedule:

@@ -51,9 +51,8 @@ from megatron.plugin.kv_store import KVStore
 from megatron.plugin.pipeline.executor import ChunkState
 from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
-from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
-                                                  single_model_chunk)
-from megatron.plugin.registry import register_argument_group, register_schedule
+from megatron.plugin.pipeline.run_rank import megatron_process_groups, run_this_rank
+from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 from elastic_pipe.chunks import Chunk, Piece
 from elastic_pipe.cost_model import CostModel, ParallelConfig
@@ -97,8 +96,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "coefficients and backward factor to the executor's measured "
                         "forward and backward times (0: never)")
 
-
-register_argument_group(add_arguments)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -415,39 +412,35 @@ def leading_layers(model) -> LeadingLayers:
     return layers
 
 
-def _schedule(name: str):
-    def forward_backward(*, forward_step_func, data_iterator, model, num_microbatches,
-                         seq_length, micro_batch_size, decoder_seq_length=None,
-                         forward_only=False, collect_non_loss_data=False, first_val_step=None,
-                         **unused):
-        del unused, seq_length, micro_batch_size, decoder_seq_length
-        model, planned = single_model_chunk(name, model, data_iterator)
-        if not isinstance(planned, PlannedBatch):
-            raise TypeError(f"{name} consumes the PlannedBatch its prepare_input makes from "
-                            f"the documents, got {type(planned).__name__}")
-        groups = megatron_process_groups()
-        rank = groups.pp.rank()
-        stage = planned.plan.ckpt_table()[rank]
-        chunks = ChunkState(kv_store=KVStore(), layers=leading_layers(model),
-                            checkpointed=stage.__getitem__, slices=planned.slices.__getitem__)
-        events = [] if planned.refit and not forward_only else None
-        result = run_this_rank(
-            planned.schedule, groups, forward_step_func=forward_step_func,
-            data_iterator=iter(planned.batches), model=model,
-            num_microbatches=num_microbatches, shape_of=planned.shape_of,
-            forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-            first_val_step=first_val_step, chunks=chunks, events=events)
-        if events is not None:
-            _MEASURED.record(planned, rank, events)
-        return result
-
-    forward_backward.prepare_input, forward_backward.prefetch_input = _prepare(name)
-    forward_backward.check_args = check_args
-    return forward_backward
+def _run(call: RankCall) -> list:
+    """This rank's actions of the planned batch, with a fresh K/V store and the plan's
+    checkpointing table for this stage."""
+    planned = call.input
+    groups = megatron_process_groups()
+    rank = groups.pp.rank()
+    stage = planned.plan.ckpt_table()[rank]
+    chunks = ChunkState(kv_store=KVStore(), layers=leading_layers(call.model),
+                        checkpointed=stage.__getitem__, slices=planned.slices.__getitem__)
+    events = [] if planned.refit and not call.forward_only else None
+    result = run_this_rank(planned.schedule, groups, call, data_iterator=iter(planned.batches),
+                           shape_of=planned.shape_of, chunks=chunks, events=events)
+    if events is not None:
+        _MEASURED.record(planned, rank, events)
+    return result
 
 
-forward_backward_elastic = _schedule("elastic")
-forward_backward_seq1f1b = _schedule("seq1f1b")
-register_schedule("elastic", forward_backward_elastic)
-register_schedule("seq1f1b", forward_backward_seq1f1b)
+def _report(planned: PlannedBatch) -> dict:
+    return {"planned_activation_bytes": planned.planned_activation_bytes,
+            "plan_solve_s": planned.timing.solve_s, "plan_wait_s": planned.timing.waited_s}
 
+
+def _spec(name: str) -> ScheduleSpec:
+    prepare_input, prefetch_input = _prepare(name)
+    return ScheduleSpec(name, run=_run, input_type=PlannedBatch,
+                        add_arguments=add_arguments, check_args=check_args,
+                        prepare_input=prepare_input, prefetch_input=prefetch_input,
+                        report=_report)
+
+
+ELASTIC = _spec("elastic")
+SEQ1F1B = _spec("seq1f1b")

@@ -59,17 +59,16 @@ from helix.chunked_loss import chunked_loss
 from helix.chunked_mlp import chunked_mlp
 from helix.mapping import check_layout
 from helix.model import HelixGPTModel
-from helix.schedule import (PRE_TENSORS, HelixFlow, padding, part, part_index,
+from helix.schedule import (PRE_TENSORS, HelixFlow, helix_ir, padding, part, part_index,
                             planned_helix)
 from megatron.plugin import packed_attention
 from megatron.plugin.batches import pack_micro_batches
 from megatron.plugin.memory import keep
-from megatron.plugin.pipeline.executor import PartProgram, _run_backward
+from megatron.plugin.pipeline.executor import PartProgram, run_backward
 from megatron.plugin.pipeline.ir import Action, Kind
-from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
-                                                  single_model_chunk)
+from megatron.plugin.pipeline.run_rank import megatron_process_groups, run_this_rank
 from megatron.plugin.rng import rng_restored, rng_state
-from megatron.plugin.registry import register_argument_group, register_schedule
+from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,8 +83,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "one chunk's intermediate activations at a time (see "
                         "helix/chunked_mlp.py)")
 
-
-register_argument_group(add_arguments)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -245,7 +242,7 @@ class HelixProgram(PartProgram):
             names = [n for n in out if n in grads]
             roots = [out[n] for n in names]
             root_grads = [grads[n] for n in names]
-        _run_backward(roots, root_grads)
+        run_backward(roots, root_grads)
         index = part_index(action.part)
         if action.kind is Kind.ATTN_B:
             made = [(Kind.BACKWARD, action.part, n, grads["res"] if n == "r" else given[n].grad)
@@ -406,38 +403,27 @@ def _transfer_shapes(config, seq_length: int, micro_batch_size: int, tp: int):
             "o": (seq_length, micro_batch_size, heads_dim)}
 
 
-def forward_backward_helix(*, forward_step_func, data_iterator, model, num_microbatches,
-                           seq_length, micro_batch_size, decoder_seq_length=None,
-                           forward_only=False, collect_non_loss_data=False,
-                           first_val_step=None, **unused):
-    """Megatron forward-backward signature; see the module docstring."""
-    del unused, decoder_seq_length
-    chunk, batches = single_model_chunk("helix", model, data_iterator)
-    if not isinstance(batches, HelixBatches):
-        raise TypeError(f"helix consumes the HelixBatches its prepare_input makes from the "
-                        f"documents, got {type(batches).__name__}")
-    module = get_attr_wrapped_model(chunk, "pre_layers", return_model_obj=True)
-    config = get_model_config(chunk)
+def run(call: RankCall) -> list:
+    """This rank's parts of the helix schedule over ``call.input`` (:class:`HelixBatches`)."""
+    batches = call.input
+    module = get_attr_wrapped_model(call.model, "pre_layers", return_model_obj=True)
+    config = get_model_config(call.model)
     groups = helix_process_groups()
     pp, tp = groups.pp.size(), groups.tp.size()
     pre_tensors = PRE_TENSORS + (("wb",) if _has_qkv_bias(module) else ())
-    schedule = _planned(pp, config.num_layers, num_microbatches, batches.folds,
+    schedule = _planned(pp, config.num_layers, call.num_microbatches, batches.folds,
                         batches.recompute, pre_tensors)
-    shapes = _transfer_shapes(config, seq_length, micro_batch_size, tp)
+    shapes = _transfer_shapes(config, call.seq_length, call.micro_batch_size, tp)
     store: list = []
     program = HelixProgram(
-        model=chunk, module=module, batches=batches, forward_step_func=forward_step_func,
-        forward_data_store=store, num_microbatches=num_microbatches,
-        forward_only=forward_only, collect_non_loss_data=collect_non_loss_data,
-        recompute=batches.recompute, flow=HelixFlow(pp, config.num_layers, batches.folds,
-                                                      num_microbatches),
+        model=call.model, module=module, batches=batches,
+        forward_step_func=call.forward_step_func, forward_data_store=store,
+        num_microbatches=call.num_microbatches, forward_only=call.forward_only,
+        collect_non_loss_data=call.collect_non_loss_data, recompute=batches.recompute,
+        flow=HelixFlow(pp, config.num_layers, batches.folds, call.num_microbatches),
         pre_tensors=pre_tensors)
-    result = run_this_rank(
-        schedule, groups, forward_step_func=forward_step_func, data_iterator=batches,
-        model=chunk, num_microbatches=num_microbatches,
-        shape_of=lambda action: shapes[action.tensor], forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-        program=program)
+    result = run_this_rank(schedule, groups, call, data_iterator=batches,
+                           shape_of=lambda action: shapes[action.tensor], program=program)
     return store + result
 
 
@@ -451,7 +437,8 @@ def _planned(pp, num_layers, microbatches, folds, recompute, pre_tensors):
     return planned_helix(pp, num_layers, microbatches, folds, recompute, pre_tensors)
 
 
-forward_backward_helix.check_args = check_args
-forward_backward_helix.prepare_input = prepare_input
-forward_backward_helix.build_model = build_model
-register_schedule("helix", forward_backward_helix)
+SPEC = ScheduleSpec("helix", run=run, input_type=HelixBatches, add_arguments=add_arguments,
+                    check_args=check_args, build_model=build_model,
+                    prepare_input=prepare_input,
+                    report=lambda batches: {"padding_microbatches": batches.padding},
+                    build_ir=helix_ir)

@@ -67,11 +67,10 @@ from megatron.plugin.batches import micro_batch
 from megatron.plugin.kv_store import KVStore
 from megatron.plugin.pipeline.executor import ChunkState
 from megatron.plugin.pipeline.ir import Action, Kind
-from megatron.plugin.pipeline.megatron_ir import (megatron_process_groups, run_this_rank,
-                                                  single_model_chunk)
+from megatron.plugin.pipeline.run_rank import megatron_process_groups, run_this_rank
 from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
 from megatron.plugin.pipeline.simulator import simulate
-from megatron.plugin.registry import register_argument_group, register_schedule
+from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 from elastic_pipe.chunks import Chunk, Piece
 from elastic_pipe.cost_model import GB, CostModel
@@ -84,7 +83,7 @@ from sppo_offload.mux_runtime import MultiplexProgram, block_groups
 from sppo_offload.offload import (AUTO, capped_ratios, offload_ratios, offloadable_bytes,
                                   parse_offload, raised)
 from sppo_offload.partition import balanced_lengths, starts
-from sppo_offload.pipeline import build_schedule
+from sppo_offload.pipeline import build_schedule, sppo_ir
 from sppo_offload.solver import SolverConfig
 
 log = logging.getLogger(__name__)
@@ -130,8 +129,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"before computing, GB; default: the CUDA device's memory, "
                         f"{CPU_MEMORY_GB:g} on CPU")
 
-
-register_argument_group(add_arguments)
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -374,38 +371,27 @@ def _check_multiplexable(plan: SubsequencePlan, pp: int) -> None:
 
 # -- the schedule --------------------------------------------------------------------------------
 
-def forward_backward_sppo(*, forward_step_func, data_iterator, model, num_microbatches,
-                          seq_length, micro_batch_size, decoder_seq_length=None,
-                          forward_only=False, collect_non_loss_data=False, first_val_step=None,
-                          **unused):
-    """Megatron forward-backward signature; see the module docstring."""
-    del unused, seq_length, micro_batch_size, decoder_seq_length
-    model, planned = single_model_chunk(NAME, model, data_iterator)
-    if not isinstance(planned, SubsequenceBatch):
-        raise TypeError(f"{NAME} consumes the SubsequenceBatch its prepare_input makes from "
-                        f"the documents, got {type(planned).__name__}")
-    chunks = ChunkState(kv_store=KVStore(), layers=leading_layers(model),
+def run(call: RankCall) -> list:
+    """This rank's actions over ``call.input`` (:class:`SubsequenceBatch`)."""
+    planned = call.input
+    chunks = ChunkState(kv_store=KVStore(), layers=leading_layers(call.model),
                         checkpointed=lambda unit: 0, slices=planned.slices.__getitem__)
     groups = megatron_process_groups()
     program, store, batches = None, [], planned.batches
     if planned.multiplex:
         program = MultiplexProgram(
-            model=model, u0=batches[0], doc_key=planned.slices[0][0][0],
+            model=call.model, u0=batches[0], doc_key=planned.slices[0][0][0],
             stage=groups.pp.rank(), pp=groups.pp.size(),
             groups=block_groups(tuple(dist.get_process_group_ranks(groups.pp))),
-            chunks=chunks, forward_step_func=forward_step_func, forward_data_store=store,
-            num_microbatches=num_microbatches, forward_only=forward_only,
-            collect_non_loss_data=collect_non_loss_data)
+            chunks=chunks, forward_step_func=call.forward_step_func, forward_data_store=store,
+            num_microbatches=call.num_microbatches, forward_only=call.forward_only,
+            collect_non_loss_data=call.collect_non_loss_data)
         batches = batches[1:]
-    result = run_this_rank(
-        planned.schedule, groups, forward_step_func=forward_step_func,
-        data_iterator=iter(batches), model=model, num_microbatches=num_microbatches,
-        shape_of=planned.shape_of, forward_only=forward_only,
-        collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
-        chunks=chunks, offload=planned.offloader, program=program)
+    result = run_this_rank(planned.schedule, groups, call, data_iterator=iter(batches),
+                           shape_of=planned.shape_of, chunks=chunks, offload=planned.offloader,
+                           program=program)
     return store + result
 
 
-forward_backward_sppo.check_args = check_args
-forward_backward_sppo.prepare_input = prepare_input
-register_schedule(NAME, forward_backward_sppo)
+SPEC = ScheduleSpec(NAME, run=run, input_type=SubsequenceBatch, add_arguments=add_arguments,
+                    check_args=check_args, prepare_input=prepare_input, build_ir=sppo_ir)

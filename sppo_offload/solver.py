@@ -56,7 +56,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from megatron.plugin.pipeline.ir import Action
+from megatron.plugin.pipeline.ir import Schedule
 from megatron.plugin.pipeline.passes import add_communication, add_recomputation
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import SimResult, simulate
@@ -76,7 +76,6 @@ SPPO, MEGATRON, SEQ1F1B = "sppo", "megatron_recompute", "seq1f1b"
 METHODS = (SPPO, MEGATRON, SEQ1F1B)
 #: Offload levels tried by ``auto`` when the bandwidth-hidden ratios do not fit.
 RAISE_STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)
-Schedule = list[list[Action]]
 
 
 @dataclass(frozen=True)

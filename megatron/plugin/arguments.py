@@ -31,12 +31,6 @@ from typing import Sequence
 import torch
 
 from megatron.plugin import cpu_compat, registry
-from megatron.plugin.pipeline import megatron_ir  # noqa: F401  (registers 1f1b-ir)
-import elastic_pipe.runtime  # noqa: F401,E402  (registers elastic, seq1f1b and their flags)
-import helix.runtime  # noqa: F401,E402  (registers helix and its flags)
-import sppo_offload.runtime  # noqa: F401,E402  (registers sppo and its flags)
-
-MEGATRON_SCHEDULES = (registry.DEFAULT, "1f1b", "interleaved")
 
 #: ``args_defaults`` for Megatron's parser (applied where a flag was not given).
 DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"}
@@ -110,8 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: the project's flags and the schedules' groups."""
     g = parser.add_argument_group("long-context pipeline schedules")
     g.add_argument("--pipeline-schedule", default=registry.DEFAULT,
-                   help="default (Megatron's own choice), 1f1b, interleaved, or a registered "
-                        "schedule (1f1b-ir, elastic, seq1f1b, helix, sppo)")
+                   help="default (Megatron's own choice), or a registered schedule: "
+                        + ", ".join(registry.schedule_names()[1:]))
     g.add_argument("--pipeline-timeout-s", type=float, default=600.0,
                    help="IR schedules: seconds a pipeline transfer may wait before failing "
                         "with the rank, action and peer named")
@@ -119,8 +113,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write one JSON object per iteration to this file (last rank)")
     g.add_argument("--trace-dir", default=None,
                    help="write Chrome-trace JSON of the executor's actions per rank")
-    for add in registry.argument_groups():
-        add(parser)
+    groups = []  # schedules may share one group (elastic and seq1f1b)
+    for spec in registry.specs():
+        if spec.add_arguments is not None and spec.add_arguments not in groups:
+            groups.append(spec.add_arguments)
+            spec.add_arguments(parser)
     parser.set_defaults(transformer_impl="local", reset_position_ids=True,
                         reset_attention_mask=True)
     if not torch.cuda.is_available():
@@ -181,7 +178,8 @@ def check_training_args(args: argparse.Namespace) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` naming the flag for a setting this script would not honour."""
-    registry.check_name(args.pipeline_schedule)
+    spec = registry.spec(args.pipeline_schedule)
+    megatron_schedule = registry.is_megatron(args.pipeline_schedule)
     defaults = megatron_defaults()
     for dest, instead in NOT_IMPLEMENTED.items():
         if dest in defaults and getattr(args, dest, None) != defaults[dest][1]:
@@ -196,11 +194,11 @@ def check_args(args: argparse.Namespace) -> None:
                          "reads whole documents per global batch itself; drop the flag")
     if args.pipeline_timeout_s <= 0:
         raise ValueError("--pipeline-timeout-s must be > 0 seconds")
-    if args.pipeline_schedule not in MEGATRON_SCHEDULES and not args.calculate_per_token_loss:
+    if not megatron_schedule and not args.calculate_per_token_loss:
         raise ValueError(f"{args.pipeline_schedule} computes the per-token mean loss over the "
                          "global batch, however it cuts the documents: add "
                          "--calculate-per-token-loss")
-    if args.context_parallel_size > 1 and args.pipeline_schedule in MEGATRON_SCHEDULES:
+    if args.context_parallel_size > 1 and megatron_schedule:
         raise ValueError("--context-parallel-size > 1 is not supported with Megatron's own "
                          "schedules here (ring attention needs Transformer Engine); use 1, or "
                          "an IR schedule (elastic, seq1f1b, 1f1b-ir, sppo), where it is Ulysses")
@@ -218,10 +216,9 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--seq-length {args.seq_length} must be divisible by "
                              f"--context-parallel-size x --tensor-model-parallel-size "
                              f"({cp} x {tp})")
-    check = registry.schedule_hook(args.pipeline_schedule, "check_args")
-    if check is not None:
-        check(args)
-    if args.pipeline_schedule not in MEGATRON_SCHEDULES:
+    if spec is not None and spec.check_args is not None:
+        spec.check_args(args)
+    if not megatron_schedule:
         for dest, instead in DOCUMENT_SCHEDULE_REFUSALS.items():
             if dest in defaults and getattr(args, dest, None) != defaults[dest][1]:
                 raise ValueError(f"{defaults[dest][0]} is not supported by --pipeline-schedule "

@@ -106,8 +106,7 @@ DOCUMENT_REFUSED = {
     "num_layers_per_virtual_pipeline_stage": ["--num-layers-per-virtual-pipeline-stage", "1"],
 }
 
-DOCUMENT_SCHEDULES = [name for name in registry.schedule_names()
-                      if name not in arguments.MEGATRON_SCHEDULES]
+DOCUMENT_SCHEDULES = [name for name in registry.schedule_names() if not registry.is_megatron(name)]
 
 
 @pytest.mark.parametrize("schedule", DOCUMENT_SCHEDULES)

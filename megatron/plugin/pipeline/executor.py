@@ -148,7 +148,7 @@ class _GradSync:
             self.context = None
 
 
-def _run_backward(tensors: list, grads: list) -> None:
+def run_backward(tensors: list, grads: list) -> None:
     """One autograd call from several roots (outputs may be pseudo-deallocated, as in
     Megatron's ``custom_backward``)."""
     Variable._execution_engine.run_backward(
@@ -197,13 +197,13 @@ def chunk_backward(chunks: ChunkState, unit: int, input_tensor, output, output_g
         return tensors, grads
 
     tensors, grads = targets(set(chunks.layers.graph_layers(stash)))
-    _run_backward([output, *tensors], [output_grad, *grads])
+    run_backward([output, *tensors], [output_grad, *grads])
     if stash is not None:
         if stash.recomputed is None:
             raise RuntimeError(f"unit {unit}: checkpointed layers were not recomputed before "
                                f"the backward (missing RECOMPUTE action)")
         tensors, grads = targets(set(chunks.layers.checkpointed_layers(stash)))
-        _run_backward([stash.recomputed, *tensors], [stash.boundary.grad, *grads])
+        run_backward([stash.recomputed, *tensors], [stash.boundary.grad, *grads])
     for doc_key, index in slices:
         store.release(doc_key, index)
     return input_tensor.grad if input_tensor is not None else None
