@@ -18,15 +18,11 @@ The schedule function then runs this rank's actions with
 :class:`~megatron.plugin.pipeline.executor.ChunkState` (a fresh K/V store per iteration, the
 plan's checkpointing table for this stage).
 
-Cost model of a real run: the model shape comes from the Megatron flags; the hardware profile
-from ``--elastic-hardware-profile`` (default: the shipped profile matching the CUDA device name,
-``a800`` on CPU -- the planner then only sees relative costs); the budget from
-``--elastic-memory-gb`` (default: the device's memory on CUDA, 16 GB on CPU) minus
-``--elastic-reserved-gb`` (default 2 GB on CUDA, 0 on CPU). Activation and model-state bytes
-are counted in the run's ``params_dtype`` (4 bytes an element in FP32, 2 in BF16 and FP16)
-whichever profile prices the time; a measured profile's activation bytes are used only if they
-were counted in that dtype (otherwise the run stops). Rank 0 logs once which profile the
-planner uses and for which dtype. With ``--elastic-refit-interval K`` the ranks record the
+Cost model of a real run: the job's (:mod:`longctx.job_costs`: model shape and bytes per
+element from the Megatron flags, ``--hardware-profile``) within ``--elastic-memory-gb``
+(default: the device's memory on CUDA, 16 GB on CPU) minus ``--elastic-reserved-gb`` (default
+2 GB on CUDA, 0 on CPU). A measured profile's activation bytes are used only if they were
+counted in the run's dtype (otherwise the run stops). With ``--elastic-refit-interval K`` the ranks record the
 executor's forward and backward times and, every ``K`` training iterations, refit the profile's
 eq. 1 coefficients and backward factor to them (:mod:`elastic_pipe.refit`); the log shows the
 fit and its error.
@@ -36,31 +32,29 @@ from __future__ import annotations
 import argparse
 import hashlib
 import logging
-import math
 import pickle
-import weakref
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.utils import get_attr_wrapped_model
 
-from megatron.plugin.batches import MicroBatch, micro_batch, pack_row
+from megatron.plugin.batches import micro_batch
 from megatron.plugin.kv_store import KVStore
 from megatron.plugin.pipeline.executor import ChunkState
-from megatron.plugin.pipeline.ir import Action, Kind
-from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
+from megatron.plugin.pipeline.ir import Kind
+from megatron.plugin.pipeline.layer_checkpoint import leading_layers
 from megatron.plugin.pipeline.run_rank import megatron_process_groups, run_this_rank
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
-from elastic_pipe.chunks import Chunk, Piece
-from elastic_pipe.cost_model import CostModel, ParallelConfig
-from elastic_pipe.hardware import load_profile
+from longctx.chunk_rows import ChunkRows, chunk_row, is_split
+from longctx.cost_model import CostModel
+from longctx import job_costs
+from longctx.job_costs import CPU_MEMORY_GB, job_cost_model, replace_job_cost_model
+from longctx.replicas import replica_share
+
 from elastic_pipe.evaluation import plan_schedule
 from elastic_pipe.lowering import activation_peaks, lower
 from elastic_pipe.presolve import BackgroundPlanner, PlanTiming
-from elastic_pipe.models import ModelConfig
 from elastic_pipe.plan_types import Plan
 from elastic_pipe.refit import Observation, observations, refit
 from elastic_pipe.scheduler import SchedulerConfig
@@ -69,8 +63,6 @@ from elastic_pipe.sequence_processor import ChunkingConfig
 log = logging.getLogger(__name__)
 refit_log = logging.getLogger("elastic_pipe.refit")
 """The refits' summaries (``pretrain_gpt_elastic.py`` prints them with the training lines)."""
-CPU_MEMORY_GB = 16.0
-_PROFILE_BY_DEVICE = (("H100", "h100"), ("H20", "h20"), ("A800", "a800"), ("A100", "a100"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,9 +73,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--elastic-reserved-gb", type=float, default=None,
                    help="part of the budget never planned for (CUDA context, NCCL buffers, "
                         "fragmentation); default 2 on CUDA, 0 on CPU")
-    g.add_argument("--elastic-hardware-profile", default=None,
-                   help="a800|a100|h100|h20 or a profile JSON (scripts/profile_costs.py); default: "
-                        "matched from the CUDA device name, a800 on CPU")
     g.add_argument("--elastic-solver-time-limit", type=float, default=0.2,
                    help="CP-SAT deterministic time limit per candidate pipeline, seconds")
     g.add_argument("--elastic-slices", default="auto", type=slices_flag,
@@ -135,42 +124,10 @@ def slices_flag(value: str):
     return int(value)
 
 
-def cost_model_from_args(args: argparse.Namespace, vocab_size: int) -> CostModel:
-    """The planner's cost model for this job's model (in its ``params_dtype``), layout, device
-    and budget (``vocab_size`` already padded); rank 0 logs the profile and dtype it uses."""
-    cuda = torch.cuda.is_available()
-    profile, origin = args.elastic_hardware_profile, "--elastic-hardware-profile"
-    if profile is None:
-        profile, origin = "a800", "the default on CPU"
-        if cuda:
-            name = torch.cuda.get_device_name()
-            matched = next((p for key, p in _PROFILE_BY_DEVICE if key in name), None)
-            profile = matched or "a800"
-            origin = f"matched from {name}" if matched else f"no shipped profile matches {name}"
-    memory = args.elastic_memory_gb
-    if memory is None:
-        memory = torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda \
-            else CPU_MEMORY_GB
-    reserved = args.elastic_reserved_gb
-    if reserved is None:
-        reserved = 2.0 if cuda else 0.0
-    model = ModelConfig("custom", args.num_layers, args.hidden_size, args.num_attention_heads,
-                        args.ffn_hidden_size, vocab_size,
-                        dtype=str(args.params_dtype).removeprefix("torch."),
-                        gated_mlp=args.swiglu)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                  args.context_parallel_size)
-    parallel = ParallelConfig(pp=pp, sp=cp, tp=tp, dp=max(1, world // (tp * pp * cp)),
-                              memory_gb=memory, reserved_gb=reserved,
-                              distributed_optimizer=args.use_distributed_optimizer)
-    cost = CostModel(model, load_profile(profile), parallel)
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        counted = "measured in" if cost.hardware.activation_coefficients else "derived for"
-        log.info("%s planner: hardware profile %s (%s, %s), activation bytes %s %s",
-                 args.pipeline_schedule, profile, cost.hardware.source, origin, counted,
-                 model.dtype)
-    return cost
+def elastic_cost_model(args: argparse.Namespace, model) -> CostModel:
+    """The job's cost model within ``--elastic-memory-gb`` less ``--elastic-reserved-gb``
+    (replaced by :func:`refit_cost_model` with ``--elastic-refit-interval``)."""
+    return job_cost_model(args, model, args.elastic_memory_gb, args.elastic_reserved_gb)
 
 
 def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
@@ -183,40 +140,7 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
                            workers=1)
 
 
-def spread_over_replicas(lengths, replicas: int, cost: CostModel) -> list[list[int]]:
-    """Document indices per data-parallel replica, balancing predicted layer-forward time
-    (longest processing time first; ties to the lower replica). Each list is sorted."""
-    work = [cost.layer_forward(Chunk((Piece(i, 0, 0, n, True),))) for i, n in enumerate(lengths)]
-    loads = [0.0] * replicas
-    shares: list[list[int]] = [[] for _ in range(replicas)]
-    for index in sorted(range(len(lengths)), key=lambda i: (-work[i], i)):
-        target = min(range(replicas), key=lambda r: (loads[r], r))
-        loads[target] += work[index]
-        shares[target].append(index)
-    return [sorted(share) for share in shares]
-
-
 # -- the planned batch -----------------------------------------------------------------------
-
-@dataclass
-class ChunkRows:
-    """A schedule of document chunks and its input: one packed row per unit (elastic,
-    seq1f1b and sppo)."""
-
-    schedule: list[list[Action]]
-    batches: list[MicroBatch]
-    slices: list[tuple[tuple[int, int], ...]]
-    """Per unit: ``(doc_key, slice_index)`` of the pieces that belong to split documents."""
-    hidden_size: int
-    token_divisor: int
-
-    def __len__(self) -> int:
-        return len(self.batches)
-
-    def shape_of(self, action: Action) -> tuple[int, int, int]:
-        return (self.batches[action.unit].seq_length // self.token_divisor, 1,
-                self.hidden_size)
-
 
 @dataclass
 class PlannedBatch(ChunkRows):
@@ -231,20 +155,6 @@ class PlannedBatch(ChunkRows):
     """Record the measured action times (``--elastic-refit-interval``)."""
 
 
-def _is_split(piece: Piece) -> bool:
-    return piece.slice > 0 or not piece.final
-
-
-def chunk_row(chunk: Chunk, documents, doc_ids, multiple: int) -> tuple:
-    """The packed row of one chunk (pieces in order), padded to a multiple of ``multiple``."""
-    docs, slices = [], []
-    for piece in chunk.pieces:
-        doc = doc_ids[piece.doc]
-        docs.append(documents[doc][piece.start:piece.end + 1])
-        slices.append((doc, piece.slice, piece.start) if _is_split(piece) else (None, 0, 0))
-    return pack_row(docs, pad_to=math.ceil(chunk.tokens / multiple) * multiple, slices=slices)
-
-
 def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming,
                   cost: CostModel) -> PlannedBatch:
     tp = args.tensor_model_parallel_size if args.sequence_parallel else 1
@@ -252,7 +162,7 @@ def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming,
     multiple = args.tensor_model_parallel_size * cp
     chunks = plan.chunks()
     batches = [micro_batch([chunk_row(chunk, documents, doc_ids, multiple)]) for chunk in chunks]
-    slices = [tuple((doc_ids[p.doc], p.slice) for p in chunk.pieces if _is_split(p))
+    slices = [tuple((doc_ids[p.doc], p.slice) for p in chunk.pieces if is_split(p))
               for chunk in chunks]
     schedule = lower(plan, args.pipeline_model_parallel_size)
     stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -287,20 +197,9 @@ def _planner(name: str, args) -> BackgroundPlanner:
     return _PLANNERS[name]
 
 
-def replica_share(documents, cost: CostModel) -> tuple[list[int], list[int]]:
-    """``(lengths of all documents, ids of this data-parallel replica's)``, spread by cost."""
-    lengths = [len(doc) - 1 for doc in documents]
-    dp = parallel_state.get_data_parallel_world_size()
-    share = spread_over_replicas(lengths, dp, cost)[parallel_state.get_data_parallel_rank()]
-    if not share:
-        raise ValueError(f"--global-batch-size {len(documents)} leaves data-parallel replicas "
-                         f"without documents at {dp} replicas: raise it")
-    return lengths, share
-
-
 def _planning_inputs(name, documents, args, model):
     """This replica's document ids and the planner's arguments for them."""
-    cost = job_cost_model(args, model)
+    cost = elastic_cost_model(args, model)
     lengths, share = replica_share(documents, cost)
     key = tuple(lengths[i] for i in share)
     return share, (key, name, cost.model, cost.hardware, cost.parallel, scheduler_config(args))
@@ -315,7 +214,7 @@ def _prepare(name: str):
         plan, timing = _planner(name, args).take(*inputs)
         _check_agreement(plan)
         batch = planned_batch(plan, documents, share, args, timing,
-                              job_cost_model(args, model))
+                              elastic_cost_model(args, model))
         log.info("%s plan: %d chunks in %d pipelines, predicted %.3f s, solved in %.2f s, "
                  "%.2f s of it hidden", name, len(batch), len(plan.pipelines),
                  plan.predicted_time_s, timing.solve_s, timing.solve_s - timing.waited_s)
@@ -366,51 +265,17 @@ def refit_cost_model(name: str, args, model) -> str:
     pooled = [None] * dist.get_world_size()
     dist.all_gather_object(pooled, measured.seen)
     measured.seen, measured.iterations = [], 0
-    cost = job_cost_model(args, model)
+    cost = elastic_cost_model(args, model)
     profile, summary = refit(cost, [o for seen in pooled for o in seen])
     if dist.get_rank() == 0:
         refit_log.info("%s: %s", name, summary)
     if profile is not None:
-        _COSTS[_cost_key(args, model)] = CostModel(cost.model, profile, cost.parallel)
+        replace_job_cost_model(args, model, CostModel(cost.model, profile, cost.parallel),
+                               args.elastic_memory_gb, args.elastic_reserved_gb)
     return summary
 
 
-_COSTS: dict[tuple, CostModel] = {}
-_COST_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-               "params_dtype", "swiglu", "tensor_model_parallel_size",
-               "pipeline_model_parallel_size", "context_parallel_size",
-               "use_distributed_optimizer", "elastic_memory_gb", "elastic_reserved_gb",
-               "elastic_hardware_profile")
-
-
-def _cost_key(args: argparse.Namespace, model) -> tuple:
-    chunk = model[0] if isinstance(model, list) else model
-    return (get_attr_wrapped_model(chunk, "vocab_size"),
-            *(getattr(args, flag) for flag in _COST_FLAGS))
-
-
-def job_cost_model(args: argparse.Namespace, model) -> CostModel:
-    """:func:`cost_model_from_args` for this job, built once (the vocabulary from the model;
-    replaced by :func:`refit_cost_model` with ``--elastic-refit-interval``)."""
-    key = _cost_key(args, model)
-    if key not in _COSTS:
-        _COSTS[key] = cost_model_from_args(args, key[0])
-    return _COSTS[key]
-
-
 # -- the schedule ----------------------------------------------------------------------------
-
-_LAYERS: "weakref.WeakKeyDictionary[torch.nn.Module, LeadingLayers]" = \
-    weakref.WeakKeyDictionary()
-
-
-def leading_layers(model) -> LeadingLayers:
-    """The :class:`LeadingLayers` of ``model`` (one per model: it hooks the model's layers)."""
-    layers = _LAYERS.get(model)
-    if layers is None:
-        layers = _LAYERS[model] = LeadingLayers(model)
-    return layers
-
 
 def _run(call: RankCall) -> list:
     """This rank's actions of the planned batch, with a fresh K/V store and the plan's
@@ -437,7 +302,8 @@ def _report(planned: PlannedBatch) -> dict:
 def _spec(name: str) -> ScheduleSpec:
     prepare_input, prefetch_input = _prepare(name)
     return ScheduleSpec(name, run=_run, input_type=PlannedBatch,
-                        add_arguments=add_arguments, check_args=check_args,
+                        argument_groups=(job_costs.add_arguments, add_arguments),
+                        check_args=check_args,
                         prepare_input=prepare_input, prefetch_input=prefetch_input,
                         report=_report)
 

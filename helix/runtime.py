@@ -437,8 +437,8 @@ def _planned(pp, num_layers, microbatches, folds, recompute, pre_tensors):
     return planned_helix(pp, num_layers, microbatches, folds, recompute, pre_tensors)
 
 
-SPEC = ScheduleSpec("helix", run=run, input_type=HelixBatches, add_arguments=add_arguments,
-                    check_args=check_args, build_model=build_model,
-                    prepare_input=prepare_input,
+SPEC = ScheduleSpec("helix", run=run, input_type=HelixBatches,
+                    argument_groups=(add_arguments,), check_args=check_args,
+                    build_model=build_model, prepare_input=prepare_input,
                     report=lambda batches: {"padding_microbatches": batches.padding},
                     build_ir=helix_ir)

@@ -66,7 +66,7 @@ from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import SimResult, simulate
 from megatron.plugin.pipeline.validation import LayerwiseFlow, validate
 
-from elastic_pipe.cost_model import GB, CostModel
+from longctx.cost_model import GB, CostModel
 
 from sppo_offload.costs import SequenceCosts, subsequence_chunks
 from sppo_offload.offload import offloadable_bytes, resident_bytes

@@ -3,7 +3,7 @@
 Per iteration (:func:`prepare_input`, called by the training loop with the global batch):
 
 1. the documents are spread over the data-parallel replicas by predicted cost (the elastic
-   runtime's :func:`~elastic_pipe.runtime.replica_share`);
+   :func:`~longctx.replicas.replica_share`);
 2. every document of this replica's share is cut into ``N`` FLOPs-balanced subsequences
    (:func:`~sppo_offload.partition.balanced_lengths` with the job's cost-model coefficients);
    a document of fewer than ``N`` tokens into as many one-token subsequences as it has tokens.
@@ -46,10 +46,10 @@ subsequences whole-stage as above (the shares are not offloaded); step 6 replays
 schedule of the same subsequences.
 
 Every rank plans the same schedule: the plan is arithmetic on the document lengths and the
-flags, with no solver time limit involved. The cost model is the elastic runtime's
-:func:`~elastic_pipe.runtime.job_cost_model` (model shape and bytes per element from the
-Megatron flags and ``params_dtype``; hardware profile from ``--elastic-hardware-profile``, by
-default matched from the CUDA device name, ``a800`` on CPU; its ``host_link_gbps`` prices the
+flags, with no solver time limit involved. The cost model is the job's
+(:func:`~longctx.job_costs.job_cost_model`: model shape and bytes per element from the
+Megatron flags and ``params_dtype``; hardware profile from ``--hardware-profile``, by default
+matched from the CUDA device name, ``a800`` on CPU; its ``host_link_gbps`` prices the
 ``auto`` ratios).
 """
 from __future__ import annotations
@@ -66,16 +66,19 @@ from megatron.core import parallel_state
 from megatron.plugin.batches import micro_batch
 from megatron.plugin.kv_store import KVStore
 from megatron.plugin.pipeline.executor import ChunkState
+from megatron.plugin.pipeline.layer_checkpoint import leading_layers
 from megatron.plugin.pipeline.ir import Action, Kind
-from megatron.plugin.pipeline.run_rank import megatron_process_groups, run_this_rank
 from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
+from megatron.plugin.pipeline.run_rank import megatron_process_groups, run_this_rank
 from megatron.plugin.pipeline.simulator import simulate
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
-from elastic_pipe.chunks import Chunk, Piece
-from elastic_pipe.cost_model import GB, CostModel
-from elastic_pipe.runtime import (CPU_MEMORY_GB, ChunkRows, chunk_row, job_cost_model,
-                                   leading_layers, replica_share)
+from longctx.chunk_rows import ChunkRows, chunk_row
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import GB, CostModel
+from longctx import job_costs
+from longctx.job_costs import CPU_MEMORY_GB, job_cost_model
+from longctx.replicas import replica_share
 
 from sppo_offload.costs import OffloadCosts
 from sppo_offload.multiplex import min_tokens, multiplexed_schedule, piece_tokens
@@ -393,5 +396,6 @@ def run(call: RankCall) -> list:
     return store + result
 
 
-SPEC = ScheduleSpec(NAME, run=run, input_type=SubsequenceBatch, add_arguments=add_arguments,
+SPEC = ScheduleSpec(NAME, run=run, input_type=SubsequenceBatch,
+                    argument_groups=(job_costs.add_arguments, add_arguments),
                     check_args=check_args, prepare_input=prepare_input, build_ir=sppo_ir)

@@ -62,9 +62,9 @@ from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import SimResult, simulate
 from megatron.plugin.pipeline.validation import validate
 
-from elastic_pipe.cost_model import GB, CostModel, ParallelConfig
-from elastic_pipe.hardware import HardwareProfile
-from elastic_pipe.models import ModelConfig
+from longctx.cost_model import GB, CostModel, ParallelConfig
+from longctx.hardware import HardwareProfile
+from longctx.models import ModelConfig
 
 from sppo_offload.costs import SequenceCosts, subsequence_chunks
 from sppo_offload.offload import (AUTO, capped_ratios, offload_ratios, offloadable_bytes,

@@ -100,6 +100,11 @@ DOCUMENT_SCHEDULE_REFUSALS = {
 }
 
 
+#: Each schedule argument group -> ``(flag, dest, default)`` of the flags it added (filled by
+#: :func:`add_arguments`; :func:`check_args` refuses those of groups the schedule lacks).
+_GROUP_FLAGS: dict = {}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: the project's flags and the schedules' groups."""
     g = parser.add_argument_group("long-context pipeline schedules")
@@ -113,11 +118,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write one JSON object per iteration to this file (last rank)")
     g.add_argument("--trace-dir", default=None,
                    help="write Chrome-trace JSON of the executor's actions per rank")
-    groups = []  # schedules may share one group (elastic and seq1f1b)
+    _GROUP_FLAGS.clear()
     for spec in registry.specs():
-        if spec.add_arguments is not None and spec.add_arguments not in groups:
-            groups.append(spec.add_arguments)
-            spec.add_arguments(parser)
+        for add in spec.argument_groups:
+            if add not in _GROUP_FLAGS:  # schedules may share a group
+                before = len(parser._actions)
+                add(parser)
+                _GROUP_FLAGS[add] = [(action.option_strings[0], action.dest, action.default)
+                                     for action in parser._actions[before:]]
     parser.set_defaults(transformer_impl="local", reset_position_ids=True,
                         reset_attention_mask=True)
     if not torch.cuda.is_available():
@@ -216,6 +224,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--seq-length {args.seq_length} must be divisible by "
                              f"--context-parallel-size x --tensor-model-parallel-size "
                              f"({cp} x {tp})")
+    _check_foreign_flags(args, spec)
     if spec is not None and spec.check_args is not None:
         spec.check_args(args)
     if not megatron_schedule:
@@ -239,6 +248,21 @@ def check_args(args: argparse.Namespace) -> None:
                              f"cannot be imported ({error}), and without it Megatron-LM writes "
                              "no TensorBoard log: pip install tensorboard, or drop "
                              "--tensorboard-dir")
+
+
+def _check_foreign_flags(args: argparse.Namespace, spec) -> None:
+    """Refuse a flag of another schedule's group set away from its default: the selected
+    schedule would ignore it."""
+    mine = set(spec.argument_groups) if spec is not None else set()
+    for add, flags in _GROUP_FLAGS.items():
+        if add in mine:
+            continue
+        for flag, dest, default in flags:
+            if getattr(args, dest, default) != default:
+                owners = [s.name for s in registry.specs() if add in s.argument_groups]
+                raise ValueError(f"{flag} is a flag of --pipeline-schedule "
+                                 f"{' / '.join(owners)} and would do nothing under "
+                                 f"--pipeline-schedule {args.pipeline_schedule}: drop it")
 
 
 def _tensorboard_import_error() -> ImportError | None:

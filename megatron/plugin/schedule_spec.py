@@ -4,7 +4,10 @@ A schedule is one :class:`ScheduleSpec`, registered under its name
 (:mod:`megatron.plugin.registry`). The training loop asks of it, in this order (every field but
 the name and one way to run is optional):
 
-1. ``add_arguments(parser)``: its flags, one group of Megatron-LM's parser.
+1. ``argument_groups``: functions ``add(parser)`` that add its flags, each one group of
+   Megatron-LM's parser; schedules may share a group (``--hardware-profile`` of
+   :mod:`longctx.job_costs`), which is added once. A flag of a group that the selected
+   schedule does not have is refused when set (it would do nothing).
 2. ``check_args(args)``: raise ``ValueError`` naming every option it cannot honour, with what
    to use instead (before any process does work).
 3. ``build_model(args, config, vocab_size, layer_spec, **gpt_kwargs)``: this rank's model
@@ -64,7 +67,7 @@ class ScheduleSpec:
     run: Callable[[RankCall], list] | None = None
     megatron_function: Callable | None = None
     input_type: type | None = None
-    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    argument_groups: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
     check_args: Callable[[argparse.Namespace], None] | None = None
     build_model: Callable | None = None
     prepare_input: Callable | None = None

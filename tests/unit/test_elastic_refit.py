@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from elastic_pipe.chunks import Chunk, Piece
-from elastic_pipe.cost_model import CostModel, ParallelConfig
-from elastic_pipe.hardware import EndCoefficients, load_profile
-from elastic_pipe.models import ModelConfig
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import CostModel, ParallelConfig
+from longctx.hardware import EndCoefficients, load_profile
+from longctx.models import ModelConfig
 from elastic_pipe.refit import Observation, chunk_terms, observations, refit
 
 MODEL = ModelConfig("small", 6, 256, 8, 1024, 1000)

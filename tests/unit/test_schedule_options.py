@@ -120,3 +120,29 @@ def test_document_schedules_refuse_what_their_executors_do_not_run(schedule, des
         flag = "drop --num-layers-per-virtual-pipeline-stage"  # their own, earlier refusal
     with pytest.raises(ValueError, match=flag):
         arguments.parse(argv)
+
+
+#: A flag of one schedule's group under a schedule without that group would do nothing:
+#: ``(schedule, flags, the refusal or None where the group is the schedule's own)``.
+FOREIGN_FLAGS = [
+    ("elastic", ["--helix-folds", "1"], "--helix-folds is a flag of --pipeline-schedule helix"),
+    ("1f1b", ["--sppo-offload", "1"], "--sppo-offload is a flag of --pipeline-schedule sppo"),
+    ("sppo", ["--elastic-slices", "2"],
+     "--elastic-slices is a flag of --pipeline-schedule elastic / seq1f1b"),
+    ("helix", ["--hardware-profile", "h100"],
+     "--hardware-profile is a flag of --pipeline-schedule elastic / seq1f1b / sppo"),
+    ("sppo", ["--hardware-profile", "h100"], None),
+    ("seq1f1b", ["--elastic-hardware-profile", "h100", "--elastic-slices", "2"], None),
+]
+
+
+@pytest.mark.parametrize("schedule,flags,refusal", FOREIGN_FLAGS)
+def test_flags_of_another_schedule_are_refused(schedule, flags, refusal, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*BASE, "--pipeline-schedule", schedule, *flags]
+    if refusal is None:
+        assert arguments.parse(argv).hardware_profile == "h100"
+        return
+    with pytest.raises(ValueError, match=f"{refusal} and would do nothing under "
+                                         f"--pipeline-schedule {schedule}: drop it"):
+        arguments.parse(argv)
