@@ -15,7 +15,7 @@ import logging
 import sys
 
 from megatron.plugin.pipeline.gantt import write_gantt
-from megatron.plugin.pipeline.trace import write_chrome_trace
+from megatron.plugin.pipeline.chrome_trace import write_chrome_trace
 
 from longctx.cost_model import CostModel, ParallelConfig
 from elastic_pipe.evaluation import baseline_plans, baseline_reports, report

@@ -18,7 +18,7 @@ from megatron.plugin import registry
 from megatron.plugin.pipeline import catalog
 from megatron.plugin.pipeline.gantt import write_gantt
 from megatron.plugin.pipeline.simulator import simulate
-from megatron.plugin.pipeline.trace import write_chrome_trace
+from megatron.plugin.pipeline.chrome_trace import write_chrome_trace
 from megatron.plugin.pipeline.validation import format_grid
 
 

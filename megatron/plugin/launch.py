@@ -30,7 +30,7 @@ from megatron.plugin import arguments, cpu_compat, registry
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
-from megatron.plugin.pipeline import tracing
+from megatron.plugin.pipeline import run_settings
 
 MODEL_TYPE = ModelType.encoder_or_decoder
 
@@ -159,7 +159,7 @@ def _parses_in_initialize() -> bool:
 
 def _after_parsing(args) -> None:
     arguments.check_args(args)
-    tracing.configure(args.pipeline_timeout_s, args.trace_dir)
+    run_settings.configure(args.pipeline_timeout_s, args.trace_dir)
     registry.use_schedule(args.pipeline_schedule)
 
 

@@ -106,7 +106,7 @@ def test_executor_events_become_one_observation_per_chunk():
 
     from elastic_pipe.runtime import _Measured
     from megatron.plugin.pipeline.ir import parse
-    from megatron.plugin.pipeline.trace import TraceEvent
+    from megatron.plugin.pipeline.chrome_trace import TraceEvent
 
     chunks = some_chunks()[:2]
     names = ["1RECV_F0<0", "1F0", "1SEND_B0>0", "1RECV_F1<0", "1F1", "1R1", "1B1", "1B0"]

@@ -39,7 +39,7 @@ the memory actions are skipped (nothing is saved).
 Data order: every rank calls ``forward_step_func`` once per forward, so each rank's forwards
 must consume the data iterator in unit order (the validated schedules do). Per-action wall
 times (transfer batches under category ``comm``, with each transfer's bytes) are recorded as
-:class:`~megatron.plugin.pipeline.trace.TraceEvent` for the same Chrome trace the simulator
+:class:`~megatron.plugin.pipeline.chrome_trace.TraceEvent` for the same Chrome trace the simulator
 writes.
 """
 from __future__ import annotations

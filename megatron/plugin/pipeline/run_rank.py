@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron.plugin.pipeline import tracing
+from megatron.plugin.pipeline import run_settings
 from megatron.plugin.pipeline.executor import StageContext, run_schedule
 from megatron.plugin.schedule_spec import RankCall
 
@@ -29,10 +29,10 @@ def run_this_rank(schedule, groups: ProcessGroupCollection, call: RankCall, *, d
         pp_group=groups.pp, pg_collection=groups, is_first_stage=rank == 0,
         is_last_stage=rank == pp - 1, forward_only=call.forward_only,
         collect_non_loss_data=call.collect_non_loss_data, first_val_step=call.first_val_step,
-        timeout_s=tracing.settings().timeout_s, chunks=chunks, program=program,
+        timeout_s=run_settings.settings().timeout_s, chunks=chunks, program=program,
         offload=offload, device_times=events is not None)
     result = run_schedule(schedule[rank], ctx)
-    tracing.record(ctx.events)
+    run_settings.record(ctx.events)
     if events is not None:
         events.extend(ctx.events)
     return result

@@ -48,7 +48,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
-from megatron.plugin.pipeline.trace import TraceEvent
+from megatron.plugin.pipeline.chrome_trace import TraceEvent
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from megatron.core.utils import get_model_config
 from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.p2p import PeerChannel
 from megatron.plugin.pipeline.simulator import transfer_batches
-from megatron.plugin.pipeline.trace import TraceEvent
+from megatron.plugin.pipeline.chrome_trace import TraceEvent
 
 if TYPE_CHECKING:
     from megatron.plugin.pipeline.executor import StageContext
