@@ -18,11 +18,11 @@ The schedule function then runs this rank's actions with
 :class:`~megatron.plugin.pipeline.executor.ChunkState` (a fresh K/V store per iteration, the
 plan's checkpointing table for this stage).
 
-Cost model of a real run: the job's (:mod:`longctx.job_costs`: model shape and bytes per
-element from the Megatron flags, ``--hardware-profile``) within ``--elastic-memory-gb``
-(default: the device's memory on CUDA, 16 GB on CPU) minus ``--elastic-reserved-gb`` (default
-2 GB on CUDA, 0 on CPU). A measured profile's activation bytes are used only if they were
-counted in the run's dtype (otherwise the run stops). With ``--elastic-refit-interval K`` the ranks record the
+Cost model of a real run: the job's (:mod:`longctx.job_costs`: model shape and bytes per element
+from the Megatron flags, ``--hardware-profile``) within ``--elastic-memory-gb`` (default: the
+device's memory on CUDA, 16 GB on CPU) minus ``--elastic-reserved-gb`` (default 2 GB on CUDA, 0
+on CPU). A measured profile's activation bytes are used only if they were counted in the run's
+dtype (otherwise the run stops). With ``--elastic-refit-interval K`` the ranks record the
 executor's forward and backward times and, every ``K`` training iterations, refit the profile's
 eq. 1 coefficients and backward factor to them (:mod:`elastic_pipe.refit`); the log shows the
 fit and its error.

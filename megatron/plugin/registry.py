@@ -43,8 +43,9 @@ ENVIRONMENT = "LONGCTX_SCHEDULES"
 DEFAULT = "default"
 
 _SPECS: dict[str, ScheduleSpec] = {
-    "1f1b": ScheduleSpec("1f1b", build_ir=one_f_one_b_ir,
-                         megatron_function=_schedules.forward_backward_pipelining_without_interleaving),
+    "1f1b": ScheduleSpec(
+        "1f1b", build_ir=one_f_one_b_ir,
+        megatron_function=_schedules.forward_backward_pipelining_without_interleaving),
     "interleaved": ScheduleSpec(
         "interleaved", megatron_function=_schedules.forward_backward_pipelining_with_interleaving),
 }
@@ -142,13 +143,14 @@ class DocumentSchedule:
     ``data_iterator`` yields :class:`~megatron.plugin.document_data.GlobalBatch` objects (one
     iterator per model chunk under virtual pipelining, all equal); ``num_microbatches``
     (Megatron's ``global batch / (micro-batch size x data-parallel size)``) is replaced by what
-    the schedule's input has. A schedule with ``prepare_input`` makes its own input (and
-    reports on it with ``report``); the others get this replica's packed ``--seq-length``
-    micro-batches (and report their padding fraction). The losses come back as one ``{"lm loss": [sum, tokens], ...}`` dict on the
-    last pipeline stage (summed over the stages, since a schedule other than Megatron's may
-    compute its loss on any stage; the same sum Megatron forms), with a training step's report
-    next to it (:mod:`megatron.plugin.reporting`); :attr:`reporter` keeps the latest record and
-    :attr:`last_input` the latest schedule input (plans, offload records: for inspection).
+    the schedule's input has. A schedule with ``prepare_input`` makes its own input (and reports
+    on it with ``report``); the others get this replica's packed ``--seq-length`` micro-batches
+    (and report their padding fraction). The losses come back as one ``{"lm loss": [sum,
+    tokens], ...}`` dict on the last pipeline stage (summed over the stages, since a schedule
+    other than Megatron's may compute its loss on any stage; the same sum Megatron forms), with
+    a training step's report next to it (:mod:`megatron.plugin.reporting`); :attr:`reporter`
+    keeps the latest record and :attr:`last_input` the latest schedule input (plans, offload
+    records: for inspection).
     """
 
     def __init__(self, name: str, pp_size=None, vp_size=None):
