@@ -70,7 +70,8 @@ def predicted(name, documents, args, model) -> tuple[float, list[float]]:
     from longctx.cost_model import CostModel
     from elastic_pipe.evaluation import plan_schedule
     from elastic_pipe.lowering import activation_peaks, simulate_plan
-    from elastic_pipe.runtime import elastic_cost_model, scheduler_config
+    from elastic_pipe.flags import scheduler_config
+    from elastic_pipe.run_costs import elastic_cost_model
 
     cost = elastic_cost_model(args, model)
     lengths = [len(doc) - 1 for doc in documents]
@@ -89,7 +90,7 @@ def worker(argv) -> int:
     import torch.distributed as dist
 
     from megatron.plugin import registry
-    from elastic_pipe.runtime import refit_cost_model
+    from elastic_pipe.run_costs import refit_cost_model
 
     iters = int(os.environ["BENCH_ITERS"])
     refit = os.environ["BENCH_REFIT"] == "1"

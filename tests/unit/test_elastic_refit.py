@@ -104,7 +104,7 @@ def test_executor_events_become_one_observation_per_chunk():
     transfers and recomputation are left out."""
     from types import SimpleNamespace
 
-    from elastic_pipe.runtime import _Measured
+    from elastic_pipe.run_costs import Measured
     from megatron.plugin.pipeline.ir import parse
     from megatron.plugin.pipeline.chrome_trace import TraceEvent
 
@@ -117,7 +117,7 @@ def test_executor_events_become_one_observation_per_chunk():
     events = [TraceEvent(1, name, float(i), seconds,
                          "comm" if "SEND" in name or "RECV" in name else "compute")
               for i, (name, seconds) in enumerate(durations.items())]
-    measured = _Measured()
+    measured = Measured()
     measured.record(planned, 1, events)
     assert [(o.stage, o.quadratic, o.tokens, o.forward_s, o.backward_s)
             for o in measured.seen] == [(1, *chunk_terms(chunks[0]), 1.0, 3.0),

@@ -15,7 +15,7 @@ from longctx.models import ModelConfig
 from longctx import job_costs
 from longctx.chunk_rows import chunk_row
 from longctx.replicas import spread_over_replicas
-from elastic_pipe.runtime import slices_flag
+from elastic_pipe.flags import slices_flag
 
 
 def test_a_hybrid_chunk_row_carries_true_tokens_positions_and_slice_keys():
