@@ -4,19 +4,20 @@ Model: every pipeline rank builds :class:`~helix.model.HelixGPTModel` for its st
 training loop asks the schedule for it through ``build_model``), so the parameters follow the
 helix mapping while checkpoints keep ``GPTModel``'s keys.
 
-Input (:func:`~helix.batches.prepare_input`): Megatron's packed ``--seq-length`` micro-batches of this data-
-parallel rank, as for ``1f1b``; every stage keeps the list, because a foreign attention needs
-the document layout of the micro-batch it attends over. Stage 0 reads the tokens through
-``forward_step_func`` (the embedding runs there); the count of empty micro-batches that complete
-the schedule to a multiple of ``p x folds`` is :attr:`HelixBatches.padding` (their slots are
-left out of the schedule, see :mod:`helix.schedule`).
+Input (:func:`~helix.batches.prepare_input`): Megatron's packed ``--seq-length`` micro-batches
+of this data- parallel rank, as for ``1f1b``; every stage keeps the list, because a foreign
+attention needs the document layout of the micro-batch it attends over. Stage 0 reads the tokens
+through ``forward_step_func`` (the embedding runs there); the count of empty micro-batches that
+complete the schedule to a multiple of ``p x folds`` is :attr:`HelixBatches.padding` (their
+slots are left out of the schedule, see :mod:`helix.schedule`).
 
-Execution (:class:`~helix.program.HelixProgram`, a :class:`~megatron.plugin.pipeline.executor.PartProgram`):
-every part starts from leaves (``detach().requires_grad_()`` of what it receives, or of what
-this stage handed itself), so each forward has its own graph and each backward is one
-multi-root autograd call over the part's outputs; gradients of the shipped QKV weight and bias
-come back as the gradients of the ``w``/``wb`` outputs, whose roots are the owner's
-parameters, so autograd accumulates them (and Megatron DDP's hooks fire) on the owner.
+Execution (:class:`~helix.program.HelixProgram`, a
+:class:`~megatron.plugin.pipeline.executor.PartProgram`): every part starts from leaves
+(``detach().requires_grad_()`` of what it receives, or of what this stage handed itself), so
+each forward has its own graph and each backward is one multi-root autograd call over the part's
+outputs; gradients of the shipped QKV weight and bias come back as the gradients of the
+``w``/``wb`` outputs, whose roots are the owner's parameters, so autograd accumulates them (and
+Megatron DDP's hooks fire) on the owner.
 
 LM head and loss in backward: the forward of boundary ``L`` stops at the final norm; its
 backward computes the logits, the per-token loss (Megatron's ``forward_step`` applies
