@@ -5,7 +5,7 @@ training loop asks the schedule for it through ``build_model``), so the paramete
 helix mapping while checkpoints keep ``GPTModel``'s keys.
 
 Input (:func:`~helix.batches.prepare_input`): Megatron's packed ``--seq-length`` micro-batches
-of this data- parallel rank, as for ``1f1b``; every stage keeps the list, because a foreign
+of this data-parallel rank, as for ``1f1b``; every stage keeps the list, because a foreign
 attention needs the document layout of the micro-batch it attends over. Stage 0 reads the tokens
 through ``forward_step_func`` (the embedding runs there); the count of empty micro-batches that
 complete the schedule to a multiple of ``p x folds`` is :attr:`HelixBatches.padding` (their
