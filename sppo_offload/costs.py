@@ -10,7 +10,7 @@ time as Megatron does). An ``OFFLOAD`` / ``RELOAD`` of ``(stage, j)`` moves ``of
 bytes over the host link in ``bytes / host_gbps`` seconds (PCIe copies of large pinned buffers
 run at link speed; the start-up is negligible next to the hundreds of MB moved).
 :class:`OffloadCosts` prices any one-piece units the same way (the documents of a training
-batch, :mod:`sppo_offload.runtime`).
+batch, :mod:`sppo_offload.subsequence_batch`).
 """
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ that precedes ``B(i)`` in the stage's order (``B(i+1)`` here), so the copy overl
 backward; the first backward's own unit, having no predecessor, is reloaded right before its
 backward. Offload and reload run on the copy stream (see the simulator).
 
-Several sequences (the documents of one training batch, :mod:`sppo_offload.runtime`): units are
+Several sequences (the documents of one training batch, :mod:`sppo_offload.subsequence_batch`): units are
 numbered across the sequences in order, each sequence's subsequences consecutive; every rank
 runs the backwards sequence by sequence, each sequence last-first, and forwards the next
 sequence's subsequences in the 1F1B way while it runs the current one's backwards

@@ -15,9 +15,9 @@ from longctx.models import ModelConfig
 from sppo_offload.pipeline import build_schedule
 from longctx.cost_model import GB
 
-from sppo_offload.runtime import (_check_multiplexable, auto_subsequences, check_budget,
-                                  offload_flag, plan_subsequences, replay,
-                                  subsequences_flag)
+from sppo_offload.batch_plan import auto_subsequences, check_budget, plan_subsequences, replay
+from sppo_offload.flags import offload_flag, subsequences_flag
+from sppo_offload.subsequence_batch import _check_multiplexable
 
 
 def cost_model(pp=2):
