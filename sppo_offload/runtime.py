@@ -3,8 +3,8 @@
 Per iteration (:func:`~sppo_offload.subsequence_batch.prepare_input`, called by the training
 loop with the global batch):
 
-1. the documents are spread over the data-parallel replicas by predicted cost (the elastic
-   :func:`~longctx.replicas.replica_share`);
+1. the documents are spread over the data-parallel replicas by predicted cost
+   (:func:`~longctx.replicas.replica_share`);
 2. every document of this replica's share is cut into ``N`` FLOPs-balanced subsequences
    (:func:`~sppo_offload.partition.balanced_lengths` with the job's cost-model coefficients);
    a document of fewer than ``N`` tokens into as many one-token subsequences as it has tokens.
