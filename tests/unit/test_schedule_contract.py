@@ -2,7 +2,8 @@
 source tree (``tests/schedules/gpipe.py``), registered through the registry's environment
 variable, is drawn by ``scripts/show_schedule.py``, priced by the simulator and validated
 (it is trained to the reference gradients in ``tests/distributed/test_golden_megatron.py``,
-layout ``pp2_gpipe_outside``); and every schedule's IR builder matches its golden files.
+layout ``pp2_gpipe_outside``); and every schedule's IR builder, and the lowering of an elastic
+plan, matches its golden files.
 
 Regenerate the golden files after an intended change with
 ``REGENERATE_GOLDEN=1 python -m pytest tests/unit/test_schedule_contract.py``.
@@ -108,3 +109,32 @@ def test_every_project_schedule_is_drawable_or_says_where_it_is_drawn():
     for name in ("elastic", "seq1f1b", "interleaved"):
         with pytest.raises(ValueError, match=f"schedule '{name}' has no IR builder"):
             catalog.build(name, 2, 4)
+
+
+def test_elastic_lowering_matches_golden_file():
+    """``elastic`` has no ``build_ir``: its IR is the lowering of a batch's plan. A fixed batch
+    (two documents cut into slices, hybrid chunks, short documents packed) with a budget that
+    needs no checkpointing, so the plan is the chunking's and not a solver's choice."""
+    from elastic_pipe.lowering import lower
+    from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
+    from elastic_pipe.sequence_processor import ChunkingConfig
+    from longctx.cost_model import CostModel, ParallelConfig
+    from longctx.hardware import load_profile
+    from longctx.models import ModelConfig
+
+    cost = CostModel(ModelConfig("tiny", 4, 64, 4, 256, 512), load_profile("a800"),
+                     ParallelConfig(pp=2, memory_gb=16.0))
+    config = SchedulerConfig(chunking=ChunkingConfig(min_slice_tokens=256, slice_counts=(3,)),
+                             workers=1)
+    plan = plan_elastic([3000, 120, 64, 900, 40, 2200, 300, 16, 700, 50], cost, config)
+    assert {piece.slice for chunk in plan.chunks() for piece in chunk.pieces} == {0, 1, 2}
+    assert plan.ckpt_table() == [[0] * 5, [0] * 5]
+    schedule = lower(plan, 2)
+    dry_run(schedule)
+    text = format_schedule(schedule) + "\n"
+    path = os.path.join(GOLDEN, "elastic_pp2_m5_split.txt")
+    if os.environ.get("REGENERATE_GOLDEN"):
+        with open(path, "w") as f:
+            f.write(text)
+    with open(path) as f:
+        assert f.read() == text
