@@ -2,9 +2,8 @@
 
 :func:`run_schedule` executes one rank's action list: a dispatch loop that posts each run of
 transfers as one batch and hands every other action to the handler of its kind
-(:data:`HANDLERS`, which a schedule extends or overrides through ``StageContext.handlers``, as
-``torch.distributed.pipelining`` lets a schedule register custom functions), or to the part
-program for an action with a part; :class:`StageRun` keeps the bookkeeping between them.
+(:data:`HANDLERS`: a new kind of action is a new entry), or to the schedule's part program for
+an action with a part; :class:`StageRun` keeps the bookkeeping between them.
 
 * ``FORWARD``/``BACKWARD`` call megatron-core's own ``forward_step`` / ``backward_step`` (the
   functions Megatron's 1F1B calls), so loss dicts, per-token loss (``num_tokens`` summed into the
@@ -95,9 +94,6 @@ class StageContext:
     """Part schedules (helix): runs every compute action (see :class:`PartProgram`)."""
     offload: ActivationOffloader | None = None
     """Runs ``OFFLOAD`` / ``RELOAD`` (see the module docstring)."""
-    handlers: dict = field(default_factory=dict)
-    """Kind -> handler (:data:`Handler`) this schedule adds or puts in place of the
-    executor's own (:data:`HANDLERS`)."""
     events: list = field(default_factory=list)
     device_times: bool = False
     """Wait for the device around every compute action, so that its traced duration is the
@@ -345,8 +341,8 @@ def _reload(run: StageRun, index: int, action: Action) -> None:
         run.ctx.offload.reload((action.unit, action.part))
 
 
-#: The executor's handler of each action kind it runs itself; a schedule adds or replaces
-#: handlers through ``StageContext.handlers`` (a part program runs its own parts).
+#: The handler of each action kind the executor runs itself (a part program runs the actions
+#: that have a part).
 HANDLERS: dict[Kind, Handler] = {
     Kind.FORWARD: _forward, Kind.BACKWARD: _backward, Kind.RECOMPUTE: _recompute,
     Kind.OFFLOAD: _offload, Kind.RELOAD: _reload,
@@ -356,14 +352,13 @@ HANDLERS: dict[Kind, Handler] = {
 def run_schedule(actions: list[Action], ctx: StageContext) -> list:
     """Execute ``actions`` (this rank's list); returns Megatron's ``forward_data_store``."""
     run = StageRun(actions, ctx)
-    handlers = {**HANDLERS, **ctx.handlers}
     index = 0
     while index < len(actions):
         action = actions[index]
         if action.is_communication():
             index = _transfers(run, index)
             continue
-        handler = _part if run.claimed(action) else handlers.get(action.kind)
+        handler = _part if run.claimed(action) else HANDLERS.get(action.kind)
         if handler is None:
             raise ValueError(
                 f"{action}: the executor runs forward, backward and their transfers; "
