@@ -62,7 +62,25 @@ NOT_IMPLEMENTED = {
     "multiple_validation_sets": "one validation split is read; drop the flag",
     "full_validation": "validation runs --eval-iters batches; drop --full-validation",
     "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
+    # Options of Megatron's attention and rotary embedding the document attention does not
+    # implement (megatron/plugin/attention.py).
+    "use_rope_scaling": "the document attention's RoPE has no frequency scaling; drop "
+                        "--use-rope-scaling",
+    "rotary_seq_len_interpolation_factor": "the document attention's RoPE does not interpolate "
+                                           "positions; drop the flag",
+    "no_rope_freq": "the document attention applies RoPE in every layer; drop --no-rope-freq",
+    "window_size": "the document attention is causal over the whole document, without a "
+                   "sliding window; drop --window-size",
+    "window_attn_skip_freq": "the document attention has no sliding window; drop the flag",
+    "softmax_type": "the document attention uses the plain softmax; drop --softmax-type",
+    "experimental_attention_variant": "the layer spec has softmax attention only; drop the flag",
+    "linear_attention_freq": "the layer spec has softmax attention only; drop the flag",
+    "qk_l2_norm": "the local layer spec has no Q/K L2 norm (Transformer Engine's has); drop "
+                  "--qk-l2-norm",
 }
+
+#: Position embeddings the model builds (``--position-embedding-type``).
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 
 #: Megatron-LM options that change how a pipeline schedule runs, refused for the schedules that
@@ -193,6 +211,10 @@ def check_args(args: argparse.Namespace) -> None:
         if dest in defaults and getattr(args, dest, None) != defaults[dest][1]:
             raise ValueError(f"{defaults[dest][0]} is not supported by pretrain_gpt_elastic.py: "
                              f"{instead}")
+    if args.position_embedding_type not in POSITION_EMBEDDINGS:
+        raise ValueError(f"--position-embedding-type {args.position_embedding_type} is not "
+                         f"supported by pretrain_gpt_elastic.py (the document attention "
+                         f"implements {' and '.join(POSITION_EMBEDDINGS)}): use one of them")
     if args.transformer_impl != "local":
         raise ValueError("--transformer-impl transformer_engine is not supported by "
                          "pretrain_gpt_elastic.py (its layer spec is the local one with "

@@ -146,3 +146,40 @@ def test_flags_of_another_schedule_are_refused(schedule, flags, refusal, monkeyp
     with pytest.raises(ValueError, match=f"{refusal} and would do nothing under "
                                          f"--pipeline-schedule {schedule}: drop it"):
         arguments.parse(argv)
+
+
+#: Megatron options of the attention, position embedding and model that a schedule's model
+#: would not honour: ``(flags, schedule, what the refusal names)``.
+MODEL_REFUSED = [
+    (["--position-embedding-type", "none"], "1f1b", "--position-embedding-type none"),
+    (["--position-embedding-type", "yarn"], "elastic", "--position-embedding-type yarn"),
+    (["--position-embedding-type", "rope", "--use-rope-scaling"], "1f1b", "--use-rope-scaling"),
+    (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "2"],
+     "sppo", "--rotary-seq-len-interpolation-factor"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "2"], "1f1b", "--no-rope-freq"),
+    (["--window-size", "16,0"], "elastic", "--window-size"),
+    (["--softmax-type", "off-by-one"], "1f1b", "--softmax-type"),
+    (["--qk-l2-norm"], "helix", "--qk-l2-norm"),
+    (["--attention-output-gate"], "helix", "--attention-output-gate"),
+    (["--use-mup"], "helix", "--use-mup"),
+]
+
+
+@pytest.mark.parametrize("flags,schedule,named", MODEL_REFUSED)
+def test_model_options_the_model_would_not_honour_are_refused(flags, schedule, named,
+                                                              monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=named):
+        arguments.parse([*BASE, "--pipeline-schedule", schedule, *flags])
+
+
+def test_helix_refuses_an_fp32_residual(monkeypatch):
+    """Megatron-LM takes ``--fp32-residual-connection`` with bf16 or fp16 only (CUDA), so the
+    helix check is called directly on otherwise valid arguments."""
+    from helix.flags import check_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = arguments.parse([*BASE, "--pipeline-schedule", "helix"])
+    args.fp32_residual_connection = True
+    with pytest.raises(ValueError, match="--fp32-residual-connection is not supported by helix"):
+        check_args(args)
