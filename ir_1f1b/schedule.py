@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import functools
 
-from megatron.core.pipeline_parallel import schedules as megatron_schedules
-from megatron.core.utils import get_model_config
-
 from megatron.plugin.pipeline.catalog import one_f_one_b_ir
 from megatron.plugin.pipeline.passes import add_communication
-from megatron.plugin.pipeline.run_rank import megatron_process_groups, run_this_rank
+from megatron.plugin.pipeline.run_rank import (megatron_process_groups, megatron_shape,
+                                               run_this_rank)
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.validation import validate
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
@@ -33,10 +31,7 @@ def planned_1f1b(pp: int, microbatches: int):
 
 def run(call: RankCall) -> list:
     groups = megatron_process_groups()
-    shape = megatron_schedules.get_tensor_shapes(
-        seq_length=call.seq_length, micro_batch_size=call.micro_batch_size,
-        decoder_seq_length=call.decoder_seq_length, config=get_model_config(call.model),
-        tp_group=groups.tp, cp_group=groups.cp)[0]
+    shape = megatron_shape(call, groups)
     return run_this_rank(planned_1f1b(groups.pp.size(), call.num_microbatches), groups, call,
                          data_iterator=call.input, shape_of=lambda action: shape)
 

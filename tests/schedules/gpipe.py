@@ -7,13 +7,11 @@ Nothing in the project names it: a run registers it with
 tests draw it with ``scripts/show_schedule.py``, price and validate it, and train it to the
 single-process reference gradients (``tests/distributed/test_golden_megatron.py``).
 """
-from megatron.core.pipeline_parallel import schedules as megatron_schedules
-from megatron.core.utils import get_model_config
-
 from megatron.plugin.pipeline.catalog import Built, Options
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.passes import add_communication
-from megatron.plugin.pipeline.run_rank import megatron_process_groups, run_this_rank
+from megatron.plugin.pipeline.run_rank import (megatron_process_groups, megatron_shape,
+                                               run_this_rank)
 from megatron.plugin.pipeline.simulator import UniformCosts
 from megatron.plugin.pipeline.validation import validate
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
@@ -37,10 +35,7 @@ def build_ir(pp: int, microbatches: int, options: Options) -> Built:
 
 def run(call: RankCall) -> list:
     groups = megatron_process_groups()
-    shape = megatron_schedules.get_tensor_shapes(
-        seq_length=call.seq_length, micro_batch_size=call.micro_batch_size,
-        decoder_seq_length=call.decoder_seq_length, config=get_model_config(call.model),
-        tp_group=groups.tp, cp_group=groups.cp)[0]
+    shape = megatron_shape(call, groups)
     return run_this_rank(gpipe(groups.pp.size(), call.num_microbatches), groups, call,
                          data_iterator=call.input, shape_of=lambda action: shape)
 

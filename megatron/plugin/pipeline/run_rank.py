@@ -3,7 +3,9 @@ between a :class:`~megatron.plugin.schedule_spec.RankCall` and the executor that
 schedule (``1f1b-ir``, ``elastic``, ``seq1f1b``, ``helix``, ``sppo``) shares."""
 from __future__ import annotations
 
+from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
 
 from megatron.plugin.pipeline import run_settings
 from megatron.plugin.pipeline.executor import StageContext, run_schedule
@@ -14,6 +16,15 @@ def megatron_process_groups() -> ProcessGroupCollection:
     """The groups Megatron's own schedules use, from ``parallel_state``."""
     return ProcessGroupCollection.use_mpu_process_groups(
         required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp", "dp_cp", "mp"])
+
+
+def megatron_shape(call: RankCall, groups: ProcessGroupCollection) -> tuple:
+    """Megatron's fixed activation shape between stages, ``[seq/TP (with SP), micro-batch,
+    hidden]``, for schedules over Megatron's packed micro-batches."""
+    return megatron_schedules.get_tensor_shapes(
+        seq_length=call.seq_length, micro_batch_size=call.micro_batch_size,
+        decoder_seq_length=call.decoder_seq_length, config=get_model_config(call.model),
+        tp_group=groups.tp, cp_group=groups.cp)[0]
 
 
 def run_this_rank(schedule, groups: ProcessGroupCollection, call: RankCall, *, data_iterator,
