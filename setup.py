@@ -12,10 +12,19 @@ setup(
     python_requires=">=3.12",
     packages=find_namespace_packages(
         include=["megatron.plugin", "megatron.plugin.*", "elastic_pipe", "elastic_pipe.*",
-                 "helix", "helix.*", "sppo_offload", "sppo_offload.*"]
+                 "helix", "helix.*", "sppo_offload", "sppo_offload.*", "ir_1f1b", "ir_1f1b.*",
+                 "longctx", "longctx.*"]
     ),
     py_modules=["pretrain_gpt_elastic"],
-    package_data={"elastic_pipe": ["profiles/*.json"]},
+    package_data={"longctx": ["profiles/*.json"]},
+    # The schedules (megatron/plugin/schedule_spec.py), found by the registry through this group.
+    entry_points={"megatron_longctx.schedules": [
+        "1f1b-ir = ir_1f1b.schedule:SPEC",
+        "elastic = elastic_pipe.runtime:ELASTIC",
+        "seq1f1b = elastic_pipe.runtime:SEQ1F1B",
+        "helix = helix.runtime:SPEC",
+        "sppo = sppo_offload.runtime:SPEC",
+    ]},
     install_requires=[
         "torch>=2.6",
         "megatron-core>=0.17.0,<0.20",

@@ -20,8 +20,8 @@ import math
 from collections.abc import Sequence
 
 from elastic_pipe import checkpointing
-from elastic_pipe.chunks import Chunk, Piece
-from elastic_pipe.cost_model import CostModel
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import CostModel
 from elastic_pipe.plan_types import Plan, PipelinePlan
 from elastic_pipe.scheduler import (PipelineCase, SchedulerConfig, check_lengths, pipeline_case,
                                     pipeline_cases)

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from elastic_pipe.chunks import Chunk
-from elastic_pipe.cost_model import CostModel
+from longctx.chunks import Chunk
+from longctx.cost_model import CostModel
 
 TIME_UNIT = 1e-6
 BUDGET_UNITS = 2 ** 20

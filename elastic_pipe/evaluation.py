@@ -13,9 +13,9 @@ from collections.abc import Sequence
 from megatron.plugin.pipeline.ir import Kind, format_schedule
 
 from elastic_pipe import baselines
-from elastic_pipe.cost_model import GB, CostModel, ParallelConfig
-from elastic_pipe.hardware import HardwareProfile
-from elastic_pipe.models import ModelConfig
+from longctx.cost_model import GB, CostModel, ParallelConfig
+from longctx.hardware import HardwareProfile
+from longctx.models import ModelConfig
 from elastic_pipe.lowering import ElasticCosts, simulate_plan
 from elastic_pipe.plan_types import Plan
 from elastic_pipe.scheduler import SchedulerConfig, plan_elastic

@@ -1,4 +1,4 @@
-"""A plan as the project's schedule IR, and the cost adapter that prices it in the simulator.
+"""A plan as the project's schedule IR, priced in the simulator by the chunk cost adapter.
 
 Each pipeline becomes per-rank compute actions: 1F1B (``schedule_1f1b.one_f_one_b``) with the
 split documents' backwards reversed (:mod:`elastic_pipe.pipeline_order`) and the pipeline's
@@ -13,17 +13,16 @@ and receives, no deadlock under rendezvous transfers) before it is returned.
 """
 from __future__ import annotations
 
-from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.ir import Action, Schedule
 from megatron.plugin.pipeline.passes import (add_communication, add_recomputation,
                                              align_sends)
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import SimResult, simulate
 from megatron.plugin.pipeline.validation import validate
 
-from elastic_pipe.cost_model import CostModel
+from longctx.chunk_costs import ChunkCosts
+from longctx.cost_model import CostModel
 from elastic_pipe.plan_types import Plan
-
-Schedule = list[list[Action]]
 
 
 def compute_schedule(plan: Plan, pp: int) -> Schedule:
@@ -49,46 +48,6 @@ def lower(plan: Plan, pp: int) -> Schedule:
     schedule = align_sends(add_communication(schedule, pp))
     validate(schedule)
     return schedule
-
-
-class ChunkCosts:
-    """The simulator's cost protocol for units that are chunks: forward, backward, transfers
-    and stash from the cost model; ``checkpointed(stage, unit)`` layers recomputed.
-
-    A ``RECOMPUTE`` rematerialises all the unit's checkpointed layers at once, as this project's
-    runtime does; ``per_layer_recompute`` prices Megatron's full recomputation instead, which
-    rebuilds one layer at a time inside the backward (a transient of one layer)."""
-
-    def __init__(self, cost: CostModel, chunks, checkpointed, per_layer_recompute: bool = False):
-        self.cost = cost
-        self.chunks = chunks
-        self.checkpointed = checkpointed
-        self.per_layer_recompute = per_layer_recompute
-
-    def duration(self, action: Action) -> float:
-        chunk = self.chunks[action.unit]
-        if action.kind is Kind.FORWARD:
-            return self.cost.stage_forward(action.stage, chunk)
-        if action.kind is Kind.BACKWARD:
-            return self.cost.stage_backward(action.stage, chunk)
-        if action.kind is Kind.RECOMPUTE:
-            return self.checkpointed(action.stage, action.unit) * self.cost.layer_forward(chunk)
-        raise ValueError(f"a schedule of chunks has no {action.kind.value} actions: {action}")
-
-    def transfer_time(self, action: Action) -> float:
-        return self.cost.p2p_time(self.chunks[action.unit])
-
-    def activation_bytes(self, action: Action) -> float:
-        chunk = self.chunks[action.unit]
-        if action.kind is Kind.RECOMPUTE:
-            layers = 1 if self.per_layer_recompute else self.checkpointed(action.stage,
-                                                                          action.unit)
-            return layers * self.cost.layer_saving(chunk)
-        return self.cost.stash_bytes(action.stage, chunk,
-                                     self.checkpointed(action.stage, action.unit))
-
-    def static_bytes(self, rank: int) -> float:
-        return self.cost.static_bytes(rank)
 
 
 class ElasticCosts(ChunkCosts):

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from megatron.plugin.pipeline.schedule_1f1b import forward_counts
 
-from elastic_pipe.chunks import Chunk
+from longctx.chunks import Chunk
 
 FORWARD, BACKWARD = "F", "B"
 

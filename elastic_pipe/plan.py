@@ -15,13 +15,13 @@ import logging
 import sys
 
 from megatron.plugin.pipeline.gantt import write_gantt
-from megatron.plugin.pipeline.trace import write_chrome_trace
+from megatron.plugin.pipeline.chrome_trace import write_chrome_trace
 
-from elastic_pipe.cost_model import CostModel, ParallelConfig
+from longctx.cost_model import CostModel, ParallelConfig
 from elastic_pipe.evaluation import baseline_plans, baseline_reports, report
-from elastic_pipe.hardware import load_profile
+from longctx.hardware import load_profile
 from elastic_pipe.lowering import simulate_plan
-from elastic_pipe.models import PRESETS, ModelConfig, get_model
+from longctx.models import PRESETS, ModelConfig, get_model
 from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
 from elastic_pipe.workloads import dataset_lengths, read_lengths, sample, truncate
 

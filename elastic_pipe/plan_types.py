@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic_pipe.chunks import Chunk
+from longctx.chunks import Chunk
 
 
 @dataclass(frozen=True)

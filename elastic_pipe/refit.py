@@ -38,10 +38,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic_pipe.chunks import Chunk
-from elastic_pipe.cost_model import CostModel
-from elastic_pipe.fitting import nnls
-from elastic_pipe.hardware import HardwareProfile, LayerCoefficients
+from longctx.chunks import Chunk
+from longctx.cost_model import CostModel
+from longctx.fitting import nnls
+from longctx.hardware import HardwareProfile, LayerCoefficients
 
 MIN_SHAPES = 4
 """Distinct chunk shapes ``(Q, S)`` a refit needs (stages alone do not tell eq. 1's terms

@@ -55,8 +55,8 @@ from dataclasses import dataclass, field
 from elastic_pipe import checkpointing
 from elastic_pipe.bounds import makespan_floor
 from elastic_pipe.checkpointing import CheckpointProblem, CheckpointSolution
-from elastic_pipe.chunks import Chunk
-from elastic_pipe.cost_model import GB, CostModel
+from longctx.chunks import Chunk
+from longctx.cost_model import GB, CostModel
 from elastic_pipe.pipeline_order import backward_order, inflight_sets, makespan, rank_orders
 from elastic_pipe.plan_types import Plan, PipelinePlan
 from elastic_pipe.sequence_processor import (Chunking, ChunkingConfig, best_chunking,

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from elastic_pipe.chunks import Chunk, Piece
-from elastic_pipe.cost_model import CostModel
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import CostModel
 
 
 @dataclass(frozen=True)

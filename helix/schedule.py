@@ -50,11 +50,11 @@ import functools
 from dataclasses import dataclass
 
 from helix.mapping import attention_stage
-from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.catalog import Built, Options
+from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.passes import add_recomputation
 from megatron.plugin.pipeline.validation import validate
 
-Schedule = list[list[Action]]
 
 PRE_TENSORS = ("x", "r", "w")
 """What a boundary sends its attention (plus ``wb`` when the QKV projection has a bias)."""
@@ -296,3 +296,14 @@ class HelixCosts:
     def static_bytes(self, rank: int) -> float:
         del rank
         return 0.0
+
+
+def helix_ir(pp: int, microbatches: int, options: Options) -> Built:
+    """The helix schedule priced per part (``ScheduleSpec.build_ir``): ``options.num_layers``
+    layers (default ``2 pp``), its folds and recomputation; the backward of every part is
+    ``options.backward / options.forward`` times its forward."""
+    layers = options.num_layers if options.num_layers is not None else 2 * pp
+    schedule = planned_helix(pp, layers, microbatches, options.folds, options.recompute)
+    costs = HelixCosts(options.t_pre, options.t_attn, options.t_post, layers,
+                       backward=options.backward / options.forward, transfer=options.transfer)
+    return Built(schedule, costs, eager_sends=True)

@@ -128,9 +128,9 @@ def measured(options) -> dict:
 
 def simulated(profile_name: str = "h20") -> dict:
     """GPT-7B, 128K tokens a sequence, PP=8 x TP=8 (one node a stage), 16 micro-batches."""
-    from elastic_pipe.cost_model import peak_flops
-    from elastic_pipe.hardware import load_profile
-    from elastic_pipe.models import get_model
+    from longctx.cost_model import peak_flops
+    from longctx.hardware import load_profile
+    from longctx.models import get_model
     from helix.schedule import HelixCosts, planned_helix
     from megatron.plugin.pipeline.passes import add_communication
     from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b

@@ -21,10 +21,10 @@ import time
 
 from _launch import write_json
 from elastic_pipe import scheduler
-from elastic_pipe.cost_model import CostModel, ParallelConfig
+from longctx.cost_model import CostModel, ParallelConfig
 from elastic_pipe.evaluation import baseline_plans, baseline_reports, report
-from elastic_pipe.hardware import load_profile
-from elastic_pipe.models import get_model
+from longctx.hardware import load_profile
+from longctx.models import get_model
 from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
 from elastic_pipe.workloads import github_like, read_lengths, sample, truncate
 

@@ -67,12 +67,13 @@ def model_flags(options, profile: str) -> list[str]:
 def predicted(name, documents, args, model) -> tuple[float, list[float]]:
     """Simulated iteration time and per-stage activation peak of this batch under ``name``."""
     from elastic_pipe.baselines import packed_1f1b
-    from elastic_pipe.cost_model import CostModel
+    from longctx.cost_model import CostModel
     from elastic_pipe.evaluation import plan_schedule
     from elastic_pipe.lowering import activation_peaks, simulate_plan
-    from elastic_pipe.runtime import job_cost_model, scheduler_config
+    from elastic_pipe.flags import scheduler_config
+    from elastic_pipe.run_costs import elastic_cost_model
 
-    cost = job_cost_model(args, model)
+    cost = elastic_cost_model(args, model)
     lengths = [len(doc) - 1 for doc in documents]
     if name == "1f1b":  # Megatron's 1F1B recomputes nothing, whatever --memory-gb says
         cost = CostModel(cost.model, cost.hardware,
@@ -89,7 +90,7 @@ def worker(argv) -> int:
     import torch.distributed as dist
 
     from megatron.plugin import registry
-    from elastic_pipe.runtime import refit_cost_model
+    from elastic_pipe.run_costs import refit_cost_model
 
     iters = int(os.environ["BENCH_ITERS"])
     refit = os.environ["BENCH_REFIT"] == "1"

@@ -3,7 +3,7 @@
 GPT-7B, one sequence of 1M, 2M and 4M tokens on 32, 64 and 128 GPUs with 80 GB each, planned
 by ``sppo_offload.solver`` for ``sppo`` and the baselines ``megatron_recompute`` and
 ``seq1f1b``. Every number is the project simulator's replay with the spec-derived A100 profile
-(``elastic_pipe/profiles/a100.json``: 312 TFLOPS BF16, NVLink, InfiniBand, 32 GB/s host link),
+(``longctx/profiles/a100.json``: 312 TFLOPS BF16, NVLink, InfiniBand, 32 GB/s host link),
 not a measurement. Ratios: sppo / megatron_recompute throughput where both fit, and largest
 trainable length per GPU count.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 
 from _launch import write_json
-from elastic_pipe.hardware import load_profile
+from longctx.hardware import load_profile
 
 from sppo_offload.models import get_model
 from sppo_offload.solver import MEGATRON, SEQ1F1B, SPPO, SolverConfig, largest_length, solve

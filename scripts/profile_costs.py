@@ -79,7 +79,7 @@ from pathlib import Path
 
 import numpy as np
 
-from elastic_pipe.fitting import nnls
+from longctx.fitting import nnls
 
 MEASURED_FIELDS = ("name", "machine", "source", "backward_factor", "layer_coefficients",
                    "activation_coefficients", "end_coefficients", "notes")
@@ -366,7 +366,7 @@ def machine_description(threads: int, device) -> str:
 
 
 def base_profile_dict(name_or_path: str) -> dict:
-    from elastic_pipe.hardware import load_profile
+    from longctx.hardware import load_profile
 
     profile = load_profile(name_or_path)
     return dataclasses.asdict(profile)
@@ -500,7 +500,7 @@ def main(argv=None) -> int:
               f"(measured ms: {', '.join(f'{t * 1e3:.2f}' for t in seconds)})")
     data = build_profile(base, args.base_profile, description, coefficients, factor,
                          args.hidden_size, grid, fit_error, activations, ends)
-    from elastic_pipe.hardware import profile_from_dict
+    from longctx.hardware import profile_from_dict
 
     profile_from_dict(data)  # refuse to write a profile the loader would reject
     Path(args.output).write_text(json.dumps(data, indent=2) + "\n")

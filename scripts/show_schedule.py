@@ -14,16 +14,19 @@ import argparse
 import json
 import sys
 
+from megatron.plugin import registry
 from megatron.plugin.pipeline import catalog
 from megatron.plugin.pipeline.gantt import write_gantt
 from megatron.plugin.pipeline.simulator import simulate
-from megatron.plugin.pipeline.trace import write_chrome_trace
+from megatron.plugin.pipeline.chrome_trace import write_chrome_trace
 from megatron.plugin.pipeline.validation import format_grid
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedule", required=True, help=", ".join(catalog.generator_names()))
+    parser.add_argument("--schedule", required=True,
+                        help="a registered schedule with an IR builder: "
+                             + ", ".join(registry.drawable_names()))
     parser.add_argument("--pp", type=int, required=True)
     parser.add_argument("--microbatches", type=int, required=True)
     parser.add_argument("--forward-cost", type=float, default=1.0)
@@ -33,6 +36,9 @@ def main(argv=None) -> int:
     parser.add_argument("--helix-folds", type=int, default=2)
     parser.add_argument("--recompute", action="store_true",
                         help="helix: recompute pre/post-attention parts before their backward")
+    parser.add_argument("--offload", action="store_true",
+                        help="sppo: offload every subsequence but the last, reload it before "
+                             "its backward")
     parser.add_argument("--pre-cost", type=float, default=1.0, help="helix: pre-attention")
     parser.add_argument("--attention-cost", type=float, default=1.0, help="helix: attention")
     parser.add_argument("--post-cost", type=float, default=2.0, help="helix: post-attention")
@@ -43,6 +49,7 @@ def main(argv=None) -> int:
     options = catalog.Options(
         forward=args.forward_cost, backward=args.backward_cost, transfer=args.transfer_cost,
         num_layers=args.num_layers, folds=args.helix_folds, recompute=args.recompute,
+        offload=args.offload,
         t_pre=args.pre_cost, t_attn=args.attention_cost, t_post=args.post_cost)
     try:
         built = catalog.build(args.schedule, args.pp, args.microbatches, options)

@@ -1,16 +1,16 @@
 """The simulator's cost protocol for the subsequences of one sequence.
 
 :class:`SequenceCosts`: unit ``j`` is subsequence ``j`` (a one-piece
-:class:`~elastic_pipe.chunks.Chunk` whose context is its first token); forward, backward,
+:class:`~longctx.chunks.Chunk` whose context is its first token); forward, backward,
 recomputation, stage-to-stage transfers, stash and model state come from
-:class:`~elastic_pipe.cost_model.CostModel`. ``checkpointed[stage]``
+:class:`~longctx.cost_model.CostModel`. ``checkpointed[stage]``
 layers of every unit on a stage are recomputed (0 for SPPO, all of them for Megatron's full
 recomputation; the solver prices its baselines ``per_layer_recompute``, one layer rebuilt at a
 time as Megatron does). An ``OFFLOAD`` / ``RELOAD`` of ``(stage, j)`` moves ``offloaded[stage][j]``
 bytes over the host link in ``bytes / host_gbps`` seconds (PCIe copies of large pinned buffers
 run at link speed; the start-up is negligible next to the hundreds of MB moved).
 :class:`OffloadCosts` prices any one-piece units the same way (the documents of a training
-batch, :mod:`sppo_offload.runtime`).
+batch, :mod:`sppo_offload.subsequence_batch`).
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Sequence
 
 from megatron.plugin.pipeline.ir import Action
 
-from elastic_pipe.chunks import Chunk, Piece
-from elastic_pipe.cost_model import GB, CostModel
-from elastic_pipe.lowering import ChunkCosts
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import GB, CostModel
+from longctx.chunk_costs import ChunkCosts
 
 from sppo_offload.partition import starts
 
@@ -33,7 +33,7 @@ def subsequence_chunks(lengths: Sequence[int]) -> tuple[Chunk, ...]:
 
 
 class OffloadCosts(ChunkCosts):
-    """The chunk costs of :class:`~elastic_pipe.lowering.ChunkCosts` for the one-piece units
+    """The chunk costs of :class:`~longctx.chunk_costs.ChunkCosts` for the one-piece units
     ``chunks`` plus the copies of ``OFFLOAD`` / ``RELOAD`` (``offloaded[stage][unit]`` bytes).
     """
 

@@ -1,12 +1,12 @@
 """Model shapes for SPPO planning: the elastic planner's presets plus GPT-65B.
 
 GPT-65B follows the presets' GPT-3-style shape (80 layers, width 8192, 64 heads, MLP width
-4h, the padded GPT-2 vocabulary). It lives here rather than in ``elastic_pipe.models`` so
+4h, the padded GPT-2 vocabulary). It lives here rather than in ``longctx.models`` so
 that the elastic planner's list of names (and the messages that quote it) stays as it is.
 """
 from __future__ import annotations
 
-from elastic_pipe.models import PRESETS, ModelConfig
+from longctx.models import PRESETS, ModelConfig
 
 MODELS: dict[str, ModelConfig] = {
     **PRESETS,

@@ -60,19 +60,17 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.passes import add_communication
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import SimResult, simulate
 from megatron.plugin.pipeline.validation import LayerwiseFlow, validate
 
-from elastic_pipe.cost_model import GB, CostModel
+from longctx.cost_model import GB, CostModel
 
 from sppo_offload.costs import SequenceCosts, subsequence_chunks
 from sppo_offload.offload import offloadable_bytes, resident_bytes
 from sppo_offload.pipeline import add_offload
-
-Schedule = list[list[Action]]
 
 
 def mux(block: int) -> str:

@@ -43,7 +43,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from megatron.plugin.attention import Segment
 from megatron.plugin.batches import MicroBatch
 from megatron.plugin.devices import collective_device
-from megatron.plugin.pipeline.executor import ChunkState, _run_backward, chunk_backward
+from megatron.plugin.pipeline.executor import ChunkState, run_backward, chunk_backward
 from megatron.plugin.pipeline.ir import Action, Kind
 
 from sppo_offload.multiplex import (MultiplexFlow, block_of, grad_name, mux, piece_name,
@@ -179,7 +179,7 @@ class MultiplexProgram:
             input_grad = chunk_backward(self.chunks, 0, given, output, output_grad, None,
                                         self.config)
         else:
-            _run_backward([output], [output_grad])
+            run_backward([output], [output_grad])
             input_grad = None if given is None else given.grad
         del output
         if borrowed is not None:
@@ -275,7 +275,7 @@ class MultiplexProgram:
             for tensor in leaves:
                 grads.append(flat[offset:offset + tensor.numel()].view_as(tensor))
                 offset += tensor.numel()
-            _run_backward(leaves, grads)
+            run_backward(leaves, grads)
         else:
             flat = torch.cat([(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
                               .reshape(-1) for leaf in leaves])

@@ -1,7 +1,7 @@
 """Adaptive offload ratios and SPPO's two-level activation management.
 
 Two levels. What a stage keeps for subsequence ``i`` between its forward and its backward
-(:meth:`elastic_pipe.cost_model.CostModel.stash_bytes`, no checkpointing) splits into
+(:meth:`longctx.cost_model.CostModel.stash_bytes`, no checkpointing) splits into
 
 - the *resident* tier, never offloaded: every layer's K and V (``4h / tp`` bytes a token; the
   forward and the backward of every later subsequence read them) and, for every subsequence
@@ -44,8 +44,8 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from elastic_pipe.chunks import Chunk
-from elastic_pipe.cost_model import GB, CostModel
+from longctx.chunks import Chunk
+from longctx.cost_model import GB, CostModel
 
 AUTO, OFF = "auto", "off"
 

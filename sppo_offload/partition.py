@@ -5,7 +5,7 @@ Subsequence ``j`` of ``s`` tokens that starts after ``c`` context tokens costs, 
     linear * s + quadratic * ((c + s)^2 - c^2)  =  linear * s + 2 quadratic * s * (c + s/2)
 
 (``linear``: the GEMMs and element-wise work per token; ``quadratic``: causal attention per
-unit of ``(c+s)^2 - c^2``, InfiniPipe's eq. 1 -- :class:`elastic_pipe.cost_model.CostModel`'s
+unit of ``(c+s)^2 - c^2``, InfiniPipe's eq. 1 -- :class:`longctx.cost_model.CostModel`'s
 ``linear_per_token`` and ``alpha1``). The work of the prefix ``[0, x)`` is
 ``W(x) = linear x + quadratic x^2``, so equal shares put boundary ``k`` at ``W(x_k) = k W(S) / N``:
 the positive root of a quadratic, computed as ``2 w / (linear + sqrt(linear^2 + 4 quadratic w))``

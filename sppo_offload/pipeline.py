@@ -27,7 +27,7 @@ that precedes ``B(i)`` in the stage's order (``B(i+1)`` here), so the copy overl
 backward; the first backward's own unit, having no predecessor, is reloaded right before its
 backward. Offload and reload run on the copy stream (see the simulator).
 
-Several sequences (the documents of one training batch, :mod:`sppo_offload.runtime`): units are
+Several sequences (the documents of one training batch, :mod:`sppo_offload.subsequence_batch`): units are
 numbered across the sequences in order, each sequence's subsequences consecutive; every rank
 runs the backwards sequence by sequence, each sequence last-first, and forwards the next
 sequence's subsequences in the 1F1B way while it runs the current one's backwards
@@ -40,12 +40,12 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.catalog import Built, Options
+from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.passes import add_communication
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b, reversed_within_groups
+from megatron.plugin.pipeline.simulator import UniformCosts
 from megatron.plugin.pipeline.validation import validate
-
-Schedule = list[list[Action]]
 
 
 def subsequence_schedule(pp: int, num_subsequences: int | Sequence[int]) -> Schedule:
@@ -117,3 +117,15 @@ def build_schedule(pp: int, num_subsequences: int | Sequence[int],
     schedule = add_offload(schedule, offloaded, prefetch)
     validate(schedule)
     return schedule
+
+
+def sppo_ir(pp: int, subsequences: int, options: Options) -> Built:
+    """One sequence of ``subsequences`` subsequences with uniform unit costs
+    (``ScheduleSpec.build_ir``); with ``options.offload`` every subsequence but the last is
+    offloaded after its forward and reloaded one backward ahead (the copies cost nothing
+    here: unit costs price compute only)."""
+    last = subsequences - 1
+    schedule = build_schedule(pp, subsequences,
+                              lambda action: options.offload and action.unit != last)
+    return Built(schedule, UniformCosts(forward=options.forward, backward=options.backward,
+                                        transfer=options.transfer))

@@ -26,7 +26,7 @@ import sys
 from megatron.plugin.pipeline.gantt import write_gantt
 from megatron.plugin.pipeline.simulator import simulate
 
-from elastic_pipe.hardware import load_profile
+from longctx.hardware import load_profile
 
 from sppo_offload import multiplex
 from sppo_offload.models import MODELS, get_model

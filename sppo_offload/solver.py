@@ -56,15 +56,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from megatron.plugin.pipeline.ir import Action
+from megatron.plugin.pipeline.ir import Schedule
 from megatron.plugin.pipeline.passes import add_communication, add_recomputation
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import SimResult, simulate
 from megatron.plugin.pipeline.validation import validate
 
-from elastic_pipe.cost_model import GB, CostModel, ParallelConfig
-from elastic_pipe.hardware import HardwareProfile
-from elastic_pipe.models import ModelConfig
+from longctx.cost_model import GB, CostModel, ParallelConfig
+from longctx.hardware import HardwareProfile
+from longctx.models import ModelConfig
 
 from sppo_offload.costs import SequenceCosts, subsequence_chunks
 from sppo_offload.offload import (AUTO, capped_ratios, offload_ratios, offloadable_bytes,
@@ -76,7 +76,6 @@ SPPO, MEGATRON, SEQ1F1B = "sppo", "megatron_recompute", "seq1f1b"
 METHODS = (SPPO, MEGATRON, SEQ1F1B)
 #: Offload levels tried by ``auto`` when the bandwidth-hidden ratios do not fit.
 RAISE_STEPS = (0.0, 0.25, 0.5, 0.75, 1.0)
-Schedule = list[list[Action]]
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,6 @@ from typing import Sequence
 import torch
 
 from megatron.plugin import cpu_compat, registry
-from megatron.plugin.pipeline import megatron_ir  # noqa: F401  (registers 1f1b-ir)
-import elastic_pipe.runtime  # noqa: F401,E402  (registers elastic, seq1f1b and their flags)
-import helix.runtime  # noqa: F401,E402  (registers helix and its flags)
-import sppo_offload.runtime  # noqa: F401,E402  (registers sppo and its flags)
-
-MEGATRON_SCHEDULES = (registry.DEFAULT, "1f1b", "interleaved")
 
 #: ``args_defaults`` for Megatron's parser (applied where a flag was not given).
 DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"}
@@ -68,7 +62,25 @@ NOT_IMPLEMENTED = {
     "multiple_validation_sets": "one validation split is read; drop the flag",
     "full_validation": "validation runs --eval-iters batches; drop --full-validation",
     "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
+    # Options of Megatron's attention and rotary embedding the document attention does not
+    # implement (megatron/plugin/attention.py).
+    "use_rope_scaling": "the document attention's RoPE has no frequency scaling; drop "
+                        "--use-rope-scaling",
+    "rotary_seq_len_interpolation_factor": "the document attention's RoPE does not interpolate "
+                                           "positions; drop the flag",
+    "no_rope_freq": "the document attention applies RoPE in every layer; drop --no-rope-freq",
+    "window_size": "the document attention is causal over the whole document, without a "
+                   "sliding window; drop --window-size",
+    "window_attn_skip_freq": "the document attention has no sliding window; drop the flag",
+    "softmax_type": "the document attention uses the plain softmax; drop --softmax-type",
+    "experimental_attention_variant": "the layer spec has softmax attention only; drop the flag",
+    "linear_attention_freq": "the layer spec has softmax attention only; drop the flag",
+    "qk_l2_norm": "the local layer spec has no Q/K L2 norm (Transformer Engine's has); drop "
+                  "--qk-l2-norm",
 }
+
+#: Position embeddings the model builds (``--position-embedding-type``).
+POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 
 
 #: Megatron-LM options that change how a pipeline schedule runs, refused for the schedules that
@@ -106,12 +118,17 @@ DOCUMENT_SCHEDULE_REFUSALS = {
 }
 
 
+#: Each schedule argument group -> ``(flag, dest, default)`` of the flags it added (filled by
+#: :func:`add_arguments`; :func:`check_args` refuses those of groups the schedule lacks).
+_GROUP_FLAGS: dict = {}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: the project's flags and the schedules' groups."""
     g = parser.add_argument_group("long-context pipeline schedules")
     g.add_argument("--pipeline-schedule", default=registry.DEFAULT,
-                   help="default (Megatron's own choice), 1f1b, interleaved, or a registered "
-                        "schedule (1f1b-ir, elastic, seq1f1b, helix, sppo)")
+                   help="default (Megatron's own choice), or a registered schedule: "
+                        + ", ".join(registry.schedule_names()[1:]))
     g.add_argument("--pipeline-timeout-s", type=float, default=600.0,
                    help="IR schedules: seconds a pipeline transfer may wait before failing "
                         "with the rank, action and peer named")
@@ -119,8 +136,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write one JSON object per iteration to this file (last rank)")
     g.add_argument("--trace-dir", default=None,
                    help="write Chrome-trace JSON of the executor's actions per rank")
-    for add in registry.argument_groups():
-        add(parser)
+    _GROUP_FLAGS.clear()
+    for spec in registry.specs():
+        for add in spec.argument_groups:
+            if add not in _GROUP_FLAGS:  # schedules may share a group
+                before = len(parser._actions)
+                add(parser)
+                _GROUP_FLAGS[add] = [(action.option_strings[0], action.dest, action.default)
+                                     for action in parser._actions[before:]]
     parser.set_defaults(transformer_impl="local", reset_position_ids=True,
                         reset_attention_mask=True)
     if not torch.cuda.is_available():
@@ -181,12 +204,17 @@ def check_training_args(args: argparse.Namespace) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` naming the flag for a setting this script would not honour."""
-    registry.check_name(args.pipeline_schedule)
+    spec = registry.spec(args.pipeline_schedule)
+    megatron_schedule = registry.is_megatron(args.pipeline_schedule)
     defaults = megatron_defaults()
     for dest, instead in NOT_IMPLEMENTED.items():
         if dest in defaults and getattr(args, dest, None) != defaults[dest][1]:
             raise ValueError(f"{defaults[dest][0]} is not supported by pretrain_gpt_elastic.py: "
                              f"{instead}")
+    if args.position_embedding_type not in POSITION_EMBEDDINGS:
+        raise ValueError(f"--position-embedding-type {args.position_embedding_type} is not "
+                         f"supported by pretrain_gpt_elastic.py (the document attention "
+                         f"implements {' and '.join(POSITION_EMBEDDINGS)}): use one of them")
     if args.transformer_impl != "local":
         raise ValueError("--transformer-impl transformer_engine is not supported by "
                          "pretrain_gpt_elastic.py (its layer spec is the local one with "
@@ -196,11 +224,11 @@ def check_args(args: argparse.Namespace) -> None:
                          "reads whole documents per global batch itself; drop the flag")
     if args.pipeline_timeout_s <= 0:
         raise ValueError("--pipeline-timeout-s must be > 0 seconds")
-    if args.pipeline_schedule not in MEGATRON_SCHEDULES and not args.calculate_per_token_loss:
+    if not megatron_schedule and not args.calculate_per_token_loss:
         raise ValueError(f"{args.pipeline_schedule} computes the per-token mean loss over the "
                          "global batch, however it cuts the documents: add "
                          "--calculate-per-token-loss")
-    if args.context_parallel_size > 1 and args.pipeline_schedule in MEGATRON_SCHEDULES:
+    if args.context_parallel_size > 1 and megatron_schedule:
         raise ValueError("--context-parallel-size > 1 is not supported with Megatron's own "
                          "schedules here (ring attention needs Transformer Engine); use 1, or "
                          "an IR schedule (elastic, seq1f1b, 1f1b-ir, sppo), where it is Ulysses")
@@ -218,10 +246,10 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--seq-length {args.seq_length} must be divisible by "
                              f"--context-parallel-size x --tensor-model-parallel-size "
                              f"({cp} x {tp})")
-    check = registry.schedule_hook(args.pipeline_schedule, "check_args")
-    if check is not None:
-        check(args)
-    if args.pipeline_schedule not in MEGATRON_SCHEDULES:
+    _check_foreign_flags(args, spec)
+    if spec is not None and spec.check_args is not None:
+        spec.check_args(args)
+    if not megatron_schedule:
         for dest, instead in DOCUMENT_SCHEDULE_REFUSALS.items():
             if dest in defaults and getattr(args, dest, None) != defaults[dest][1]:
                 raise ValueError(f"{defaults[dest][0]} is not supported by --pipeline-schedule "
@@ -242,6 +270,21 @@ def check_args(args: argparse.Namespace) -> None:
                              f"cannot be imported ({error}), and without it Megatron-LM writes "
                              "no TensorBoard log: pip install tensorboard, or drop "
                              "--tensorboard-dir")
+
+
+def _check_foreign_flags(args: argparse.Namespace, spec) -> None:
+    """Refuse a flag of another schedule's group set away from its default: the selected
+    schedule would ignore it."""
+    mine = set(spec.argument_groups) if spec is not None else set()
+    for add, flags in _GROUP_FLAGS.items():
+        if add in mine:
+            continue
+        for flag, dest, default in flags:
+            if getattr(args, dest, default) != default:
+                owners = [s.name for s in registry.specs() if add in s.argument_groups]
+                raise ValueError(f"{flag} is a flag of --pipeline-schedule "
+                                 f"{' / '.join(owners)} and would do nothing under "
+                                 f"--pipeline-schedule {args.pipeline_schedule}: drop it")
 
 
 def _tensorboard_import_error() -> ImportError | None:

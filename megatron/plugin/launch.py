@@ -18,6 +18,7 @@ benchmarks that drive single steps) call whichever is installed.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import os
 import traceback
@@ -30,7 +31,7 @@ from megatron.plugin import arguments, cpu_compat, registry
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
-from megatron.plugin.pipeline import tracing
+from megatron.plugin.pipeline import run_settings
 
 MODEL_TYPE = ModelType.encoder_or_decoder
 
@@ -41,10 +42,12 @@ def run_pretrain() -> None:
     from megatron.training import pretrain
     from megatron.training import training as megatron_training
 
+    store = _restart_store()
     if _parses_in_initialize():
         megatron_training.initialize_megatron = _with_checks(megatron_training.initialize_megatron)
         pretrain(train_valid_test_datasets_provider, model_provider, MODEL_TYPE, forward_step,
-                 extra_args_provider=arguments.add_arguments, args_defaults=arguments.DEFAULTS)
+                 extra_args_provider=arguments.add_arguments, args_defaults=arguments.DEFAULTS,
+                 store=store)
         return
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
@@ -58,7 +61,24 @@ def run_pretrain() -> None:
     container = pretrain_cfg_container_from_args(args, None)
     pretrain(container, train_valid_test_dataset_provider=train_valid_test_datasets_provider,
              model_provider=model_provider, model_type=MODEL_TYPE,
-             forward_step_func=forward_step)
+             forward_step_func=forward_step, store=store)
+
+
+def _restart_store():
+    """The process groups' store when torchrun has restarted its workers, else ``None``
+    (``env://``, as Megatron-LM does).
+
+    torchrun (``--max-restarts``) restarts every worker with the rendezvous store of its agent,
+    which still holds the previous attempt's keys: the restarted ranks read their peers' old
+    addresses and wait in gloo's (or NCCL's) connection set-up until the distributed timeout
+    (measured: ten minutes, then the next restart worked). A prefix per attempt
+    (``TORCHELASTIC_RESTART_COUNT``) gives every attempt keys of its own."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    agent = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                       is_master=False, timeout=datetime.timedelta(minutes=30))
+    return torch.distributed.PrefixStore(f"restart_{attempt}", agent)
 
 
 def initialize(argv: Sequence[str], extra_args_provider: Callable | None = None):
@@ -159,7 +179,7 @@ def _parses_in_initialize() -> bool:
 
 def _after_parsing(args) -> None:
     arguments.check_args(args)
-    tracing.configure(args.pipeline_timeout_s, args.trace_dir)
+    run_settings.configure(args.pipeline_timeout_s, args.trace_dir)
     registry.use_schedule(args.pipeline_schedule)
 
 

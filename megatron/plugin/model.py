@@ -57,9 +57,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         # RoPE is applied by DocumentAttention at true positions (see attention.py).
         position_embedding_type="none" if rope else "learned_absolute")
-    build = registry.schedule_hook(args.pipeline_schedule, "build_model")
-    if build is not None:
-        return build(args, config, args.padded_vocab_size,
+    spec = registry.spec(args.pipeline_schedule)
+    if spec is not None and spec.build_model is not None:
+        return spec.build_model(args, config, args.padded_vocab_size,
                      document_layer_spec(1, args.normalization, rope).layer_specs[0],
                      **gpt_kwargs)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)

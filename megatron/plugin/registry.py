@@ -1,5 +1,14 @@
 """Schedule registry consulted by Megatron's ``get_forward_backward_func``.
 
+A schedule is one :class:`~megatron.plugin.schedule_spec.ScheduleSpec` registered under its
+name. ``1f1b`` and ``interleaved`` are Megatron's own functions; ``default`` keeps Megatron's
+own choice. The project's schedules, and anyone else's, come in through package entry points
+of the group :data:`ENTRY_POINTS` (each names a ``ScheduleSpec``; the project's are listed in
+``setup.py``), through the environment variable :data:`ENVIRONMENT` (``module:attribute``
+entries separated by commas, for a schedule in a module that is not installed), or by calling
+:func:`register`. The core imports no schedule: the entry points are loaded the first time a
+name is looked up.
+
 megatron-core picks its schedule in ``get_forward_backward_func()`` from ``parallel_state`` and
 offers no hook. :func:`use_schedule` rebinds that function — in
 ``megatron.core.pipeline_parallel.schedules``, in the ``megatron.core.pipeline_parallel`` package
@@ -7,12 +16,12 @@ and in every already-imported module that took the name with ``from ... import``
 ``megatron/training/training.py`` does) — to one that returns the registered schedule,
 wrapped to take one global batch of documents per call (the iterators of
 :mod:`megatron.plugin.document_data`) and cut it into that schedule's input.
-
-Names: ``1f1b`` and ``interleaved`` are Megatron's own functions; ``default`` keeps Megatron's
-own choice. New schedules call :func:`register_schedule` when their package is imported.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import os
 import sys
 import time
 from typing import Callable
@@ -24,44 +33,66 @@ from megatron.core.pipeline_parallel import schedules as _schedules
 
 from megatron.plugin.batches import MicroBatches, pack_micro_batches, padding_fraction
 from megatron.plugin.devices import collective_device
+from megatron.plugin.pipeline.catalog import one_f_one_b_ir
 from megatron.plugin.reporting import StepReporter, loss_entries
+from megatron.plugin.schedule_spec import ScheduleSpec
 
 _MEGATRON_DISPATCH = _schedules.get_forward_backward_func
-_MEGATRON_SCHEDULES = (_schedules.forward_backward_no_pipelining,
-                       _schedules.forward_backward_pipelining_without_interleaving,
-                       _schedules.forward_backward_pipelining_with_interleaving)
-
-_ARGUMENT_GROUPS: list[Callable] = []
-_REGISTRY: dict[str, Callable] = {
-    "1f1b": _schedules.forward_backward_pipelining_without_interleaving,
-    "interleaved": _schedules.forward_backward_pipelining_with_interleaving,
-}
+ENTRY_POINTS = "megatron_longctx.schedules"
+ENVIRONMENT = "LONGCTX_SCHEDULES"
 DEFAULT = "default"
 
-
-def register_schedule(name: str, fn: Callable) -> None:
-    """Register ``fn`` (Megatron's forward-backward signature) under ``name``."""
-    if not name or name == DEFAULT:
-        raise ValueError(f"invalid schedule name {name!r}")
-    existing = _REGISTRY.get(name)
-    if existing is not None and existing is not fn:
-        raise ValueError(f"schedule {name!r} is already registered")
-    _REGISTRY[name] = fn
-
-
-def register_argument_group(add: Callable) -> None:
-    """Let a schedule package add its flags: ``add(parser)`` runs when the parser is built."""
-    if add not in _ARGUMENT_GROUPS:
-        _ARGUMENT_GROUPS.append(add)
+_SPECS: dict[str, ScheduleSpec] = {
+    "1f1b": ScheduleSpec(
+        "1f1b", build_ir=one_f_one_b_ir,
+        megatron_function=_schedules.forward_backward_pipelining_without_interleaving),
+    "interleaved": ScheduleSpec(
+        "interleaved", megatron_function=_schedules.forward_backward_pipelining_with_interleaving),
+}
+_DISCOVERED = False
 
 
-def argument_groups() -> list[Callable]:
-    return list(_ARGUMENT_GROUPS)
+def register(spec: ScheduleSpec) -> None:
+    """Register ``spec`` under its name (registering the same object again is a no-op)."""
+    if not spec.name or spec.name == DEFAULT:
+        raise ValueError(f"invalid schedule name {spec.name!r}")
+    existing = _SPECS.get(spec.name)
+    if existing is not None and existing is not spec:
+        raise ValueError(f"schedule {spec.name!r} is already registered")
+    _SPECS[spec.name] = spec
+
+
+def _discover() -> None:
+    """Load the schedules of the entry points and of :data:`ENVIRONMENT`, once."""
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    _DISCOVERED = True
+    found = [(entry.name, entry.value)
+             for entry in importlib.metadata.entry_points(group=ENTRY_POINTS)]
+    found += [(None, value.strip()) for value in os.environ.get(ENVIRONMENT, "").split(",")
+              if value.strip()]
+    for name, value in found:
+        module, _, attribute = value.partition(":")
+        if not attribute:
+            raise ValueError(f"{ENVIRONMENT}: {value!r} is not MODULE:ATTRIBUTE")
+        spec = getattr(importlib.import_module(module), attribute)
+        if not isinstance(spec, ScheduleSpec):
+            raise TypeError(f"{value} is a {type(spec).__name__}, not a ScheduleSpec")
+        if name is not None and name != spec.name:
+            raise ValueError(f"entry point {name!r} names schedule {spec.name!r} ({value})")
+        register(spec)
+
+
+def specs() -> list[ScheduleSpec]:
+    """Every registered schedule, by name."""
+    _discover()
+    return [_SPECS[name] for name in sorted(_SPECS)]
 
 
 def schedule_names() -> list[str]:
     """Valid values of ``--pipeline-schedule``."""
-    return [DEFAULT, *sorted(_REGISTRY)]
+    return [DEFAULT, *(spec.name for spec in specs())]
 
 
 def check_name(name: str) -> None:
@@ -71,19 +102,38 @@ def check_name(name: str) -> None:
             f"unknown pipeline schedule {name!r}; valid names: {', '.join(schedule_names())}")
 
 
-def schedule_hook(name: str, hook: str):
-    """Attribute ``hook`` of the schedule registered under ``name`` (``check_args``,
-    ``build_model``, ``prepare_input``, ...), or ``None`` (also for ``default``)."""
+def spec(name: str) -> ScheduleSpec | None:
+    """The schedule registered under ``name`` (``None`` for ``default``)."""
     check_name(name)
-    return getattr(_REGISTRY.get(name), hook, None)
+    return _SPECS.get(name)
+
+
+def is_megatron(name: str) -> bool:
+    """Whether ``name`` runs one of Megatron's own schedule functions."""
+    found = spec(name)
+    return found is None or found.megatron_function is not None
 
 
 def get_schedule(name: str) -> Callable:
-    """The forward-backward function registered under ``name``."""
-    check_name(name)
-    if name == DEFAULT:
+    """The forward-backward function (Megatron's signature) of schedule ``name``."""
+    found = spec(name)
+    if found is None:
         return _MEGATRON_DISPATCH()
-    return _REGISTRY[name]
+    return found.forward_backward
+
+
+def drawable_names() -> list[str]:
+    """The schedules with an IR builder (``ScheduleSpec.build_ir``)."""
+    return [s.name for s in specs() if s.build_ir is not None]
+
+
+def build_ir(name: str) -> Callable:
+    """The IR builder of schedule ``name`` (``ScheduleSpec.build_ir``)."""
+    found = spec(name)
+    if found is None or found.build_ir is None:
+        raise ValueError(f"schedule {name!r} has no IR builder; schedules with one: "
+                         f"{', '.join(drawable_names())}")
+    return found.build_ir
 
 
 class DocumentSchedule:
@@ -93,21 +143,23 @@ class DocumentSchedule:
     ``data_iterator`` yields :class:`~megatron.plugin.document_data.GlobalBatch` objects (one
     iterator per model chunk under virtual pipelining, all equal); ``num_microbatches``
     (Megatron's ``global batch / (micro-batch size x data-parallel size)``) is replaced by what
-    the schedule's input has. A schedule with a ``prepare_input(documents, args, model)`` hook
-    makes its own input; Megatron's schedules get this replica's packed ``--seq-length``
-    micro-batches. The losses come back as one ``{"lm loss": [sum, tokens], ...}`` dict on the
-    last pipeline stage (summed over the stages, since a schedule other than Megatron's may
-    compute its loss on any stage; the same sum Megatron forms), with a training step's report
-    next to it (:mod:`megatron.plugin.reporting`); :attr:`reporter` keeps the latest record and
-    :attr:`last_input` the latest schedule input (plans, offload records: for inspection).
+    the schedule's input has. A schedule with ``prepare_input`` makes its own input (and reports
+    on it with ``report``); the others get this replica's packed ``--seq-length`` micro-batches
+    (and report their padding fraction). The losses come back as one ``{"lm loss": [sum,
+    tokens], ...}`` dict on the last pipeline stage (summed over the stages, since a schedule
+    other than Megatron's may compute its loss on any stage; the same sum Megatron forms), with
+    a training step's report next to it (:mod:`megatron.plugin.reporting`); :attr:`reporter`
+    keeps the latest record and :attr:`last_input` the latest schedule input (plans, offload
+    records: for inspection).
     """
 
     def __init__(self, name: str, pp_size=None, vp_size=None):
         self.name = name
-        if name == DEFAULT:
+        self.spec = spec(name)
+        if self.spec is None:
             self.schedule = _MEGATRON_DISPATCH(pp_size=pp_size, vp_size=vp_size)
         else:
-            self.schedule = _REGISTRY[name]
+            self.schedule = self.spec.forward_backward
         self.reporter = StepReporter()
         self.last_input = None
 
@@ -120,21 +172,22 @@ class DocumentSchedule:
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         batch = [next(iterator) for iterator in iterators][0]
         start = time.perf_counter()
-        prepare = getattr(self.schedule, "prepare_input", None)
-        if prepare is None:
+        own = self.spec if self.spec is not None and self.spec.prepare_input else None
+        if own is None:
             prepared, count = _packed_input(batch.documents, args, model)
+            reported = {"padding_fraction": _first(prepared).padding_fraction}
         else:
-            prepared, count = prepare(batch.documents, args, model)
+            prepared, count = own.prepare_input(batch.documents, args, model)
+            reported = own.report(prepared) if own.report else {}
         self.reporter.prepare_s = time.perf_counter() - start
         self.last_input = prepared
-        prefetch = getattr(self.schedule, "prefetch_input", None)
-        if prefetch is not None and not forward_only:
-            prefetch(batch.upcoming(), args, model)
+        if own is not None and own.prefetch_input is not None and not forward_only:
+            own.prefetch_input(batch.upcoming(), args, model)
         with self.reporter.measure(device_window=not args.log_memory_to_tensorboard):
             losses = self.schedule(data_iterator=prepared, model=model, num_microbatches=count,
                                    forward_only=forward_only, **kwargs)
         totals = _pipeline_totals(losses)
-        record = self.reporter.finish(totals, prepared, count, args, forward_only)
+        record = self.reporter.finish(totals, reported, count, args, forward_only)
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             return []
         device = next(model[0].parameters()).device
@@ -168,6 +221,10 @@ def _packed_input(documents, args, model):
     if len(model) == 1:
         return MicroBatches(mine, padding), len(mine)
     return [MicroBatches(mine, padding) for _ in model], len(mine)
+
+
+def _first(prepared):
+    return prepared[0] if isinstance(prepared, list) else prepared
 
 
 def _pipeline_totals(losses) -> torch.Tensor:

@@ -36,6 +36,7 @@ from megatron.core import parallel_state
 
 from megatron.plugin.devices import collective_device
 from megatron.plugin.memory import SavedTensorMeter, device_peak_bytes, reset_device_peak
+from megatron.plugin.schedule_spec import REPORT_KEYS
 
 #: record key -> name in Megatron's log line, TensorBoard and W&B.
 LOG_NAMES = {
@@ -75,10 +76,15 @@ class StepReporter:
             yield
         self._elapsed = time.perf_counter() - start
 
-    def finish(self, totals: torch.Tensor, prepared, num_microbatches: int, args,
+    def finish(self, totals: torch.Tensor, reported: dict, num_microbatches: int, args,
                forward_only: bool) -> dict:
         """The record of the call just measured, from this replica's ``(loss sum, tokens)``
-        on every pipeline stage; written to ``--metrics-jsonl`` after a training step."""
+        on every pipeline stage and what the schedule reported about its input
+        (``ScheduleSpec.report``: keys of :data:`~megatron.plugin.schedule_spec.REPORT_KEYS`);
+        written to ``--metrics-jsonl`` after a training step."""
+        unknown = set(reported) - set(REPORT_KEYS)
+        if unknown:
+            raise ValueError(f"a schedule reported {sorted(unknown)}; known: {REPORT_KEYS}")
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
         totals = totals.to(collective_device(group), copy=True)
         dist.all_reduce(totals, group=group)
@@ -88,7 +94,7 @@ class StepReporter:
         # Per-stage figures (None: not measured here), one row each in the stage's column, and
         # the live bytes in the last row; a MAX all-reduce gives every rank the stage maxima.
         peaks = {"peak_activation_bytes": self.meter.peak,
-                 "planned_activation_bytes": getattr(prepared, "planned_activation_bytes", None),
+                 "planned_activation_bytes": reported.get("planned_activation_bytes"),
                  "device_peak_bytes": device_peak_bytes() if self._device_window else None}
         held = torch.zeros(len(peaks) + 1, pp, dtype=torch.float64)
         for row, value in enumerate(peaks.values()):
@@ -113,16 +119,8 @@ class StepReporter:
             if value is not None:
                 per_stage = [int(b) for b in held[row]]
                 record.update({key: max(per_stage), f"{key}_per_stage": per_stage})
-        timing = getattr(prepared, "timing", None)
-        if timing is not None:
-            record.update(plan_solve_s=timing.solve_s, plan_wait_s=timing.waited_s)
-        padding = getattr(prepared, "padding", None)
-        if padding is not None:
-            record["padding_microbatches"] = padding
-        fraction = getattr(prepared[0] if isinstance(prepared, list) else prepared,
-                           "padding_fraction", None)
-        if fraction is not None:
-            record["padding_fraction"] = fraction
+        record.update((key, value) for key, value in reported.items()
+                      if key != "planned_activation_bytes" and value is not None)
         self.last = record
         if not forward_only and args.metrics_jsonl and \
                 dist.get_rank() == dist.get_world_size() - 1:

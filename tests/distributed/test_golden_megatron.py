@@ -144,6 +144,9 @@ VARIANTS = {
                                      "--context-parallel-size", "2", *SEQ1F1B]),
         "pp2_ulysses2_ir": (4, ["--pipeline-model-parallel-size", "2",
                                 "--context-parallel-size", "2", "--pipeline-schedule", "1f1b-ir"]),
+        # A schedule registered from outside the source tree (OUTSIDE_SCHEDULES).
+        "pp2_gpipe_outside": (2, ["--pipeline-model-parallel-size", "2",
+                                  "--pipeline-schedule", "gpipe"]),
         # Helix: checkpoints written by GPTModel load into the helix layout and back (the
         # comparison goes through them), and the micro-batch count needs padding.
         "pp2_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
@@ -224,12 +227,17 @@ VARIANTS = {
 #: against the oldest supported megatron-core (``.ci/run``), beside the whole suite against the
 #: newest; that pass selects ``test_loss_and_gradients_match_reference`` alone.
 SMOKE = {"pp2", "pp2_vp2_interleaved", "pp2_ir", "pp2_elastic", "pp2_seq1f1b_uniform",
-         "pp2_helix", "pp2_sppo_n4"}
+         "pp2_helix", "pp2_sppo_n4", "pp2_gpipe_outside"}
 RUN = VARIANTS
 if os.environ.get("LONGCTX_GOLDEN_SMOKE") == "1":
     RUN = {"learned": ([], {tag: layout for tag, layout in VARIANTS["learned"][1].items()
                             if tag in SMOKE})}
 CASES = [(variant, tag) for variant, (_, layouts) in RUN.items() for tag in layouts]
+
+
+#: Every launch registers ``gpipe`` from ``tests/schedules/gpipe.py`` through the schedule
+#: contract alone (``ScheduleSpec`` and the registry's environment variable).
+OUTSIDE_SCHEDULES = {"LONGCTX_SCHEDULES": "tests.schedules.gpipe:SPEC"}
 
 
 @pytest.fixture(scope="module")
@@ -239,12 +247,14 @@ def golden(tmp_path_factory):
         common = [*TINY_MODEL, *model_flags, "--golden-dir", str(root / variant)]
         init = str(root / variant / "init")
         torchrun(1, WORKER, [*common, "--golden-mode", "init", "--save", init,
-                             "--save-interval", "1"])
+                             "--save-interval", "1"], env=OUTSIDE_SCHEDULES)
         # Megatron-LM's loader reads the initial weights into each layout.
         common += ["--load", init, "--no-load-optim", "--no-load-rng"]
         for tag, (nprocs, flags) in layouts.items():
-            torchrun(nprocs, WORKER, [*common, *flags, "--golden-mode", "run", "--golden-tag", tag])
-        torchrun(1, WORKER, [*common, "--golden-mode", "reference", "--golden-tags", *layouts])
+            torchrun(nprocs, WORKER, [*common, *flags, "--golden-mode", "run", "--golden-tag", tag],
+                     env=OUTSIDE_SCHEDULES)
+        torchrun(1, WORKER, [*common, "--golden-mode", "reference", "--golden-tags", *layouts],
+                 env=OUTSIDE_SCHEDULES)
     return root
 
 

@@ -345,9 +345,9 @@ def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
     import subprocess
     import sys
 
-    from elastic_pipe.cost_model import CostModel, ParallelConfig
-    from elastic_pipe.hardware import load_profile
-    from elastic_pipe.models import ModelConfig
+    from longctx.cost_model import CostModel, ParallelConfig
+    from longctx.hardware import load_profile
+    from longctx.models import ModelConfig
 
     profile = tmp_path / "profile.json"
     subprocess.run(

@@ -3,9 +3,9 @@ import random
 
 import pytest
 
-from elastic_pipe.cost_model import CostModel, ParallelConfig
-from elastic_pipe.hardware import load_profile
-from elastic_pipe.models import get_model
+from longctx.cost_model import CostModel, ParallelConfig
+from longctx.hardware import load_profile
+from longctx.models import get_model
 from elastic_pipe.sequence_processor import (ChunkingConfig, balanced_mesh, chunk_balance,
                                              make_chunks, slice_candidates)
 

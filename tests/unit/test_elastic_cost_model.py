@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-from elastic_pipe.chunks import Chunk, Piece
-from elastic_pipe.cost_model import CostModel, ParallelConfig, stage_layers
-from elastic_pipe.hardware import builtin_profiles, load_profile
-from elastic_pipe.models import ModelConfig, get_model
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import CostModel, ParallelConfig, stage_layers
+from longctx.hardware import builtin_profiles, load_profile
+from longctx.models import ModelConfig, get_model
 
 TINY = ModelConfig("tiny", 6, 64, 4, 256, 100)
 

@@ -10,10 +10,10 @@ from megatron.plugin.pipeline.ir import Kind
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 
 from elastic_pipe import checkpointing, scheduler
-from elastic_pipe.cost_model import GB, CostModel, ParallelConfig
-from elastic_pipe.hardware import load_profile
+from longctx.cost_model import GB, CostModel, ParallelConfig
+from longctx.hardware import load_profile
 from elastic_pipe.lowering import compute_schedule, simulate_plan
-from elastic_pipe.models import ModelConfig
+from longctx.models import ModelConfig
 from elastic_pipe.pipeline_order import FORWARD, backward_order, rank_orders
 from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
 from elastic_pipe.sequence_processor import ChunkingConfig
@@ -113,7 +113,7 @@ def test_tiny_time_limit_returns_and_records_fallbacks():
 
 
 def test_backward_order_refuses_slices_out_of_order():
-    from elastic_pipe.chunks import Chunk, Piece
+    from longctx.chunks import Chunk, Piece
     head, tail = Piece(0, 0, 0, 10, False), Piece(0, 1, 10, 20, True)
     assert backward_order([Chunk((head,)), Chunk((tail,))]) == [1, 0]
     with pytest.raises(ValueError, match="must follow"):

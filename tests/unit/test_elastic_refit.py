@@ -6,10 +6,10 @@ import random
 
 import pytest
 
-from elastic_pipe.chunks import Chunk, Piece
-from elastic_pipe.cost_model import CostModel, ParallelConfig
-from elastic_pipe.hardware import EndCoefficients, load_profile
-from elastic_pipe.models import ModelConfig
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import CostModel, ParallelConfig
+from longctx.hardware import EndCoefficients, load_profile
+from longctx.models import ModelConfig
 from elastic_pipe.refit import Observation, chunk_terms, observations, refit
 
 MODEL = ModelConfig("small", 6, 256, 8, 1024, 1000)
@@ -104,9 +104,9 @@ def test_executor_events_become_one_observation_per_chunk():
     transfers and recomputation are left out."""
     from types import SimpleNamespace
 
-    from elastic_pipe.runtime import _Measured
+    from elastic_pipe.run_costs import Measured
     from megatron.plugin.pipeline.ir import parse
-    from megatron.plugin.pipeline.trace import TraceEvent
+    from megatron.plugin.pipeline.chrome_trace import TraceEvent
 
     chunks = some_chunks()[:2]
     names = ["1RECV_F0<0", "1F0", "1SEND_B0>0", "1RECV_F1<0", "1F1", "1R1", "1B1", "1B0"]
@@ -117,7 +117,7 @@ def test_executor_events_become_one_observation_per_chunk():
     events = [TraceEvent(1, name, float(i), seconds,
                          "comm" if "SEND" in name or "RECV" in name else "compute")
               for i, (name, seconds) in enumerate(durations.items())]
-    measured = _Measured()
+    measured = Measured()
     measured.record(planned, 1, events)
     assert [(o.stage, o.quadratic, o.tokens, o.forward_s, o.backward_s)
             for o in measured.seen] == [(1, *chunk_terms(chunks[0]), 1.0, 3.0),

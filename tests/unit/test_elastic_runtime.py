@@ -1,4 +1,5 @@
-"""Pure parts of the elastic runtime: chunk rows, the data-parallel spread, the flags."""
+"""Pure parts of the document schedules' runtime: chunk rows, the data-parallel spread, the
+job's cost model (:mod:`longctx`) and the elastic flags."""
 import argparse
 import dataclasses
 import json
@@ -7,11 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_pipe.chunks import Chunk, Piece
-from elastic_pipe.cost_model import CostModel, ParallelConfig
-from elastic_pipe.hardware import load_profile
-from elastic_pipe.models import ModelConfig
-from elastic_pipe.runtime import chunk_row, slices_flag, spread_over_replicas
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import CostModel, ParallelConfig
+from longctx.hardware import load_profile
+from longctx.models import ModelConfig
+from longctx import job_costs
+from longctx.chunk_rows import chunk_row
+from longctx.replicas import spread_over_replicas
+from elastic_pipe.flags import slices_flag
 
 
 def test_a_hybrid_chunk_row_carries_true_tokens_positions_and_slice_keys():
@@ -59,8 +63,7 @@ def test_slices_flag_refuses(value):
 def job_args(**over) -> argparse.Namespace:
     """The Megatron flags :func:`cost_model_from_args` reads, for a tiny FP32 job on CPU."""
     values = dict(
-        pipeline_schedule="elastic", elastic_hardware_profile=None, elastic_memory_gb=None,
-        elastic_reserved_gb=None, num_layers=4, hidden_size=64, num_attention_heads=4,
+        pipeline_schedule="elastic", hardware_profile=None, num_layers=4, hidden_size=64, num_attention_heads=4,
         ffn_hidden_size=256, params_dtype=torch.float32, swiglu=False,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=2, context_parallel_size=1,
         use_distributed_optimizer=False)
@@ -76,13 +79,10 @@ def job_args(**over) -> argparse.Namespace:
 def test_the_default_profile_matches_the_cuda_device(monkeypatch, caplog, device, profile):
     """Each shipped profile is the default on its device (an A100 once got the A800's); the log
     says which it is and why."""
-    from elastic_pipe import runtime
-
-    monkeypatch.setattr(runtime.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(runtime.torch.cuda, "get_device_name", lambda *a: device)
-    args = job_args(elastic_memory_gb=80.0, elastic_reserved_gb=2.0)
-    with caplog.at_level("INFO", logger="elastic_pipe.runtime"):
-        cost = runtime.cost_model_from_args(args, 512)
+    monkeypatch.setattr(job_costs.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(job_costs.torch.cuda, "get_device_name", lambda *a: device)
+    with caplog.at_level("INFO", logger="longctx.job_costs"):
+        cost = job_costs.cost_model_from_args(job_args(), 512, memory_gb=80.0, reserved_gb=2.0)
     assert cost.hardware.name == load_profile(profile).name
     why = "no shipped profile matches" if device == "NVIDIA L40S" else "matched from"
     assert f"hardware profile {profile} (spec-derived, {why} {device})" in caplog.text
@@ -93,10 +93,8 @@ def test_the_default_profile_matches_the_cuda_device(monkeypatch, caplog, device
 def test_the_planner_counts_bytes_in_the_runs_dtype_and_says_so(caplog, dtype, name):
     """The spec-derived profile prices the time; the bytes follow the run's params_dtype (an FP32
     run on CPU stashes twice a BF16 run's), and the log names the profile and the dtype."""
-    from elastic_pipe import runtime
-
-    with caplog.at_level("INFO", logger="elastic_pipe.runtime"):
-        cost = runtime.cost_model_from_args(job_args(params_dtype=dtype, swiglu=True), 512)
+    with caplog.at_level("INFO", logger="longctx.job_costs"):
+        cost = job_costs.cost_model_from_args(job_args(params_dtype=dtype, swiglu=True), 512)
     assert (cost.model.dtype, cost.model.gated_mlp) == (name, True)
     assert cost.full_per_token == cost.model.element_bytes * (9 * 64 + 3 * 256)
     assert caplog.messages == [f"elastic planner: hardware profile a800 (spec-derived, the "
@@ -104,8 +102,6 @@ def test_the_planner_counts_bytes_in_the_runs_dtype_and_says_so(caplog, dtype, n
 
 
 def test_a_measured_profile_is_honoured_in_its_dtype_only(caplog, tmp_path):
-    from elastic_pipe import runtime
-
     counted = {"layer": 9000.0, "checkpointed": 256.0, "kv": 512.0, "dkv": 512.0,
                "embedding": 16.0, "head": 2000.0, "hidden_size": 64, "vocab_size": 512,
                "sp": 1, "tp": 1, "dtype": "float32"}
@@ -113,12 +109,12 @@ def test_a_measured_profile_is_honoured_in_its_dtype_only(caplog, tmp_path):
                 activation_coefficients=counted)
     path = tmp_path / "measured.json"
     path.write_text(json.dumps(data))
-    with caplog.at_level("INFO", logger="elastic_pipe.runtime"):
-        cost = runtime.cost_model_from_args(job_args(elastic_hardware_profile=str(path)), 512)
+    with caplog.at_level("INFO", logger="longctx.job_costs"):
+        cost = job_costs.cost_model_from_args(job_args(hardware_profile=str(path)), 512)
     assert cost.full_per_token == 9000.0
     assert caplog.messages == [f"elastic planner: hardware profile {path} (measured, "
-                               f"--elastic-hardware-profile), activation bytes measured in "
+                               f"--hardware-profile), activation bytes measured in "
                                f"float32"]
     with pytest.raises(ValueError, match="measured activations in float32, not bfloat16"):
-        runtime.cost_model_from_args(
-            job_args(elastic_hardware_profile=str(path), params_dtype=torch.bfloat16), 512)
+        job_costs.cost_model_from_args(
+            job_args(hardware_profile=str(path), params_dtype=torch.bfloat16), 512)

@@ -14,10 +14,10 @@ if REPO not in sys.path:
 from scripts.profile_costs import (  # noqa: E402
     design_matrix, fit_backward_factor, fit_coefficients, fit_linear, nnls)
 
-from elastic_pipe.chunks import Chunk, Piece  # noqa: E402
-from elastic_pipe.cost_model import CostModel, ParallelConfig  # noqa: E402
-from elastic_pipe.hardware import load_profile  # noqa: E402
-from elastic_pipe.models import ModelConfig  # noqa: E402
+from longctx.chunks import Chunk, Piece  # noqa: E402
+from longctx.cost_model import CostModel, ParallelConfig  # noqa: E402
+from longctx.hardware import load_profile  # noqa: E402
+from longctx.models import ModelConfig  # noqa: E402
 
 TOKENS = [64, 128, 256, 512, 1024] * 3
 CONTEXTS = [0] * 5 + [1024] * 5 + [4096] * 5

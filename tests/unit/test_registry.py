@@ -8,13 +8,14 @@ from megatron.core import pipeline_parallel
 from megatron.core.pipeline_parallel import schedules
 
 from megatron.plugin import registry
+from megatron.plugin.schedule_spec import ScheduleSpec
 
 
 @pytest.fixture(autouse=True)
 def restore_dispatcher():
     yield
     registry.restore_megatron()
-    registry._REGISTRY.pop("test-schedule", None)
+    registry._SPECS.pop("test-schedule", None)
 
 
 def test_megatron_schedules_are_registered():
@@ -28,7 +29,7 @@ def test_dispatcher_returns_each_registered_schedule_everywhere():
     def my_schedule(**kwargs):
         return []
 
-    registry.register_schedule("test-schedule", my_schedule)
+    registry.register(ScheduleSpec("test-schedule", megatron_function=my_schedule))
     # A module that took the name with ``from ... import`` before the switch (Megatron-LM's
     # training.py does).
     user = types.ModuleType("user_training_script")
@@ -65,8 +66,6 @@ def test_default_keeps_megatron_choice():
 
 
 def test_unknown_name_lists_valid_names():
-    from megatron.plugin import arguments  # noqa: F401  (imports every schedule package)
-
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; valid names: "
                                          r"default, 1f1b, 1f1b-ir, elastic, helix, interleaved, "
                                          r"seq1f1b, sppo$"):
@@ -75,6 +74,8 @@ def test_unknown_name_lists_valid_names():
 
 def test_conflicting_registration_is_refused():
     with pytest.raises(ValueError, match="already registered"):
-        registry.register_schedule("1f1b", lambda **kwargs: [])
+        registry.register(ScheduleSpec("1f1b", megatron_function=lambda **kwargs: []))
     with pytest.raises(ValueError, match="invalid schedule name"):
-        registry.register_schedule("default", lambda **kwargs: [])
+        registry.register(ScheduleSpec("default", megatron_function=lambda **kwargs: []))
+    with pytest.raises(ValueError, match="exactly one of run and megatron_function"):
+        ScheduleSpec("neither")

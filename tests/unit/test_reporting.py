@@ -54,10 +54,10 @@ def fake_device(monkeypatch, cuda: bool) -> FakeAllocator:
     return allocator
 
 
-def step(reporter: StepReporter, allocator: FakeAllocator, nbytes: int, prepared=None) -> dict:
+def step(reporter: StepReporter, allocator: FakeAllocator, nbytes: int) -> dict:
     with reporter.measure():
         allocator.transient(nbytes)
-    return reporter.finish(TOTALS, prepared or SimpleNamespace(), 1, ARGS, forward_only=False)
+    return reporter.finish(TOTALS, {}, 1, ARGS, forward_only=False)
 
 
 def test_device_peak_is_per_call_on_cuda(one_rank, monkeypatch):
@@ -81,7 +81,7 @@ def test_megatrons_own_peak_logging_keeps_its_run_long_peak(one_rank, monkeypatc
     reporter = StepReporter()
     with reporter.measure(device_window=False):
         allocator.transient(5000)
-    record = reporter.finish(TOTALS, SimpleNamespace(), 1, ARGS, forward_only=False)
+    record = reporter.finish(TOTALS, {}, 1, ARGS, forward_only=False)
     assert allocator.resets == 0 and allocator.max_memory_allocated() == 10**6
     assert "device_peak_bytes" not in record
 
@@ -105,7 +105,7 @@ def test_each_peak_is_in_its_stage_column(one_rank, monkeypatch):
     with reporter.measure():
         allocator.transient(5000)
         (torch.ones(8, 4) @ weight).sum().backward()  # saves the 8 x 4 fp32 input: 128 bytes
-    record = reporter.finish(TOTALS, SimpleNamespace(planned_activation_bytes=300), 1, ARGS,
+    record = reporter.finish(TOTALS, {"planned_activation_bytes": 300}, 1, ARGS,
                              forward_only=False)
     assert record["peak_activation_bytes_per_stage"] == [0, 128]
     assert record["planned_activation_bytes_per_stage"] == [0, 300]

@@ -106,8 +106,7 @@ DOCUMENT_REFUSED = {
     "num_layers_per_virtual_pipeline_stage": ["--num-layers-per-virtual-pipeline-stage", "1"],
 }
 
-DOCUMENT_SCHEDULES = [name for name in registry.schedule_names()
-                      if name not in arguments.MEGATRON_SCHEDULES]
+DOCUMENT_SCHEDULES = [name for name in registry.schedule_names() if not registry.is_megatron(name)]
 
 
 @pytest.mark.parametrize("schedule", DOCUMENT_SCHEDULES)
@@ -121,3 +120,66 @@ def test_document_schedules_refuse_what_their_executors_do_not_run(schedule, des
         flag = "drop --num-layers-per-virtual-pipeline-stage"  # their own, earlier refusal
     with pytest.raises(ValueError, match=flag):
         arguments.parse(argv)
+
+
+#: A flag of one schedule's group under a schedule without that group would do nothing:
+#: ``(schedule, flags, the refusal or None where the group is the schedule's own)``.
+FOREIGN_FLAGS = [
+    ("elastic", ["--helix-folds", "1"], "--helix-folds is a flag of --pipeline-schedule helix"),
+    ("1f1b", ["--sppo-offload", "1"], "--sppo-offload is a flag of --pipeline-schedule sppo"),
+    ("sppo", ["--elastic-slices", "2"],
+     "--elastic-slices is a flag of --pipeline-schedule elastic / seq1f1b"),
+    ("helix", ["--hardware-profile", "h100"],
+     "--hardware-profile is a flag of --pipeline-schedule elastic / seq1f1b / sppo"),
+    ("sppo", ["--hardware-profile", "h100"], None),
+    ("seq1f1b", ["--elastic-hardware-profile", "h100", "--elastic-slices", "2"], None),
+]
+
+
+@pytest.mark.parametrize("schedule,flags,refusal", FOREIGN_FLAGS)
+def test_flags_of_another_schedule_are_refused(schedule, flags, refusal, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*BASE, "--pipeline-schedule", schedule, *flags]
+    if refusal is None:
+        assert arguments.parse(argv).hardware_profile == "h100"
+        return
+    with pytest.raises(ValueError, match=f"{refusal} and would do nothing under "
+                                         f"--pipeline-schedule {schedule}: drop it"):
+        arguments.parse(argv)
+
+
+#: Megatron options of the attention, position embedding and model that a schedule's model
+#: would not honour: ``(flags, schedule, what the refusal names)``.
+MODEL_REFUSED = [
+    (["--position-embedding-type", "none"], "1f1b", "--position-embedding-type none"),
+    (["--position-embedding-type", "yarn"], "elastic", "--position-embedding-type yarn"),
+    (["--position-embedding-type", "rope", "--use-rope-scaling"], "1f1b", "--use-rope-scaling"),
+    (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "2"],
+     "sppo", "--rotary-seq-len-interpolation-factor"),
+    (["--position-embedding-type", "rope", "--no-rope-freq", "2"], "1f1b", "--no-rope-freq"),
+    (["--window-size", "16,0"], "elastic", "--window-size"),
+    (["--softmax-type", "off-by-one"], "1f1b", "--softmax-type"),
+    (["--qk-l2-norm"], "helix", "--qk-l2-norm"),
+    (["--attention-output-gate"], "helix", "--attention-output-gate"),
+    (["--use-mup"], "helix", "--use-mup"),
+]
+
+
+@pytest.mark.parametrize("flags,schedule,named", MODEL_REFUSED)
+def test_model_options_the_model_would_not_honour_are_refused(flags, schedule, named,
+                                                              monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=named):
+        arguments.parse([*BASE, "--pipeline-schedule", schedule, *flags])
+
+
+def test_helix_refuses_an_fp32_residual(monkeypatch):
+    """Megatron-LM takes ``--fp32-residual-connection`` with bf16 or fp16 only (CUDA), so the
+    helix check is called directly on otherwise valid arguments."""
+    from helix.flags import check_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = arguments.parse([*BASE, "--pipeline-schedule", "helix"])
+    args.fp32_residual_connection = True
+    with pytest.raises(ValueError, match="--fp32-residual-connection is not supported by helix"):
+        check_args(args)

@@ -33,7 +33,11 @@ def test_prints_grid_and_writes_outputs(tmp_path):
 def test_unknown_schedule_lists_valid_names():
     result = show("--schedule", "nope", "--pp", "2", "--microbatches", "2")
     assert result.returncode == 2
-    assert "unknown schedule 'nope'; valid names: 1f1b" in result.stderr
+    assert "unknown pipeline schedule 'nope'; valid names: default, 1f1b" in result.stderr
+    result = show("--schedule", "interleaved", "--pp", "2", "--microbatches", "2")
+    assert result.returncode == 2
+    assert "schedule 'interleaved' has no IR builder; schedules with one: 1f1b, 1f1b-ir" \
+        in result.stderr
 
 
 def test_helix_grid_and_the_one_fold_bubble(tmp_path):

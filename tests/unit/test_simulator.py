@@ -8,7 +8,7 @@ from megatron.plugin.pipeline.ir import Action, Kind, parse_schedule
 from megatron.plugin.pipeline.passes import add_communication, add_recomputation
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import Deadlock, UniformCosts, simulate
-from megatron.plugin.pipeline.trace import write_chrome_trace
+from megatron.plugin.pipeline.chrome_trace import write_chrome_trace
 
 
 def planned(pp, m):

@@ -4,7 +4,7 @@ import pytest
 from megatron.plugin.pipeline.ir import Kind
 from megatron.plugin.pipeline.simulator import simulate
 
-from elastic_pipe.hardware import load_profile
+from longctx.hardware import load_profile
 
 from sppo_offload.models import get_model
 from sppo_offload.multiplex import (MultiplexCosts, compare, min_tokens, multiplexed_schedule,

@@ -6,8 +6,8 @@ import pytest
 from megatron.plugin.pipeline.ir import parse_schedule
 from megatron.plugin.pipeline.simulator import UniformCosts, simulate
 
-from elastic_pipe.cost_model import GB, CostModel, ParallelConfig
-from elastic_pipe.hardware import load_profile
+from longctx.cost_model import GB, CostModel, ParallelConfig
+from longctx.hardware import load_profile
 
 from sppo_offload.costs import SequenceCosts, subsequence_chunks
 from sppo_offload.models import get_model

@@ -8,16 +8,16 @@ from megatron.plugin.arguments import parse
 from megatron.plugin.pipeline.ir import Kind
 from megatron.plugin.pipeline.validation import validate
 
-from elastic_pipe.cost_model import CostModel, ParallelConfig
-from elastic_pipe.hardware import load_profile
-from elastic_pipe.models import ModelConfig
+from longctx.cost_model import CostModel, ParallelConfig
+from longctx.hardware import load_profile
+from longctx.models import ModelConfig
 
 from sppo_offload.pipeline import build_schedule
-from elastic_pipe.cost_model import GB
+from longctx.cost_model import GB
 
-from sppo_offload.runtime import (_check_multiplexable, auto_subsequences, check_budget,
-                                  offload_flag, plan_subsequences, replay,
-                                  subsequences_flag)
+from sppo_offload.batch_plan import auto_subsequences, check_budget, plan_subsequences, replay
+from sppo_offload.flags import offload_flag, subsequences_flag
+from sppo_offload.subsequence_batch import _check_multiplexable
 
 
 def cost_model(pp=2):

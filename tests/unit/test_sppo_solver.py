@@ -4,8 +4,8 @@ import pytest
 from megatron.plugin.pipeline.ir import Kind
 from megatron.plugin.pipeline.validation import validate
 
-from elastic_pipe.cost_model import GB
-from elastic_pipe.hardware import load_profile
+from longctx.cost_model import GB
+from longctx.hardware import load_profile
 
 from sppo_offload.models import get_model
 from sppo_offload.solver import (MEGATRON, SEQ1F1B, SPPO, NoFit, SolverConfig, fits,

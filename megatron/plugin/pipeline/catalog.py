@@ -1,24 +1,22 @@
-"""Schedule generators by name, for tools that draw or price a schedule without running it
+"""Schedules as IR for tools that draw or price a schedule without running it
 (``scripts/show_schedule.py``).
 
-:func:`build` returns the validated schedule with its transfers, the unit costs that price it
-and how the simulator must replay it (``eager_sends`` for helix, whose hops run against the
-pipeline's direction). :class:`Options` carries what a schedule needs besides
-``(pp, microbatches)`` (helix: layers, folds, recomputation) and the unit costs.
+Each schedule's spec names its IR builder (``ScheduleSpec.build_ir``): ``build_ir(pp, units,
+options)`` returns a :class:`Built`, the validated schedule with its transfers, the unit costs
+that price it and how the simulator must replay it (``eager_sends`` for helix, whose hops run
+against the pipeline's direction). :class:`Options` carries what a schedule needs besides
+``(pp, units)`` (helix: layers, folds, recomputation) and the unit costs. :func:`build` looks
+the builder up by schedule name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
-from helix.schedule import HelixCosts, planned_helix
-from megatron.plugin.pipeline.ir import Action
+from megatron.plugin.pipeline.ir import Schedule
 from megatron.plugin.pipeline.passes import add_communication
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import UniformCosts
 from megatron.plugin.pipeline.validation import validate
-
-Schedule = list[list[Action]]
 
 
 @dataclass(frozen=True)
@@ -34,6 +32,8 @@ class Options:
     """Helix: micro-batches in flight per slot."""
     recompute: bool = False
     """Helix: recompute the pre/post-attention parts before their backward."""
+    offload: bool = False
+    """SPPO: offload every subsequence but the last and reload it before its backward."""
     t_pre: float = 1.0
     """Helix: pre-attention forward (input norm, QKV projection)."""
     t_attn: float = 1.0
@@ -49,32 +49,17 @@ class Built:
     eager_sends: bool = False
 
 
-def _one_f_one_b(pp: int, microbatches: int, options: Options) -> Built:
+def one_f_one_b_ir(pp: int, microbatches: int, options: Options) -> Built:
+    """Megatron's non-interleaved 1F1B (``1f1b``, ``1f1b-ir``) with uniform unit costs."""
     schedule = add_communication(one_f_one_b(pp, microbatches), num_stages=pp)
     validate(schedule)
     return Built(schedule, UniformCosts(forward=options.forward, backward=options.backward,
                                         transfer=options.transfer))
 
 
-def _helix(pp: int, microbatches: int, options: Options) -> Built:
-    layers = options.num_layers if options.num_layers is not None else 2 * pp
-    schedule = planned_helix(pp, layers, microbatches, options.folds, options.recompute)
-    costs = HelixCosts(options.t_pre, options.t_attn, options.t_post, layers,
-                       backward=options.backward / options.forward,
-                       transfer=options.transfer)
-    return Built(schedule, costs, eager_sends=True)
+def build(name: str, pp: int, units: int, options: Options = Options()) -> Built:
+    """The validated schedule ``name`` for ``pp`` stages and ``units`` micro-batches (or
+    chunks, subsequences: what the schedule counts)."""
+    from megatron.plugin import registry
 
-
-_GENERATORS: dict[str, Callable[[int, int, Options], Built]] = {
-    "1f1b": _one_f_one_b, "helix": _helix}
-
-
-def generator_names() -> list[str]:
-    return sorted(_GENERATORS)
-
-
-def build(name: str, pp: int, microbatches: int, options: Options = Options()) -> Built:
-    """The validated schedule ``name`` for ``pp`` stages and ``microbatches`` units."""
-    if name not in _GENERATORS:
-        raise ValueError(f"unknown schedule {name!r}; valid names: {', '.join(generator_names())}")
-    return _GENERATORS[name](pp, microbatches, options)
+    return registry.build_ir(name)(pp, units, options)

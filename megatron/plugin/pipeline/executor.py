@@ -1,6 +1,9 @@
 """The one interpreter of schedule IR on real ranks, honouring Megatron's forward-backward contract.
 
-:func:`run_schedule` executes one rank's action list:
+:func:`run_schedule` executes one rank's action list: a dispatch loop that posts each run of
+transfers as one batch and hands every other action to the handler of its kind
+(:data:`HANDLERS`: a new kind of action is a new entry), or to the schedule's part program for
+an action with a part; :class:`StageRun` keeps the bookkeeping between them.
 
 * ``FORWARD``/``BACKWARD`` call megatron-core's own ``forward_step`` / ``backward_step`` (the
   functions Megatron's 1F1B calls), so loss dicts, per-token loss (``num_tokens`` summed into the
@@ -35,13 +38,12 @@ the memory actions are skipped (nothing is saved).
 Data order: every rank calls ``forward_step_func`` once per forward, so each rank's forwards
 must consume the data iterator in unit order (the validated schedules do). Per-action wall
 times (transfer batches under category ``comm``, with each transfer's bytes) are recorded as
-:class:`~megatron.plugin.pipeline.trace.TraceEvent` for the same Chrome trace the simulator
+:class:`~megatron.plugin.pipeline.chrome_trace.TraceEvent` for the same Chrome trace the simulator
 writes.
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
@@ -49,16 +51,13 @@ from typing import Callable, Protocol, Sequence
 import torch
 from torch.autograd import Variable
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
-from megatron.core.utils import get_model_config
 
 from megatron.plugin.kv_store import KVStore
 from megatron.plugin.memory import storage_key
 from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
 from megatron.plugin.pipeline.offload import ActivationOffloader
-from megatron.plugin.pipeline.p2p import PeerChannel
-from megatron.plugin.pipeline.simulator import transfer_batches
-from megatron.plugin.pipeline.trace import TraceEvent
+from megatron.plugin.pipeline.stage_run import StageRun
 
 
 @dataclass
@@ -130,25 +129,7 @@ class PartProgram(Protocol):
     def recompute(self, action: Action) -> None: ...
 
 
-class _GradSync:
-    """Megatron's ``disable_grad_sync`` / ``enable_grad_sync`` pair."""
-
-    def __init__(self, config):
-        self.no_sync = config.no_sync_func or contextlib.nullcontext
-        self.context = None
-
-    def disable(self):
-        if self.context is None:
-            self.context = self.no_sync()
-            self.context.__enter__()
-
-    def enable(self):
-        if self.context is not None:
-            self.context.__exit__(None, None, None)
-            self.context = None
-
-
-def _run_backward(tensors: list, grads: list) -> None:
+def run_backward(tensors: list, grads: list) -> None:
     """One autograd call from several roots (outputs may be pseudo-deallocated, as in
     Megatron's ``custom_backward``)."""
     Variable._execution_engine.run_backward(
@@ -197,240 +178,197 @@ def chunk_backward(chunks: ChunkState, unit: int, input_tensor, output, output_g
         return tensors, grads
 
     tensors, grads = targets(set(chunks.layers.graph_layers(stash)))
-    _run_backward([output, *tensors], [output_grad, *grads])
+    run_backward([output, *tensors], [output_grad, *grads])
     if stash is not None:
         if stash.recomputed is None:
             raise RuntimeError(f"unit {unit}: checkpointed layers were not recomputed before "
                                f"the backward (missing RECOMPUTE action)")
         tensors, grads = targets(set(chunks.layers.checkpointed_layers(stash)))
-        _run_backward([stash.recomputed, *tensors], [stash.boundary.grad, *grads])
+        run_backward([stash.recomputed, *tensors], [stash.boundary.grad, *grads])
     for doc_key, index in slices:
         store.release(doc_key, index)
     return input_tensor.grad if input_tensor is not None else None
 
 
+Handler = Callable[[StageRun, int, Action], "float | None"]
+"""Runs one compute or memory action of this rank (``index`` in its list); returns the time its
+work started when it first waited for something (traced apart), else ``None``."""
+
+
+def _transfers(run: StageRun, index: int) -> int:
+    """Post the run of transfers starting at ``index`` as one batch (eagerly for a part
+    program with ``eager_sends``); returns the index after it."""
+    start = time.perf_counter()
+    stop = run.batches[index]
+    batch = [a for a in run.actions[index:stop]
+             if run.training or a.kind in (Kind.SEND_F, Kind.RECV_F)]
+    sends = [(a, (run.mailbox if run.claimed(a) else run.to_send).pop(run.route(a)))
+             for a in batch if a.is_send()]
+    recvs = [(a, torch.empty(run.ctx.shape_of(a), dtype=run.dtype, device=run.device))
+             for a in batch if a.is_recv()]
+    if run.eager:
+        # One post per link (p2p): a receive is waited for with its link's batch, never with a
+        # send of this rank (its peer may be waiting for this rank).
+        run.in_flight = [p for p in run.in_flight if not p.done()]
+        for posted in run.channel.post(sends, recvs):
+            if posted.actions[0].is_recv():
+                for a in posted.actions:
+                    run.arriving[run.route(a)] = posted
+            else:
+                run.in_flight.append(posted)
+    else:
+        run.channel.exchange(sends, recvs)
+    for a, buffer in recvs:
+        (run.mailbox if run.claimed(a) else run.received)[run.route(a)] = buffer
+    if run.training:
+        _deallocate_sent([(a, t) for a, t in sends if not run.claimed(a)], run.config)
+    end = time.perf_counter()
+    for a, tensor in sends + recvs:
+        run.trace(str(a), start, end, "comm", tensor.numel() * tensor.element_size())
+    return stop
+
+
+def _part(run: StageRun, index: int, action: Action) -> float | None:
+    """A compute action of the part program: its tensors from the mailbox (waiting for those
+    still arriving), its products back into it."""
+    program = run.ctx.program
+    if action.kind is Kind.RECOMPUTE:
+        if run.training:
+            program.recompute(action)
+        return None
+    if not (run.training or action.kind in (Kind.FORWARD, Kind.ATTN_F)):
+        return None
+    run.before_backward(index)
+    mine = [k for k in run.mailbox if k[:3] == (action.kind, action.unit, action.part)]
+    waits = {run.arriving.pop(k) for k in mine if k in run.arriving}
+    started = None
+    if waits:
+        start = time.perf_counter()
+        for posted in waits:
+            posted.wait()
+        started = time.perf_counter()
+        run.trace(f"wait for {action}", start, started, "comm")
+    given = {k[3]: run.mailbox.pop(k) for k in mine}
+    compute = program.forward if action.kind in (Kind.FORWARD, Kind.ATTN_F) \
+        else program.backward
+    made, num_tokens = compute(action, given)
+    run.total_tokens += num_tokens
+    for kind, part, name, tensor in made:
+        run.mailbox[(kind, action.unit, part, name)] = tensor
+    return started
+
+
+def _forward(run: StageRun, index: int, action: Action) -> None:
+    """Megatron's ``forward_step`` on this stage (checkpointing the plan's leading layers and
+    capturing saved tensors for an ``OFFLOAD`` where the schedule has them)."""
+    ctx, key = run.ctx, (action.unit, action.part)
+    chunks = ctx.chunks
+    input_tensor = run.received.pop((Kind.RECV_F, *key), None)
+    if input_tensor is not None:
+        input_tensor.requires_grad_(run.training)
+    count = chunks.checkpointed(action.unit) if chunks is not None and run.training else 0
+    with chunks.layers.armed(count) if count else contextlib.nullcontext(), \
+            ctx.offload.capture(key) if key in run.captured else contextlib.nullcontext():
+        output, num_tokens = megatron_schedules.forward_step(
+            run.step_func, ctx.data_iterator, run.model, ctx.num_microbatches, input_tensor,
+            run.forward_data_store, run.config, cp_group_size=ctx.pg_collection.cp.size(),
+            collect_non_loss_data=ctx.collect_non_loss_data,
+            is_first_microbatch=megatron_schedules.check_first_val_step(
+                ctx.first_val_step, ctx.forward_only, run.forwards_done == 0),
+            current_microbatch=action.unit, is_last_stage=ctx.is_last_stage)
+    if count:
+        run.stashes[key] = chunks.layers.take()
+    run.forwards_done += 1
+    run.total_tokens += num_tokens
+    if not ctx.is_last_stage:
+        run.to_send[(Kind.SEND_F, *key)] = output
+    if run.training:
+        run.inputs[key] = input_tensor
+        run.outputs[key] = output
+    # Returning drops this frame's references: a name left bound to the last forward's output
+    # would keep its graph's nodes -- and through them the K/V context leaves of every earlier
+    # slice, with their gradients -- alive through all the backwards.
+
+
+def _backward(run: StageRun, index: int, action: Action) -> None:
+    """Megatron's ``backward_step``, or a document chunk's (with its K/V as extra roots)."""
+    if not run.training:
+        return
+    ctx, key = run.ctx, (action.unit, action.part)
+    run.before_backward(index)
+    output_grad = run.received.pop((Kind.RECV_B, *key), None)
+    if key in run.captured:
+        ctx.offload.before_backward(key)
+    if ctx.chunks is None:
+        input_grad = megatron_schedules.backward_step(
+            run.inputs.pop(key), run.outputs.pop(key), output_grad, run.config)
+    else:
+        input_grad = chunk_backward(ctx.chunks, action.unit, run.inputs.pop(key),
+                                    run.outputs.pop(key), output_grad,
+                                    run.stashes.pop(key, None), run.config)
+    if key in run.captured:
+        ctx.offload.release(key)
+    if not ctx.is_first_stage:
+        run.to_send[(Kind.SEND_B, *key)] = input_grad
+
+
+def _recompute(run: StageRun, index: int, action: Action) -> None:
+    """Rebuild the checkpointed leading layers of a chunk before its backward."""
+    if not run.training:
+        return
+    stash = run.stashes.get((action.unit, action.part))
+    if stash is None:
+        raise RuntimeError(f"{action}: the forward of unit {action.unit} checkpointed no "
+                           f"layer on this stage")
+    run.ctx.chunks.layers.recompute(stash)
+
+
+def _offload(run: StageRun, index: int, action: Action) -> None:
+    """Move the unit's share of saved activations to the host tier, keeping on the device
+    what others still read (its input and output, the K/V store)."""
+    if not run.training:
+        return
+    key = (action.unit, action.part)
+    resident = {storage_key(t) for t in (run.inputs.get(key), run.outputs.get(key))
+                if t is not None}
+    if run.ctx.chunks is not None:
+        resident |= run.ctx.chunks.kv_store.storage_keys()
+    run.ctx.offload.offload(key, resident)
+
+
+def _reload(run: StageRun, index: int, action: Action) -> None:
+    if run.training:
+        run.ctx.offload.reload((action.unit, action.part))
+
+
+#: The handler of each action kind the executor runs itself (a part program runs the actions
+#: that have a part).
+HANDLERS: dict[Kind, Handler] = {
+    Kind.FORWARD: _forward, Kind.BACKWARD: _backward, Kind.RECOMPUTE: _recompute,
+    Kind.OFFLOAD: _offload, Kind.RELOAD: _reload,
+}
+
+
 def run_schedule(actions: list[Action], ctx: StageContext) -> list:
     """Execute ``actions`` (this rank's list); returns Megatron's ``forward_data_store``."""
-    model = ctx.model
-    config = get_model_config(model)
-    dtype = config.pipeline_dtype or torch.float32
-    device = next(model.parameters()).device
-    rank = ctx.pp_group.rank()
-    channel = PeerChannel(ctx.pp_group, f"pipeline rank {rank}", ctx.timeout_s)
-    training = not ctx.forward_only
-    if training and config.finalize_model_grads_func is not None:
-        embedding_module = megatron_schedules.clear_embedding_activation_buffer(
-            config, model, ctx.is_last_stage)
-    sync = _GradSync(config)
-    sync.disable()
-    last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD),
-                        default=None)
-    batches = dict(transfer_batches(actions))
-
-    total_tokens = torch.zeros([], dtype=torch.int, device=device)
-    forward_data_store: list = []
-    inputs: dict[tuple, torch.Tensor | None] = {}
-    outputs: dict[tuple, torch.Tensor] = {}
-    received: dict[tuple, torch.Tensor] = {}
-    to_send: dict[tuple, torch.Tensor | None] = {}
-    stashes: dict[tuple, object] = {}
-    chunks = ctx.chunks
-    step_func = ctx.forward_step_func
-    if chunks is not None:
-        step_func = functools.partial(step_func, kv_store=chunks.kv_store, record_kv=True)
-    forwards_done = 0
-    origin = time.perf_counter()
-    program = ctx.program
-    offloader = ctx.offload
-    captured = {(a.unit, a.part) for a in actions if a.kind is Kind.OFFLOAD} if training \
-        else set()
-    if captured and (offloader is None or any(part is not None for _, part in captured)):
-        raise ValueError(f"pipeline rank {rank}: OFFLOAD actions need an activation offloader "
-                         f"(StageContext.offload) and whole-stage compute, not a part")
-    eager = program is not None and program.flow.eager_sends
-    in_flight = []
-    arriving: dict[tuple, object] = {}
-    mailbox: dict[tuple, torch.Tensor] = {}
-
-    def claimed(a: Action) -> bool:
-        """Whether the part program runs ``a`` (or its transfer carries a part's tensor)."""
-        return program is not None and a.part is not None
-
-    def route(a: Action) -> tuple:
-        if not claimed(a):
-            return (a.kind, a.unit, a.part)
-        return (*program.flow.consumer(a), a.tensor)
-
+    run = StageRun(actions, ctx)
     index = 0
     while index < len(actions):
         action = actions[index]
-        if ctx.device_times and not action.is_communication():
-            _wait_for_device()
-        start = time.perf_counter()
         if action.is_communication():
-            stop = batches[index]
-            batch = [a for a in actions[index:stop]
-                     if training or a.kind in (Kind.SEND_F, Kind.RECV_F)]
-            sends = [(a, (mailbox if claimed(a) else to_send).pop(route(a)))
-                     for a in batch if a.is_send()]
-            recvs = [(a, torch.empty(ctx.shape_of(a), dtype=dtype, device=device))
-                     for a in batch if a.is_recv()]
-            if eager:
-                # One post per link (p2p): a receive is waited for with its link's batch, never
-                # with a send of this rank (its peer may be waiting for this rank).
-                in_flight = [p for p in in_flight if not p.done()]
-                for posted in channel.post(sends, recvs):
-                    if posted.actions[0].is_recv():
-                        for a in posted.actions:
-                            arriving[route(a)] = posted
-                    else:
-                        in_flight.append(posted)
-            else:
-                channel.exchange(sends, recvs)
-            for a, buffer in recvs:
-                (mailbox if claimed(a) else received)[route(a)] = buffer
-            if training:
-                _deallocate_sent([(a, t) for a, t in sends if not claimed(a)], config)
-            took = time.perf_counter() - start
-            ctx.events.extend(TraceEvent(rank, str(a), start - origin, took, "comm",
-                                         tensor.numel() * tensor.element_size())
-                              for a, tensor in sends + recvs)
-            # Names left bound to a sent output would keep its graph's nodes alive (see below).
-            del sends, recvs
-            index = stop
+            index = _transfers(run, index)
             continue
-        key = (action.unit, action.part)
-        if claimed(action):
-            if action.kind is Kind.RECOMPUTE:
-                if training:
-                    program.recompute(action)
-            elif training or action.kind in (Kind.FORWARD, Kind.ATTN_F):
-                if index == last_backward and (config.grad_sync_func is None or rank == 0):
-                    sync.enable()
-                mine = [k for k in mailbox if k[:3] == (action.kind, action.unit, action.part)]
-                waits = {arriving.pop(k) for k in mine if k in arriving}
-                if waits:
-                    for posted in waits:
-                        posted.wait()
-                    waited = time.perf_counter()
-                    ctx.events.append(TraceEvent(rank, f"wait for {action}", start - origin,
-                                                 waited - start, "comm"))
-                    start = waited
-                given = {k[3]: mailbox.pop(k) for k in mine}
-                run = program.forward if action.kind in (Kind.FORWARD, Kind.ATTN_F) \
-                    else program.backward
-                made, num_tokens = run(action, given)
-                total_tokens += num_tokens
-                for kind, part, name, tensor in made:
-                    mailbox[(kind, action.unit, part, name)] = tensor
-        elif action.kind is Kind.FORWARD:
-            input_tensor = received.pop((Kind.RECV_F, *key), None)
-            if input_tensor is not None:
-                input_tensor.requires_grad_(training)
-            count = chunks.checkpointed(action.unit) if chunks is not None and training else 0
-            with chunks.layers.armed(count) if count else contextlib.nullcontext(), \
-                    offloader.capture(key) if key in captured else contextlib.nullcontext():
-                output, num_tokens = megatron_schedules.forward_step(
-                    step_func, ctx.data_iterator, model, ctx.num_microbatches,
-                    input_tensor, forward_data_store, config,
-                    cp_group_size=ctx.pg_collection.cp.size(),
-                    collect_non_loss_data=ctx.collect_non_loss_data,
-                    is_first_microbatch=megatron_schedules.check_first_val_step(
-                        ctx.first_val_step, ctx.forward_only, forwards_done == 0),
-                    current_microbatch=action.unit,
-                    is_last_stage=ctx.is_last_stage,
-                )
-            if count:
-                stashes[key] = chunks.layers.take()
-            forwards_done += 1
-            total_tokens += num_tokens
-            if not ctx.is_last_stage:
-                to_send[(Kind.SEND_F, *key)] = output
-            if training:
-                inputs[key] = input_tensor
-                outputs[key] = output
-            # The stashes own them now. A name left bound to the last forward's output would
-            # keep its graph's nodes -- and through them the K/V context leaves of every earlier
-            # slice, with their gradients -- alive through all the backwards.
-            del input_tensor, output
-        elif action.kind is Kind.BACKWARD:
-            if not training:
-                index += 1
-                continue
-            if index == last_backward and (config.grad_sync_func is None or rank == 0):
-                sync.enable()
-            output_grad = received.pop((Kind.RECV_B, *key), None)
-            if key in captured:
-                offloader.before_backward(key)
-            if chunks is None:
-                input_grad = megatron_schedules.backward_step(
-                    inputs.pop(key), outputs.pop(key), output_grad, config)
-            else:
-                input_grad = chunk_backward(chunks, action.unit, inputs.pop(key),
-                                            outputs.pop(key), output_grad,
-                                            stashes.pop(key, None), config)
-            if key in captured:
-                offloader.release(key)
-            if not ctx.is_first_stage:
-                to_send[(Kind.SEND_B, *key)] = input_grad
-        elif action.kind is Kind.RECOMPUTE:
-            if training:
-                stash = stashes.get(key)
-                if stash is None:
-                    raise RuntimeError(f"{action}: the forward of unit {action.unit} "
-                                       f"checkpointed no layer on this stage")
-                chunks.layers.recompute(stash)
-                del stash  # bound past its backward, it would keep the recomputed graph alive
-        elif action.kind is Kind.OFFLOAD:
-            if training:
-                resident = {storage_key(t) for t in (inputs.get(key), outputs.get(key))
-                            if t is not None}
-                if chunks is not None:
-                    resident |= chunks.kv_store.storage_keys()
-                offloader.offload(key, resident)
-        elif action.kind is Kind.RELOAD:
-            if training:
-                offloader.reload(key)
-        else:
+        handler = _part if run.claimed(action) else HANDLERS.get(action.kind)
+        if handler is None:
             raise ValueError(
                 f"{action}: the executor runs forward, backward and their transfers; "
                 f"{action.kind.name} actions come with the schedules that use them")
         if ctx.device_times:
             _wait_for_device()
-        ctx.events.append(TraceEvent(rank, str(action), start - origin,
-                                     time.perf_counter() - start))
+        start = time.perf_counter()
+        start = handler(run, index, action) or start
+        if ctx.device_times:
+            _wait_for_device()
+        run.trace(str(action), start, time.perf_counter())
         index += 1
-    for posted in in_flight + list(arriving.values()):
-        posted.wait()
-    if mailbox:
-        raise RuntimeError(f"pipeline rank {rank}: the schedule left tensors nobody consumed: "
-                           f"{sorted(str(k) for k in mailbox)[:8]}")
-    if captured:
-        offloader.check_empty(f"pipeline rank {rank}")
-    if chunks is not None:
-        if ctx.forward_only:
-            chunks.kv_store.clear()
-        elif len(chunks.kv_store):
-            raise RuntimeError(f"pipeline rank {rank}: K/V of {len(chunks.kv_store)} slices "
-                               f"were never released: a slice's backward is missing")
-    if inputs or outputs or received or to_send or stashes:
-        left = sorted({k[0] for k in inputs} | {k[0] for k in outputs} |
-                      {k[1] for k in received} | {k[1] for k in to_send})
-        raise RuntimeError(f"pipeline rank {rank}: the schedule left stashed tensors of "
-                           f"units {left}: every forward needs its backward and transfers")
-    if training:
-        if sync.context is not None:
-            sync.enable()
-            if config.grad_sync_func is not None:
-                config.grad_sync_func(model.parameters())
-        if config.finalize_model_grads_func is not None:
-            if program is not None:
-                # Megatron takes the token count from the last stage; a part schedule may
-                # compute the loss elsewhere (helix: stage 0), so every stage gets the total.
-                torch.distributed.all_reduce(total_tokens, group=ctx.pp_group)
-            megatron_schedules.finish_embedding_wgrad_compute(
-                config, embedding_module, ctx.is_last_stage, ctx.pg_collection.tp)
-            config.finalize_model_grads_func(
-                [model], total_tokens if config.calculate_per_token_loss else None,
-                pg_collection=ctx.pg_collection)
-    return forward_data_store
+    return run.finish()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from megatron.plugin.pipeline.ir import parse
-from megatron.plugin.pipeline.trace import TraceEvent
+from megatron.plugin.pipeline.chrome_trace import TraceEvent
 
 _COLOURS = {"F": "#4c72b0", "B": "#55a868", "R": "#c44e52", "ATTN_F": "#8172b2",
             "ATTN_B": "#64b5cd", "OFFLOAD": "#ccb974", "RELOAD": "#937860"}

@@ -120,6 +120,9 @@ class Action:
         return text
 
 
+Schedule = list[list[Action]]
+"""One ordered list of actions per pipeline rank."""
+
 _PART = re.compile(r"\[\d+:\d+\]|\.[A-Za-z_][A-Za-z0-9_]*")
 _KINDS = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
 _ACTION = re.compile(
@@ -142,13 +145,13 @@ def parse(text: str) -> Action:
                   match["tensor"])
 
 
-def format_schedule(schedule: list[list[Action]]) -> str:
+def format_schedule(schedule: Schedule) -> str:
     """One line per rank: ``rank: action action ...`` (the golden-file form)."""
     return "\n".join(f"{rank}: {' '.join(str(a) for a in actions)}"
                      for rank, actions in enumerate(schedule))
 
 
-def parse_schedule(text: str) -> list[list[Action]]:
+def parse_schedule(text: str) -> Schedule:
     """Inverse of :func:`format_schedule`."""
     schedule = []
     for number, line in enumerate(text.strip().splitlines()):

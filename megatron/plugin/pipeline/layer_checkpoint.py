@@ -23,6 +23,7 @@ new graph (see :mod:`megatron.plugin.kv_store`): what other slices read is never
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -134,3 +135,15 @@ class _Armed:
             owner._kwargs = owner._rng = None
         owner._count = 0
         return False
+
+
+_LAYERS: "weakref.WeakKeyDictionary[torch.nn.Module, LeadingLayers]" = \
+    weakref.WeakKeyDictionary()
+
+
+def leading_layers(model) -> LeadingLayers:
+    """The :class:`LeadingLayers` of ``model`` (one per model: it hooks the model's layers)."""
+    layers = _LAYERS.get(model)
+    if layers is None:
+        layers = _LAYERS[model] = LeadingLayers(model)
+    return layers

@@ -9,9 +9,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable
 
-from megatron.plugin.pipeline.ir import Action, Kind
-
-Schedule = list[list[Action]]
+from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 
 
 def add_communication(schedule: Schedule, num_stages: int | None = None) -> Schedule:

@@ -47,10 +47,8 @@ import itertools
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
-from megatron.plugin.pipeline.ir import Action, Kind
-from megatron.plugin.pipeline.trace import TraceEvent
-
-Schedule = list[list[Action]]
+from megatron.plugin.pipeline.ir import Action, Kind, Schedule
+from megatron.plugin.pipeline.chrome_trace import TraceEvent
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Callable
 
-from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.simulator import Deadlock, dry_run
 
-Schedule = list[list[Action]]
 
 #: Steps shown before and after the failing one.
 _CONTEXT = 4

@@ -64,9 +64,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from elastic_pipe.chunks import Chunk
-from elastic_pipe.hardware import HardwareProfile
-from elastic_pipe.models import ModelConfig
+from longctx.chunks import Chunk
+from longctx.hardware import HardwareProfile
+from longctx.models import ModelConfig
 
 GB = 1e9
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megatron.plugin.pipeline.trace import write_chrome_trace
+from megatron.plugin.pipeline.chrome_trace import write_chrome_trace
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
 
-from elastic_pipe.models import DTYPE_BYTES
+from longctx.models import DTYPE_BYTES
 
 SOURCES = ("spec-derived", "measured")
 
@@ -76,7 +76,7 @@ class ActivationCoefficients:
     tp: int
     dtype: str
     """Element type of the profiled weights and activations (a key of
-    :data:`~elastic_pipe.models.DTYPE_BYTES`); the cost model refuses another."""
+    :data:`~longctx.models.DTYPE_BYTES`); the cost model refuses another."""
 
     def __post_init__(self):
         values = (self.layer, self.checkpointed, self.kv, self.dkv, self.embedding, self.head)
@@ -198,7 +198,7 @@ class HardwareProfile:
 
 def builtin_profiles() -> list[str]:
     """Names of the shipped profiles."""
-    folder = resources.files("elastic_pipe") / "profiles"
+    folder = resources.files("longctx") / "profiles"
     return sorted(entry.name[:-5] for entry in folder.iterdir() if entry.name.endswith(".json"))
 
 
@@ -231,5 +231,5 @@ def load_profile(name_or_path: str) -> HardwareProfile:
     if name_or_path not in builtin_profiles():
         raise ValueError(f"unknown hardware {name_or_path!r}; valid: "
                          f"{', '.join(builtin_profiles())} (or a profile .json path)")
-    text = (resources.files("elastic_pipe") / "profiles" / f"{name_or_path}.json").read_text()
+    text = (resources.files("longctx") / "profiles" / f"{name_or_path}.json").read_text()
     return profile_from_dict(json.loads(text))

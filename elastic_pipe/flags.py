@@ -1,0 +1,77 @@
+"""The flags of ``elastic`` and ``seq1f1b``, their checks, and the planner's configuration
+they make."""
+from __future__ import annotations
+
+import argparse
+
+from longctx.job_costs import CPU_MEMORY_GB
+
+from elastic_pipe.scheduler import SchedulerConfig
+from elastic_pipe.sequence_processor import ChunkingConfig
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("elastic pipeline (InfiniPipe) and seq1f1b")
+    g.add_argument("--elastic-memory-gb", type=float, default=None,
+                   help="memory budget per device, GB; default: the CUDA device's memory, "
+                        f"{CPU_MEMORY_GB:g} on CPU")
+    g.add_argument("--elastic-reserved-gb", type=float, default=None,
+                   help="part of the budget never planned for (CUDA context, NCCL buffers, "
+                        "fragmentation); default 2 on CUDA, 0 on CPU")
+    g.add_argument("--elastic-solver-time-limit", type=float, default=0.2,
+                   help="CP-SAT deterministic time limit per candidate pipeline, seconds")
+    g.add_argument("--elastic-slices", default="auto", type=slices_flag,
+                   help="slices of the longest document: N, or auto (tried 1, 2, 3, 4, 6, ... "
+                        "while a slice keeps --elastic-min-slice-tokens)")
+    g.add_argument("--elastic-min-slice-tokens", type=int, default=4096,
+                   help="smallest first slice the automatic slice count goes down to")
+    g.add_argument("--elastic-refit-interval", type=interval_flag, default=0,
+                   help="every K training iterations, refit the cost model's eq. 1 "
+                        "coefficients and backward factor to the executor's measured "
+                        "forward and backward times (0: never)")
+
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse the Megatron options ``elastic`` and ``seq1f1b`` would not honour, naming them.
+
+    Recomputation is the plan's own (the first ``ckpt(stage, chunk)`` layers of each chunk,
+    chosen by CP-SAT within ``--elastic-memory-gb``); Megatron's ``--recompute-granularity``
+    would run the forward without autograd and leave the K/V that later slices read without a
+    graph. Each chunk is one packed row of the plan's length, so a micro-batch size other than
+    1 has nothing to count.
+    """
+    if args.recompute_granularity is not None:
+        raise ValueError(f"{args.pipeline_schedule} checkpoints layers per chunk itself (chosen "
+                         "within --elastic-memory-gb): drop --recompute-granularity, and lower "
+                         "--elastic-memory-gb to make it recompute more")
+    if args.micro_batch_size != 1:
+        raise ValueError(f"{args.pipeline_schedule} runs each chunk as one packed row: set "
+                         f"--micro-batch-size 1 (got {args.micro_batch_size}); "
+                         "--global-batch-size sets the documents per iteration")
+
+
+def interval_flag(value: str) -> int:
+    """``--elastic-refit-interval``: a number of iterations, ``0`` for never."""
+    if not value.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0: never), got {value!r}")
+    return int(value)
+
+
+def slices_flag(value: str):
+    """``--elastic-slices``: ``"auto"`` or a positive integer."""
+    if value == "auto":
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', got {value!r}")
+    return int(value)
+
+
+def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
+    if args.elastic_solver_time_limit <= 0:
+        raise ValueError("--elastic-solver-time-limit must be > 0 seconds")
+    chunking = ChunkingConfig(min_slice_tokens=args.elastic_min_slice_tokens,
+                              slice_counts=None if args.elastic_slices == "auto"
+                              else (args.elastic_slices,))
+    return SchedulerConfig(chunking=chunking, solver_time_limit=args.elastic_solver_time_limit,
+                           workers=1)

@@ -1,0 +1,59 @@
+"""The flags of ``helix`` and what it refuses."""
+from __future__ import annotations
+
+import argparse
+
+
+from helix.mapping import check_layout
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("helix pipeline (HelixPipe)")
+    g.add_argument("--helix-folds", type=int, default=2,
+                   help="micro-batches in flight per slot (2: the two-fold FILO schedule)")
+    g.add_argument("--helix-recompute-without-attention", action="store_true",
+                   help="recompute pre/post-attention parts before their backward, never the "
+                        "attention")
+    g.add_argument("--helix-mlp-chunk-size", type=int, default=None, metavar="TOKENS",
+                   help="run each MLP block over chunks of TOKENS sequence positions, keeping "
+                        "one chunk's intermediate activations at a time (see "
+                        "helix/chunked_mlp.py)")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` for settings helix cannot run (called by the training script's
+    ``check_args``)."""
+    check_layout(args.num_layers, args.pipeline_model_parallel_size)
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError("helix interleaves layer parts itself: drop "
+                         "--num-layers-per-virtual-pipeline-stage")
+    if args.context_parallel_size > 1:
+        raise ValueError("helix runs each attention on one stage; --context-parallel-size > 1 "
+                         "is not supported with it (use elastic for Ulysses)")
+    if args.recompute_granularity is not None:
+        raise ValueError("helix recomputes its own layer parts: drop --recompute-granularity "
+                         "and pass --helix-recompute-without-attention (pre/post-attention "
+                         "parts recomputed, attention never)")
+    for flag, dest, why in (
+            ("--attention-output-gate", "attention_output_gate",
+             "the shipped QKV weight has no gate rows"),
+            ("--use-mup", "use_mup", "the head in the last part does not scale the logits"),
+            ("--fp32-residual-connection", "fp32_residual_connection",
+             "the parts hand their residual on in the model's dtype")):
+        if getattr(args, dest):
+            raise ValueError(f"{flag} is not supported by helix ({why}): drop it, or use "
+                             f"another schedule")
+    if args.helix_folds < 1:
+        raise ValueError(f"--helix-folds must be >= 1, got {args.helix_folds}")
+    chunk = args.helix_mlp_chunk_size
+    if chunk is not None:
+        tp = args.tensor_model_parallel_size
+        if chunk < 1:
+            raise ValueError(f"--helix-mlp-chunk-size must be >= 1, got {chunk}")
+        if args.sequence_parallel and chunk % tp:
+            raise ValueError(f"--helix-mlp-chunk-size {chunk} must be a multiple of "
+                             f"--tensor-model-parallel-size {tp} with --sequence-parallel "
+                             f"(each rank chunks its shard of the sequence)")
+        if getattr(args, "num_experts", None):
+            raise ValueError("--helix-mlp-chunk-size needs a dense MLP: MoE routing sees the "
+                             "whole sequence; drop --num-experts or the chunk size")

@@ -1,0 +1,47 @@
+"""The simulator's cost adapter for schedules whose units are chunks of documents (elastic,
+seq1f1b, sppo): durations, transfers and stashed bytes from the cost model."""
+from __future__ import annotations
+
+from megatron.plugin.pipeline.ir import Action, Kind
+
+from longctx.cost_model import CostModel
+
+
+class ChunkCosts:
+    """The simulator's cost protocol for units that are chunks: forward, backward, transfers
+    and stash from the cost model; ``checkpointed(stage, unit)`` layers recomputed.
+
+    A ``RECOMPUTE`` rematerialises all the unit's checkpointed layers at once, as this project's
+    runtime does; ``per_layer_recompute`` prices Megatron's full recomputation instead, which
+    rebuilds one layer at a time inside the backward (a transient of one layer)."""
+
+    def __init__(self, cost: CostModel, chunks, checkpointed, per_layer_recompute: bool = False):
+        self.cost = cost
+        self.chunks = chunks
+        self.checkpointed = checkpointed
+        self.per_layer_recompute = per_layer_recompute
+
+    def duration(self, action: Action) -> float:
+        chunk = self.chunks[action.unit]
+        if action.kind is Kind.FORWARD:
+            return self.cost.stage_forward(action.stage, chunk)
+        if action.kind is Kind.BACKWARD:
+            return self.cost.stage_backward(action.stage, chunk)
+        if action.kind is Kind.RECOMPUTE:
+            return self.checkpointed(action.stage, action.unit) * self.cost.layer_forward(chunk)
+        raise ValueError(f"a schedule of chunks has no {action.kind.value} actions: {action}")
+
+    def transfer_time(self, action: Action) -> float:
+        return self.cost.p2p_time(self.chunks[action.unit])
+
+    def activation_bytes(self, action: Action) -> float:
+        chunk = self.chunks[action.unit]
+        if action.kind is Kind.RECOMPUTE:
+            layers = 1 if self.per_layer_recompute else self.checkpointed(action.stage,
+                                                                          action.unit)
+            return layers * self.cost.layer_saving(chunk)
+        return self.cost.stash_bytes(action.stage, chunk,
+                                     self.checkpointed(action.stage, action.unit))
+
+    def static_bytes(self, rank: int) -> float:
+        return self.cost.static_bytes(rank)

@@ -1,0 +1,109 @@
+"""The cost model of this training job, from Megatron's flags and ``--hardware-profile``.
+
+The model shape comes from the Megatron flags, its bytes per element from ``params_dtype``
+(4 in FP32, 2 in BF16 and FP16); the layout from the parallel sizes; the hardware profile from
+``--hardware-profile`` (``--elastic-hardware-profile`` is the old name), by default the
+shipped profile matching the CUDA device name, ``a800`` on CPU (the planners then only see
+relative costs); the memory budget is the schedule's (default: the CUDA device's memory,
+:data:`CPU_MEMORY_GB` on CPU). Rank 0 logs once which profile the job uses and for which dtype.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import torch
+import torch.distributed as dist
+from megatron.core.utils import get_attr_wrapped_model
+
+from longctx.cost_model import CostModel, ParallelConfig
+from longctx.hardware import load_profile
+from longctx.models import ModelConfig
+
+log = logging.getLogger(__name__)
+CPU_MEMORY_GB = 16.0
+_PROFILE_BY_DEVICE = (("H100", "h100"), ("H20", "h20"), ("A800", "a800"), ("A100", "a100"))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of every schedule that prices its plan with the cost model."""
+    g = parser.add_argument_group("long-context cost model (elastic, seq1f1b, sppo)")
+    g.add_argument("--hardware-profile", "--elastic-hardware-profile", default=None,
+                   dest="hardware_profile",
+                   help="a800|a100|h100|h20 or a profile JSON (scripts/profile_costs.py); "
+                        "default: matched from the CUDA device name, a800 on CPU")
+
+
+def device_memory_gb() -> float:
+    """The CUDA device's memory, GB; :data:`CPU_MEMORY_GB` without CUDA."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / 1e9
+    return CPU_MEMORY_GB
+
+
+def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
+                         memory_gb: float | None = None,
+                         reserved_gb: float | None = None) -> CostModel:
+    """The cost model of this job's model (in its ``params_dtype``), layout and device
+    (``vocab_size`` already padded) within ``memory_gb`` (default: the device's) less
+    ``reserved_gb`` (default 2 on CUDA, 0 on CPU); rank 0 logs the profile and dtype."""
+    cuda = torch.cuda.is_available()
+    profile, origin = args.hardware_profile, "--hardware-profile"
+    if profile is None:
+        profile, origin = "a800", "the default on CPU"
+        if cuda:
+            name = torch.cuda.get_device_name()
+            matched = next((p for key, p in _PROFILE_BY_DEVICE if key in name), None)
+            profile = matched or "a800"
+            origin = f"matched from {name}" if matched else f"no shipped profile matches {name}"
+    if memory_gb is None:
+        memory_gb = device_memory_gb()
+    if reserved_gb is None:
+        reserved_gb = 2.0 if cuda else 0.0
+    model = ModelConfig("custom", args.num_layers, args.hidden_size, args.num_attention_heads,
+                        args.ffn_hidden_size, vocab_size,
+                        dtype=str(args.params_dtype).removeprefix("torch."),
+                        gated_mlp=args.swiglu)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.context_parallel_size)
+    parallel = ParallelConfig(pp=pp, sp=cp, tp=tp, dp=max(1, world // (tp * pp * cp)),
+                              memory_gb=memory_gb, reserved_gb=reserved_gb,
+                              distributed_optimizer=args.use_distributed_optimizer)
+    cost = CostModel(model, load_profile(profile), parallel)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        counted = "measured in" if cost.hardware.activation_coefficients else "derived for"
+        log.info("%s planner: hardware profile %s (%s, %s), activation bytes %s %s",
+                 args.pipeline_schedule, profile, cost.hardware.source, origin, counted,
+                 model.dtype)
+    return cost
+
+
+_COSTS: dict[tuple, CostModel] = {}
+_COST_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+               "params_dtype", "swiglu", "tensor_model_parallel_size",
+               "pipeline_model_parallel_size", "context_parallel_size",
+               "use_distributed_optimizer", "hardware_profile")
+
+
+def _cost_key(args: argparse.Namespace, model, memory_gb, reserved_gb) -> tuple:
+    chunk = model[0] if isinstance(model, list) else model
+    return (get_attr_wrapped_model(chunk, "vocab_size"), memory_gb, reserved_gb,
+            *(getattr(args, flag) for flag in _COST_FLAGS))
+
+
+def job_cost_model(args: argparse.Namespace, model, memory_gb: float | None = None,
+                   reserved_gb: float | None = None) -> CostModel:
+    """:func:`cost_model_from_args` for this job, built once per budget (the vocabulary from
+    the model), or what :func:`replace_job_cost_model` put in its place."""
+    key = _cost_key(args, model, memory_gb, reserved_gb)
+    if key not in _COSTS:
+        _COSTS[key] = cost_model_from_args(args, key[0], memory_gb, reserved_gb)
+    return _COSTS[key]
+
+
+def replace_job_cost_model(args: argparse.Namespace, model, cost: CostModel,
+                           memory_gb: float | None = None,
+                           reserved_gb: float | None = None) -> None:
+    """Use ``cost`` from now on (a refit to measured times)."""
+    _COSTS[_cost_key(args, model, memory_gb, reserved_gb)] = cost

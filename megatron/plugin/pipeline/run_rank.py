@@ -1,0 +1,49 @@
+"""Run this rank's row of an IR schedule with Megatron's forward-backward arguments: the glue
+between a :class:`~megatron.plugin.schedule_spec.RankCall` and the executor that every IR
+schedule (``1f1b-ir``, ``elastic``, ``seq1f1b``, ``helix``, ``sppo``) shares."""
+from __future__ import annotations
+
+from megatron.core.pipeline_parallel import schedules as megatron_schedules
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_model_config
+
+from megatron.plugin.pipeline import run_settings
+from megatron.plugin.pipeline.executor import StageContext, run_schedule
+from megatron.plugin.schedule_spec import RankCall
+
+
+def megatron_process_groups() -> ProcessGroupCollection:
+    """The groups Megatron's own schedules use, from ``parallel_state``."""
+    return ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp", "dp_cp", "mp"])
+
+
+def megatron_shape(call: RankCall, groups: ProcessGroupCollection) -> tuple:
+    """Megatron's fixed activation shape between stages, ``[seq/TP (with SP), micro-batch,
+    hidden]``, for schedules over Megatron's packed micro-batches."""
+    return megatron_schedules.get_tensor_shapes(
+        seq_length=call.seq_length, micro_batch_size=call.micro_batch_size,
+        decoder_seq_length=call.decoder_seq_length, config=get_model_config(call.model),
+        tp_group=groups.tp, cp_group=groups.cp)[0]
+
+
+def run_this_rank(schedule, groups: ProcessGroupCollection, call: RankCall, *, data_iterator,
+                  shape_of, chunks=None, program=None, offload=None,
+                  events: list | None = None) -> list:
+    """Run this pipeline rank's row of ``schedule`` for ``call``, reading units from
+    ``data_iterator``, under the configured timeout, and record its trace (also appended to
+    ``events`` when given, with device times); returns the loss dicts."""
+    pp, rank = groups.pp.size(), groups.pp.rank()
+    ctx = StageContext(
+        forward_step_func=call.forward_step_func, data_iterator=data_iterator,
+        model=call.model, num_microbatches=call.num_microbatches, shape_of=shape_of,
+        pp_group=groups.pp, pg_collection=groups, is_first_stage=rank == 0,
+        is_last_stage=rank == pp - 1, forward_only=call.forward_only,
+        collect_non_loss_data=call.collect_non_loss_data, first_val_step=call.first_val_step,
+        timeout_s=run_settings.settings().timeout_s, chunks=chunks, program=program,
+        offload=offload, device_times=events is not None)
+    result = run_schedule(schedule[rank], ctx)
+    run_settings.record(ctx.events)
+    if events is not None:
+        events.extend(ctx.events)
+    return result

@@ -1,0 +1,134 @@
+"""A training batch's subsequence plan (pure): the cut of every document, the offload ratios
+within the host cap, and the check of the plan against the memory budgets before any rank
+computes."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+from megatron.plugin.pipeline.ir import Kind
+from megatron.plugin.pipeline.simulator import simulate
+
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import GB, CostModel
+
+from sppo_offload.costs import OffloadCosts
+from sppo_offload.offload import AUTO, capped_ratios, offload_ratios, offloadable_bytes, raised
+from sppo_offload.partition import balanced_lengths, starts
+from sppo_offload.pipeline import build_schedule
+from sppo_offload.solver import SolverConfig
+
+
+def auto_subsequences(tokens: int, pp: int, token_split: int) -> int:
+    """``--sppo-subsequences auto`` for a ``tokens``-token document (module doc, step 2)."""
+    return max(pp, math.ceil(tokens / (token_split * SolverConfig.max_tokens)))
+
+
+@dataclass(frozen=True)
+class SubsequencePlan:
+    """The subsequences of one replica's documents and their offload ratios."""
+
+    counts: tuple[int, ...]
+    """Subsequences per document, in the order of the documents."""
+    chunks: tuple[Chunk, ...]
+    """One one-piece chunk per unit (``Piece.doc``: the document's position in the share)."""
+    alphas: tuple[tuple[float, ...], ...]
+    """Offload ratio per stage and unit."""
+
+    def to_dict(self) -> dict:
+        return {"counts": list(self.counts),
+                "lengths": [c.pieces[0].tokens for c in self.chunks],
+                "alphas": [list(row) for row in self.alphas]}
+
+
+def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_split: int = 1,
+                      host_cap_bytes: float | None = None,
+                      most_saving: bool = False) -> SubsequencePlan:
+    """Cut documents of ``lengths`` tokens into subsequences and choose their offload ratios
+    (module doc, steps 2 and 5) for the stages of ``cost``'s layout. ``auto`` ratios are
+    capped to ``host_cap_bytes`` per document and stage; ``most_saving`` raises them to 1
+    first (the solver's most memory-saving option; a fixed ratio or ``off`` stays)."""
+    counts, chunks = [], []
+    alphas: list[list[float]] = [[] for _ in range(cost.pp)]
+    for doc, tokens in enumerate(lengths):
+        wanted = auto_subsequences(tokens, cost.pp, token_split) if subsequences == AUTO \
+            else subsequences
+        cut = balanced_lengths(tokens, min(wanted, tokens), cost.linear_per_token, cost.alpha1)
+        mine = tuple(Chunk((Piece(doc, j, start, start + length, j == len(cut) - 1),))
+                     for j, (start, length) in enumerate(zip(starts(cut), cut)))
+        ratios = offload_ratios(cost, mine, offload, cost.hardware.host_link_gbps)
+        if offload == AUTO and most_saving:
+            ratios = raised(ratios, 1.0)
+        if offload == AUTO and host_cap_bytes is not None:
+            ratios = capped_ratios(cost, mine, ratios, host_cap_bytes)
+        for stage, row in enumerate(ratios):
+            alphas[stage].extend(row)
+        counts.append(len(cut))
+        chunks.extend(mine)
+    return SubsequencePlan(tuple(counts), tuple(chunks), tuple(tuple(row) for row in alphas))
+
+
+def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, offload,
+                 memory_gb: float, host_memory_gb: float | None, token_split: int = 1) -> None:
+    """Raise before any compute when the plan of documents of ``lengths`` tokens does not fit
+    (module doc, step 6); ``subsequences``, ``offload`` and ``token_split`` as planned."""
+    peak, host = replay(plan, cost)
+    if host_memory_gb is not None and max(host) > host_memory_gb * GB:
+        stage = host.index(max(host))
+        raise ValueError(
+            f"sppo: the offload ratios of this batch (--sppo-offload {offload}) put "
+            f"{max(host) / GB:.4g} GB of activations in host memory on stage {stage}, more than "
+            f"--sppo-host-memory-gb {host_memory_gb:g}; raise it to at least "
+            f"{_ceil_gb(max(host)):g}" + (", or lower --sppo-offload, or use auto (it lowers "
+                                          "the ratios to fit)" if offload != AUTO else ""))
+    if max(peak) <= memory_gb * GB:
+        return
+    cap = None if host_memory_gb is None else host_memory_gb * GB
+    saver = plan if offload != AUTO else plan_subsequences(
+        lengths, cost, subsequences, offload, token_split, cap, most_saving=True)
+    least = _ceil_gb(max(replay(saver, cost)[0]))
+    message = (f"sppo: this batch ({len(lengths)} documents of {max(lengths)} tokens at most, "
+               f"{len(plan.chunks)} subsequences) needs {max(peak) / GB:.4g} GB per GPU, more "
+               f"than --sppo-memory-gb {memory_gb:g}; ")
+    how = "fully offloaded" + ("" if cap is None else
+                               f" within {host_memory_gb:g} GB of host memory")
+    if offload != AUTO:
+        message += (f"the smallest budget that fits with --sppo-offload {offload} is "
+                    f"{least:g} GB; or let SPPO choose the ratios (--sppo-offload auto)")
+    elif least > cost.hardware.hbm_gb:
+        message += (f"it cannot fit even {how} ({least:g} GB, more than the "
+                    f"{cost.hardware.hbm_gb:g} GB of one {cost.hardware.name} GPU); use more "
+                    f"GPUs or shorter sequences")
+    else:
+        message += f"the smallest budget that fits is {least:g} GB ({how})"
+    raise ValueError(message)
+
+
+def replay(plan: SubsequencePlan, cost: CostModel) -> tuple[list[float], list[float]]:
+    """``(peak device bytes, peak host bytes)`` per stage of the batch's schedule, simulated
+    with ``cost``: an ``OFFLOAD`` puts its unit's predicted bytes in host memory, its
+    ``RELOAD`` takes them back, in the order each rank runs them."""
+    offloaded = [[a * offloadable_bytes(cost, stage, chunk) if a else 0.0
+                  for a, chunk in zip(row, plan.chunks)] for stage, row in enumerate(plan.alphas)]
+    schedule = build_schedule(cost.pp, plan.counts,
+                              lambda action: plan.alphas[action.stage][action.unit] > 0)
+    result = simulate(schedule, OffloadCosts(cost, plan.chunks, offloaded, None,
+                                             cost.hardware.host_link_gbps), trace=False)
+    host = []
+    for stage, row in enumerate(schedule):
+        held = most = 0.0
+        for action in row:
+            if action.is_memory():
+                held += offloaded[stage][action.unit] * (1 if action.kind is Kind.OFFLOAD
+                                                         else -1)
+                most = max(most, held)
+        host.append(most)
+    return list(result.peak_memory), host
+
+
+def _ceil_gb(nbytes: float) -> float:
+    """``nbytes`` in GB rounded up to four significant digits (the figure an error names)."""
+    gb = nbytes / GB
+    scale = 10.0 ** (3 - math.floor(math.log10(gb)))
+    return math.ceil(gb * scale) / scale

@@ -1,0 +1,94 @@
+"""The flags of ``sppo`` and what it refuses."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+from longctx.cost_model import GB
+from longctx.job_costs import CPU_MEMORY_GB
+
+from sppo_offload.offload import AUTO, parse_offload
+
+NAME = "sppo"
+
+
+def subsequences_flag(value: str):
+    """``--sppo-subsequences``: ``"auto"`` or a positive integer."""
+    if value == AUTO:
+        return value
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', got {value!r}")
+    return int(value)
+
+
+def offload_flag(value: str):
+    """``--sppo-offload``: ``"auto"``, ``"off"`` or a ratio in ``[0, 1]``."""
+    try:
+        return parse_offload(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("subsequence pipeline with offloading (SPPO)")
+    g.add_argument("--sppo-subsequences", default=AUTO, type=subsequences_flag,
+                   help="subsequences N per document (N >= pipeline stages), or auto: the "
+                        "fewest, at least PP, that keep 16K tokens per device or fewer")
+    g.add_argument("--sppo-offload", default=AUTO, type=offload_flag,
+                   help="auto (ratios sized to the host link of the hardware profile), off, "
+                        "or a ratio in [0, 1] of every subsequence's offloadable activations "
+                        "(a document's last subsequence is never offloaded)")
+    g.add_argument("--sppo-host-memory-gb", type=float, default=None,
+                   help="host memory one rank's offloaded activations may use, GB; default: "
+                        "no limit")
+    g.add_argument("--sppo-multiplex", action="store_true",
+                   help="multiplexed sequence partitioning: the first subsequence's forward "
+                        "and backward run split over the stages that would idle in the "
+                        "warm-up and cool-down (one document per data-parallel replica; see "
+                        "sppo_offload/multiplex.py)")
+    g.add_argument("--sppo-memory-gb", type=float, default=None,
+                   help="device memory budget per GPU the batch's plan is checked against "
+                        f"before computing, GB; default: the CUDA device's memory, "
+                        f"{CPU_MEMORY_GB:g} on CPU")
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse what ``sppo`` cannot run, naming the flag to change."""
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        raise ValueError("sppo runs one model chunk per rank: drop "
+                         "--num-layers-per-virtual-pipeline-stage")
+    if args.sppo_subsequences != AUTO and args.sppo_subsequences < pp:
+        raise ValueError(f"--sppo-subsequences {args.sppo_subsequences} is smaller than "
+                         f"--pipeline-model-parallel-size {pp}: the subsequence pipeline needs "
+                         f"N >= PP; use at least {pp} subsequences, or auto")
+    if args.recompute_granularity is not None:
+        raise ValueError("sppo keeps activations by offloading them, not by recomputation: drop "
+                         "--recompute-granularity (elastic and seq1f1b checkpoint per chunk)")
+    if args.micro_batch_size != 1:
+        raise ValueError(f"sppo runs each subsequence as one row: set --micro-batch-size 1 "
+                         f"(got {args.micro_batch_size}); --global-batch-size sets the "
+                         "documents per iteration")
+    if args.sppo_multiplex:
+        if pp < 2:
+            raise ValueError("--sppo-multiplex fills pipeline bubbles: it needs "
+                             "--pipeline-model-parallel-size >= 2")
+        if args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1:
+            raise ValueError("--sppo-multiplex runs with --tensor-model-parallel-size 1 and "
+                             "--context-parallel-size 1: set both to 1, or drop "
+                             "--sppo-multiplex")
+    if args.sppo_host_memory_gb is not None and args.sppo_host_memory_gb <= 0:
+        raise ValueError(f"--sppo-host-memory-gb must be > 0, got {args.sppo_host_memory_gb}")
+    if args.sppo_memory_gb is not None and args.sppo_memory_gb <= 0:
+        raise ValueError(f"--sppo-memory-gb must be > 0, got {args.sppo_memory_gb}")
+
+
+def memory_budget_gb(args: argparse.Namespace) -> float:
+    """``--sppo-memory-gb``, by default the CUDA device's memory, ``CPU_MEMORY_GB`` on CPU."""
+    if args.sppo_memory_gb is not None:
+        return args.sppo_memory_gb
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory / GB
+    return CPU_MEMORY_GB

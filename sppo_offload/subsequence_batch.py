@@ -1,0 +1,107 @@
+"""The ``sppo`` schedule's input for one global batch: this replica's documents planned
+(:mod:`sppo_offload.batch_plan`), their schedule built and each subsequence packed into a row,
+with the activation offloader of this stage."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron.plugin.batches import micro_batch
+from megatron.plugin.pipeline.ir import Action
+from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
+
+from longctx.chunk_rows import ChunkRows, chunk_row
+from longctx.cost_model import GB
+from longctx.job_costs import job_cost_model
+from longctx.replicas import replica_share
+
+from sppo_offload.batch_plan import SubsequencePlan, check_budget, plan_subsequences
+from sppo_offload.flags import memory_budget_gb
+from sppo_offload.multiplex import min_tokens, multiplexed_schedule, piece_tokens
+from sppo_offload.mux_runtime import block_groups
+from sppo_offload.pipeline import build_schedule
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SubsequenceBatch(ChunkRows):
+    """One replica's subsequences, their schedule, rows and this stage's offloader."""
+
+    subsequences: SubsequencePlan
+    offloader: ActivationOffloader
+    multiplex: bool = False
+    """The schedule is :func:`~sppo_offload.multiplex.multiplexed_schedule` (unit 0's shares
+    run by :class:`~sppo_offload.mux_runtime.MultiplexProgram`)."""
+
+    def shape_of(self, action: Action) -> tuple[int, int, int]:
+        if action.part is None:
+            return super().shape_of(action)
+        tokens = piece_tokens(action, self.batches[0].seq_length, len(self.schedule))
+        return (tokens, 1, self.hidden_size)
+
+
+def prepare_input(documents, args, model):
+    """``(SubsequenceBatch, number of units)`` of this replica's documents."""
+    cost = job_cost_model(args, model)
+    lengths, share = replica_share(documents, cost)
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    mine = [lengths[i] for i in share]
+    host_gb = args.sppo_host_memory_gb
+    plan = plan_subsequences(mine, cost, args.sppo_subsequences, args.sppo_offload, tp * cp,
+                             None if host_gb is None else host_gb * GB)
+    check_budget(mine, plan, cost, args.sppo_subsequences, args.sppo_offload,
+                 memory_budget_gb(args), host_gb, tp * cp)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    offloaded = lambda action: plan.alphas[action.stage][action.unit] > 0  # noqa: E731
+    if args.sppo_multiplex:
+        _check_multiplexable(plan, cost.pp)
+        schedule = multiplexed_schedule(cost.pp, plan.counts[0], offloaded)
+        block_groups(tuple(dist.get_process_group_ranks(
+            parallel_state.get_pipeline_model_parallel_group())))
+    else:
+        schedule = build_schedule(cost.pp, plan.counts, offloaded)
+    batches = [micro_batch([chunk_row(chunk, documents, share, tp * cp)])
+               for chunk in plan.chunks]
+    slices = [((share[p.doc], p.slice),) if plan.counts[p.doc] > 1 else ()
+              for p in (chunk.pieces[0] for chunk in plan.chunks)]
+    chunk = model[0] if isinstance(model, list) else model
+    capacity = None if host_gb is None else int(host_gb * GB)
+    offloader = ActivationOffloader(host_tier(next(chunk.parameters()).device, capacity),
+                                    plan.alphas[stage].__getitem__)
+    divisor = (tp if args.sequence_parallel else 1) * cp
+    batch = SubsequenceBatch(schedule, batches, slices, args.hidden_size, divisor,
+                             subsequences=plan, offloader=offloader,
+                             multiplex=args.sppo_multiplex)
+    log.info("sppo plan: %d documents in %d subsequences, %d offloaded on stage %d",
+             len(share), len(batch), sum(a > 0 for a in plan.alphas[stage]), stage)
+    return batch, len(batch)
+
+
+def _check_multiplexable(plan: SubsequencePlan, pp: int) -> None:
+    """Multiplexing fills the warm-up and cool-down of one sequence's pipeline. Every rank
+    learns every replica's verdict (one gather) and they all raise the first problem found, so
+    no replica is left waiting in a collective for one that stopped."""
+    problem = None
+    first = plan.chunks[0].pieces[0].tokens
+    if len(plan.counts) != 1:
+        problem = (f"--sppo-multiplex splits the first subsequence of one document; a "
+                   f"data-parallel replica got {len(plan.counts)} documents (with several, the "
+                   f"next document already fills the drain): train one document per replica "
+                   f"(--global-batch-size equal to the data-parallel size) or drop "
+                   f"--sppo-multiplex")
+    elif plan.counts[0] < 2 or first < min_tokens(pp):
+        problem = (f"--sppo-multiplex needs at least 2 subsequences and a first subsequence of "
+                   f"at least {min_tokens(pp)} tokens on {pp} stages; got {plan.counts[0]} "
+                   f"subsequences, the first of {first} tokens: use fewer --sppo-subsequences "
+                   f"(at least 2), longer documents, or drop --sppo-multiplex")
+    verdicts = [problem]
+    if dist.is_initialized():
+        verdicts = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, problem)
+    found = next((verdict for verdict in verdicts if verdict is not None), None)
+    if found is not None:
+        raise ValueError(found)

@@ -1,0 +1,140 @@
+"""The schedule contract (``ScheduleSpec``) is enough: a schedule from a module outside the
+source tree (``tests/schedules/gpipe.py``), registered through the registry's environment
+variable, is drawn by ``scripts/show_schedule.py``, priced by the simulator and validated
+(it is trained to the reference gradients in ``tests/distributed/test_golden_megatron.py``,
+layout ``pp2_gpipe_outside``); and every schedule's IR builder, and the lowering of an elastic
+plan, matches its golden files.
+
+Regenerate the golden files after an intended change with
+``REGENERATE_GOLDEN=1 python -m pytest tests/unit/test_schedule_contract.py``.
+"""
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from megatron.plugin import arguments, registry
+from megatron.plugin.pipeline import catalog
+from megatron.plugin.pipeline.ir import format_schedule
+from megatron.plugin.pipeline.simulator import dry_run, simulate
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden_schedules")
+OUTSIDE = {"LONGCTX_SCHEDULES": "tests.schedules.gpipe:SPEC"}
+
+
+@pytest.fixture
+def gpipe(monkeypatch):
+    monkeypatch.syspath_prepend(REPO)
+    spec = importlib.import_module("tests.schedules.gpipe").SPEC
+    registry.register(spec)
+    yield spec
+    registry._SPECS.pop(spec.name)
+
+
+def test_outside_schedule_is_drawn_by_show_schedule(tmp_path):
+    png = tmp_path / "gpipe.png"
+    result = subprocess.run(
+        [sys.executable, "scripts/show_schedule.py", "--schedule", "gpipe", "--pp", "2",
+         "--microbatches", "4", "--gantt", str(png)], cwd=REPO, capture_output=True, text=True,
+        timeout=120, env=dict(os.environ, PYTHONPATH=REPO, **OUTSIDE))
+    assert result.returncode == 0, result.stderr
+    # GPipe: (m + p - 1) (forward + backward) = 5 x 3 units, bubble (p - 1) / (m + p - 1).
+    assert "schedule gpipe: pp=2 microbatches=4 iteration time 15 units, bubble ratio " \
+           "0.2000" in result.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_outside_schedule_is_priced_validated_and_accepted_by_the_parser(gpipe, monkeypatch):
+    built = catalog.build("gpipe", 4, 8)
+    result = simulate(built.schedule, built.costs)
+    assert result.iteration_time == (8 + 4 - 1) * 3
+    assert result.peak_memory == [8.0] * 4  # every forward stashed before the first backward
+    dry_run(built.schedule)
+    assert "gpipe" in registry.schedule_names() and not registry.is_megatron("gpipe")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = arguments.parse(
+        ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+         "--global-batch-size", "8", "--train-iters", "1", "--lr", "1e-3",
+         "--pipeline-model-parallel-size", "2", "--calculate-per-token-loss",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+         "--pipeline-schedule", "gpipe"])
+    assert registry.get_schedule(args.pipeline_schedule) is gpipe.forward_backward
+
+
+def test_spec_in_the_environment_must_name_a_schedule_spec(monkeypatch):
+    monkeypatch.setattr(registry, "_DISCOVERED", False)
+    monkeypatch.setenv(registry.ENVIRONMENT, "tests.schedules.gpipe")
+    with pytest.raises(ValueError, match="is not MODULE:ATTRIBUTE"):
+        registry.schedule_names()
+    monkeypatch.setattr(registry, "_DISCOVERED", False)
+    monkeypatch.syspath_prepend(REPO)
+    monkeypatch.setenv(registry.ENVIRONMENT, "tests.schedules.gpipe:gpipe")
+    with pytest.raises(TypeError, match="not a ScheduleSpec"):
+        registry.schedule_names()
+
+
+#: (schedule, pp, units, options, golden file): the IR of every drawable project schedule
+#: (``1f1b-ir`` draws Megatron's 1F1B: the file of ``tests/unit/test_schedule_1f1b.py``).
+GOLDEN_CASES = [
+    ("1f1b-ir", 4, 9, catalog.Options(), "1f1b_pp4_m9"),
+    ("helix", 2, 4, catalog.Options(), "helix_pp2_m4"),
+    ("helix", 2, 3, catalog.Options(num_layers=4, recompute=True), "helix_pp2_m3_l4_recompute"),
+    ("helix", 4, 8, catalog.Options(folds=1), "helix_pp4_m8_folds1"),
+    ("sppo", 2, 4, catalog.Options(), "sppo_pp2_m4"),
+    ("sppo", 4, 6, catalog.Options(offload=True), "sppo_pp4_m6_offload"),
+]
+
+
+@pytest.mark.parametrize("name,pp,units,options,golden", GOLDEN_CASES)
+def test_ir_builder_matches_golden_file(name, pp, units, options, golden):
+    built = catalog.build(name, pp, units, options)
+    dry_run(built.schedule, eager_sends=built.eager_sends)
+    text = format_schedule(built.schedule) + "\n"
+    path = os.path.join(GOLDEN, f"{golden}.txt")
+    if os.environ.get("REGENERATE_GOLDEN"):
+        with open(path, "w") as f:
+            f.write(text)
+    with open(path) as f:
+        assert f.read() == text
+
+
+def test_every_project_schedule_is_drawable_or_says_where_it_is_drawn():
+    """``elastic`` and ``seq1f1b`` plan documents before they have a schedule: their IR is
+    drawn by ``python -m elastic_pipe.plan --gantt`` from a batch's lengths."""
+    assert set(registry.drawable_names()) >= {"1f1b", "1f1b-ir", "helix", "sppo"}
+    for name in ("elastic", "seq1f1b", "interleaved"):
+        with pytest.raises(ValueError, match=f"schedule '{name}' has no IR builder"):
+            catalog.build(name, 2, 4)
+
+
+def test_elastic_lowering_matches_golden_file():
+    """``elastic`` has no ``build_ir``: its IR is the lowering of a batch's plan. A fixed batch
+    (two documents cut into slices, hybrid chunks, short documents packed) with a budget that
+    needs no checkpointing, so the plan is the chunking's and not a solver's choice."""
+    from elastic_pipe.lowering import lower
+    from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
+    from elastic_pipe.sequence_processor import ChunkingConfig
+    from longctx.cost_model import CostModel, ParallelConfig
+    from longctx.hardware import load_profile
+    from longctx.models import ModelConfig
+
+    cost = CostModel(ModelConfig("tiny", 4, 64, 4, 256, 512), load_profile("a800"),
+                     ParallelConfig(pp=2, memory_gb=16.0))
+    config = SchedulerConfig(chunking=ChunkingConfig(min_slice_tokens=256, slice_counts=(3,)),
+                             workers=1)
+    plan = plan_elastic([3000, 120, 64, 900, 40, 2200, 300, 16, 700, 50], cost, config)
+    assert {piece.slice for chunk in plan.chunks() for piece in chunk.pieces} == {0, 1, 2}
+    assert plan.ckpt_table() == [[0] * 5, [0] * 5]
+    schedule = lower(plan, 2)
+    dry_run(schedule)
+    text = format_schedule(schedule) + "\n"
+    path = os.path.join(GOLDEN, "elastic_pp2_m5_split.txt")
+    if os.environ.get("REGENERATE_GOLDEN"):
+        with open(path, "w") as f:
+            f.write(text)
+    with open(path) as f:
+        assert f.read() == text
