@@ -14,8 +14,7 @@ import functools
 
 from megatron.plugin.pipeline.catalog import one_f_one_b_ir
 from megatron.plugin.pipeline.passes import add_communication
-from megatron.plugin.pipeline.run_rank import (megatron_process_groups, megatron_shape,
-                                               run_this_rank)
+from megatron.plugin.pipeline.run_rank import run_over_packed
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.validation import validate
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
@@ -30,10 +29,7 @@ def planned_1f1b(pp: int, microbatches: int):
 
 
 def run(call: RankCall) -> list:
-    groups = megatron_process_groups()
-    shape = megatron_shape(call, groups)
-    return run_this_rank(planned_1f1b(groups.pp.size(), call.num_microbatches), groups, call,
-                         data_iterator=call.input, shape_of=lambda action: shape)
+    return run_over_packed(call, planned_1f1b)
 
 
 SPEC = ScheduleSpec("1f1b-ir", run=run, build_ir=one_f_one_b_ir)

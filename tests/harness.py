@@ -23,6 +23,16 @@ TINY_MODEL = [
 ]
 
 
+def assert_matches_golden(path: str, text: str) -> None:
+    """``text`` equals the golden file ``path``; with ``REGENERATE_GOLDEN=1`` it is written
+    there first (after an intended change)."""
+    if os.environ.get("REGENERATE_GOLDEN"):
+        with open(path, "w") as f:
+            f.write(text)
+    with open(path) as f:
+        assert f.read() == text
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

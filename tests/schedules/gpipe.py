@@ -10,8 +10,7 @@ single-process reference gradients (``tests/distributed/test_golden_megatron.py`
 from megatron.plugin.pipeline.catalog import Built, Options
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.passes import add_communication
-from megatron.plugin.pipeline.run_rank import (megatron_process_groups, megatron_shape,
-                                               run_this_rank)
+from megatron.plugin.pipeline.run_rank import run_over_packed
 from megatron.plugin.pipeline.simulator import UniformCosts
 from megatron.plugin.pipeline.validation import validate
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
@@ -34,10 +33,7 @@ def build_ir(pp: int, microbatches: int, options: Options) -> Built:
 
 
 def run(call: RankCall) -> list:
-    groups = megatron_process_groups()
-    shape = megatron_shape(call, groups)
-    return run_this_rank(gpipe(groups.pp.size(), call.num_microbatches), groups, call,
-                         data_iterator=call.input, shape_of=lambda action: shape)
+    return run_over_packed(call, gpipe)
 
 
 SPEC = ScheduleSpec("gpipe", run=run, build_ir=build_ir)

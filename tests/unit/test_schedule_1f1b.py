@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from harness import assert_matches_golden
 from megatron.plugin.pipeline.ir import Kind, format_schedule
 from megatron.plugin.pipeline.passes import add_communication, add_recomputation, align_sends
 from megatron.plugin.pipeline.schedule_1f1b import (one_f_one_b, reversed_within_groups,
@@ -25,11 +26,7 @@ SWEEP = [(1, 1), (1, 3), (2, 1), (2, 2), (2, 5), (3, 2), (3, 7), (4, 3), (4, 4),
 def test_matches_golden_file(pp, m):
     text = format_schedule(add_communication(one_f_one_b(pp, m), num_stages=pp)) + "\n"
     path = os.path.join(GOLDEN, f"1f1b_pp{pp}_m{m}.txt")
-    if os.environ.get("REGENERATE_GOLDEN"):
-        with open(path, "w") as f:
-            f.write(text)
-    with open(path) as f:
-        assert f.read() == text
+    assert_matches_golden(path, text)
 
 
 @pytest.mark.parametrize("pp,m", SWEEP)

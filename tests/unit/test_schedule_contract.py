@@ -15,6 +15,7 @@ import sys
 
 import pytest
 
+from harness import assert_matches_golden
 from megatron.plugin import arguments, registry
 from megatron.plugin.pipeline import catalog
 from megatron.plugin.pipeline.ir import format_schedule
@@ -95,11 +96,7 @@ def test_ir_builder_matches_golden_file(name, pp, units, options, golden):
     dry_run(built.schedule, eager_sends=built.eager_sends)
     text = format_schedule(built.schedule) + "\n"
     path = os.path.join(GOLDEN, f"{golden}.txt")
-    if os.environ.get("REGENERATE_GOLDEN"):
-        with open(path, "w") as f:
-            f.write(text)
-    with open(path) as f:
-        assert f.read() == text
+    assert_matches_golden(path, text)
 
 
 def test_every_project_schedule_is_drawable_or_says_where_it_is_drawn():
@@ -133,8 +130,4 @@ def test_elastic_lowering_matches_golden_file():
     dry_run(schedule)
     text = format_schedule(schedule) + "\n"
     path = os.path.join(GOLDEN, "elastic_pp2_m5_split.txt")
-    if os.environ.get("REGENERATE_GOLDEN"):
-        with open(path, "w") as f:
-            f.write(text)
-    with open(path) as f:
-        assert f.read() == text
+    assert_matches_golden(path, text)

@@ -18,13 +18,17 @@ def megatron_process_groups() -> ProcessGroupCollection:
         required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp", "dp_cp", "mp"])
 
 
-def megatron_shape(call: RankCall, groups: ProcessGroupCollection) -> tuple:
-    """Megatron's fixed activation shape between stages, ``[seq/TP (with SP), micro-batch,
-    hidden]``, for schedules over Megatron's packed micro-batches."""
-    return megatron_schedules.get_tensor_shapes(
+def run_over_packed(call: RankCall, schedule_for) -> list:
+    """Run ``schedule_for(pp, micro-batches)`` (a validated schedule with transfers) over
+    Megatron's packed micro-batches (``call.input``), transfers carrying Megatron's fixed
+    activation shape ``[seq/TP (with SP), micro-batch, hidden]``."""
+    groups = megatron_process_groups()
+    shape = megatron_schedules.get_tensor_shapes(
         seq_length=call.seq_length, micro_batch_size=call.micro_batch_size,
         decoder_seq_length=call.decoder_seq_length, config=get_model_config(call.model),
         tp_group=groups.tp, cp_group=groups.cp)[0]
+    return run_this_rank(schedule_for(groups.pp.size(), call.num_microbatches), groups, call,
+                         data_iterator=call.input, shape_of=lambda action: shape)
 
 
 def run_this_rank(schedule, groups: ProcessGroupCollection, call: RankCall, *, data_iterator,
