@@ -152,7 +152,8 @@ def test_flags_of_another_schedule_are_refused(schedule, flags, refusal, monkeyp
 #: would not honour: ``(flags, schedule, what the refusal names)``.
 MODEL_REFUSED = [
     (["--position-embedding-type", "none"], "1f1b", "--position-embedding-type none"),
-    (["--position-embedding-type", "yarn"], "elastic", "--position-embedding-type yarn"),
+    (["--position-embedding-type", "mrope", "--mrope-section", "2", "1", "1"], "elastic",
+     "--position-embedding-type mrope"),
     (["--position-embedding-type", "rope", "--use-rope-scaling"], "1f1b", "--use-rope-scaling"),
     (["--position-embedding-type", "rope", "--rotary-seq-len-interpolation-factor", "2"],
      "sppo", "--rotary-seq-len-interpolation-factor"),
