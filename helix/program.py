@@ -6,6 +6,7 @@ import contextlib
 
 import torch
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import get_model_config
 
 from helix import attention as helix_attention
@@ -136,14 +137,15 @@ class HelixProgram(PartProgram):
                                       position_ids=call["position_ids"])
         else:
             layer = module.post_layers[index - 1]
-            attention = layer.self_attention.linear_proj(leaves["o"])
-            with layer.bias_dropout_add_exec_handler():
-                hidden = layer.self_attn_bda(layer.training, self.config.bias_dropout_fusion)(
-                    attention, leaves["res"], layer.hidden_dropout)
-            if self.mlp_rows is None:
-                hidden = layer._forward_mlp(hidden)
-            else:
-                hidden = chunked_mlp(layer._forward_mlp, hidden, self.mlp_rows)
+            with self._layer_rng():
+                attention = layer.self_attention.linear_proj(leaves["o"])
+                with layer.bias_dropout_add_exec_handler():
+                    hidden = layer.self_attn_bda(layer.training, self.config.bias_dropout_fusion)(
+                        attention, leaves["res"], layer.hidden_dropout)
+                if self.mlp_rows is None:
+                    hidden = layer._forward_mlp(hidden)
+                else:
+                    hidden = chunked_mlp(layer._forward_mlp, hidden, self.mlp_rows)
         if index == self.num_layers:
             return {"hidden": module.decoder.final_layernorm(hidden)}
         layer = module.pre_layers[index]
@@ -159,13 +161,22 @@ class HelixProgram(PartProgram):
         relayed = inputs.pop("r")
         leaves = self._leaves(inputs)
         layout = self.batches.batches[action.unit].layout()
-        with contextlib.nullcontext() if self.training else torch.no_grad():
+        with contextlib.nullcontext() if self.training else torch.no_grad(), self._layer_rng():
             o = self._attend(leaves["x"], leaves["w"], leaves.get("wb"), layout)
         if self.training:
             self.stash[(True, action.unit, action.part)] = {"in": _kept(leaves),
                                                             "out": _kept({"o": o})}
         following = part(part_index(action.part) + 1)
         return [(Kind.FORWARD, following, "o", o), (Kind.FORWARD, following, "res", relayed)], 0
+
+    def _layer_rng(self):
+        """Under sequence parallelism Megatron's ``TransformerBlock`` runs its layers under the
+        model-parallel RNG state (each tensor-parallel rank holds other tokens, so each draws
+        its own dropout masks); the layer parts run here outside a block and fork the same way.
+        Without it they fork nothing, like the block (the attention forks for its own heads)."""
+        if self.config.sequence_parallel:
+            return get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
 
     def _attend(self, x, weight, bias, layout) -> torch.Tensor:
         """``attn(l)`` with the shipped weights: through the packed CPU kernel where it

@@ -37,6 +37,7 @@ saves as its input too, instead of per-document outputs plus the row built from 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -47,6 +48,7 @@ from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_sp2hp
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 
 from megatron.plugin import context_attention, packed_attention
@@ -195,11 +197,21 @@ class DocumentAttention(MegatronModule):
         if self.config.context_parallel_size > 1:
             group = parallel_state.get_context_parallel_group()
             query, key, value = (_sequence_to_heads(t, group) for t in (query, key, value))
-        out = self._attend(query, key, value, packed_seq_params)
+        with self._dropout_rng():
+            out = self._attend(query, key, value, packed_seq_params)
         if group is not None:
             out = all_to_all_hp2sp(out.reshape(-1, out.shape[-1]), group)
             out = out.view(-1, query.shape[1], out.shape[-1])
         return out
+
+    def _dropout_rng(self):
+        """Where the attention dropout draws, as in Megatron's ``DotProductAttention``: from
+        the model-parallel RNG state (``seed + 2718 + tp_rank``) unless sequence parallelism
+        is on, whose ``TransformerBlock`` runs every layer under that state already; so each
+        tensor-parallel rank's heads get their own masks."""
+        if self.training and self.dropout > 0 and not self.config.sequence_parallel:
+            return get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()
 
     def _attend(self, query, key, value, packed_seq_params):
         """``[s, b, heads*dim]`` attention of whole rows."""

@@ -412,25 +412,66 @@ def _wrap_methods() -> None:
         setattr(cls, method_name, wrapped)
 
 
-def _patch_rng_tracker() -> None:
-    """Let Megatron's CUDA RNG tracker ``fork()`` on CPU use the default generator.
+def _tracker_add(self, name, seed):
+    """CPU twin of ``CudaRNGStatesTracker.add``: the named state is a CPU generator state
+    seeded with ``seed`` (on the CPU, dropout draws from the CPU generator)."""
+    HITS["megatron.core.tensor_parallel.random"]["tracker.add"] += 1
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    self.seeds_.add(seed)
+    if name in self.states_:
+        raise Exception(f"cuda rng state {name} already exists")
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    self.states_[name] = generator.get_state()
 
-    Parameter initialisation of tensor-parallel layers forks the model-parallel RNG state.
-    Without CUDA the tracker has no states; we register none and make ``fork`` a no-op
-    context, so initialisation draws from the CPU generator seeded by the training script
-    (``use_cpu_initialization`` makes the draws independent of the TP layout).
-    """
-    from megatron.core.tensor_parallel import random as tp_random
 
-    tracker = tp_random.get_cuda_rng_tracker()
-    if getattr(tracker, "_cpu_compat", False):
-        return
+@contextlib.contextmanager
+def _tracker_fork(self, name="model-parallel-rng"):
+    """CPU twin of ``CudaRNGStatesTracker.fork``: the block draws from the named CPU
+    generator state, which then advances, and the CPU generator continues where it was.
 
-    @contextlib.contextmanager
-    def fork(name=None):
-        del name
-        HITS["megatron.core.tensor_parallel.random"]["fork"] += 1
+    Nesting follows Megatron's: a fork inside a fork leaves the outer state where the inner
+    one found it. Without this twin every tensor-parallel rank would draw the same attention
+    dropout masks on the CPU (Megatron forks so that each rank's heads get their own)."""
+    HITS["megatron.core.tensor_parallel.random"]["tracker.fork"] += 1
+    if name not in self.states_:
+        raise Exception(f"cuda rng state {name} is not added")
+    outer_state, outer_name = torch.get_rng_state(), self._current_state_name
+    if outer_name != "default-rng":
+        self.states_[outer_name] = outer_state
+    torch.set_rng_state(self.states_[name])
+    self._current_state_name = name
+    try:
         yield
+    finally:
+        if self._current_state_name != name:
+            raise Exception(f"current state name {self._current_state_name} is not the same "
+                            f"as the desired state name {name}.")
+        self.states_[name] = torch.get_rng_state()
+        if outer_name != "default-rng":
+            outer_state = self.states_[outer_name]
+        torch.set_rng_state(outer_state)
+        self._current_state_name = outer_name
 
-    tracker.fork = fork
-    tracker._cpu_compat = True
+
+#: ``"module:Class.method"`` -> CPU twin, set on the class.
+_TRACKER_METHODS = {
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.add": _tracker_add,
+    "megatron.core.tensor_parallel.random:CudaRNGStatesTracker.fork": _tracker_fork,
+}
+
+
+def _patch_rng_tracker() -> None:
+    """Megatron's RNG tracker keeps CUDA generator states; on the CPU its states are CPU
+    generator states (:func:`_tracker_add`, :func:`_tracker_fork`), so the model-parallel
+    seeding of ``model_parallel_cuda_manual_seed`` (``seed + 2718 + tp_rank``) gives each
+    tensor-parallel rank its own dropout stream, as on CUDA."""
+    for name, twin in _TRACKER_METHODS.items():
+        if name in _originals:
+            continue
+        module_name, _, attr = name.partition(":")
+        cls_name, _, method = attr.partition(".")
+        cls = getattr(importlib.import_module(module_name), cls_name)
+        _originals[name] = cls.__dict__[method]
+        setattr(cls, method, twin)

@@ -318,18 +318,23 @@ def test_helix_continues_a_1f1b_checkpoint_like_1f1b_and_ships_weights(tmp_path)
     assert 2 * b * s * h + 3 * h * h + 3 * h < 3 * b * s * h
 
 
-def test_helix_recomputation_draws_the_dropout_masks_of_the_forward(tmp_path):
+@pytest.mark.parametrize("ranks,layout", [
+    (2, []), (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])],
+    ids=["pp2", "pp2_tp2_sp"])
+def test_helix_recomputation_draws_the_dropout_masks_of_the_forward(tmp_path, ranks, layout):
     """With dropout on, ``--helix-recompute-without-attention`` rebuilds the parts around the
     attention before their backward: its dropout must draw the masks the forward drew, so the
-    run trains exactly like one that keeps the activations, every iteration."""
+    run trains exactly like one that keeps the activations, every iteration. Under sequence
+    parallelism those parts draw from the model-parallel RNG state (as layers do inside
+    Megatron's ``TransformerBlock``), whose replay the recomputation must restore too."""
     flags = [flag for flag in TINY]
     for name in ("--hidden-dropout", "--attention-dropout"):
         flags[flags.index(name) + 1] = "0.1"
     kept, recomputed = tmp_path / "kept.jsonl", tmp_path / "recomputed.jsonl"
-    common = [*flags, "--train-iters", "4", "--pipeline-schedule", "helix"]
-    torchrun(2, SCRIPT, [*common, "--metrics-jsonl", str(kept)])
-    torchrun(2, SCRIPT, [*common, "--helix-recompute-without-attention",
-                         "--metrics-jsonl", str(recomputed)])
+    common = [*flags, *layout, "--train-iters", "4", "--pipeline-schedule", "helix"]
+    torchrun(ranks, SCRIPT, [*common, "--metrics-jsonl", str(kept)])
+    torchrun(ranks, SCRIPT, [*common, "--helix-recompute-without-attention",
+                             "--metrics-jsonl", str(recomputed)])
     expected, got = metrics(kept), metrics(recomputed)
     assert [r["iteration"] for r in got] == [1, 2, 3, 4]
     assert [r["lm_loss"] for r in got] == [r["lm_loss"] for r in expected]
