@@ -7,9 +7,10 @@ current batch has been handed to the schedule. :meth:`BackgroundPlanner.take` re
 when asked for the same lengths, waiting for it if it is not done yet; the time spent waiting is
 the part of the solve that was *not* hidden behind training.
 
-Failures never stop training: when the worker dies or raises, :meth:`take` logs a warning and
-plans in the foreground (the planner is deterministic, so the plan is the one the worker would
-have returned), and the next submission starts a new worker.
+Failures never stop training: when the worker dies, raises or has not answered within
+``timeout_s`` of being asked, :meth:`take` logs a warning, stops the worker and plans in the
+foreground (the planner is deterministic, so the plan is the one the worker would have
+returned), and the next submission starts a new worker.
 """
 from __future__ import annotations
 
@@ -95,6 +96,15 @@ class BackgroundPlanner:
 
     def _reset(self) -> None:
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            stop_workers(self._pool)
         self._pool = None
         self._pending = None
+
+
+def stop_workers(pool: futures.ProcessPoolExecutor) -> None:
+    """Terminate ``pool``'s worker processes and shut it down: a stuck solve would otherwise
+    keep its core until it ends. ``ProcessPoolExecutor`` has no public call for this before
+    Python 3.14 (``terminate_workers``); its process table is read instead."""
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)

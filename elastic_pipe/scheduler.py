@@ -37,8 +37,9 @@ Where the paper is vague:
   candidate gives (the proof is in :func:`solve_open`); only fewer solves run;
 - one pool of ``workers`` forked processes chunks the candidate groups and then runs the
   solves; solves are memoised by their integer problem (chunk signatures, in-flight sets,
-  budgets), and one that has not answered within four times its limit plus ten seconds is
-  abandoned for full checkpointing (recorded in ``fallbacks``).
+  budgets). Worker faults never change the plan: solves not answered within a wall-clock guard
+  (four times their limit plus ten seconds) are solved in this process instead, and a pool
+  broken by a dead worker is replaced by planning in this process, each with a warning.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ import multiprocessing
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from elastic_pipe import checkpointing
@@ -59,15 +61,18 @@ from longctx.chunks import Chunk
 from longctx.cost_model import GB, CostModel
 from elastic_pipe.pipeline_order import backward_order, inflight_sets, makespan, rank_orders
 from elastic_pipe.plan_types import Plan, PipelinePlan
+from elastic_pipe.presolve import stop_workers
 from elastic_pipe.sequence_processor import (Chunking, ChunkingConfig, best_chunking,
                                              chunk_balance, make_chunks, slice_candidates)
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int, str], None]
 GUARD_FACTOR = 4.0
-"""A worker's solve not answered within ``GUARD_FACTOR`` times the deterministic limit plus ten
-seconds (wall clock) is abandoned for full checkpointing: a guard against a lost worker, not a
-time limit (CP-SAT stops on its deterministic limit)."""
+GUARD_SLACK_S = 10.0
+"""A worker's solve not answered within ``GUARD_FACTOR`` times the deterministic limit plus
+``GUARD_SLACK_S`` seconds (wall clock) is taken from the workers and solved in this process: a
+guard against a stopped or starved worker, not a time limit (CP-SAT stops on its deterministic
+limit, so the solve here gives the answer the worker would have given)."""
 _MEMO_SIZE = 512
 _memo: OrderedDict = OrderedDict()
 FALLBACK_REASONS = {
@@ -186,14 +191,6 @@ def _remember(key: tuple, solution: CheckpointSolution | None) -> None:
         _memo.popitem(last=False)
 
 
-def _fallback(problem: CheckpointProblem) -> CheckpointSolution | None:
-    """Full checkpointing for a solve that did not answer in time (``None`` if it is OOM)."""
-    table = checkpointing.full_table(problem)
-    if not checkpointing.fits(problem, table):
-        return None
-    return CheckpointSolution(table, checkpointing.objective(problem, table), "full")
-
-
 def settle(case: PipelineCase, answer: CheckpointSolution | None, uniform,
            upper: int) -> tuple[CheckpointSolution, int]:
     """The table kept for a solved candidate and its makespan: CP-SAT's when it beats the
@@ -229,8 +226,9 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
     the workers finish in; given the solves' answers, the plan does not.
 
     Solves run in ``pool`` (``config.workers`` processes; in this process without one) and are
-    memoised by their integer problem; one that has not answered within four times its limit
-    plus ten seconds is abandoned with the rest for full checkpointing.
+    memoised by their integer problem. When none of the running solves has answered within the
+    guard (:data:`GUARD_SLACK_S`), the workers are stopped and those solves and the rest run in
+    this process, with a warning: the plan is the one the workers would have given.
     """
     limit = config.solver_time_limit
     values, floors = dict(upper), dict(floor)
@@ -242,7 +240,7 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
         solved[key] = settle(cases[key], answer, uniform[key], upper[key])
         values[key] = floors[key] = solved[key][1]
 
-    guard = limit * GUARD_FACTOR + 10.0
+    guard = limit * GUARD_FACTOR + GUARD_SLACK_S
     reported = (0, 0)
     while True:
         waiting = _promising(waiting, values, floors, points)
@@ -266,18 +264,20 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
             finished, _ = futures.wait(running, timeout=guard,
                                        return_when=futures.FIRST_COMPLETED)
             if not finished:
-                log.warning("a checkpointing solve did not return within %.1f s; full "
-                            "checkpointing for the rest", guard)
-                break
+                log.warning("no checkpointing solve returned within %.1f s: planning workers "
+                            "stopped, the remaining %d solves run in this process (same plan)",
+                            guard, len(running) + len(waiting))
+                stop_workers(pool)
+                pool = None
+                waiting = [*running.values(), *waiting]
+                running = {}
+                continue
             for future in finished:
                 key = running.pop(future)
                 _remember((cases[key].problem, limit), future.result())
                 record(key, future.result())
         else:
             return solved
-    for key in [*running.values(), *waiting]:
-        record(key, _fallback(cases[key].problem))
-    return solved
 
 
 def _promising(keys: list, values: dict, floors: dict, points: list[int]) -> list:
@@ -359,7 +359,9 @@ def plan_elastic(lengths: Sequence[int], cost: CostModel,
     """The elastic plan for documents of ``lengths`` (already truncated to the context).
 
     With ``config.workers > 1`` one pool of forked processes chunks the candidate groups and
-    then solves their checkpointing."""
+    then solves their checkpointing. A worker that dies (killed, out of memory) breaks the
+    pool: the plan is then made again in this process, with a warning (the same plan; the
+    solves already answered are memoised)."""
     started = time.perf_counter()
     check_lengths(lengths)
     docs = sorted(((i, int(n)) for i, n in enumerate(lengths)), key=lambda d: (-d[1], d[0]))
@@ -370,9 +372,13 @@ def plan_elastic(lengths: Sequence[int], cost: CostModel,
             initializer=_adopt, initargs=(docs, cost, config))
     try:
         return _plan(docs, cost, config, pool, progress, started)
+    except BrokenProcessPool as error:
+        log.warning("a planning worker died (%s): planning again in this process (same plan)",
+                    error)
+        return _plan(docs, cost, config, None, progress, started)
     finally:
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            stop_workers(pool)
 
 
 def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,

@@ -15,6 +15,7 @@ import torch
 from megatron.core import parallel_state
 
 from megatron.plugin.attention import PackedDocuments, Segment
+from megatron.plugin.loss_checks import validate_loss
 
 
 @dataclass
@@ -160,10 +161,12 @@ class MicroBatches:
 
 
 def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Per-token loss in Megatron's 3-tuple form: ``(sum, tokens, {"lm loss": [sum, tokens]})``."""
+    """Per-token loss in Megatron's 3-tuple form: ``(sum, tokens, {"lm loss": [sum, tokens]})``,
+    checked as Megatron's ``pretrain_gpt.py`` checks it (:mod:`megatron.plugin.loss_checks`)."""
     losses = output.float()
     loss_sum = torch.sum(losses.view(-1) * loss_mask.view(-1).to(losses.dtype))
     num_tokens = loss_mask.sum().to(torch.int)
+    validate_loss(loss_sum)
     report = torch.stack([loss_sum.detach().clone(), num_tokens.detach().to(torch.float)])
     return loss_sum, num_tokens, {"lm loss": report}
 

@@ -23,10 +23,22 @@ from megatron.plugin.sources import build_document_sources
 @dataclass(frozen=True)
 class GlobalBatch:
     """One step's documents, and a way to read the next step's (a schedule may plan it while
-    this one trains)."""
+    this one trains; ``None`` when there is no way)."""
 
     documents: list[np.ndarray]
-    upcoming: Callable[[], list[np.ndarray]]
+    upcoming: Callable[[], list[np.ndarray] | None]
+
+    def __reduce__(self):
+        """Pickled without the way to the next batch. Megatron's rerun state machine keeps the
+        batches of the step it may replay and saves them in the checkpoint it requests when a
+        NaN reproduces (``--rerun-mode validate_results``); a batch read back from there
+        cannot look ahead, and its schedule plans without prefetching."""
+        return GlobalBatch, (self.documents, no_upcoming)
+
+
+def no_upcoming() -> None:
+    """The next batch of a :class:`GlobalBatch` read back from a checkpoint: unknown."""
+    return None
 
 
 class GlobalBatches:

@@ -181,8 +181,10 @@ class DocumentSchedule:
             reported = own.report(prepared) if own.report else {}
         self.reporter.prepare_s = time.perf_counter() - start
         self.last_input = prepared
-        if own is not None and own.prefetch_input is not None and not forward_only:
-            own.prefetch_input(batch.upcoming(), args, model)
+        upcoming = batch.upcoming() if own is not None and own.prefetch_input is not None \
+            and not forward_only else None
+        if upcoming is not None:
+            own.prefetch_input(upcoming, args, model)
         with self.reporter.measure(device_window=not args.log_memory_to_tensorboard):
             losses = self.schedule(data_iterator=prepared, model=model, num_microbatches=count,
                                    forward_only=forward_only, **kwargs)

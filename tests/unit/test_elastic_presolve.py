@@ -3,6 +3,7 @@ worker that dies is replaced by planning in the foreground with a warning."""
 import logging
 import multiprocessing
 import os
+import time
 
 from elastic_pipe.presolve import BackgroundPlanner
 
@@ -51,5 +52,28 @@ def test_a_crashed_worker_falls_back_to_the_foreground(caplog):
         planner.submit((1,))
         with caplog.at_level(logging.WARNING, logger="elastic_pipe.presolve"):
             assert planner.take((1,))[0] == [1]
+    finally:
+        planner.close()
+
+
+def stall_in_worker(key):
+    if multiprocessing.parent_process() is not None:
+        time.sleep(3600)
+    return list(key)
+
+
+def test_a_stalled_worker_is_stopped_and_the_batch_planned_in_the_foreground(caplog):
+    planner = BackgroundPlanner(stall_in_worker, timeout_s=1.0)
+    try:
+        planner.submit((3, 4))
+        workers = multiprocessing.active_children()
+        with caplog.at_level(logging.WARNING, logger="elastic_pipe.presolve"):
+            result, timing = planner.take((3, 4))
+        assert result == [3, 4] and not timing.background
+        assert "background planning failed (TimeoutError" in caplog.text
+        # The stuck worker does not keep its core.
+        for worker in workers:
+            worker.join(timeout=10)
+        assert workers and not any(worker.is_alive() for worker in workers)
     finally:
         planner.close()

@@ -1,0 +1,51 @@
+"""Megatron-LM's checks of each micro-batch's local loss, as ``pretrain_gpt.py`` makes them.
+
+``--check-for-nan-in-loss-and-grad`` (on by default): a NaN or an Inf loss is fatal;
+``--check-for-spiky-loss``: a loss more than :data:`SPIKY_LOSS_FACTOR` times the largest seen
+so far is reported (not fatal). Both go through Megatron's rerun state machine, so
+``--rerun-mode`` keeps its meaning: ``disabled`` raises at once, naming the rank and iteration;
+``validate_results`` (the default) reruns the iteration to tell a transient fault from a
+reproducible one, and, like Megatron, does not validate the first iteration. The gradient half
+of ``--check-for-nan-in-loss-and-grad`` is Megatron's DDP, which every schedule's gradients
+go through. Outside a Megatron run (no parsed arguments, e.g. ``scripts/profile_costs.py``)
+nothing is checked.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.training import get_args
+
+SPIKY_LOSS_FACTOR = 10
+"""Megatron-LM's: a spiky loss is ten times the largest loss observed."""
+
+
+def _megatron_args():
+    try:
+        return get_args()
+    except AssertionError:  # no Megatron run in this process
+        return None
+
+
+def validate_loss(loss_sum: torch.Tensor) -> None:
+    """Megatron's NaN, Inf and spiky-loss checks of this rank's loss of one micro-batch."""
+    args = _megatron_args()
+    if args is None:
+        return
+    machine = get_rerun_state_machine()
+    if args.check_for_nan_in_loss_and_grad:
+        # Forward computations are deterministic: no tolerance.
+        machine.validate_result(result=loss_sum, rejection_func=torch.isnan,
+                                message="found NaN in local forward loss calculation",
+                                tolerance=0.0, fatal=True)
+        machine.validate_result(result=loss_sum, rejection_func=torch.isinf,
+                                message="found Inf in local forward loss calculation",
+                                tolerance=0.0, fatal=True)
+    if args.check_for_spiky_loss:
+        machine.validate_result(
+            result=loss_sum,
+            rejection_func=partial(machine.is_unexpectedly_large, threshold=SPIKY_LOSS_FACTOR,
+                                   context="loss"),
+            message="Spiky loss", tolerance=0.0, fatal=False)
