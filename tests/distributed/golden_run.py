@@ -1,0 +1,218 @@
+"""The golden gradient tests' worker (``golden_worker.py`` runs :func:`main` under torchrun).
+
+Modes:
+* ``init`` (1 process): build the model with the given seed and save it with Megatron-LM's
+  ``save_checkpoint`` (``--save``), so every layout starts from identical parameters.
+* ``run`` (any layout): Megatron-LM's loader reads those weights (``--load``, resharded into
+  the layout), run one training step (Megatron's ``train_step``:
+  the schedule under test over the fixed documents, then the optimizer step), then save the reduced gradients (``main_grad``) *as model
+  weights* — dist_checkpointing then reshards them into any other layout — and the loss.
+  Document-level schedules (``elastic``, ``seq1f1b``) also write their plan's chunk kinds and
+  checkpointing table (``plan_<tag>.json``), ``helix`` its micro-batch and padding counts
+  and MLP chunk rows (``helix_<tag>.json``), ``sppo`` its subsequences, offload ratios and
+  what each offload moved, per rank (``sppo_<tag>_<rank>.json``), so the test can check what a
+  run exercised.
+  Finally record which CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
+  native ``1f1b`` the order in which its loop called ``forward_step`` / ``backward_step`` on
+  each rank is recorded too (``order_<tag>_<rank>.json``), an independent oracle for the IR
+  generator of 1F1B.
+* ``reference`` (1 process): the single-process reference over whole documents, each document
+  alone (no packing): per-token loss and gradients; then, for every tag given, load that run's
+  gradient checkpoint into the single-process layout. Everything is written with ``torch.save``
+  for the test to compare.
+"""
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
+
+from megatron.plugin import cpu_compat, launch
+from megatron.plugin.batches import forward_step, micro_batch, pack_row
+from megatron.plugin.document_data import GlobalBatch
+
+
+def golden_documents(count: int, seq_length: int, vocab: int, seed: int):
+    """Skewed lengths: a few documents near ``seq_length`` and many short ones."""
+    rng = np.random.default_rng(seed)
+    lengths = []
+    for i in range(count):
+        if i % 4 == 0:
+            lengths.append(int(rng.integers(seq_length // 2, seq_length + 1)))
+        else:
+            lengths.append(int(rng.integers(2, seq_length // 4)))
+    return [rng.integers(0, vocab, size=n + 1).astype(np.int64) for n in lengths]
+
+
+def golden_arguments(parser):
+    group = parser.add_argument_group("golden test")
+    group.add_argument("--golden-mode", choices=["init", "run", "reference"], required=True)
+    group.add_argument("--golden-dir", required=True)
+    group.add_argument("--golden-tag", default="")
+    group.add_argument("--golden-tags", nargs="*", default=[])
+    group.add_argument("--golden-docs", type=int, default=12)
+    return parser
+
+
+def _sharded_state(model) -> dict:
+    if len(model) == 1:
+        return {"model": model[0].module.sharded_state_dict()}
+    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(model)}
+
+
+def save_model(directory: str, model) -> None:
+    """Model weights only, in Megatron's distributed format (any layout can load them)."""
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model), directory)
+    dist.barrier()
+
+
+def load_model(directory: str, model) -> None:
+    loaded = dist_checkpointing.load(_sharded_state(model), directory)
+    keys = ["model"] if len(model) == 1 else [f"model{i}" for i in range(len(model))]
+    for chunk, key in zip(model, keys):
+        chunk.module.load_state_dict(loaded[key], strict=True)
+
+
+def capture_grads_before_step(model, optimizer) -> dict:
+    """Wrap ``optimizer.step`` to copy every parameter's reduced gradient (``main_grad``, after
+    ``finalize_model_grads``) first: the optimizer's clipping scales it in place."""
+    captured = {}
+    step = optimizer.step
+
+    def capturing_step(*args, **kwargs):
+        for chunk in model:
+            for param in chunk.module.parameters():
+                grad = getattr(param, "main_grad", None)
+                if grad is None:
+                    grad = param.grad
+                captured[param] = (grad.detach().clone().view_as(param) if grad is not None
+                                   else torch.zeros_like(param))
+        return step(*args, **kwargs)
+
+    optimizer.step = capturing_step
+    return captured
+
+
+def grads_as_weights(model, captured: dict):
+    """Replace every parameter's data by its captured reduced gradient."""
+    for chunk in model:
+        for param in chunk.module.parameters():
+            param.data.copy_(captured[param])
+
+
+def record_call_order(order: list):
+    """Wrap megatron-core's ``forward_step``/``backward_step`` (as its schedules call them) to
+    append ``"F<microbatch>"`` / ``"B<k>"`` to ``order``. 1F1B runs backwards first-in first-out,
+    so the k-th backward is micro-batch k."""
+    from megatron.core.pipeline_parallel import schedules
+
+    forward, backward = schedules.forward_step, schedules.backward_step
+
+    def forward_step(*args, current_microbatch=None, **kwargs):
+        order.append(f"F{current_microbatch}")
+        return forward(*args, current_microbatch=current_microbatch, **kwargs)
+
+    def backward_step(*args, **kwargs):
+        order.append(f"B{sum(1 for step in order if step[0] == 'B')}")
+        return backward(*args, **kwargs)
+
+    schedules.forward_step, schedules.backward_step = forward_step, backward_step
+
+
+def main():
+    args = launch.initialize(sys.argv[1:], golden_arguments)
+    run(args)
+    launch.shutdown()
+
+
+def run(args):
+    vocab = 256
+    model, optimizer, scheduler, config = launch.setup_model_and_optimizer()
+    docs = golden_documents(args.golden_docs, args.seq_length, vocab, args.seed)
+    if args.golden_mode == "init":
+        from megatron.training.checkpointing import save_checkpoint
+
+        save_checkpoint(0, model, optimizer, scheduler, 0)  # into --save
+        return
+    if args.golden_mode == "run":
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        batch = GlobalBatch(docs, lambda: docs)
+        data_iterator = [iter([batch]) for _ in model] if len(model) > 1 else iter([batch])
+        order: list[str] = []
+        if args.pipeline_schedule == "1f1b":
+            record_call_order(order)
+        # Megatron's train_step: the schedule, then the optimizer step (grad norm and
+        # clipping), which sees the gradients after they are captured.
+        captured = capture_grads_before_step(model, optimizer)
+        record = launch.train_step(model, optimizer, scheduler, config, data_iterator)
+        tokens = record["num_tokens"]
+        loss_sum = record["lm_loss"] * tokens
+        num_microbatches = record["num_microbatches"]
+        data_iterator = get_forward_backward_func().last_input
+        plan = getattr(data_iterator, "plan", None)
+        if plan is not None and dist.get_rank() == 0:
+            with open(os.path.join(args.golden_dir, f"plan_{args.golden_tag}.json"), "w") as f:
+                json.dump({"kinds": [chunk.kind for chunk in plan.chunks()],
+                           "ckpt": plan.ckpt_table(),
+                           "status": [p.status for p in plan.pipelines]}, f)
+        if hasattr(data_iterator, "padding") and dist.get_rank() == 0:
+            with open(os.path.join(args.golden_dir, f"helix_{args.golden_tag}.json"), "w") as f:
+                json.dump({"microbatches": num_microbatches,
+                           "padding": data_iterator.padding,
+                           "mlp_rows": data_iterator.mlp_rows}, f)
+        offloader = getattr(data_iterator, "offloader", None)
+        if offloader is not None:
+            name = f"sppo_{args.golden_tag}_{dist.get_rank()}.json"
+            with open(os.path.join(args.golden_dir, name), "w") as f:
+                json.dump({**data_iterator.subsequences.to_dict(),
+                           "stage": parallel_state.get_pipeline_model_parallel_rank(),
+                           "shares": [str(a) for a in data_iterator.schedule[
+                               parallel_state.get_pipeline_model_parallel_rank()]
+                               if a.is_compute() and a.part is not None],
+                           "offloads": [[r.unit[0], r.ratio, r.offloadable, r.moved]
+                                        for r in offloader.records],
+                           "host_peak": offloader.tier.peak, "host_used": offloader.tier.used},
+                          f)
+        grads_as_weights(model, captured)
+        save_model(os.path.join(args.golden_dir, f"grads_{args.golden_tag}"), model)
+        if dist.get_rank() == 0:
+            with open(os.path.join(args.golden_dir, f"loss_{args.golden_tag}.json"), "w") as f:
+                json.dump({"loss_sum": loss_sum, "tokens": tokens}, f)
+        if order:
+            name = f"order_{args.golden_tag}_{dist.get_rank()}.json"
+            with open(os.path.join(args.golden_dir, name), "w") as f:
+                json.dump({"pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                           "pp": args.pipeline_model_parallel_size,
+                           "microbatches": num_microbatches, "order": order}, f)
+        hits = {module: dict(counter) for module, counter in cpu_compat.HITS.items()}
+        name = f"hits_{args.golden_tag}_{dist.get_rank()}.json"
+        with open(os.path.join(args.golden_dir, name), "w") as f:
+            json.dump(hits, f)
+        return
+    # reference: whole documents, one at a time, on a plain single-process model.
+    # Megatron DDP's hooks accumulate gradients into ``main_grad``; no sync in one process.
+    model[0].zero_grad_buffer()
+    module = model[0].module
+    loss_sum, tokens = 0.0, 0
+    for doc in docs:
+        batch = micro_batch([pack_row([doc])])
+        output, loss_fn = forward_step(iter([batch]), module)
+        doc_loss, doc_tokens, _ = loss_fn(output)
+        doc_loss.backward()
+        loss_sum += float(doc_loss)
+        tokens += int(doc_tokens)
+    reference = {name: p.main_grad.detach().clone().view_as(p) / tokens
+                 for name, p in module.named_parameters()}
+    torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": reference},
+               os.path.join(args.golden_dir, "reference.pt"))
+    for tag in args.golden_tags:
+        load_model(os.path.join(args.golden_dir, f"grads_{tag}"), model)
+        grads = {name: p.detach().clone() for name, p in module.named_parameters()}
+        torch.save(grads, os.path.join(args.golden_dir, f"grads_{tag}.pt"))
+
