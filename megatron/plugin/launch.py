@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 from megatron.core.enums import ModelType
 
-from megatron.plugin import arguments, cpu_compat, registry
+from megatron.plugin import arguments, checkpoint_errors, cpu_compat, registry
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
@@ -43,6 +43,9 @@ def run_pretrain() -> None:
     from megatron.training import training as megatron_training
 
     store = _restart_store()
+    if not getattr(megatron_training.load_checkpoint, "explains_failures", False):
+        megatron_training.load_checkpoint = checkpoint_errors.explained(
+            megatron_training.load_checkpoint)
     if _parses_in_initialize():
         megatron_training.initialize_megatron = _with_checks(megatron_training.initialize_megatron)
         pretrain(train_valid_test_datasets_provider, model_provider, MODEL_TYPE, forward_step,

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import struct
 from typing import Sequence
 
 import numpy as np
@@ -188,14 +189,36 @@ class MockSource:
                 for n in lengths]
 
 
+_REWRITE = "write the dataset again with scripts/preprocess_data.py"
+
+
 def _open(prefix: str, mmap: bool) -> IndexedDataset:
+    """Megatron-LM's ``IndexedDataset`` of ``prefix``, after checking that its two files
+    belong together: a damaged ``.idx`` or a ``.bin`` of another size than the index describes
+    (truncated by a full disk or an interrupted copy, or from another dataset) is refused here,
+    naming the file, rather than failing or reading wrong tokens in the middle of training."""
     if not IndexedDataset.exists(prefix):
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.exists(p)]
         raise FileNotFoundError(
             f"--data-path {prefix}: {', '.join(missing)} not found; give the prefix of a dataset "
             "written by scripts/preprocess_data.py (without .bin/.idx), or omit --data-path to "
             "use the embedded corpus")
-    return IndexedDataset(prefix, mmap=mmap)
+    try:
+        dataset = IndexedDataset(prefix, mmap=mmap)
+    except (AssertionError, ValueError, struct.error) as error:
+        raise ValueError(f"--data-path {prefix}: {prefix}.idx cannot be read ({error}): it is "
+                         f"damaged or not a Megatron-LM index; {_REWRITE}") from error
+    index = dataset.index
+    described = 0
+    if index.sequence_count:
+        described = int(index.sequence_pointers[-1]) \
+            + int(index.sequence_lengths[-1]) * index.dtype_size
+    size = os.path.getsize(prefix + ".bin")
+    if size != described:
+        what = "truncated" if size < described else "not the one its index was written with"
+        raise ValueError(f"--data-path {prefix}: {prefix}.bin holds {size} bytes where "
+                         f"{prefix}.idx describes {described}: the .bin is {what}; {_REWRITE}")
+    return dataset
 
 
 def build_document_sources(args: argparse.Namespace, vocab_size: int):

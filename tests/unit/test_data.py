@@ -162,3 +162,22 @@ def test_embedded_corpus_is_the_standard_library(tmp_path):
     first = data.get(0)
     assert first[-1] == corpus.EMBEDDED_EOD
     assert bytes(first[:-1].astype(np.uint8)) == files[0].read_bytes()
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncate_bin", r"docs\.bin holds \d+ bytes where .*docs\.idx describes \d+: the \.bin is "
+                     r"truncated; write the dataset again with scripts/preprocess_data\.py"),
+    ("grow_bin", r"docs\.bin holds \d+ bytes .* not the one its index was written with"),
+    ("truncate_idx", r"docs\.idx cannot be read .*: it is damaged or not a Megatron-LM index; "
+                     r"write the dataset again"),
+    ("foreign_idx", r"docs\.idx cannot be read \(bad header"),
+])
+def test_damaged_or_mismatched_files_are_refused_naming_the_file(dataset, damage, message):
+    path = dataset + (".bin" if damage.endswith("bin") else ".idx")
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write({"truncate_bin": data[:-6], "grow_bin": data + data[:8],
+                 "truncate_idx": data[:len(data) // 2], "foreign_idx": b"x" * len(data)}[damage])
+    with pytest.raises(ValueError, match=message):
+        sources.build_document_sources(data_args(data_path=[dataset]), VOCAB)

@@ -1,0 +1,73 @@
+"""A checkpoint that cannot be loaded, explained in one message naming it and what to do.
+
+Megatron-LM's ``load_checkpoint`` fails on a damaged checkpoint (a shard file missing or
+unreadable) and on one saved for another model shape or vocabulary with a traceback per rank,
+whose cause sits in ``torch.distributed.checkpoint``'s ``CheckpointException`` (the failures
+per rank) or Megatron's ``CheckpointingException``. :func:`explained` wraps it: the failure
+becomes a ``ValueError`` (the training script prints it and exits 2) naming ``--load``, the
+iteration and its directory, the first rank's cause, and the way on: an earlier checkpoint
+with Megatron-LM's ``--ckpt-step``, or the flags the checkpoint was saved with.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+from megatron.core.dist_checkpointing.core import CheckpointingException
+from torch.distributed.checkpoint.api import CheckpointException
+
+#: What a damaged or mismatched checkpoint raises while it is read (an unreadable file
+#: reaches ``load_checkpoint`` inside ``CheckpointException``). Not a ``RuntimeError``: a
+#: rank whose own part loaded sees its peer's exit as one, and is not the rank to read.
+LOAD_FAILURES = (CheckpointException, CheckpointingException, OSError)
+
+
+def cause(error: BaseException) -> str:
+    """The underlying failure: ``torch.distributed.checkpoint`` gathers the failures of the
+    ranks of its group into ``failures`` (``{group rank: (exception, traceback)}``) and says
+    only which group ranks failed."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        inner = first[0] if isinstance(first, tuple) else first
+        return f"{type(inner).__name__}: {inner}"
+    return f"{type(error).__name__}: {error}"
+
+
+def iteration_loaded(load: str, ckpt_step: int | None) -> str:
+    if ckpt_step:
+        return str(ckpt_step)
+    try:
+        with open(os.path.join(load, "latest_checkpointed_iteration.txt")) as f:
+            return f.read().strip()
+    except OSError:
+        return "?"
+
+
+def message(load: str, ckpt_step: int | None, error: BaseException) -> str:
+    iteration = iteration_loaded(load, ckpt_step)
+    where = (os.path.join(load, f"iter_{int(iteration):07d}") if iteration.isdigit()
+             else load)
+    return (f"--load {load}: the checkpoint of iteration {iteration} ({where}) cannot be "
+            f"loaded ({cause(error)}). If a file of it is missing or damaged, resume from an "
+            f"earlier checkpoint in {load} with --ckpt-step ITERATION, or start in another "
+            f"--save directory; if it was saved for another model shape or vocabulary, load "
+            f"it with the flags it was saved with")
+
+
+def explained(load_checkpoint):
+    """``load_checkpoint`` whose load failures raise :func:`message` as a ``ValueError``."""
+
+    @functools.wraps(load_checkpoint)
+    def load(*args, **kwargs):
+        from megatron.training import get_args
+
+        try:
+            return load_checkpoint(*args, **kwargs)
+        except LOAD_FAILURES as error:
+            margs = get_args()
+            raise ValueError(message(margs.load, getattr(margs, "ckpt_step", None),
+                                     error)) from error
+
+    load.explains_failures = True
+    return load
