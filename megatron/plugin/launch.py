@@ -27,7 +27,7 @@ from typing import Callable, Sequence
 import torch
 from megatron.core.enums import ModelType
 
-from megatron.plugin import arguments, checkpoint_errors, cpu_compat, registry
+from megatron.plugin import arguments, checkpoint_errors, cpu_compat, hang_report, registry
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
@@ -39,13 +39,29 @@ MODEL_TYPE = ModelType.encoder_or_decoder
 def run_pretrain() -> None:
     """Parse the command line with Megatron-LM's parser and train with its ``pretrain``."""
     _prepare()
-    from megatron.training import pretrain
     from megatron.training import training as megatron_training
 
     store = _restart_store()
     if not getattr(megatron_training.load_checkpoint, "explains_failures", False):
         megatron_training.load_checkpoint = checkpoint_errors.explained(
             megatron_training.load_checkpoint)
+    heartbeat = hang_report.start()
+    try:
+        _pretrain(store)
+    except BaseException as error:
+        if hang_report.is_timeout(error):
+            hang_report.report(heartbeat, error)
+        raise
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _pretrain(store) -> None:
+    """Megatron-LM's ``pretrain`` as the installed release takes it (see the module doc)."""
+    from megatron.training import pretrain
+    from megatron.training import training as megatron_training
+
     if _parses_in_initialize():
         megatron_training.initialize_megatron = _with_checks(megatron_training.initialize_megatron)
         pretrain(train_valid_test_datasets_provider, model_provider, MODEL_TYPE, forward_step,

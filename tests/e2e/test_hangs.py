@@ -1,0 +1,71 @@
+"""A rank that stops (``SIGSTOP``: a frozen node, a process swapped out) makes every other rank
+fail within the configured timeout, naming the operation, and the log names the stopped rank
+(:mod:`megatron.plugin.hang_report`); no rank waits forever.
+
+Two paths of waiting: the executor's transfers (every schedule of the project runs on it;
+``elastic`` here), which time out after ``--pipeline-timeout-s``, and Megatron-LM's own
+schedules and every collective, which time out after ``--distributed-timeout-minutes``
+(``1f1b`` here, the rank stopped being the first).
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from harness import REPO, free_port
+from test_pretrain import TINY, metrics
+
+SCRIPT = "pretrain_gpt_elastic.py"
+pytestmark = pytest.mark.timeout(600)
+
+
+def stop_a_rank(tmp_path, schedule: str, timeouts: list[str], rank: int) -> tuple[str, float]:
+    """Train, stop ``rank`` once two iterations are recorded; (output, seconds until the job
+    ended)."""
+    records, log = tmp_path / "metrics.jsonl", tmp_path / "job.log"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+               "--master-addr=127.0.0.1", f"--master-port={free_port()}", SCRIPT, *TINY,
+               "--train-iters", "100000", "--pipeline-schedule", schedule, *timeouts,
+               "--metrics-jsonl", str(records)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONWARNINGS="ignore",
+               TORCH_CPP_LOG_LEVEL="ERROR", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2")
+    job = subprocess.Popen(command, cwd=REPO, env=env, stdout=open(log, "w"),
+                           stderr=subprocess.STDOUT)
+    stopped = None
+    try:
+        deadline = time.monotonic() + 240
+        while not (records.exists() and len(metrics(records)) >= 2):
+            assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        stopped = next(p for p in psutil.Process(job.pid).children(recursive=True)
+                       if SCRIPT in " ".join(p.cmdline())
+                       and p.environ().get("RANK") == str(rank))
+        stopped.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        job.wait(timeout=400)
+        return log.read_text(), time.monotonic() - start
+    finally:
+        if job.poll() is None:
+            if stopped is not None:
+                stopped.kill()
+            job.kill()
+
+
+def test_a_stopped_rank_under_the_executor_is_named(tmp_path):
+    output, took = stop_a_rank(tmp_path, "elastic", ["--pipeline-timeout-s", "10",
+                                                     "--distributed-timeout-minutes", "1"], 1)
+    assert "pipeline rank 0: send of" in output and "(peer stage 1) did not complete within " \
+        "10.0s" in output, output[-3000:]
+    assert "rank 0 timed out waiting; rank(s) 1 stopped answering" in output
+    assert took < 60 + 30
+
+
+def test_a_stopped_rank_under_megatrons_schedule_is_named(tmp_path):
+    output, took = stop_a_rank(tmp_path, "1f1b", ["--distributed-timeout-minutes", "1"], 0)
+    assert "Timed out waiting 60000ms" in output, output[-3000:]
+    assert "rank 1 timed out waiting; rank(s) 0 stopped answering" in output
+    assert took < 60 + 60
