@@ -7,15 +7,15 @@ so far is reported (not fatal). Both go through Megatron's rerun state machine, 
 ``validate_results`` (the default) reruns the iteration to tell a transient fault from a
 reproducible one, and, like Megatron, does not validate the first iteration. The gradient half
 of ``--check-for-nan-in-loss-and-grad`` is Megatron's DDP, which every schedule's gradients
-go through. Outside a Megatron run (no parsed arguments, e.g. ``scripts/profile_costs.py``)
-nothing is checked.
+go through. Outside Megatron's train step (no parsed arguments, or a loss computed by hand, as
+``scripts/profile_costs.py`` does) nothing is checked.
 """
 from __future__ import annotations
 
 from functools import partial
 
 import torch
-from megatron.core.rerun_state_machine import get_rerun_state_machine
+from megatron.core.rerun_state_machine import RerunMode, RerunState, get_rerun_state_machine
 from megatron.training import get_args
 
 SPIKY_LOSS_FACTOR = 10
@@ -35,6 +35,11 @@ def validate_loss(loss_sum: torch.Tensor) -> None:
     if args is None:
         return
     machine = get_rerun_state_machine()
+    if machine.get_mode() != RerunMode.DISABLED and machine.state == RerunState.NOT_RUNNING_YET:
+        # Outside Megatron's train step (a profile, a reference computed by hand): the
+        # machine validates only inside one, where every training loss is computed;
+        # Megatron's evaluation disables it, which validates anywhere.
+        return
     if args.check_for_nan_in_loss_and_grad:
         # Forward computations are deterministic: no tolerance.
         machine.validate_result(result=loss_sum, rejection_func=torch.isnan,
