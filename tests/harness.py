@@ -39,8 +39,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, check=True):
-    """Run ``script`` on ``nprocs`` local ranks; returns the CompletedProcess."""
+def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, check=True,
+             preexec_fn=None):
+    """Run ``script`` on ``nprocs`` local ranks; returns the CompletedProcess. ``preexec_fn``
+    runs in the launcher's process before it starts (limits set there hold for the ranks)."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO,
@@ -48,7 +50,7 @@ def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, che
     full_env.update(env or {})
     try:
         result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True,
-                                timeout=timeout)
+                                timeout=timeout, preexec_fn=preexec_fn)
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"{script} on {nprocs} ranks timed out after {timeout}s:\n"
                     f"{(err.stdout or '')[-3000:]}\n{(err.stderr or '')[-3000:]}")

@@ -1,17 +1,24 @@
-"""A checkpoint that cannot be loaded, explained in one message naming it and what to do.
+"""A checkpoint that cannot be loaded or written, explained in one message naming it and what
+to do.
 
 Megatron-LM's ``load_checkpoint`` fails on a damaged checkpoint (a shard file missing or
 unreadable) and on one saved for another model shape or vocabulary with a traceback per rank,
 whose cause sits in ``torch.distributed.checkpoint``'s ``CheckpointException`` (the failures
-per rank) or Megatron's ``CheckpointingException``. :func:`explained` wraps it: the failure
+per rank) or Megatron's ``CheckpointingException``. :func:`explained_load` wraps it: the failure
 becomes a ``ValueError`` (the training script prints it and exits 2) naming ``--load``, the
 iteration and its directory, the first rank's cause, and the way on: an earlier checkpoint
 with Megatron-LM's ``--ckpt-step``, or the flags the checkpoint was saved with.
+
+A save that fails (a full disk, a quota, a file-size limit) leaves its ``iter_*`` directory
+incomplete and ``latest_checkpointed_iteration.txt`` at the last complete checkpoint (Megatron
+updates it after the write). :func:`explained_save` says so: the failure, the free space left
+on that file system, and that the same command resumes from the last complete checkpoint.
 """
 from __future__ import annotations
 
 import functools
 import os
+import shutil
 
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from torch.distributed.checkpoint.api import CheckpointException
@@ -55,7 +62,7 @@ def message(load: str, ckpt_step: int | None, error: BaseException) -> str:
             f"it with the flags it was saved with")
 
 
-def explained(load_checkpoint):
+def explained_load(load_checkpoint):
     """``load_checkpoint`` whose load failures raise :func:`message` as a ``ValueError``."""
 
     @functools.wraps(load_checkpoint)
@@ -71,3 +78,35 @@ def explained(load_checkpoint):
 
     load.explains_failures = True
     return load
+
+
+def save_message(save: str, iteration: int, error: BaseException) -> str:
+    latest = iteration_loaded(save, None)
+    kept = (f"{save}/latest_checkpointed_iteration.txt still names iteration {latest}, a "
+            f"complete checkpoint, which the same command resumes from" if latest.isdigit()
+            else f"{save} holds no complete checkpoint yet")
+    try:
+        free = f"; {shutil.disk_usage(save).free / 2**30:.1f} GiB free there"
+    except OSError:
+        free = ""
+    return (f"--save {save}: the checkpoint of iteration {iteration} could not be written "
+            f"({cause(error)}{free}). {os.path.join(save, f'iter_{iteration:07d}')} is "
+            f"incomplete; {kept} once the file system takes the write (free space, raise the "
+            f"quota or limit)")
+
+
+def explained_save(save_checkpoint):
+    """``save_checkpoint`` whose write failures raise :func:`save_message` as a
+    ``ValueError``."""
+
+    @functools.wraps(save_checkpoint)
+    def save(iteration, *args, **kwargs):
+        from megatron.training import get_args
+
+        try:
+            return save_checkpoint(iteration, *args, **kwargs)
+        except (CheckpointException, CheckpointingException, OSError) as error:
+            raise ValueError(save_message(get_args().save, iteration, error)) from error
+
+    save.explains_failures = True
+    return save

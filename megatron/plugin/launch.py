@@ -43,8 +43,10 @@ def run_pretrain() -> None:
 
     store = _restart_store()
     if not getattr(megatron_training.load_checkpoint, "explains_failures", False):
-        megatron_training.load_checkpoint = checkpoint_errors.explained(
+        megatron_training.load_checkpoint = checkpoint_errors.explained_load(
             megatron_training.load_checkpoint)
+        megatron_training.save_checkpoint = checkpoint_errors.explained_save(
+            megatron_training.save_checkpoint)
     heartbeat = hang_report.start()
     try:
         _pretrain(store)

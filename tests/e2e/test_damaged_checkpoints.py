@@ -1,9 +1,11 @@
-"""A checkpoint that cannot be loaded stops the run with one message naming it and the way on,
-and the checkpoint before it stays loadable (Megatron-LM's ``--ckpt-step``).
+"""A checkpoint that cannot be loaded or written stops the run with one message naming it and
+the way on, and the checkpoint before it stays loadable.
 
 Damage: a shard file of the latest checkpoint lost (a disk that filled up, a copy cut short);
-mismatch: a checkpoint loaded into a model of another shape.
+mismatch: a checkpoint loaded into a model of another shape; a write refused (a full disk).
 """
+import resource
+import signal
 
 from harness import torchrun
 from test_pretrain import TINY, metrics
@@ -38,3 +40,32 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_still_loads(tmp_path):
             "be loaded") in mismatched.stderr, mismatched.stderr[-3000:]
     assert "Global shape mismatch" in mismatched.stderr
     assert "load it with the flags it was saved with" in mismatched.stderr
+
+
+def test_a_failed_save_names_the_last_complete_checkpoint_which_resumes(tmp_path):
+    """A file system that refuses the write (simulated with a file-size limit on the workers,
+    ``RLIMIT_FSIZE``: the write fails as on a full disk): one message, the tracker still at the
+    last complete checkpoint, and the same command resumes from it."""
+    save, records = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
+    one_rank = list(TINY)
+    one_rank[one_rank.index("--pipeline-model-parallel-size") + 1] = "1"
+    command = [*one_rank, "--train-iters", "4", "--pipeline-schedule", "elastic",
+               "--save", str(save), "--load", str(save), "--save-interval", "1",
+               "--metrics-jsonl", str(records)]
+    torchrun(1, SCRIPT, [*command, "--exit-interval", "2"])
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails instead of the process
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    failed = torchrun(1, SCRIPT, command, check=False, timeout=240, preexec_fn=small_files)
+    assert failed.returncode != 0
+    assert (f"error: --save {save}: the checkpoint of iteration 3 could not be written "
+            in failed.stderr), failed.stderr[-3000:]
+    assert (f"{save}/iter_0000003 is incomplete; {save}/latest_checkpointed_iteration.txt still "
+            "names iteration 2, a complete checkpoint, which the same command resumes from"
+            in failed.stderr)
+    assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+
+    torchrun(1, SCRIPT, command)
+    assert [r["iteration"] for r in metrics(records)][-2:] == [3, 4]
