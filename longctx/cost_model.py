@@ -68,6 +68,11 @@ from longctx.chunks import Chunk
 from longctx.hardware import HardwareProfile
 from longctx.models import ModelConfig
 
+SIGNATURE_CACHE_SIZE = 1 << 14
+"""Chunk signatures whose costs a cost model keeps (least recently used first out): a long
+run keeps meeting new signatures, and an unbounded cache grew with them."""
+
+
 GB = 1e9
 
 
@@ -170,7 +175,7 @@ class CostModel:
         self.linear_per_token = self.alpha2 + self.comm_per_token
         self.chunk_constant = self.beta + self.comm_latency
         self._layers = stage_layers(model.num_layers, parallel.pp)
-        self.signature_cache = lru_cache(maxsize=None)(self._chunk_costs)
+        self.signature_cache = lru_cache(maxsize=SIGNATURE_CACHE_SIZE)(self._chunk_costs)
 
     # -- layout -----------------------------------------------------------------------------
 
