@@ -259,6 +259,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--bf16, --fp16 and --use-distributed-optimizer need CUDA "
                          "(megatron-core's mixed-precision and distributed optimizers only wrap CUDA tensors): "
                          "drop them on a machine without a GPU")
+    if not torch.cuda.is_available() and \
+            getattr(args, "distributed_timeout_seconds_after_init", None) is not None:
+        raise ValueError("--distributed-timeout-seconds-after-init needs CUDA (Megatron-LM "
+                         "synchronizes the device before it changes the process groups' "
+                         "timeouts): use --distributed-timeout-minutes on a machine without a "
+                         "GPU")
     if not torch.cuda.is_available() and args.profile and not args.use_pytorch_profiler:
         raise ValueError("--profile starts and stops CUDA's profiler (for nsys) unless "
                          "--use-pytorch-profiler is given: add --use-pytorch-profiler, or drop "

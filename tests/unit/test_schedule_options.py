@@ -184,3 +184,12 @@ def test_helix_refuses_an_fp32_residual(monkeypatch):
     args.fp32_residual_connection = True
     with pytest.raises(ValueError, match="--fp32-residual-connection is not supported by helix"):
         check_args(args)
+
+
+def test_a_timeout_change_that_needs_cuda_is_refused_without_it(monkeypatch):
+    """Megatron-LM synchronizes the device before it applies
+    ``--distributed-timeout-seconds-after-init`` (after the first iteration): on a machine
+    without CUDA the flag is refused at start-up instead of failing there."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="--distributed-timeout-seconds-after-init needs CUDA"):
+        arguments.parse([*BASE, "--distributed-timeout-seconds-after-init", "10"])
