@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # Validates an install on a CUDA machine: versions, the unit tests (the CUDA-only ones run
-# here), a short training run of every schedule that fits the GPUs present (NCCL, fp32 and
-# bf16), then the golden suite when there are 4 GPUs or more (its layouts use up to 4 ranks,
+# here), a short training run of every schedule that fits the GPUs present (NCCL, fp32, bf16
+# and fp16), then the golden suite when there are 4 GPUs or more (its layouts use up to 4 ranks,
 # one GPU each). Prints a report, with each run's losses (no dropout: the schedules train the
 # same documents from the same initialization, so their first losses should agree to about the
-# precision's rounding); exits non-zero if any step failed.
+# precision's rounding) and, for fp16, the iterations Megatron-LM's loss scaler skipped on
+# overflow (its initial scale, 2^32, overflows the first steps: each schedule must scale its
+# losses with the optimizer's scaler for the skips to happen and be counted); exits non-zero if
+# any step failed.
 # Usage: bash scripts/gpu_check.sh   (in an environment with the project installed)
 set -u
 cd "$(dirname "$0")/.."
@@ -45,9 +48,10 @@ schedules=(default elastic seq1f1b sppo)
 for schedule in "${schedules[@]}"; do
   extra=()
   [ "$schedule" = sppo ] && extra=(--sppo-subsequences "$(( pp * 2 ))")
-  for dtype in fp32 bf16; do
+  for dtype in fp32 bf16 fp16; do
     precision=()
     [ "$dtype" = bf16 ] && precision=(--bf16)
+    [ "$dtype" = fp16 ] && precision=(--fp16)
     step "train-$schedule-$dtype" torchrun --nproc-per-node "$pp" --master-port 29511 \
       pretrain_gpt_elastic.py "${tiny[@]}" --pipeline-schedule "$schedule" "${extra[@]}" \
       "${precision[@]}"
@@ -64,6 +68,11 @@ for name in "$log"/train-*.log; do
   [ -f "$name" ] || continue
   printf '%s: ' "$(basename "$name" .log)"
   grep -oE "lm loss: [0-9.E+-]+" "$name" | awk '{printf "%s ", $3}'
+  case "$name" in
+    *-fp16.log) printf '| skipped: '
+                grep -oE "number of skipped iterations: +[0-9]+" "$name" \
+                  | awk '{printf "%s ", $NF}' ;;
+  esac
   echo
 done
 exit "$failed"
