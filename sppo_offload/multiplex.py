@@ -243,6 +243,14 @@ class MultiplexCosts(SequenceCosts):
             + borrowed
 
 
+def multiplexed_peaks(cost: CostModel, lengths: Sequence[int],
+                      alphas: Sequence[Sequence[float]]) -> list[float]:
+    """Simulated peak device bytes per stage of one sequence cut into ``lengths`` under the
+    multiplexed schedule (the helpers also hold the weights they borrow)."""
+    schedule = multiplexed_schedule(cost.pp, len(lengths), lambda a: alphas[a.stage][a.unit] > 0)
+    return list(simulate(schedule, MultiplexCosts(cost, lengths, alphas)).peak_memory)
+
+
 def compare(plan) -> tuple[SimResult, SimResult]:
     """Simulated runs of an ``sppo`` plan (:class:`sppo_offload.solver.MethodPlan`) without
     and with multiplexing: same layout, subsequences and offload ratios."""

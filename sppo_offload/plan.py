@@ -94,8 +94,10 @@ def summary(result: dict) -> str:
                     peak = max(entry["multiplexed_peak_memory_gb"])
                     lines.append(f"  multiplexed partitioning: iteration "
                                  f"{entry['multiplexed_iteration_time_s']:.2f} s, peak "
-                                 f"{peak:.1f} GB" + (" (over the budget)" if peak >
-                                                     result["memory_gb"] else ""))
+                                 f"{peak:.1f} GB" + ("" if entry["multiplexed_fits"] else
+                                                     " -- over the budget: not used (the "
+                                                     "training refuses --sppo-multiplex "
+                                                     "there), the plain plan stands"))
         lines.append(f"  largest sequence on {result['gpus']} GPUs: "
                      f"{entry['largest_seq_length']} tokens")
     base = result["methods"]["megatron_recompute"]
@@ -118,12 +120,14 @@ def _short(values: list, edge: int = 4) -> str:
         ", ".join(values[-edge:])
 
 
-def _multiplexed(plan: MethodPlan) -> dict:
+def _multiplexed(plan: MethodPlan, memory_gb: float) -> dict:
+    """The multiplexed alternative of an ``sppo`` plan, and whether it fits ``memory_gb``."""
     if plan.layout.pp < 2:
         return {}
     _, multiplexed = multiplex.compare(plan)
     return {"multiplexed_iteration_time_s": multiplexed.iteration_time,
-            "multiplexed_peak_memory_gb": [m / 1e9 for m in multiplexed.peak_memory]}
+            "multiplexed_peak_memory_gb": [m / 1e9 for m in multiplexed.peak_memory],
+            "multiplexed_fits": max(multiplexed.peak_memory) <= memory_gb * 1e9}
 
 
 def main(argv=None) -> int:
@@ -154,7 +158,7 @@ def main(argv=None) -> int:
             plans[name] = plan
             entry = plan.to_dict()
             if name == SPPO:
-                entry.update(_multiplexed(plan))
+                entry.update(_multiplexed(plan, memory_gb))
         entry["largest_seq_length"] = largest_length(name, model, hardware, config,
                                                      args.granularity)
         result["methods"][name] = entry

@@ -4,6 +4,7 @@ with the activation offloader of this stage."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -14,13 +15,14 @@ from megatron.plugin.pipeline.ir import Action
 from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
 
 from longctx.chunk_rows import ChunkRows, chunk_row
-from longctx.cost_model import GB
+from longctx.cost_model import GB, CostModel
 from longctx.job_costs import job_cost_model
 from longctx.replicas import replica_share
 
 from sppo_offload.batch_plan import SubsequencePlan, check_budget, plan_subsequences
 from sppo_offload.flags import memory_budget_gb
-from sppo_offload.multiplex import min_tokens, multiplexed_schedule, piece_tokens
+from sppo_offload.multiplex import (min_tokens, multiplexed_peaks, multiplexed_schedule,
+                                   piece_tokens)
 from sppo_offload.mux_runtime import block_groups
 from sppo_offload.pipeline import build_schedule
 
@@ -58,7 +60,7 @@ def prepare_input(documents, args, model):
     stage = parallel_state.get_pipeline_model_parallel_rank()
     offloaded = lambda action: plan.alphas[action.stage][action.unit] > 0  # noqa: E731
     if args.sppo_multiplex:
-        _check_multiplexable(plan, cost.pp)
+        _check_multiplexable(plan, cost, memory_budget_gb(args))
         schedule = multiplexed_schedule(cost.pp, plan.counts[0], offloaded)
         block_groups(tuple(dist.get_process_group_ranks(
             parallel_state.get_pipeline_model_parallel_group())))
@@ -81,11 +83,14 @@ def prepare_input(documents, args, model):
     return batch, len(batch)
 
 
-def _check_multiplexable(plan: SubsequencePlan, pp: int) -> None:
-    """Multiplexing fills the warm-up and cool-down of one sequence's pipeline. Every rank
-    learns every replica's verdict (one gather) and they all raise the first problem found, so
-    no replica is left waiting in a collective for one that stopped."""
+def _check_multiplexable(plan: SubsequencePlan, cost: CostModel, memory_gb: float) -> None:
+    """Multiplexing fills the warm-up and cool-down of one sequence's pipeline, and must fit
+    the memory budget the plain schedule was planned for (its helpers hold the weights they
+    borrow: the simulated peak is refused when over ``memory_gb``, naming the stage). Every
+    rank learns every replica's verdict (one gather) and they all raise the first problem
+    found, so no replica is left waiting in a collective for one that stopped."""
     problem = None
+    pp = cost.pp
     first = plan.chunks[0].pieces[0].tokens
     if len(plan.counts) != 1:
         problem = (f"--sppo-multiplex splits the first subsequence of one document; a "
@@ -98,6 +103,16 @@ def _check_multiplexable(plan: SubsequencePlan, pp: int) -> None:
                    f"at least {min_tokens(pp)} tokens on {pp} stages; got {plan.counts[0]} "
                    f"subsequences, the first of {first} tokens: use fewer --sppo-subsequences "
                    f"(at least 2), longer documents, or drop --sppo-multiplex")
+    else:
+        peaks = multiplexed_peaks(cost, [chunk.pieces[0].tokens for chunk in plan.chunks],
+                                  plan.alphas)
+        if max(peaks) > memory_gb * GB:
+            stage = peaks.index(max(peaks))
+            problem = (f"--sppo-multiplex: the multiplexed schedule of this batch needs "
+                       f"{max(peaks) / GB:.4g} GB on stage {stage} (its helpers hold the "
+                       f"weights they borrow), more than --sppo-memory-gb {memory_gb:g}, "
+                       f"which the plain schedule fits: raise --sppo-memory-gb to at least "
+                       f"{math.ceil(max(peaks) / GB * 100) / 100:g}, or drop --sppo-multiplex")
     verdicts = [problem]
     if dist.is_initialized():
         verdicts = [None] * dist.get_world_size()

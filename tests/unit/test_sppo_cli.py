@@ -27,6 +27,9 @@ def test_cli_json_fields(tmp_path, capsys):
     assert len(sppo["alphas"]) == sppo["pp"]
     assert all(len(row) == sppo["num_subsequences"] for row in sppo["alphas"])
     assert "multiplexed_iteration_time_s" in sppo or sppo["pp"] == 1
+    if sppo["pp"] > 1:
+        # Said to fit exactly when its simulated peak is within the budget.
+        assert sppo["multiplexed_fits"] == (max(sppo["multiplexed_peak_memory_gb"]) <= 80)
     text = capsys.readouterr().out
     assert "sppo / megatron_recompute throughput" in text and "simulated" in text
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"

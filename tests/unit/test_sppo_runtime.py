@@ -17,6 +17,7 @@ from longctx.cost_model import GB
 
 from sppo_offload.batch_plan import auto_subsequences, check_budget, plan_subsequences, replay
 from sppo_offload.flags import offload_flag, subsequences_flag
+from sppo_offload.multiplex import multiplexed_peaks
 from sppo_offload.subsequence_batch import _check_multiplexable
 
 
@@ -160,8 +161,31 @@ def test_check_args_accepts_n_equal_to_pp(monkeypatch):
 def test_multiplexing_needs_one_document_and_a_long_enough_first_subsequence():
     cost = cost_model()
     with pytest.raises(ValueError, match="a data-parallel replica got 2 documents"):
-        _check_multiplexable(plan_subsequences([61, 40], cost, 4, "off"), cost.pp)
+        _check_multiplexable(plan_subsequences([61, 40], cost, 4, "off"), cost, 80)
+    deep = cost_model(pp=4)
     with pytest.raises(ValueError, match="a first subsequence of at least .* use fewer "
                                          "--sppo-subsequences"):
-        _check_multiplexable(plan_subsequences([9], cost, 4, "off"), 4)
-    _check_multiplexable(plan_subsequences([61], cost, 4, "off"), cost.pp)
+        _check_multiplexable(plan_subsequences([9], deep, 4, "off"), deep, 80)
+    _check_multiplexable(plan_subsequences([61], cost, 4, "off"), cost, 80)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_multiplexing_over_the_budget_the_plain_plan_fits_is_refused(pp):
+    """The multiplexed schedule's helpers hold borrowed weights: its simulated peak is above
+    the plain schedule's; with a budget between the two the plain plan trains and multiplexing
+    is refused, naming the stage and the budget that would fit."""
+    cost = cost_model(pp)
+    plan = plan_subsequences([4096], cost, 4, "off")
+    plain = max(replay(plan, cost)[0])
+    peaks = multiplexed_peaks(cost, [chunk.pieces[0].tokens for chunk in plan.chunks],
+                              plan.alphas)
+    assert max(peaks) > plain
+    budget = (plain + max(peaks)) / 2 / GB
+    check_budget([4096], plan, cost, 4, "off", budget, None)  # the plain plan fits
+    stage = peaks.index(max(peaks))
+    with pytest.raises(ValueError, match=rf"--sppo-multiplex: the multiplexed schedule of this "
+                                         rf"batch needs [0-9.]+ GB on stage {stage} .* more than "
+                                         rf"--sppo-memory-gb {budget:g}, which the plain "
+                                         rf"schedule fits: raise --sppo-memory-gb"):
+        _check_multiplexable(plan, cost, budget)
+    _check_multiplexable(plan, cost, max(peaks) / GB * 1.01)
