@@ -248,7 +248,8 @@ def multiplexed_peaks(cost: CostModel, lengths: Sequence[int],
     """Simulated peak device bytes per stage of one sequence cut into ``lengths`` under the
     multiplexed schedule (the helpers also hold the weights they borrow)."""
     schedule = multiplexed_schedule(cost.pp, len(lengths), lambda a: alphas[a.stage][a.unit] > 0)
-    return list(simulate(schedule, MultiplexCosts(cost, lengths, alphas)).peak_memory)
+    costs = MultiplexCosts(cost, lengths, alphas, cost.hardware.host_link_gbps)
+    return list(simulate(schedule, costs).peak_memory)
 
 
 def compare(plan) -> tuple[SimResult, SimResult]:

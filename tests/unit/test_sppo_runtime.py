@@ -169,19 +169,19 @@ def test_multiplexing_needs_one_document_and_a_long_enough_first_subsequence():
     _check_multiplexable(plan_subsequences([61], cost, 4, "off"), cost, 80)
 
 
-@pytest.mark.parametrize("pp", [2, 4])
-def test_multiplexing_over_the_budget_the_plain_plan_fits_is_refused(pp):
+@pytest.mark.parametrize("pp,offload", [(2, "off"), (4, "off"), (2, "1")])
+def test_multiplexing_over_the_budget_the_plain_plan_fits_is_refused(pp, offload):
     """The multiplexed schedule's helpers hold borrowed weights: its simulated peak is above
     the plain schedule's; with a budget between the two the plain plan trains and multiplexing
     is refused, naming the stage and the budget that would fit."""
     cost = cost_model(pp)
-    plan = plan_subsequences([4096], cost, 4, "off")
+    plan = plan_subsequences([4096], cost, 4, offload)
     plain = max(replay(plan, cost)[0])
     peaks = multiplexed_peaks(cost, [chunk.pieces[0].tokens for chunk in plan.chunks],
                               plan.alphas)
     assert max(peaks) > plain
     budget = (plain + max(peaks)) / 2 / GB
-    check_budget([4096], plan, cost, 4, "off", budget, None)  # the plain plan fits
+    check_budget([4096], plan, cost, 4, offload, budget, None)  # the plain plan fits
     stage = peaks.index(max(peaks))
     with pytest.raises(ValueError, match=rf"--sppo-multiplex: the multiplexed schedule of this "
                                          rf"batch needs [0-9.]+ GB on stage {stage} .* more than "
