@@ -243,21 +243,24 @@ class MultiplexCosts(SequenceCosts):
             + borrowed
 
 
+def _multiplexed_run(cost: CostModel, lengths: Sequence[int],
+                     alphas: Sequence[Sequence[float]], host_gbps: float | None) -> SimResult:
+    schedule = multiplexed_schedule(cost.pp, len(lengths), lambda a: alphas[a.stage][a.unit] > 0)
+    return simulate(schedule, MultiplexCosts(cost, lengths, alphas, host_gbps))
+
+
 def multiplexed_peaks(cost: CostModel, lengths: Sequence[int],
                       alphas: Sequence[Sequence[float]]) -> list[float]:
     """Simulated peak device bytes per stage of one sequence cut into ``lengths`` under the
     multiplexed schedule (the helpers also hold the weights they borrow)."""
-    schedule = multiplexed_schedule(cost.pp, len(lengths), lambda a: alphas[a.stage][a.unit] > 0)
-    costs = MultiplexCosts(cost, lengths, alphas, cost.hardware.host_link_gbps)
-    return list(simulate(schedule, costs).peak_memory)
+    return list(_multiplexed_run(cost, lengths, alphas, cost.hardware.host_link_gbps)
+                .peak_memory)
 
 
 def compare(plan) -> tuple[SimResult, SimResult]:
     """Simulated runs of an ``sppo`` plan (:class:`sppo_offload.solver.MethodPlan`) without
     and with multiplexing: same layout, subsequences and offload ratios."""
     plain = simulate(plan.schedule, plan.costs)
-    schedule = multiplexed_schedule(plan.layout.pp, len(plan.lengths),
-                                    lambda a: plan.alphas[a.stage][a.unit] > 0)
-    multiplexed = simulate(schedule, MultiplexCosts(plan.costs.cost, plan.lengths, plan.alphas,
-                                                    plan.costs.host_gbps))
+    multiplexed = _multiplexed_run(plan.costs.cost, plan.lengths, plan.alphas,
+                                   plan.costs.host_gbps)
     return plain, multiplexed

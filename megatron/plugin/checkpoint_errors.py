@@ -23,10 +23,10 @@ import shutil
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from torch.distributed.checkpoint.api import CheckpointException
 
-#: What a damaged or mismatched checkpoint raises while it is read (an unreadable file
-#: reaches ``load_checkpoint`` inside ``CheckpointException``). Not a ``RuntimeError``: a
+#: What a damaged or mismatched checkpoint raises while it is read or written (an unreadable
+#: or unwritable file reaches Megatron inside ``CheckpointException``). Not a ``RuntimeError``: a
 #: rank whose own part loaded sees its peer's exit as one, and is not the rank to read.
-LOAD_FAILURES = (CheckpointException, CheckpointingException, OSError)
+FAILURES = (CheckpointException, CheckpointingException, OSError)
 
 
 def cause(error: BaseException) -> str:
@@ -62,24 +62,6 @@ def message(load: str, ckpt_step: int | None, error: BaseException) -> str:
             f"it with the flags it was saved with")
 
 
-def explained_load(load_checkpoint):
-    """``load_checkpoint`` whose load failures raise :func:`message` as a ``ValueError``."""
-
-    @functools.wraps(load_checkpoint)
-    def load(*args, **kwargs):
-        from megatron.training import get_args
-
-        try:
-            return load_checkpoint(*args, **kwargs)
-        except LOAD_FAILURES as error:
-            margs = get_args()
-            raise ValueError(message(margs.load, getattr(margs, "ckpt_step", None),
-                                     error)) from error
-
-    load.explains_failures = True
-    return load
-
-
 def save_message(save: str, iteration: int, error: BaseException) -> str:
     latest = iteration_loaded(save, None)
     kept = (f"{save}/latest_checkpointed_iteration.txt still names iteration {latest}, a "
@@ -95,18 +77,31 @@ def save_message(save: str, iteration: int, error: BaseException) -> str:
             f"quota or limit)")
 
 
-def explained_save(save_checkpoint):
-    """``save_checkpoint`` whose write failures raise :func:`save_message` as a
-    ``ValueError``."""
+def _explained(function, describe):
+    """``function`` whose :data:`FAILURES` raise ``describe(megatron_args, call_args, error)``
+    as a ``ValueError``."""
 
-    @functools.wraps(save_checkpoint)
-    def save(iteration, *args, **kwargs):
+    @functools.wraps(function)
+    def call(*args, **kwargs):
         from megatron.training import get_args
 
         try:
-            return save_checkpoint(iteration, *args, **kwargs)
-        except (CheckpointException, CheckpointingException, OSError) as error:
-            raise ValueError(save_message(get_args().save, iteration, error)) from error
+            return function(*args, **kwargs)
+        except FAILURES as error:
+            raise ValueError(describe(get_args(), args, error)) from error
 
-    save.explains_failures = True
-    return save
+    call.explains_failures = True
+    return call
+
+
+def explained_load(load_checkpoint):
+    """``load_checkpoint`` whose failures raise :func:`message`."""
+    return _explained(load_checkpoint, lambda margs, _, error: message(
+        margs.load, getattr(margs, "ckpt_step", None), error))
+
+
+def explained_save(save_checkpoint):
+    """``save_checkpoint`` (first argument: the iteration) whose failures raise
+    :func:`save_message`."""
+    return _explained(save_checkpoint, lambda margs, args, error: save_message(
+        margs.save, args[0], error))

@@ -15,13 +15,10 @@ Counts, not clocks: nodes' clocks need not agree.
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import threading
 import time
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -76,15 +73,11 @@ class Heartbeat:
         self._stopped.set()
 
 
-def start(interval_s: float = 2.0) -> Heartbeat | None:
-    """A heartbeat in torchrun's agent store, under a prefix of this attempt (restarts count
-    afresh); ``None`` outside torchrun (no store that outlives the workers)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+def start(store, interval_s: float = 2.0) -> Heartbeat | None:
+    """A heartbeat in ``store`` (torchrun's agent store, under a prefix of this attempt:
+    restarts count afresh); ``None`` without one (no store that outlives the workers)."""
+    if store is None:
         return None
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    agent = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                       is_master=False, timeout=datetime.timedelta(seconds=30))
-    store = torch.distributed.PrefixStore(f"longctx_{attempt}", agent)
     return Heartbeat(store, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), interval_s)
 
 

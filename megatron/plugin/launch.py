@@ -47,7 +47,7 @@ def run_pretrain() -> None:
             megatron_training.load_checkpoint)
         megatron_training.save_checkpoint = checkpoint_errors.explained_save(
             megatron_training.save_checkpoint)
-    heartbeat = hang_report.start()
+    heartbeat = hang_report.start(_agent_store("longctx"))
     try:
         _pretrain(store)
     except BaseException as error:
@@ -94,12 +94,21 @@ def _restart_store():
     addresses and wait in gloo's (or NCCL's) connection set-up until the distributed timeout
     (measured: ten minutes, then the next restart worked). A prefix per attempt
     (``TORCHELASTIC_RESTART_COUNT``) gives every attempt keys of its own."""
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return None
+    return _agent_store("restart")
+
+
+def _agent_store(name: str):
+    """A client of torchrun's agent store (it outlives the workers) under the prefix
+    ``<name>_<attempt>``, so each restart attempt has keys of its own; ``None`` when the
+    workers were not started by torchrun's agent."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     agent = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                        is_master=False, timeout=datetime.timedelta(minutes=30))
-    return torch.distributed.PrefixStore(f"restart_{attempt}", agent)
+    return torch.distributed.PrefixStore(f"{name}_{attempt}", agent)
 
 
 def initialize(argv: Sequence[str], extra_args_provider: Callable | None = None):

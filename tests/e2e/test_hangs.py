@@ -13,11 +13,11 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from harness import REPO, free_port
 from test_pretrain import TINY, metrics
+from test_recovery import workers
 
 SCRIPT = "pretrain_gpt_elastic.py"
 pytestmark = pytest.mark.timeout(600)
@@ -41,9 +41,7 @@ def stop_a_rank(tmp_path, schedule: str, timeouts: list[str], rank: int) -> tupl
         while not (records.exists() and len(metrics(records)) >= 2):
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.1)
-        stopped = next(p for p in psutil.Process(job.pid).children(recursive=True)
-                       if SCRIPT in " ".join(p.cmdline())
-                       and p.environ().get("RANK") == str(rank))
+        stopped = next(p for p in workers(job) if p.environ().get("RANK") == str(rank))
         stopped.send_signal(signal.SIGSTOP)
         start = time.monotonic()
         job.wait(timeout=400)

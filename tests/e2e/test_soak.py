@@ -21,6 +21,7 @@ import pytest
 
 from harness import REPO, free_port
 from test_pretrain import TINY, metrics
+from test_recovery import workers
 
 SCRIPT = "pretrain_gpt_elastic.py"
 ITERATIONS, WARM = 320, 60
@@ -34,15 +35,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 def anonymous(job: subprocess.Popen) -> dict[int, int]:
     """Anonymous resident bytes of each worker (none of the workers that are ending)."""
     found = {}
-    try:
-        for p in psutil.Process(job.pid).children(recursive=True):
+    with contextlib.suppress(psutil.Error):
+        for worker in workers(job):
             with contextlib.suppress(psutil.Error):
-                command = " ".join(p.cmdline())
-                if SCRIPT in command and "torch.distributed.run" not in command:
-                    memory = p.memory_info()
-                    found[p.pid] = memory.rss - memory.shared
-    except psutil.Error:
-        return {}
+                memory = worker.memory_info()
+                found[worker.pid] = memory.rss - memory.shared
     return found
 
 
