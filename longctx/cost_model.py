@@ -9,13 +9,20 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   ``((c+s)^2 - c^2) / 2`` pairs, so ``alpha1 = 2h / (sp tp peak attention_efficiency)``; the
   GEMMs do ``2 (4h^2 + 2hf)`` FLOPs per token (``2 (4h^2 + 3hf)`` with a gated MLP), so
   ``alpha2 = that / (sp tp peak matmul_efficiency)``; ``beta`` is the profile's fixed per-layer
-  overhead.
+  overhead. A spec-derived profile's ``kernel_efficiency`` curve divides the FLOP-derived
+  compute of a chunk (``beta`` excluded) by the efficiency at the chunk's tokens per GPU
+  (``tokens / sp``: Ulysses splits every GEMM's tokens, TP with sequence parallelism gathers
+  them back): short chunks run below the large-chunk throughput. The planners balance chunks by
+  :meth:`CostModel.piece_work`, which leaves it out (it is not a sum over pieces); chunk times
+  include it.
 - backward compute = ``backward_factor`` x forward compute;
 - collectives (eq. 2-3): Ulysses moves Q, K, V and the attention output with four all-to-alls per
   layer and direction, each ``latency + bytes (sp-1)/sp / bandwidth`` with ``bytes = tokens h e
   / (sp tp)`` (``e``: bytes of an element of the model's dtype, see Memory); tensor parallelism
   with sequence parallelism adds two all-gathers and two reduce-scatters per layer and
-  direction, each ``latency + bytes (tp-1)/tp / bandwidth``.
+  direction, each ``latency + bytes (tp-1)/tp / bandwidth``. A group or hop that spans nodes
+  runs at the profile's ``cross_node_gbps`` (the node's NICs shared by its GPUs, which cross at
+  once).
   Collectives are not overlapped with compute (they sit between dependent kernels);
 - recomputing a checkpointed layer costs one more forward of it, collectives included (eq. 11);
 - the last stage also runs the output layer (``2 h V`` FLOPs per token forward) and keeps the
@@ -50,6 +57,10 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   checkpointed input, K/V, dK/dV, embedding, head) with the bytes the profiler counted on the
   real layer and model with the training loop's meter (``scripts/profile_costs.py``); they
   were counted in one dtype, and the cost model refuses them for a model of another;
+- every per-token activation figure above (derived or measured) is multiplied by
+  ``1 + allocator_overhead`` of the profile: the device bytes the caching allocator holds per
+  live byte (fragmentation). Offloading frees and copies live bytes, so SPPO's copy times
+  divide it back out;
 - model state per stage (eq. 10): weights in the model's dtype (``e`` bytes/param), FP32 main
   gradients (4), Adam moments (8) and, below FP32, FP32 master weights (4) -- moments and
   master weights sharded over the ``dp x sp`` replicas when the distributed optimizer is on --
@@ -166,6 +177,11 @@ class CostModel:
             self.dkv_per_token = e * 2 * h / shard
             self.embedding_per_token = 0.0
             self.logits_per_token = 4 * model.vocab_size / shard
+        self.allocator = 1.0 + hardware.allocator_overhead
+        for name in ("full_per_token", "ckpt_per_token", "kv_per_token", "dkv_per_token",
+                     "embedding_per_token", "logits_per_token"):
+            setattr(self, name, getattr(self, name) * self.allocator)
+        self.curved = fit is None and hardware.kernel_efficiency is not None
         self.comm_latency = self.comm_per_token = 0.0
         for degree, span in ((parallel.sp, parallel.tp * parallel.sp), (parallel.tp, parallel.tp)):
             if degree > 1:
@@ -192,7 +208,7 @@ class CostModel:
         hw = self.hardware
         if group_span <= hw.gpus_per_node:
             return hw.intra_node_gbps * GB, hw.intra_node_latency_s
-        return hw.inter_node_gbps * GB, hw.inter_node_latency_s
+        return hw.cross_node_gbps * GB, hw.inter_node_latency_s
 
     # -- time -------------------------------------------------------------------------------
 
@@ -306,8 +322,11 @@ class CostModel:
     def _chunk_costs(self, signature: tuple) -> tuple[float, float, float, float]:
         """(forward compute, collectives, stash per layer, saving per layer) of a signature."""
         tokens = sum(s for _, s, _ in signature)
-        compute = self.beta + sum(self.alpha1 * ((c + s) ** 2 - c * c) + self.alpha2 * s
-                                  for c, s, _ in signature)
+        work = sum(self.alpha1 * ((c + s) ** 2 - c * c) + self.alpha2 * s
+                   for c, s, _ in signature)
+        if self.curved:
+            work /= self.hardware.efficiency(tokens / self.parallel.sp)
+        compute = self.beta + work
         comm = self.comm_latency + self.comm_per_token * tokens
         stash = saving = 0.0
         for _, s, final in signature:

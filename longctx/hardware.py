@@ -15,10 +15,34 @@ output layer and loss (last stage) per token and per chunk, which replace the FL
 output layer and the free embedding.
 ``host_link_gbps`` (optional) is what offloading planners (SPPO) copy activations to host
 memory at.
+
+Physical terms beyond one GPU's figures (each optional, each neutral when absent, each with its
+source in ``notes``; the shipped profiles describe one vendor reference node, and a cluster that
+differs -- the papers' testbeds do -- says so in a profile of its own):
+
+- ``node_nic_gbps``: the network bandwidth of a node's NICs together. In a symmetric layout
+  every GPU of a node crosses nodes at the same moment (all stages send at once, every rank of
+  a cross-node all-to-all sends at once), so a GPU gets ``node_nic_gbps / gpus_per_node``, and
+  never more than its own ``inter_node_gbps`` (:attr:`HardwareProfile.cross_node_gbps`).
+- ``gpus_per_host_link``: GPUs whose host copies share one host link (the uplink of their PCIe
+  switch); SPPO's GPUs offload at once, so each gets ``host_link_gbps / gpus_per_host_link``
+  (:attr:`HardwareProfile.host_gbps_per_gpu`).
+- ``allocator_overhead``: device bytes the caching allocator holds beyond the live activations
+  (fragmentation), as a fraction of them: the cost model charges ``1 + allocator_overhead``
+  device bytes per activation byte.
+- ``kernel_efficiency``: ``[[tokens, fraction], ...]``, the share of the large-chunk compute
+  throughput a layer reaches on a chunk of ``tokens`` tokens per GPU (short chunks leave the
+  GEMM and attention kernels below their peak). Interpolated linearly in ``log2(tokens)``,
+  held at the first and last point (:meth:`HardwareProfile.efficiency`). It scales the
+  FLOP-derived layer time only: a measured profile's fit prices the chunk size itself (its
+  per-chunk ``beta`` and its per-token ``alpha2`` were fitted on the machine's own small and
+  large chunks), so the two are refused together. ``scripts/profile_costs.py`` prints the curve
+  it measures, to put into a spec-derived profile of the same machine.
 """
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -167,6 +191,15 @@ class HardwareProfile:
     host_link_gbps: float | None = None
     """Host<->device bandwidth per GPU and direction (PCIe), GB/s: what offloading activations
     to host memory runs at (SPPO). ``None`` where the profile does not say."""
+    node_nic_gbps: float | None = None
+    """Network bandwidth of one node's NICs together, per direction, GB/s; shared by the
+    node's GPUs (module doc). ``None``: every GPU has ``inter_node_gbps`` to itself."""
+    gpus_per_host_link: int = 1
+    """GPUs sharing one host link (PCIe switch uplink); they copy at once (module doc)."""
+    allocator_overhead: float = 0.0
+    """Allocator-held device bytes per live activation byte beyond it, in [0, 1)."""
+    kernel_efficiency: tuple[tuple[int, float], ...] | None = None
+    """Share of large-chunk compute throughput by tokens per GPU (module doc); ``None``: 1."""
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -190,10 +223,74 @@ class HardwareProfile:
                              f"got {self.host_link_gbps}")
         if self.gpus_per_node < 1:
             raise ValueError(f"profile {self.name}: gpus_per_node must be >= 1")
+        if self.node_nic_gbps is not None and self.node_nic_gbps <= 0:
+            raise ValueError(f"profile {self.name}: node_nic_gbps must be > 0, "
+                             f"got {self.node_nic_gbps}")
+        if not 1 <= self.gpus_per_host_link <= self.gpus_per_node:
+            raise ValueError(f"profile {self.name}: gpus_per_host_link must be in [1, "
+                             f"gpus_per_node={self.gpus_per_node}], got "
+                             f"{self.gpus_per_host_link}")
+        if not 0 <= self.allocator_overhead < 1:
+            raise ValueError(f"profile {self.name}: allocator_overhead must be in [0, 1), "
+                             f"got {self.allocator_overhead}")
+        if self.kernel_efficiency is not None:
+            object.__setattr__(self, "kernel_efficiency", _curve(self.name,
+                                                                 self.kernel_efficiency))
+            if self.layer_coefficients is not None:
+                raise ValueError(f"profile {self.name}: kernel_efficiency scales FLOP-derived "
+                                 f"layer times; a measured fit (layer_coefficients) prices the "
+                                 f"chunk size itself: drop one of them")
         for name in ("layer_coefficients", "activation_coefficients", "end_coefficients"):
             if getattr(self, name) is not None and self.source != "measured":
                 raise ValueError(f"profile {self.name}: {name} belong to a 'measured' "
                                  f"profile; set source to 'measured' or drop them")
+
+
+    @property
+    def cross_node_gbps(self) -> float:
+        """Bandwidth per GPU and direction between nodes when the whole node crosses at once."""
+        if self.node_nic_gbps is None:
+            return self.inter_node_gbps
+        return min(self.inter_node_gbps, self.node_nic_gbps / self.gpus_per_node)
+
+    @property
+    def host_gbps_per_gpu(self) -> float | None:
+        """Host link bandwidth per GPU when the GPUs behind one link copy at once."""
+        if self.host_link_gbps is None:
+            return None
+        return self.host_link_gbps / self.gpus_per_host_link
+
+    def efficiency(self, tokens: float) -> float:
+        """:attr:`kernel_efficiency` at ``tokens`` tokens per GPU (1 without a curve)."""
+        curve = self.kernel_efficiency
+        if curve is None:
+            return 1.0
+        if tokens <= curve[0][0]:
+            return curve[0][1]
+        for (t0, e0), (t1, e1) in zip(curve, curve[1:]):
+            if tokens <= t1:
+                share = (math.log2(tokens) - math.log2(t0)) / (math.log2(t1) - math.log2(t0))
+                return e0 + share * (e1 - e0)
+        return curve[-1][1]
+
+
+def _curve(name: str, points) -> tuple[tuple[int, float], ...]:
+    """``kernel_efficiency`` as sorted ``(tokens, fraction)`` pairs, checked."""
+    try:
+        curve = tuple((int(t), float(e)) for t, e in points)
+    except (TypeError, ValueError):
+        raise ValueError(f"profile {name}: kernel_efficiency must be [[tokens, fraction], ...], "
+                         f"got {points!r}") from None
+    if not curve:
+        raise ValueError(f"profile {name}: kernel_efficiency needs at least one point")
+    tokens = [t for t, _ in curve]
+    if tokens[0] < 1 or any(b <= a for a, b in zip(tokens, tokens[1:])):
+        raise ValueError(f"profile {name}: kernel_efficiency token counts must be >= 1 and "
+                         f"strictly increasing, got {tokens}")
+    if any(not 0 < e <= 1 for _, e in curve):
+        raise ValueError(f"profile {name}: kernel_efficiency fractions must be in (0, 1], "
+                         f"got {[e for _, e in curve]}")
+    return curve
 
 
 def builtin_profiles() -> list[str]:

@@ -38,7 +38,7 @@ def main() -> None:
     args = parser.parse_args()
     model, hardware = get_model(args.model), load_profile(args.hardware)
     print(f"SIMULATED with the {hardware.source} {hardware.name} profile "
-          f"(host link {hardware.host_link_gbps:g} GB/s), {model.name}, "
+          f"(host link {hardware.host_gbps_per_gpu:g} GB/s per GPU), {model.name}, "
           f"{args.memory_gb:g} GB per GPU, host memory "
           + ("unlimited" if args.host_memory_gb is None else f"{args.host_memory_gb:g} GB per GPU")
           + "; not measured")

@@ -57,7 +57,7 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
         cut = balanced_lengths(tokens, min(wanted, tokens), cost.linear_per_token, cost.alpha1)
         mine = tuple(Chunk((Piece(doc, j, start, start + length, j == len(cut) - 1),))
                      for j, (start, length) in enumerate(zip(starts(cut), cut)))
-        ratios = offload_ratios(cost, mine, offload, cost.hardware.host_link_gbps)
+        ratios = offload_ratios(cost, mine, offload, cost.hardware.host_gbps_per_gpu)
         if offload == AUTO and most_saving:
             ratios = raised(ratios, 1.0)
         if offload == AUTO and host_cap_bytes is not None:
@@ -114,7 +114,7 @@ def replay(plan: SubsequencePlan, cost: CostModel) -> tuple[list[float], list[fl
     schedule = build_schedule(cost.pp, plan.counts,
                               lambda action: plan.alphas[action.stage][action.unit] > 0)
     result = simulate(schedule, OffloadCosts(cost, plan.chunks, offloaded, None,
-                                             cost.hardware.host_link_gbps), trace=False)
+                                             cost.hardware.host_gbps_per_gpu), trace=False)
     host = []
     for stage, row in enumerate(schedule):
         held = most = 0.0

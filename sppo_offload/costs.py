@@ -7,7 +7,8 @@ recomputation, stage-to-stage transfers, stash and model state come from
 layers of every unit on a stage are recomputed (0 for SPPO, all of them for Megatron's full
 recomputation; the solver prices its baselines ``per_layer_recompute``, one layer rebuilt at a
 time as Megatron does). An ``OFFLOAD`` / ``RELOAD`` of ``(stage, j)`` moves ``offloaded[stage][j]``
-bytes over the host link in ``bytes / host_gbps`` seconds (PCIe copies of large pinned buffers
+bytes over the host link in ``bytes / (host_gbps x allocator factor)`` seconds (``offloaded``
+counts device bytes, the allocator's overhead included; PCIe copies of large pinned buffers
 run at link speed; the start-up is negligible next to the hundreds of MB moved).
 :class:`OffloadCosts` prices any one-piece units the same way (the documents of a training
 batch, :mod:`sppo_offload.subsequence_batch`).

@@ -193,7 +193,7 @@ class MultiplexCosts(SequenceCosts):
         super().__init__(cost, lengths, offloaded, None, host_gbps)
         hw, par = cost.hardware, cost.parallel
         inter = par.tp * par.pp > hw.gpus_per_node
-        self.bandwidth = (hw.inter_node_gbps if inter else hw.intra_node_gbps) * GB
+        self.bandwidth = (hw.cross_node_gbps if inter else hw.intra_node_gbps) * GB
         self.latency = hw.inter_node_latency_s if inter else hw.intra_node_latency_s
 
     def _group(self, block: int) -> int:
@@ -253,7 +253,7 @@ def multiplexed_peaks(cost: CostModel, lengths: Sequence[int],
                       alphas: Sequence[Sequence[float]]) -> list[float]:
     """Simulated peak device bytes per stage of one sequence cut into ``lengths`` under the
     multiplexed schedule (the helpers also hold the weights they borrow)."""
-    return list(_multiplexed_run(cost, lengths, alphas, cost.hardware.host_link_gbps)
+    return list(_multiplexed_run(cost, lengths, alphas, cost.hardware.host_gbps_per_gpu)
                 .peak_memory)
 
 

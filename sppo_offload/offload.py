@@ -78,9 +78,10 @@ def offloadable_bytes(cost: CostModel, stage: int, chunk: Chunk) -> float:
 
 def threshold_bytes(cost: CostModel, stage: int, chunks: Sequence[Chunk],
                     host_gbps: float) -> float:
-    """``M_threshold``: bytes the device-to-host link moves during one balanced forward."""
+    """``M_threshold``: device bytes the device-to-host link frees during one balanced forward
+    (it moves live bytes; the allocator's overhead on them is freed with them)."""
     forward = sum(cost.stage_forward(stage, chunk) for chunk in chunks) / len(chunks)
-    return host_gbps * GB * forward
+    return host_gbps * GB * forward * cost.allocator
 
 
 def offload_ratios(cost: CostModel, chunks: Sequence[Chunk], mode: str | float,

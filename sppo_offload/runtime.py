@@ -50,7 +50,8 @@ Every rank plans the same schedule: the plan is arithmetic on the document lengt
 flags, with no solver time limit involved. The cost model is the job's
 (:func:`~longctx.job_costs.job_cost_model`: model shape and bytes per element from the
 Megatron flags and ``params_dtype``; hardware profile from ``--hardware-profile``, by default
-matched from the CUDA device name, ``a800`` on CPU; its ``host_link_gbps`` prices the
+matched from the CUDA device name, ``a800`` on CPU; its host link share per GPU
+(``host_gbps_per_gpu``) prices the
 ``auto`` ratios).
 """
 from __future__ import annotations

@@ -382,7 +382,7 @@ def _options(method, seq_length, layout, cost, n, hardware, config, host_cap: fl
                                      layout.sp))
     chunks = subsequence_chunks(lengths)
     zeros = tuple((0.0,) * n for _ in range(cost.pp))
-    host = hardware.host_link_gbps
+    host = hardware.host_gbps_per_gpu
 
     def make(alphas, checkpointed):
         return _candidate(method, seq_length, layout, cost, lengths, chunks, alphas,

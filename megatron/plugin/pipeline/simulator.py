@@ -7,7 +7,10 @@ Execution model (the executor's): each rank runs its actions in order. Compute a
 stages, :mod:`~megatron.plugin.pipeline.p2p`). Each rank has one stream per link, as NCCL
 has one per communicator: a group starts when it is posted and the previous group on its
 stream has completed, a transfer completes ``costs.transfer_time(send)`` after the later of
-its two groups' starts, and a group completes with its last transfer. The rank waits for every
+its two groups' starts -- and after the previous transfer of its sending group, whose
+transfers share the link's bandwidth (they go back to back: the group completes when all its
+bytes have crossed, as if they had shared the wire) -- and a group completes with its last
+transfer. The rank waits for every
 group of the batch; waiting is the rank's idle time. A schedule that finishes here cannot
 deadlock on NCCL or gloo.
 
@@ -125,16 +128,16 @@ class _Group:
     """The transfers of one batch on one link, posted on the rank's stream for that link:
     launched when the stream is free, complete when every transfer in it is."""
 
-    __slots__ = ("rank", "link", "index", "ops", "posted", "start", "finish", "open")
+    __slots__ = ("rank", "link", "index", "ops", "posted", "start", "finish", "open", "wire")
 
     def __init__(self, rank: int, link: tuple, index: int, ops: list[Action], posted: float):
         self.rank, self.link, self.index, self.ops = rank, link, index, ops
         self.posted = posted
-        self.start = self.finish = posted
+        self.start = self.finish = self.wire = posted
         self.open = len(ops)
 
     def launch(self, stream_free: float) -> None:
-        self.start = self.finish = max(self.posted, stream_free)
+        self.start = self.finish = self.wire = max(self.posted, stream_free)
 
 
 def transfer_batches(actions: list[Action]) -> list[tuple[int, int]]:
@@ -208,8 +211,9 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
                         launched[op.transfer_key()] = (group, op)
                         continue
                     peer, peer_op = other
-                    send = op if op.is_send() else peer_op
-                    at = max(group.start, peer.start) + costs.transfer_time(send)
+                    send, sender = (op, group) if op.is_send() else (peer_op, peer)
+                    at = max(group.start, peer.start, sender.wire) + costs.transfer_time(send)
+                    sender.wire = at
                     for side in (group, peer):
                         side.finish = max(side.finish, at)
                         side.open -= 1
