@@ -49,6 +49,14 @@ What is measured and how (every choice made here):
   out the embedding (first stage) and the head -- final norm, output layer, loss (last stage).
   Each of the four is fitted as ``seconds per token x tokens + seconds per chunk`` (NNLS on
   relative residuals) into ``end_coefficients``.
+- Kernel efficiency: at the ``C = 0`` points, the layer's FLOP rate at ``s`` tokens (the cost
+  model's FLOP accounting: ``2 (4h^2 + 2hf) s`` for the GEMMs plus ``2 h s^2`` for causal
+  attention, over the measured forward) divided by the rate at the largest ``s``, capped at
+  1: the ``kernel_efficiency`` curve, printed as a JSON line for a spec-derived profile of this
+  machine (a measured profile does not take it: its fit prices the chunk size itself).
+- Allocator overhead (CUDA only): the caching allocator's reserved bytes over the allocated
+  bytes at their peaks, minus 1, over the whole grid: written as ``allocator_overhead``. On a
+  CPU there is no caching allocator to measure and the base profile's figure is inherited.
 - Report: per grid point the measured forward/backward, the fitted forward and its relative
   error; then the max and mean relative error (printed as ``fit relative error: max ... mean``).
 - Output JSON: every field of ``--base-profile`` (a shipped profile name or a JSON path), then
@@ -83,6 +91,8 @@ from longctx.fitting import nnls
 
 MEASURED_FIELDS = ("name", "machine", "source", "backward_factor", "layer_coefficients",
                    "activation_coefficients", "end_coefficients", "notes")
+#: Measured where the device allows it (see :func:`allocator_overhead`).
+ALLOCATOR_FIELD = "allocator_overhead"
 
 
 # ------------------------------------------------------------------------------------- fitting
@@ -105,6 +115,30 @@ def fit_coefficients(tokens, contexts, forward_s) -> tuple[float, float, float]:
 
 def predict(coefficients, tokens, contexts) -> np.ndarray:
     return design_matrix(tokens, contexts) @ np.asarray(coefficients, dtype=np.float64)
+
+
+def efficiency_curve(tokens, contexts, forward_s, hidden: int,
+                     ffn: int) -> list[list[float]]:
+    """``[[s, efficiency], ...]`` from the ``C = 0`` points (module doc), ``s`` ascending."""
+    rates = {}
+    for s, c, t in zip(tokens, contexts, forward_s):
+        if c == 0:
+            rates[s] = (2 * (4 * hidden * hidden + 2 * hidden * ffn) * s
+                        + 2 * hidden * s * s) / t
+    if len(rates) < 2:
+        return []
+    best = rates[max(rates)]
+    return [[s, min(1.0, rates[s] / best)] for s in sorted(rates)]
+
+
+def allocator_overhead(device) -> float | None:
+    """Reserved over allocated peak bytes minus 1 on CUDA; ``None`` elsewhere."""
+    import torch
+
+    if device.type != "cuda" or not torch.cuda.max_memory_allocated(device):
+        return None
+    return max(0.0, torch.cuda.max_memory_reserved(device)
+               / torch.cuda.max_memory_allocated(device) - 1.0)
 
 
 def fit_backward_factor(forward_s, backward_s) -> float:
@@ -374,10 +408,15 @@ def base_profile_dict(name_or_path: str) -> dict:
 
 def build_profile(base: dict, base_name: str, description: str, coefficients, backward_factor,
                   hidden_size: int, grid: str, fit_error: tuple[float, float],
-                  activations: dict, ends: dict) -> dict:
+                  activations: dict, ends: dict, overhead: float | None = None) -> dict:
     """The measured profile's JSON object (see the module docstring)."""
     alpha1, alpha2, beta = coefficients
     data = dict(base)
+    data.pop("kernel_efficiency", None)  # the fit prices the chunk size itself
+    measured = MEASURED_FIELDS
+    if overhead is not None:
+        data[ALLOCATOR_FIELD] = overhead
+        measured += (ALLOCATOR_FIELD,)
     data.update(
         name=description,
         machine=description,
@@ -388,7 +427,7 @@ def build_profile(base: dict, base_name: str, description: str, coefficients, ba
         activation_coefficients=activations,
         end_coefficients=ends,
     )
-    inherited = [key for key in base if key not in MEASURED_FIELDS]
+    inherited = [key for key in base if key not in measured and key != "kernel_efficiency"]
     notes = {
         "measured": (f"wall-clock forward and backward of one Megatron transformer layer "
                      f"(document_layer_spec, DocumentAttention) on {description}, {grid}; "
@@ -403,11 +442,14 @@ def build_profile(base: dict, base_name: str, description: str, coefficients, ba
                              "forward and backward of a one-layer GPTModel, cut by hooks, "
                              "median per token count; NNLS fit of seconds per token and per "
                              "chunk"),
+        **({ALLOCATOR_FIELD: "measured: CUDA caching allocator's peak reserved over peak "
+                             "allocated bytes over the grid, minus 1"} if overhead is not None
+           else {}),
         "inherited": (f"copied from base profile {base_name!r}, NOT measured: "
                       f"{', '.join(inherited)}"),
     }
     for key, text in (base.get("notes") or {}).items():
-        if key not in MEASURED_FIELDS:
+        if key not in measured and key != "kernel_efficiency":
             notes[key] = f"inherited from {base_name} (not measured): {text}"
     data["notes"] = notes
     return data
@@ -485,6 +527,13 @@ def main(argv=None) -> int:
           f"backward_factor {factor:.4f}")
     fit_error = (float(errors.max()), float(errors.mean()))
     print(f"fit relative error: max {fit_error[0]:.4f} mean {fit_error[1]:.4f}")
+    curve = efficiency_curve(tokens, contexts, forwards, args.hidden_size,
+                             config.ffn_hidden_size)
+    if curve:
+        print("kernel efficiency (FLOP rate over the largest chunk's; for a spec-derived "
+              "profile of this machine): " + json.dumps(
+                  {"kernel_efficiency": [[s, round(e, 4)] for s, e in curve]}))
+    overhead = allocator_overhead(device)
     grid = (f"tokens {args.tokens} x contexts {args.contexts}, median of {args.repeats} after a "
             f"warm-up, {args.num_layers_profiled} layer(s), ffn {config.ffn_hidden_size}, "
             f"{str(config.params_dtype).replace('torch.', '')}")
@@ -499,7 +548,7 @@ def main(argv=None) -> int:
         print(f"{key}: {ends[key][0] * 1e6:.4f} us per token + {ends[key][1] * 1e3:.3f} ms "
               f"(measured ms: {', '.join(f'{t * 1e3:.2f}' for t in seconds)})")
     data = build_profile(base, args.base_profile, description, coefficients, factor,
-                         args.hidden_size, grid, fit_error, activations, ends)
+                         args.hidden_size, grid, fit_error, activations, ends, overhead)
     from longctx.hardware import profile_from_dict
 
     profile_from_dict(data)  # refuse to write a profile the loader would reject

@@ -51,7 +51,8 @@ class OffloadCosts(ChunkCosts):
 
     def duration(self, action: Action) -> float:
         if action.is_memory():
-            return self.offloaded[action.stage][action.unit] / (self.host_gbps * GB)
+            return self.offloaded[action.stage][action.unit] / (self.host_gbps * GB
+                                                                * self.cost.allocator)
         return super().duration(action)
 
     def activation_bytes(self, action: Action) -> float:

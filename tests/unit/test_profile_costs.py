@@ -1,4 +1,5 @@
 """``scripts/profile_costs.py``: the NNLS fit and a tiny end-to-end measured profile."""
+import json
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from scripts.profile_costs import (  # noqa: E402
-    design_matrix, fit_backward_factor, fit_coefficients, fit_linear, nnls)
+    design_matrix, efficiency_curve, fit_backward_factor, fit_coefficients, fit_linear, nnls)
 
 from longctx.chunks import Chunk, Piece  # noqa: E402
 from longctx.cost_model import CostModel, ParallelConfig  # noqa: E402
@@ -104,6 +105,23 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
     assert costs.stage_forward(0, chunk) == pytest.approx(
         layers + ends.time(ends.embedding_forward, 128) + ends.time(ends.head_forward, 128))
     assert len(re.findall(r"^(embedding|head)_(forward|backward): ", result.stdout, re.M)) == 4
+
+    # The measured efficiency curve is printed (for a spec-derived profile), ending at 1 at
+    # the largest chunk; a CPU has no caching allocator, so its overhead is inherited.
+    curve = re.search(r"kernel efficiency .*?: (\{.*\})$", result.stdout, re.M)
+    assert curve, result.stdout
+    points = json.loads(curve.group(1))["kernel_efficiency"]
+    assert [s for s, _ in points] == [64, 128, 256] and points[-1][1] == 1.0
+    assert all(0 < e <= 1 for _, e in points)
+    assert profile.kernel_efficiency is None
+    assert "allocator_overhead" in profile.notes["inherited"]
+
+
+def test_efficiency_curve_is_the_flop_rate_over_the_largest_chunks():
+    """Hidden 1, ffn 1: 12 s + 2 s^2 FLOPs. At 2 tokens 32 FLOPs in 2 s (16/s), at 4 tokens
+    80 FLOPs in 1 s (80/s): efficiency 0.2 and 1; the C > 0 point is left out."""
+    curve = efficiency_curve([2, 4, 4], [0, 0, 8], [2.0, 1.0, 5.0], hidden=1, ffn=1)
+    assert curve == [[2, pytest.approx(0.2)], [4, 1.0]]
 
 
 def test_linear_fit_recovers_per_token_and_per_call_seconds():

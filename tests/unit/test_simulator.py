@@ -111,3 +111,16 @@ def test_foreign_kinds_take_their_costs():
     schedule = [[Action(0, Kind.FORWARD, 0), Action(0, Kind.ATTN_F, 0, ".l1", 0),
                  Action(0, Kind.ATTN_B, 0, ".l1", 0), Action(0, Kind.BACKWARD, 0)]]
     assert simulate(schedule).iteration_time == 1 + 1 + 2 + 2
+
+
+def test_transfers_of_one_group_share_their_link():
+    """Two sends posted together on one link (one ``batch_isend_irecv`` group) share its
+    bandwidth: the second arrives after both have crossed (2.0), not with the first (1.0)."""
+    schedule = parse_schedule("0: 0F0 0F1 0SEND_F0>1 0SEND_F1>1\n"
+                              "1: 1RECV_F0<0 1RECV_F1<0")
+    result = simulate(schedule, UniformCosts(forward=0.5, transfer=1.0))
+    assert result.iteration_time == pytest.approx(1.0 + 2 * 1.0)
+    # Opposite directions are two links: a send and a receive of one batch still overlap.
+    swap = parse_schedule("0: 0F0 0SEND_F0>1 0RECV_B1<1\n"
+                          "1: 1F1 1RECV_F0<0 1SEND_B1>0")
+    assert simulate(swap, UniformCosts(transfer=1.0)).iteration_time == pytest.approx(2.0)

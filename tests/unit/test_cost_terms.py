@@ -1,0 +1,118 @@
+"""Physical cost terms of a hardware profile, each against a hand calculation: node NICs shared
+by the node's GPUs, a host link shared by the GPUs behind it, the allocator's overhead, and the
+kernel efficiency of short chunks."""
+import dataclasses
+
+import pytest
+
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import GB, CostModel, ParallelConfig
+from longctx.hardware import load_profile, profile_from_dict
+from longctx.models import ModelConfig
+from sppo_offload.costs import OffloadCosts
+from megatron.plugin.pipeline.ir import Action, Kind
+
+TINY = ModelConfig("tiny", 4, 64, 16, 256, 100)
+HAND = {"name": "hand", "source": "spec-derived", "peak_tflops": 1.0,
+        "matmul_efficiency": 0.5, "attention_efficiency": 0.25, "layer_overhead_s": 0.001,
+        "backward_factor": 2.0, "hbm_gb": 1.0, "intra_node_gbps": 100.0,
+        "intra_node_latency_s": 1e-5, "inter_node_gbps": 25.0, "inter_node_latency_s": 2e-5,
+        "gpus_per_node": 8}
+
+
+def profile(**over):
+    return profile_from_dict(dict(HAND, **over))
+
+
+def one_piece(tokens: int) -> Chunk:
+    return Chunk((Piece(0, 0, 0, tokens, True),))
+
+
+def test_node_nics_are_shared_by_the_node_gpus():
+    assert profile().cross_node_gbps == 25.0  # no node figure: the GPU's own
+    assert profile(node_nic_gbps=50.0).cross_node_gbps == 50.0 / 8  # 400 Gb/s a node
+    assert profile(node_nic_gbps=400.0).cross_node_gbps == 25.0  # capped by the GPU's HCA
+    # Ulysses over 16 GPUs (two nodes): four all-to-alls per layer, each latency +
+    # tokens h e / sp (sp - 1) / sp / bandwidth.
+    cost = CostModel(TINY, profile(node_nic_gbps=50.0), ParallelConfig(pp=1, sp=16))
+    tokens = 4096
+    bytes_ = tokens * 64 * TINY.element_bytes / 16 * 15 / 16
+    expected = 4 * (2e-5 + bytes_ / (6.25 * GB))
+    assert cost.layer_collectives(one_piece(tokens)) == pytest.approx(expected, rel=1e-12)
+    inside = CostModel(TINY, profile(node_nic_gbps=50.0), ParallelConfig(pp=1, sp=8))
+    expected = 4 * (1e-5 + tokens * 64 * TINY.element_bytes / 8 * 7 / 8 / (100 * GB))
+    assert inside.layer_collectives(one_piece(tokens)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_host_link_is_shared_by_the_gpus_behind_it():
+    assert profile(host_link_gbps=32.0).host_gbps_per_gpu == 32.0
+    assert profile(host_link_gbps=32.0, gpus_per_host_link=2).host_gbps_per_gpu == 16.0
+    assert profile().host_gbps_per_gpu is None
+    with pytest.raises(ValueError, match="gpus_per_host_link must be in"):
+        profile(gpus_per_host_link=9)
+
+
+def test_the_allocator_overhead_is_charged_on_every_activation_byte():
+    plain = CostModel(TINY, profile(), ParallelConfig(pp=2))
+    cost = CostModel(TINY, profile(allocator_overhead=0.25), ParallelConfig(pp=2))
+    chunk = Chunk((Piece(0, 0, 0, 300, False),))
+    for name in ("layer_activation", "layer_saving"):
+        assert getattr(cost, name)(chunk) == pytest.approx(1.25 * getattr(plain, name)(chunk))
+    assert cost.stash_bytes(1, chunk, 1) == pytest.approx(1.25 * plain.stash_bytes(1, chunk, 1))
+    assert cost.static_bytes(0) == plain.static_bytes(0)  # model state is not fragmented
+    with pytest.raises(ValueError, match="allocator_overhead must be in"):
+        profile(allocator_overhead=1.0)
+
+
+def test_offload_copies_move_live_bytes():
+    """An offload of device bytes (overhead included) copies the live bytes only: 1.25 GB of
+    device memory at 25% overhead is 1 GB over a 16 GB/s share of the host link."""
+    hardware = profile(allocator_overhead=0.25, host_link_gbps=32.0, gpus_per_host_link=2)
+    cost = CostModel(TINY, hardware, ParallelConfig(pp=1))
+    costs = OffloadCosts(cost, [one_piece(64)], [[1.25 * GB]], host_gbps=hardware.host_gbps_per_gpu)
+    copy = Action(0, Kind.OFFLOAD, 0)
+    assert costs.duration(copy) == pytest.approx(1.0 / 16.0)
+
+
+def test_kernel_efficiency_interpolates_in_log_tokens():
+    hardware = profile(kernel_efficiency=[[1024, 0.5], [4096, 0.9]])
+    assert hardware.efficiency(512) == 0.5  # held below the first point
+    assert hardware.efficiency(2048) == pytest.approx(0.7)  # half way in log2
+    assert hardware.efficiency(1 << 20) == 0.9  # held above the last
+    assert profile().efficiency(16) == 1.0
+
+
+def test_kernel_efficiency_slows_short_chunks_but_not_the_fixed_work():
+    curve = [[256, 0.5], [4096, 1.0]]
+    plain = CostModel(TINY, profile(), ParallelConfig(pp=1, sp=2))
+    cost = CostModel(TINY, profile(kernel_efficiency=curve), ParallelConfig(pp=1, sp=2))
+    short, long = one_piece(512), one_piece(8192)  # 256 and 4096 tokens a GPU
+    assert cost.layer_compute(short) == pytest.approx(
+        0.001 + (plain.layer_compute(short) - 0.001) / 0.5, rel=1e-12)
+    assert cost.layer_compute(long) == pytest.approx(plain.layer_compute(long), rel=1e-12)
+
+
+@pytest.mark.parametrize("points,message", [
+    ([], "at least one point"),
+    ([[4096, 0.9], [1024, 0.5]], "strictly increasing"),
+    ([[1024, 1.5]], r"fractions must be in \(0, 1\]"),
+    ([[1024]], r"must be \[\[tokens, fraction\]"),
+])
+def test_a_bad_efficiency_curve_is_refused(points, message):
+    with pytest.raises(ValueError, match=message):
+        profile(kernel_efficiency=points)
+
+
+def test_a_measured_fit_and_an_efficiency_curve_are_refused_together():
+    fit = {"alpha1": 1e-9, "alpha2": 1e-6, "beta": 1e-4, "hidden_size": 64, "sp": 1, "tp": 1}
+    with pytest.raises(ValueError, match="prices the chunk size itself"):
+        profile(source="measured", layer_coefficients=fit, kernel_efficiency=[[1024, 0.5]])
+
+
+def test_shipped_profiles_say_where_each_physical_term_comes_from():
+    for name in ("a100", "a800", "h100", "h20"):
+        hardware = load_profile(name)
+        for term in ("node_nic_gbps", "gpus_per_host_link", "allocator_overhead",
+                     "kernel_efficiency"):
+            assert term in hardware.notes, (name, term)
+        assert dataclasses.replace(hardware).cross_node_gbps <= hardware.inter_node_gbps
