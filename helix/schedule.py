@@ -265,6 +265,9 @@ class HelixCosts:
     pre_bytes: float = 1.0
     post_bytes: float = 1.0
     attention_bytes: float = 1.0
+    tensor_transfer: tuple[tuple[str, float], ...] = ()
+    """``(tensor, seconds)``: the transfer time of the named tensors (their sizes differ: the
+    QKV weight is not an activation); any other tensor takes ``transfer``."""
 
     def _boundary(self, action: Action, pre: float | None = None,
                   post: float | None = None) -> float:
@@ -285,8 +288,7 @@ class HelixCosts:
         return 0.0
 
     def transfer_time(self, action: Action) -> float:
-        del action
-        return self.transfer
+        return dict(self.tensor_transfer).get(action.tensor, self.transfer)
 
     def activation_bytes(self, action: Action) -> float:
         if action.kind is Kind.ATTN_F:

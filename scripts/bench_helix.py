@@ -16,11 +16,12 @@ variant: tokens/s over the iterations, and the peak
 saved-activation bytes of each stage (the training loop's meter, which also counts helix's own
 stash), with the ratios to ``1f1b``.
 
-Simulated (``HelixCosts`` priced from a spec-derived hardware profile; no measurement): GPT-7B,
+Simulated (:mod:`helix.pricing` from a spec-derived hardware profile; no measurement): GPT-7B,
 128K-token sequences, 8 pipeline stages of one node each (TP=8 with sequence parallelism inside
 the node, stages linked by InfiniBand), per-part FLOPs of the pre-attention (QKV), the causal
-attention and the post-attention (projection and MLP) with TP collectives, against 1F1B with the
-same layers per stage. Prints the iteration time of each and the ratio.
+attention and the post-attention (projection and MLP) with TP collectives, helix with
+recomputation without attention, against 1F1B with the same layers per stage. Prints the
+iteration time of each and the ratio.
 """
 import argparse
 import copy
@@ -127,50 +128,25 @@ def measured(options) -> dict:
 
 
 def simulated(profile_name: str = "h20") -> dict:
-    """GPT-7B, 128K tokens a sequence, PP=8 x TP=8 (one node a stage), 16 micro-batches."""
-    from longctx.cost_model import peak_flops
+    """GPT-7B, 128K tokens a sequence, PP=8 x TP=8 (one node a stage), 16 micro-batches;
+    helix with recomputation without attention (what the paper needs at 128K)."""
     from longctx.hardware import load_profile
     from longctx.models import get_model
-    from helix.schedule import HelixCosts, planned_helix
-    from megatron.plugin.pipeline.passes import add_communication
-    from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
-    from megatron.plugin.pipeline.simulator import UniformCosts, simulate
+    from helix.pricing import compare
 
     hw, model = load_profile(profile_name), get_model("gpt-7b")
     pp, tp, seq, microbatches = 8, 8, 128 * 1024, 16
-    h, f, layers = model.hidden_size, model.ffn_hidden_size, model.num_layers
-    matmul = peak_flops(hw) * hw.matmul_efficiency * tp
-    attention = peak_flops(hw) * hw.attention_efficiency * tp
-    # One TP collective (all-gather or reduce-scatter) of the [s, h] BF16 activations in the node.
-    collective = hw.intra_node_latency_s + seq * h * 2 * (tp - 1) / tp / (hw.intra_node_gbps * 1e9)
-    t_pre = 2 * seq * h * 3 * h / matmul + collective
-    t_attn = 2 * h * seq * seq / attention
-    t_post = 2 * seq * (h * h + 2 * h * f) / matmul + 3 * collective
-    hop = hw.inter_node_latency_s + seq * h * 2 / tp / (hw.inter_node_gbps * 1e9)
-    # Every helix transfer carries one [s/tp, h] tensor or less (the QKV shard 3h^2/tp is
-    # smaller at this length), priced like a 1F1B hop: conservative for helix.
-    helix = simulate(planned_helix(pp, layers, microbatches, 2),
-                     HelixCosts(t_pre, t_attn, t_post, layers, backward=hw.backward_factor,
-                                transfer=hop), eager_sends=True)
-    per_stage = layers // pp * (t_pre + t_attn + t_post)
-    baseline = simulate(add_communication(one_f_one_b(pp, microbatches), num_stages=pp),
-                        UniformCosts(forward=per_stage, backward=hw.backward_factor * per_stage,
-                                     transfer=hop))
-    ratio = baseline.iteration_time / helix.iteration_time
+    found = compare(model, hw, seq, pp, tp, microbatches, helix_recompute=True)
+    parts = found["parts_s"]
     print(f"SIMULATED (spec-derived {profile_name} profile, not measured): gpt-7b, "
           f"{seq} tokens a sequence, PP={pp} x TP={tp}, {microbatches} micro-batches; part "
-          f"forwards t_pre {t_pre * 1e3:.1f} ms, t_attn {t_attn * 1e3:.1f} ms, t_post "
-          f"{t_post * 1e3:.1f} ms a layer")
-    print(f"  1f1b  {baseline.iteration_time:8.2f} s/iteration, bubble "
-          f"{baseline.bubble_ratio:.3f}")
-    print(f"  helix {helix.iteration_time:8.2f} s/iteration, bubble {helix.bubble_ratio:.3f}"
-          f" -> helix / 1f1b throughput x{ratio:.3f}")
+          f"forwards t_pre {parts['pre'] * 1e3:.1f} ms, t_attn {parts['attention'] * 1e3:.1f} "
+          f"ms, t_post {parts['post'] * 1e3:.1f} ms a layer (helix.pricing; memory not priced)")
+    print(f"  1f1b  {found['1f1b_s']:8.2f} s/iteration, bubble {found['1f1b_bubble']:.3f}")
+    print(f"  helix {found['helix_s']:8.2f} s/iteration, bubble {found['helix_bubble']:.3f}"
+          f" -> helix / 1f1b throughput x{found['speedup']:.3f}")
     return {"profile": profile_name, "model": "gpt-7b", "seq_length": seq, "pp": pp, "tp": tp,
-            "microbatches": microbatches,
-            "part_forward_s": {"pre": t_pre, "attention": t_attn, "post": t_post},
-            "1f1b_iteration_s": baseline.iteration_time, "1f1b_bubble": baseline.bubble_ratio,
-            "helix_iteration_s": helix.iteration_time, "helix_bubble": helix.bubble_ratio,
-            "throughput_ratio": ratio}
+            "microbatches": microbatches, "helix_recompute_without_attention": True, **found}
 
 
 def main() -> int:

@@ -1,0 +1,94 @@
+"""HelixPipe and 1F1B priced from a hardware profile, for simulated comparisons at paper scale.
+
+The layout is the paper's: one node per pipeline stage, tensor parallelism with sequence
+parallelism (TP = SP = the node's GPUs) inside it, ``microbatches`` full-length sequences of
+``seq`` tokens, one per micro-batch. Per layer and sequence, with ``e`` bytes per element:
+
+- ``t_pre``: the QKV projection, ``2 s 3h^2`` FLOPs, plus one all-gather of the ``[s, h]``
+  activations inside the node; ``t_attn``: causal flash attention, ``2 h s^2`` FLOPs;
+  ``t_post``: the output projection and the MLP, ``2 s (h^2 + 2 h f)`` FLOPs, plus one
+  all-gather and two reduce-scatters. GEMMs run at ``peak x matmul_efficiency``, attention at
+  ``peak x attention_efficiency``, over the ``tp`` GPUs of the stage; a collective is
+  ``latency + s h e (tp-1)/tp / intra_node bandwidth``.
+- Transfers between stages cross nodes at the profile's ``cross_node_gbps`` (the node's NICs
+  shared by its GPUs, which all send their shard at once): an activation-sized tensor (``x``,
+  ``r``, ``o``, ``res``, a 1F1B hop) is ``s h e / tp`` bytes a GPU, the shipped QKV weight ``w``
+  ``3 h^2 e / tp`` and its bias ``wb`` ``3 h e / tp``. Transfers posted together on one link
+  share it (the simulator's rule).
+- 1F1B: the stage's ``L / p`` layers of one micro-batch are one forward, backward
+  ``backward_factor`` times it; with ``recompute`` every layer is recomputed (one more forward
+  before each backward), as Megatron's full recomputation does.
+
+Memory is not priced: the comparison assumes that both schedules fit, as they did in the
+paper's runs (a known limit, stated where the comparison is reported).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron.plugin.pipeline.passes import add_communication, add_recomputation
+from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+from megatron.plugin.pipeline.simulator import UniformCosts, simulate
+
+from longctx.cost_model import GB
+from longctx.hardware import HardwareProfile
+from longctx.models import ModelConfig
+
+from helix.schedule import HelixCosts, planned_helix
+
+
+@dataclass(frozen=True)
+class PartTimes:
+    """Forward seconds of one layer's parts for one sequence, and transfer seconds."""
+
+    pre: float
+    attention: float
+    post: float
+    hop: float
+    """One activation-sized tensor between two stages."""
+    weight: float
+    """The QKV weight shipped to a foreign attention."""
+    bias: float
+
+
+def part_times(model: ModelConfig, hardware: HardwareProfile, seq: int, tp: int) -> PartTimes:
+    """:class:`PartTimes` of ``model`` on a stage of ``tp`` GPUs (module doc)."""
+    h, f, e = model.hidden_size, model.ffn_hidden_size, model.element_bytes
+    peak = hardware.peak_tflops * 1e12 * tp
+    matmul, attention = peak * hardware.matmul_efficiency, peak * hardware.attention_efficiency
+    collective = hardware.intra_node_latency_s + seq * h * e * (tp - 1) / tp \
+        / (hardware.intra_node_gbps * GB)
+    network = hardware.cross_node_gbps * GB
+    return PartTimes(
+        pre=2 * seq * 3 * h * h / matmul + collective,
+        attention=2 * h * seq * seq / attention,
+        post=2 * seq * (h * h + 2 * h * f) / matmul + 3 * collective,
+        hop=hardware.inter_node_latency_s + seq * h * e / tp / network,
+        weight=hardware.inter_node_latency_s + 3 * h * h * e / tp / network,
+        bias=hardware.inter_node_latency_s + 3 * h * e / tp / network)
+
+
+def compare(model: ModelConfig, hardware: HardwareProfile, seq: int, pp: int, tp: int,
+            microbatches: int, recompute_1f1b: bool = False,
+            helix_recompute: bool = False) -> dict:
+    """Simulated iteration time of helix (two folds) and 1F1B, and their ratio."""
+    parts = part_times(model, hardware, seq, tp)
+    layers = model.num_layers
+    helix = simulate(
+        planned_helix(pp, layers, microbatches, 2, helix_recompute),
+        HelixCosts(parts.pre, parts.attention, parts.post, layers,
+                   backward=hardware.backward_factor, transfer=parts.hop,
+                   tensor_transfer=(("w", parts.weight), ("wb", parts.bias))),
+        trace=False, eager_sends=True)
+    stage = layers / pp * (parts.pre + parts.attention + parts.post)
+    schedule = one_f_one_b(pp, microbatches)
+    if recompute_1f1b:
+        schedule = add_recomputation(schedule, lambda action: True)
+    baseline = simulate(add_communication(schedule, num_stages=pp),
+                        UniformCosts(forward=stage, backward=hardware.backward_factor * stage,
+                                     recompute=stage, transfer=parts.hop), trace=False)
+    return {"parts_s": {"pre": parts.pre, "attention": parts.attention, "post": parts.post,
+                        "hop": parts.hop},
+            "1f1b_s": baseline.iteration_time, "1f1b_bubble": baseline.bubble_ratio,
+            "helix_s": helix.iteration_time, "helix_bubble": helix.bubble_ratio,
+            "speedup": baseline.iteration_time / helix.iteration_time}

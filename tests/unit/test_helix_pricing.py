@@ -1,0 +1,44 @@
+"""HelixPipe's paper-scale pricing against hand calculations."""
+import pytest
+
+from helix.pricing import compare, part_times
+from helix.schedule import HelixCosts
+from longctx.hardware import profile_from_dict
+from longctx.models import ModelConfig
+from megatron.plugin.pipeline.ir import Action, Kind
+
+MODEL = ModelConfig("m", 8, 1024, 8, 4096, 1000)
+HW = profile_from_dict({
+    "name": "hand", "source": "spec-derived", "peak_tflops": 100.0, "matmul_efficiency": 0.5,
+    "attention_efficiency": 0.25, "layer_overhead_s": 0.0, "backward_factor": 2.0,
+    "hbm_gb": 80.0, "intra_node_gbps": 100.0, "intra_node_latency_s": 1e-5,
+    "inter_node_gbps": 25.0, "inter_node_latency_s": 2e-5, "gpus_per_node": 8,
+    "node_nic_gbps": 50.0})
+
+
+def test_part_times_by_hand():
+    seq, tp, h = 8192, 8, 1024
+    parts = part_times(MODEL, HW, seq, tp)
+    matmul, attention = 100e12 * 8 * 0.5, 100e12 * 8 * 0.25
+    collective = 1e-5 + seq * h * 2 * 7 / 8 / 100e9
+    assert parts.pre == pytest.approx(2 * seq * 3 * h * h / matmul + collective)
+    assert parts.attention == pytest.approx(2 * h * seq * seq / attention)
+    assert parts.post == pytest.approx(2 * seq * (h * h + 2 * h * 4096) / matmul + 3 * collective)
+    # 400 Gb/s a node shared by 8 GPUs: 6.25 GB/s each.
+    assert parts.hop == pytest.approx(2e-5 + seq * h * 2 / 8 / 6.25e9)
+    assert parts.weight == pytest.approx(2e-5 + 3 * h * h * 2 / 8 / 6.25e9)
+
+
+def test_named_tensors_take_their_own_transfer_time():
+    costs = HelixCosts(1.0, 1.0, 1.0, 4, transfer=0.5, tensor_transfer=(("w", 0.1),))
+    send = Action(0, Kind.SEND_F, 0, ".l1", peer=1, tensor="w")
+    assert costs.transfer_time(send) == 0.1
+    assert costs.transfer_time(Action(0, Kind.SEND_F, 0, ".l1", peer=1, tensor="x")) == 0.5
+
+
+def test_attention_heavy_sequences_favour_helix():
+    """At long sequences attention dominates and helix keeps it out of its bubbles."""
+    found = compare(MODEL, HW, 65536, pp=4, tp=8, microbatches=8)
+    assert found["helix_bubble"] < found["1f1b_bubble"]
+    assert found["speedup"] == pytest.approx(found["1f1b_s"] / found["helix_s"])
+    assert found["speedup"] > 1
