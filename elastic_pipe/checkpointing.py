@@ -96,7 +96,9 @@ class CheckpointSolution:
 
 def build_problem(cost: CostModel, chunks: list[Chunk],
                   events: list[list[tuple[int, tuple[int, ...]]]]) -> CheckpointProblem:
-    """The integer problem for ``chunks`` (in forward order) with the given in-flight sets."""
+    """The integer problem for ``chunks`` (in forward order) with the given in-flight sets; the
+    budget sets aside the largest workspace of the chunks (a running layer's all-gathered input
+    under TP + SP, :meth:`~longctx.cost_model.CostModel.layer_workspace`)."""
     stages = range(cost.pp)
     unit = memory_unit(max(cost.activation_budget(p) for p in stages))
     up = lambda x: math.ceil(x / unit)  # noqa: E731 -- three tables share the rounding
@@ -105,6 +107,7 @@ def build_problem(cost: CostModel, chunks: list[Chunk],
     backward = tuple(tuple(round(cost.stage_backward(p, c) / TIME_UNIT) for c in chunks)
                      for p in stages)
     saving = [cost.layer_saving(c) for c in chunks]
+    workspace = max((cost.layer_workspace(c) for c in chunks), default=0.0)
     return CheckpointProblem(
         layers=tuple(cost.layers(p) for p in stages),
         forward=forward, backward=backward,
@@ -114,7 +117,8 @@ def build_problem(cost: CostModel, chunks: list[Chunk],
         full=tuple(tuple(up(cost.stash_bytes(p, c)) for c in chunks) for p in stages),
         saving=(tuple(math.floor(s / unit) for s in saving),) * cost.pp,
         transient=(tuple(up(s) for s in saving),) * cost.pp,
-        budget=tuple(math.floor(cost.activation_budget(p) / unit) for p in stages),
+        budget=tuple(math.floor((cost.activation_budget(p) - workspace) / unit)
+                     for p in stages),
         memory_unit=unit,
         events=tuple(tuple(stage_events) for stage_events in events))
 

@@ -295,6 +295,10 @@ class HelixCosts:
             return self.attention_bytes
         return self._boundary(action, self.pre_bytes, self.post_bytes)
 
+    def workspace_bytes(self, action: Action) -> float:
+        del action
+        return 0.0
+
     def static_bytes(self, rank: int) -> float:
         del rank
         return 0.0

@@ -43,5 +43,9 @@ class ChunkCosts:
         return self.cost.stash_bytes(action.stage, chunk,
                                      self.checkpointed(action.stage, action.unit))
 
+    def workspace_bytes(self, action: Action) -> float:
+        """Bytes a running forward, backward or recomputation holds beyond the stash."""
+        return self.cost.layer_workspace(self.chunks[action.unit])
+
     def static_bytes(self, rank: int) -> float:
         return self.cost.static_bytes(rank)

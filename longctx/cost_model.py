@@ -61,6 +61,11 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   ``1 + allocator_overhead`` of the profile: the device bytes the caching allocator holds per
   live byte (fragmentation). Offloading frees and copies live bytes, so SPPO's copy times
   divide it back out;
+- workspace: tensor parallelism with sequence parallelism all-gathers a layer's input before
+  its GEMMs, a full ``[tokens / sp, h]`` buffer of which each GPU holds ``1/tp`` in its stash;
+  the other ``(tp - 1)/tp`` live only while a forward, backward or recomputation runs. The
+  simulator adds them on top of the stash during those actions; the elastic planner's budget
+  sets aside the batch's largest;
 - model state per stage (eq. 10): weights in the model's dtype (``e`` bytes/param), FP32 main
   gradients (4), Adam moments (8) and, below FP32, FP32 master weights (4) -- moments and
   master weights sharded over the ``dp x sp`` replicas when the distributed optimizer is on --
@@ -281,6 +286,12 @@ class CostModel:
     def layer_saving(self, chunk: Chunk) -> float:
         """Bytes saved by checkpointing one layer; also the transient of recomputing it."""
         return self._costs(chunk)[3]
+
+    def layer_workspace(self, chunk: Chunk) -> float:
+        """Bytes a running layer holds beyond its stash: TP + SP's all-gathered input."""
+        p = self.parallel
+        return self.model.element_bytes * chunk.tokens * self.model.hidden_size / p.sp \
+            * (p.tp - 1) / p.tp
 
     def stash_bytes(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
         """Bytes ``stage`` keeps for ``chunk`` between its forward and its backward."""

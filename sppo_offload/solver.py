@@ -17,8 +17,11 @@ Methods (one sequence of ``S`` tokens per data-parallel replica; throughput coun
 activations and the sequence of each subsequence, so subsequence lengths are multiples of it.
 
 Layouts (the same for all methods, so a comparison isolates the schedule): ``sp`` divides the
-GPUs of a node, so an SP group never spans nodes (its collectives sit on the critical path of
-every layer); ``pp`` any divisor of ``G / sp`` up to the layer count; ``dp = G / (sp pp)``.
+GPUs of a node or is a whole number of nodes (a group is a block of GPUs: a part of one node or
+whole nodes); an SP group that spans nodes pays for it, its collectives priced at the node's
+network share (``HardwareProfile.cross_node_gbps``), rather than being left out -- SPPO's
+tuned Megatron-LM baseline runs SP 32 and 64 across nodes; ``pp`` any divisor of ``G / sp``
+up to the layer count; ``dp = G / (sp pp)``.
 Pipeline stages span nodes only when ``sp x pp`` exceeds a node; among plans whose predicted
 throughput is within 1% of the best, one whose pipeline fits in a node is preferred, then the
 smaller model-parallel group, then fewer subsequences. The data-parallel gradient all-reduce
@@ -96,6 +99,9 @@ class SolverConfig:
     """Most tokens per layer per device of a subsequence the solver plans for."""
     candidates: int = 3
     """Fitting candidates replayed in the simulator before the best is chosen."""
+    layout: tuple[int, int] | None = None
+    """A fixed ``(sp, pp)`` (``dp`` follows from the GPUs) instead of the search over layouts:
+    a published configuration, or a comparison at one layout."""
     host_memory_gb: float | None = None
     """Host memory per GPU for offloaded activations, GB; ``None`` (the default): no limit.
     Uncapped by default because the host memory a GPU may use is a property of the node and
@@ -117,6 +123,9 @@ class SolverConfig:
                              f"{self.subsequences}")
         if self.candidates < 1:
             raise ValueError(f"candidates must be >= 1, got {self.candidates}")
+        if self.layout is not None and (min(self.layout) < 1
+                                        or self.gpus % (self.layout[0] * self.layout[1])):
+            raise ValueError(f"layout (sp, pp) = {self.layout} must divide the {self.gpus} GPUs")
         if self.host_memory_gb is not None and self.host_memory_gb <= 0:
             raise ValueError(f"host_memory_gb must be > 0 (or None for no limit), got "
                              f"{self.host_memory_gb}")
@@ -207,7 +216,8 @@ def layouts(model: ModelConfig, hardware: HardwareProfile, gpus: int) -> list[La
     """Every ``(sp, pp, dp)`` the solver considers on ``gpus`` GPUs (module doc)."""
     found = []
     for sp in _divisors(gpus):
-        if hardware.gpus_per_node % sp or model.num_heads % sp:
+        node = hardware.gpus_per_node
+        if (node % sp and sp % node) or model.num_heads % sp:
             continue
         for pp in _divisors(gpus // sp):
             if pp <= model.num_layers:
@@ -344,6 +354,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def _spans_nodes(layout: Layout, hardware: HardwareProfile) -> bool:
+    """Whether the model-parallel group (SP x PP) leaves one node."""
     return layout.sp * layout.pp > hardware.gpus_per_node
 
 
@@ -362,6 +373,8 @@ def _shapes(method, seq_length, model, hardware, config,
     at its largest N (see :func:`fits`)."""
     for layout in layouts(model, hardware, config.gpus):
         if seq_length % layout.sp or (largest and layout.dp > 1):
+            continue
+        if config.layout is not None and (layout.sp, layout.pp) != config.layout:
             continue
         cost = CostModel(model, hardware, ParallelConfig(
             pp=layout.pp, tp=layout.sp, dp=layout.dp, memory_gb=config.memory_gb))

@@ -116,3 +116,12 @@ def test_shipped_profiles_say_where_each_physical_term_comes_from():
                      "kernel_efficiency"):
             assert term in hardware.notes, (name, term)
         assert dataclasses.replace(hardware).cross_node_gbps <= hardware.inter_node_gbps
+
+
+def test_tensor_parallel_workspace_is_the_rest_of_the_gathered_input():
+    """TP 4 with sequence parallelism: a layer all-gathers its [s / sp, h] input; the GPU's own
+    quarter is in the stash, the other three quarters live while the layer runs."""
+    chunk = one_piece(1024)
+    cost = CostModel(TINY, profile(), ParallelConfig(pp=1, sp=2, tp=4))
+    assert cost.layer_workspace(chunk) == 1024 / 2 * 64 * TINY.element_bytes * 3 / 4
+    assert CostModel(TINY, profile(), ParallelConfig(pp=1, sp=2)).layer_workspace(chunk) == 0

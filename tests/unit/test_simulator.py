@@ -124,3 +124,12 @@ def test_transfers_of_one_group_share_their_link():
     swap = parse_schedule("0: 0F0 0SEND_F0>1 0RECV_B1<1\n"
                           "1: 1F1 1RECV_F0<0 1SEND_B1>0")
     assert simulate(swap, UniformCosts(transfer=1.0)).iteration_time == pytest.approx(2.0)
+
+
+def test_a_running_action_holds_its_workspace_on_top_of_the_stash():
+    """1F1B on 2 stages, 2 micro-batches, a unit stashed per forward and a workspace of 5 while
+    any action runs: stage 0 peaks at its first backward (both forwards stashed + 5), stage 1
+    (F B F B) at either backward (1 stashed + 5); the timeline holds only the stash."""
+    result = simulate(planned(2, 2), UniformCosts(workspace=5.0))
+    assert result.peak_memory == [7.0, 6.0]
+    assert max(m for _, m in result.memory_timeline[0]) == 2.0

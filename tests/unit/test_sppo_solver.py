@@ -4,7 +4,7 @@ import pytest
 from megatron.plugin.pipeline.ir import Kind
 from megatron.plugin.pipeline.validation import validate
 
-from longctx.cost_model import GB
+from longctx.cost_model import GB, CostModel, ParallelConfig
 from longctx.hardware import load_profile
 
 from sppo_offload.models import get_model
@@ -15,11 +15,28 @@ HW = load_profile("a100")
 GPT7B = get_model("gpt-7b")
 
 
-def test_layouts_keep_sp_inside_a_node():
+def test_layouts_are_blocks_of_a_node_or_of_whole_nodes():
+    """SP 16 and 32 span two and four nodes (SPPO's tuned Megatron-LM runs SP 32); SP 12
+    would split a node, and 3 does not divide its 8 GPUs."""
     found = layouts(GPT7B, HW, 32)
-    assert {(l.sp, l.pp, l.dp) for l in found} >= {(8, 4, 1), (4, 4, 2), (1, 32, 1)}
+    assert {(l.sp, l.pp, l.dp) for l in found} >= {(8, 4, 1), (4, 4, 2), (1, 32, 1), (16, 2, 1),
+                                                   (32, 1, 1)}
+    assert not {l.sp for l in found} & {3, 6, 12, 24}
+    wide = next(l for l in found if (l.sp, l.pp) == (32, 1))
+    cost = CostModel(GPT7B, HW, ParallelConfig(pp=1, tp=wide.sp))
+    # Four TP collectives a layer over 32 GPUs, at the node's network share per GPU.
+    expected = 4 * 2 * 4096 / 32 * 31 / 32 / (HW.cross_node_gbps * GB)
+    assert cost.comm_per_token == pytest.approx(expected, rel=1e-12)
     for l in found:
-        assert HW.gpus_per_node % l.sp == 0 and l.sp * l.pp * l.dp == 32 and l.pp <= 32
+        assert (HW.gpus_per_node % l.sp == 0 or l.sp % HW.gpus_per_node == 0) and \
+            l.sp * l.pp * l.dp == 32 and l.pp <= 32
+
+
+def test_a_fixed_layout_is_the_only_one_searched():
+    plan = solve(SPPO, 1 << 20, GPT7B, HW, SolverConfig(gpus=32, memory_gb=80, layout=(4, 8)))
+    assert (plan.layout.sp, plan.layout.pp, plan.layout.dp) == (4, 8, 1)
+    with pytest.raises(ValueError, match="must divide the 32 GPUs"):
+        SolverConfig(gpus=32, memory_gb=80, layout=(3, 4))
 
 
 def test_subsequence_counts_respect_the_band_and_pp():

@@ -21,8 +21,10 @@ at the end of the schedule).
 
 Memory model: a ``FORWARD`` or ``RECOMPUTE`` adds ``costs.activation_bytes(action)`` to the
 stash of its ``(stage, unit, part)`` when it ends; the ``BACKWARD`` of that key releases the
-whole stash when it ends (``ATTN_F`` / ``ATTN_B`` likewise, in a stash of their own). Each rank
-starts at ``costs.static_bytes(rank)`` (model state). The timeline lists ``(time, bytes)`` after
+whole stash when it ends (``ATTN_F`` / ``ATTN_B`` likewise, in a stash of their own). While a
+compute action runs it also holds ``costs.workspace_bytes(action)`` (buffers freed at its end,
+such as tensor parallelism's all-gathered inputs): the peak counts them on top of the memory
+at the action's start. Each rank starts at ``costs.static_bytes(rank)`` (model state). The timeline lists ``(time, bytes)`` after
 every change; its maximum is the rank's peak.
 
 Offload and reload (``OFFLOAD`` / ``RELOAD``) run on a per-rank *copy stream* beside the compute
@@ -86,6 +88,13 @@ class UniformCosts:
     def activation_bytes(self, action: Action) -> float:
         del action
         return self.activation
+
+    workspace: float = 0.0
+    """Memory a compute action holds while it runs, beyond its stash."""
+
+    def workspace_bytes(self, action: Action) -> float:
+        del action
+        return self.workspace
 
     def static_bytes(self, rank: int) -> float:
         del rank
@@ -278,6 +287,8 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
             if kind is Kind.BACKWARD:
                 now = max(now, copied[r].pop((a.stage, a.unit, a.part, False), now))
             took = costs.duration(a)
+            settle(r, now)
+            peak[r] = max(peak[r], memory[r] + costs.workspace_bytes(a))
             if trace:
                 events.append(TraceEvent(r, str(a), now, took, "compute"))
             now += took

@@ -1,0 +1,296 @@
+"""The three papers' evaluation rows beside the project's simulated numbers (not a test).
+
+    python scripts/reproduce_papers.py [--only infinipipe helixpipe sppo table3] [--json OUT]
+        [--markdown OUT]
+
+Every simulated number is the project's simulator with a spec-derived hardware profile (named in
+each row; nothing here is measured). The papers' numbers are facts to compare with, not targets:
+no constant is tuned to make a row agree. Each paper's testbed is the shipped profile of its GPU
+with the network the paper states (the ``TESTBEDS`` notes cite the line of the paper's text);
+what a paper does not state is the shipped profile's. Each row gives the published number, the
+simulated one, simulated over published, and, where they disagree by more than 10%, why in a
+word: ``baseline stronger`` (the project's baseline is tuned harder than the paper's),
+``schedule differs`` (the project's implementation of the paper's schedule moves or computes
+more or less than the paper's: the row's detail says what),
+``baseline missing`` (the paper's best baseline is not expressible yet: the ratio is against
+the best one that is), ``term missing`` (a cost the simulator does not price), ``setting
+unknown`` (the paper leaves out what decides it), ``range`` (the paper gives a range or a
+maximum over settings; the row gives the same statistic over the same settings).
+
+Rows:
+
+- ``infinipipe`` (the why-words: the project's Seq1F1B tunes its chunk size per batch, with
+  lookahead and checkpointing, so it is stronger than the paper's; Fig. 10 does not name its
+  data set, and the GitHub-like batch's longest document stays below 192K, where the paper's
+  Seq1F1B degrades most): elastic over the enhanced Seq1F1B at 48K and 96K contexts (the maximum over
+  GPT-7B/13B/30B, as the paper states it), and for GPT-13B at 64K and 192K; 32 A800 GPUs as
+  Ulysses SP 8 inside a node x PP 4 across nodes; 512 documents a batch from the GitHub-like
+  length mixture (``elastic_pipe.workloads``), truncated to the context; the longest document of
+  each batch is reported. The paper gives no model shapes: the project's presets are used.
+- ``table3``: InfiniPipe's Table 3, the all-to-all share of GPT-13B's time under Ulysses SP of 8,
+  16 and 32 GPUs at 32K tokens (one sequence): the layers' collectives over the layers' forward
+  and backward (the embedding, head and ZeRO traffic of the paper's end-to-end time are left
+  out); the preset's 40 heads become 64 so that 32 divides them.
+- ``helixpipe``: helix (two folds, recomputation without attention) over 1F1B for GPT-1.3B, 3B
+  and 7B (the paper's Table 3 shapes) at 128K on 64 GPUs (PP 8 nodes x TP 8 with sequence
+  parallelism), 16 micro-batches, on the H20 and A800 clusters (:mod:`helix.pricing`; memory is
+  not priced). The paper's number is over its best baseline (1F1B, ZB1P or AdaPipe).
+- ``sppo``: SPPO over Megatron-LM (full recomputation) for GPT-7B on 32 GPUs at 512K-896K, and
+  GPT-65B on 128 GPUs at 600K and 640K, each method at the best layout ``sppo_offload.solver``
+  finds for it (the same search for both; Megatron-LM's SP may span nodes, as the paper's tuned
+  Megatron-LM's does), one sequence an iteration (the paper does not state its batch); the
+  detail also gives the ratio with both at the layout of the paper's Table 4 (SP 8 x PP 4 and
+  SP 16 x PP 8, L247-264), where a one-sequence Megatron-LM pipeline is mostly bubble; the
+  longest sequence each fits (GPT-65B on 128 GPUs, GPT-7B on 32, 64 and 128 GPUs).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+from _launch import write_json
+
+from longctx.cost_model import CostModel, ParallelConfig
+from longctx.chunks import Chunk, Piece
+from longctx.hardware import HardwareProfile, load_profile
+from longctx.models import ModelConfig, get_model
+
+#: ``name -> (shipped profile, overrides, where the paper states them)``.
+TESTBEDS = {
+    "infinipipe-a800": ("a800", {"node_nic_gbps": 50.0},
+                        "InfiniPipe L341: 4 nodes x 8 A800-80GB, a 400 Gb/s InfiniBand network "
+                        "(read as the node's NICs together)"),
+    "helixpipe-h20": ("h20", {"node_nic_gbps": 100.0},
+                      "HelixPipe L231: H20 nodes with 4 NDR HCAs at 200 Gb/s each"),
+    "helixpipe-a800": ("a800", {"node_nic_gbps": 50.0},
+                       "HelixPipe L231: A800 nodes with 4 HDR HCAs at 100 Gb/s each"),
+    "sppo-a100": ("a100", {"node_nic_gbps": 100.0, "host_link_gbps": 32.0},
+                  "SPPO L243: 16 nodes x 8 A100-80GB, 4 x 200 Gb/s HDR a node, 32 GB/s GPU-CPU "
+                  "link"),
+}
+HELIX_MODELS = {
+    "gpt-1.3b": ModelConfig("gpt-1.3b", 24, 2048, 16, 8192, 50304),
+    "gpt-3b": ModelConfig("gpt-3b", 16, 4096, 32, 16384, 50304),
+}
+DISAGREE = 0.10
+
+
+def testbed(name: str) -> HardwareProfile:
+    base, overrides, source = TESTBEDS[name]
+    profile = load_profile(base)
+    notes = dict(profile.notes, testbed=source)
+    return dataclasses.replace(profile, name=name, notes=notes, **overrides)
+
+
+def row(paper: str, what: str, published: float, simulated: float | None, profile: str,
+        why: str = "", **detail) -> dict:
+    ratio = None if simulated is None or not published else simulated / published
+    agree = ratio is not None and abs(ratio - 1) <= DISAGREE
+    return {"paper": paper, "what": what, "published": published, "simulated": simulated,
+            "simulated_over_published": ratio, "profile": profile,
+            "why": "" if agree else why, **detail}
+
+
+# -- InfiniPipe ---------------------------------------------------------------------------------
+
+def elastic_speedup(model: str, context: int, profile: HardwareProfile, documents: int,
+                    seed: int) -> dict:
+    from elastic_pipe.evaluation import baseline_plans, baseline_reports, report
+    from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
+    from elastic_pipe.workloads import github_like, truncate
+
+    raw = github_like(documents, seed)
+    lengths, cut = truncate(raw, context)
+    cost = CostModel(get_model(model), profile, ParallelConfig(pp=4, sp=8, memory_gb=80.0))
+    config = SchedulerConfig()
+    started = time.perf_counter()
+    plan = plan_elastic(lengths, cost, config)
+    plan_s = time.perf_counter() - started
+    ours = report(plan, cost, with_schedule=False)
+    seq = baseline_reports({"seq1f1b": baseline_plans(lengths, cost, config, context, plan)
+                            ["seq1f1b"]}, cost, with_schedule=False)["seq1f1b"]
+    speedup = None if seq.get("oom") else seq["iteration_time_s"] / ours["iteration_time_s"]
+    return {"model": model, "context": context, "elastic_s": ours["iteration_time_s"],
+            "seq1f1b_s": None if seq.get("oom") else seq["iteration_time_s"],
+            "speedup": speedup, "longest_document": max(raw), "truncated": cut,
+            "plan_s": plan_s}
+
+
+def longest(cell: dict) -> str:
+    """The batch's longest document and how many were cut to the context."""
+    return (f"; longest document {cell['longest_document'] // 1024}K, "
+            f"{cell['truncated']} cut")
+
+
+def infinipipe(documents: int, seed: int) -> list[dict]:
+    profile = testbed("infinipipe-a800")
+    rows = []
+    for context, published in ((49152, 1.27), (98304, 1.40)):
+        cells = [elastic_speedup(m, context, profile, documents, seed)
+                 for m in ("gpt-7b", "gpt-13b", "gpt-30b")]
+        best = max((c["speedup"] for c in cells if c["speedup"]), default=None)
+        rows.append(row("InfiniPipe", f"elastic / Seq1F1B, {context // 1024}K, max over "
+                        f"7B/13B/30B (Fig. 8, L367){longest(cells[0])}", published, best,
+                        profile.name, "baseline stronger", cells=cells))
+    for context, published, ref in ((65536, 1.23, "low end"), (196608, 1.63, "high end")):
+        cell = elastic_speedup("gpt-13b", context, profile, documents, seed)
+        rows.append(row("InfiniPipe", f"elastic / Seq1F1B, 13B, {context // 1024}K (Fig. 10, "
+                        f"L384, the range's {ref}){longest(cell)}", published, cell["speedup"],
+                        profile.name,
+                        "setting unknown" if context > 65536 else "baseline stronger",
+                        cells=[cell]))
+    return rows
+
+
+def table3() -> list[dict]:
+    profile = testbed("infinipipe-a800")
+    # Ulysses over 32 GPUs needs a head count that 32 divides; the paper gives no shape, so the
+    # preset's width with 64 heads of 80 (the all-to-all bytes do not depend on the split).
+    model = dataclasses.replace(get_model("gpt-13b"), num_heads=64)
+    chunk = Chunk((Piece(0, 0, 0, 32768, True),))
+    rows = []
+    for sp, published in ((8, 0.074), (16, 0.475), (32, 0.515)):
+        cost = CostModel(model, profile, ParallelConfig(pp=1, sp=sp))
+        comm = 2 * cost.layer_collectives(chunk)
+        total = cost.layer_forward(chunk) + cost.layer_backward(chunk)
+        rows.append(row("InfiniPipe", f"Table 3: all-to-all share, 13B, Ulysses SP {sp}, 32K "
+                        f"(L462-467)", published, comm / total, profile.name,
+                        "term missing"))
+    return rows
+
+
+# -- HelixPipe ----------------------------------------------------------------------------------
+
+def helixpipe() -> list[dict]:
+    from helix.pricing import compare
+
+    published = {"helixpipe-h20": (1.28, 1.20, 1.26), "helixpipe-a800": (1.16, 1.13, 1.13)}
+    models = (HELIX_MODELS["gpt-1.3b"], HELIX_MODELS["gpt-3b"], get_model("gpt-7b"))
+    rows = []
+    for name, numbers in published.items():
+        profile = testbed(name)
+        for model, number in zip(models, numbers):
+            found = compare(model, profile, 131072, pp=8, tp=8, microbatches=16,
+                            helix_recompute=True)
+            rows.append(row("HelixPipe", f"helix / best baseline, {model.name}, "
+                            f"{name.split('-')[1].upper()}, 128K, 64 GPUs "
+                            f"(Fig. 8, L249-254)", number, found["speedup"], profile.name,
+                            "schedule differs", **found,
+                            differs="the project's helix ships the residual beside the normed "
+                                    "input and back (x, r, o, res: four activation tensors a "
+                                    "layer; the paper's design sends two): transfers not hidden "
+                                    "behind attention on the A800's slower network"))
+    return rows
+
+
+# -- SPPO ---------------------------------------------------------------------------------------
+
+def sppo() -> list[dict]:
+    from sppo_offload.models import get_model as sppo_model
+    from sppo_offload.solver import MEGATRON, SPPO, SolverConfig, largest_length, solve
+
+    profile = testbed("sppo-a100")
+    rows = []
+
+    def speedup(model, gpus, tokens, layout):
+        config = SolverConfig(gpus=gpus, memory_gb=80.0, layout=layout)
+        plans = {}
+        for method in (SPPO, MEGATRON):
+            try:
+                plans[method] = solve(method, tokens, model, profile, config).to_dict()
+            except ValueError as error:
+                plans[method] = {"error": str(error).splitlines()[0]}
+        ok = all("tokens_per_s" in p for p in plans.values())
+        ratio = plans[SPPO]["tokens_per_s"] / plans[MEGATRON]["tokens_per_s"] if ok else None
+        layouts = {m: {k: p.get(k) for k in ("sp", "pp", "dp", "num_subsequences")}
+                   for m, p in plans.items()}
+        return ratio, layouts
+
+    seven = sppo_model("gpt-7b")
+    cells = []
+    for tokens in (524288, 655360, 786432, 917504):
+        ratio, layouts = speedup(seven, 32, tokens, None)
+        fixed, _ = speedup(seven, 32, tokens, (8, 4))
+        cells.append({"seq_length": tokens, "speedup": ratio, "layouts": layouts,
+                      "speedup_at_table4_layout": fixed})
+    found = [c["speedup"] for c in cells if c["speedup"]]
+    for label, published, value in (("lowest", 1.13, min(found, default=None)),
+                                    ("highest", 1.29, max(found, default=None))):
+        rows.append(row("SPPO", f"SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the {label} "
+                        f"(Fig. 10, L272)", published, value, profile.name,
+                        "setting unknown", cells=cells))
+    sixty_five = sppo_model("gpt-65b")
+    for tokens, published in ((614400, 3.38), (655360, 3.12)):
+        ratio, layouts = speedup(sixty_five, 128, tokens, None)
+        fixed, _ = speedup(sixty_five, 128, tokens, (16, 8))
+        rows.append(row("SPPO", f"SPPO / Megatron-LM, 65B, 128 GPUs, {tokens // 1024}K "
+                        f"(Fig. 10, L276)", published, ratio, profile.name, "baseline stronger",
+                        layouts=layouts, speedup_at_table4_layout=fixed))
+    for method, published in ((SPPO, 1024), (MEGATRON, 768)):
+        tokens = largest_length(method, sixty_five, profile, SolverConfig(gpus=128,
+                                                                          memory_gb=80.0), 65536)
+        rows.append(row("SPPO", f"longest sequence, {method}, 65B, 128 GPUs, K tokens (L274)",
+                        published, tokens / 1024, profile.name, "term missing"))
+    for gpus, published in ((32, 1024), (64, 2048), (128, 4096)):
+        tokens = largest_length(SPPO, seven, profile, SolverConfig(gpus=gpus, memory_gb=80.0),
+                                65536)
+        rows.append(row("SPPO", f"longest sequence, sppo, 7B, {gpus} GPUs, K tokens (L44)",
+                        published, tokens / 1024, profile.name, "term missing"))
+    return rows
+
+
+# -- report -------------------------------------------------------------------------------------
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| paper | row | published | simulated | sim / pub | why |",
+             "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        simulated = "-" if r["simulated"] is None else f"{r['simulated']:.3g}"
+        ratio = "-" if r["simulated_over_published"] is None else \
+            f"{r['simulated_over_published']:.2f}"
+        lines.append(f"| {r['paper']} | {r['what']} | {r['published']:.3g} | {simulated} | "
+                     f"{ratio} | {r['why']} |")
+    return "\n".join(lines) + "\n"
+
+
+SECTIONS = {"infinipipe": None, "table3": table3, "helixpipe": helixpipe, "sppo": sppo}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
+    parser.add_argument("--documents", type=int, default=512,
+                        help="documents a global batch (InfiniPipe: 512 sequences, L347)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--markdown", help="write the table here")
+    args = parser.parse_args(argv)
+    print("SIMULATED with spec-derived profiles and each paper's stated network; not measured")
+    rows = []
+    for name in args.only:
+        made = infinipipe(args.documents, args.seed) if name == "infinipipe" else \
+            SECTIONS[name]()
+        rows += made
+        print(markdown(made), end="", flush=True)
+    ratios = [r["simulated_over_published"] for r in rows if r["simulated_over_published"]]
+    if ratios:
+        print(f"{len(ratios)} rows; simulated / published median "
+              f"{statistics.median(ratios):.2f}, within {DISAGREE:.0%}: "
+              f"{sum(abs(x - 1) <= DISAGREE for x in ratios)}")
+    if args.json:
+        write_json(args.json, {"simulated": True, "testbeds": {
+            name: {"profile": base, "overrides": over, "source": source}
+            for name, (base, over, source) in TESTBEDS.items()}, "rows": rows})
+    if args.markdown:
+        with open(args.markdown, "w") as handle:
+            handle.write(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
