@@ -24,6 +24,13 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   runs at the profile's ``cross_node_gbps`` (the node's NICs shared by its GPUs, which cross at
   once).
   Collectives are not overlapped with compute (they sit between dependent kernels);
+- Megatron-LM's context parallelism (``cp``, ring attention, for the baselines): every GPU of
+  the ring holds ``1/cp`` of each chunk's tokens (causal work balanced, as Megatron's zigzag
+  split does), so compute and activations divide by ``cp`` too; per layer the ring passes the
+  K/V of ``tokens / cp`` tokens ``cp - 1`` times (``2 h e / (tp cp)`` bytes a token, each
+  step ``latency + bytes / bandwidth`` over the group ``tp x cp`` spans), overlapped with the
+  layer's attention: only what exceeds it is exposed; the backward passes K/V and their
+  gradients, twice the bytes, against ``backward_factor`` times the attention;
 - recomputing a checkpointed layer costs one more forward of it, collectives included (eq. 11);
 - the last stage also runs the output layer (``2 h V`` FLOPs per token forward) and keeps the
   logits; the embedding lookup of stage 0 is free -- unless the profile is measured with
@@ -68,7 +75,9 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   sets aside the batch's largest;
 - model state per stage (eq. 10): weights in the model's dtype (``e`` bytes/param), FP32 main
   gradients (4), Adam moments (8) and, below FP32, FP32 master weights (4) -- moments and
-  master weights sharded over the ``dp x sp`` replicas when the distributed optimizer is on --
+  master weights sharded over the ``dp x sp x cp`` replicas when the distributed optimizer is
+  on, and with ``zero3`` (DeepSpeed ZeRO-3, for the baselines) the weights and gradients too,
+  their gathers taken as overlapped with compute as DeepSpeed prefetches them --
   all split over ``tp``; stage 0 holds the embedding, the last stage the (untied) output layer;
   plus ``reserved_gb`` of runtime overhead.
 
@@ -104,6 +113,11 @@ class ParallelConfig:
     """Tensor-parallel degree (with Megatron sequence parallelism)."""
     dp: int = 1
     """Data-parallel replicas (each runs its own global batch share; shards optimizer states)."""
+    cp: int = 1
+    """Megatron-LM context parallelism: a ring-attention group splitting every chunk's tokens
+    (priced for the baselines; the project's schedules use Ulysses ``sp``)."""
+    zero3: bool = False
+    """Shard weights and gradients as well as the optimizer over the replicas (ZeRO-3)."""
     memory_gb: float = 80.0
     """Device memory per GPU, GB (10^9 bytes)."""
     reserved_gb: float = 2.0
@@ -113,13 +127,15 @@ class ParallelConfig:
     """Shard FP32 master weights and Adam moments over the dp x sp replicas."""
 
     def __post_init__(self):
-        for name in ("pp", "sp", "tp", "dp"):
+        for name in ("pp", "sp", "tp", "dp", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.memory_gb <= 0:
             raise ValueError(f"memory_gb must be > 0, got {self.memory_gb}")
         if not 0 <= self.reserved_gb < self.memory_gb:
             raise ValueError(f"reserved_gb must be in [0, memory_gb), got {self.reserved_gb}")
+        if self.sp > 1 and self.cp > 1:
+            raise ValueError("Ulysses sp and ring-attention cp together are not priced; use one")
 
 
 class CostModel:
@@ -134,7 +150,12 @@ class CostModel:
             raise ValueError(f"{model.name} has {model.num_layers} layers, fewer than pp="
                              f"{parallel.pp} stages; lower --pp")
         self.model, self.hardware, self.parallel = model, hardware, parallel
-        h, f, shard = model.hidden_size, model.ffn_hidden_size, parallel.sp * parallel.tp
+        if parallel.cp > 1 and any((hardware.layer_coefficients, hardware.activation_coefficients,
+                                    hardware.end_coefficients)):
+            raise ValueError(f"profile {hardware.name} was measured without context "
+                             f"parallelism; price cp > 1 with a spec-derived profile")
+        h, f = model.hidden_size, model.ffn_hidden_size
+        shard = parallel.sp * parallel.tp * parallel.cp
         w, e = model.mlp_width, model.element_bytes
         fit = hardware.layer_coefficients
         if fit is not None:
@@ -193,6 +214,10 @@ class CostModel:
                 bandwidth, latency = self._link(span)
                 self.comm_latency += 4 * latency
                 self.comm_per_token += 4 * e * h / shard * (degree - 1) / degree / bandwidth
+        self.ring_step = (0.0, 0.0)
+        if parallel.cp > 1:
+            bandwidth, latency = self._link(parallel.tp * parallel.cp)
+            self.ring_step = (latency, 2 * e * h / (parallel.tp * parallel.cp) / bandwidth)
         self.linear_per_token = self.alpha2 + self.comm_per_token
         self.chunk_constant = self.beta + self.comm_latency
         self._layers = stage_layers(model.num_layers, parallel.pp)
@@ -222,7 +247,8 @@ class CostModel:
         return self._costs(chunk)[0]
 
     def layer_collectives(self, chunk: Chunk) -> float:
-        """Ulysses all-to-alls and TP/SP collectives of one layer, one direction (eq. 2-3)."""
+        """Ulysses all-to-alls and TP/SP collectives of one layer's forward (eq. 2-3), and the
+        ring's exposed share under context parallelism."""
         return self._costs(chunk)[1]
 
     def layer_forward(self, chunk: Chunk) -> float:
@@ -232,7 +258,7 @@ class CostModel:
 
     def layer_backward(self, chunk: Chunk) -> float:
         return self.hardware.backward_factor * self.layer_compute(chunk) + \
-            self.layer_collectives(chunk)
+            self._costs(chunk)[4]
 
     def end_forward(self, stage: int, tokens: int) -> float:
         """Forward work of ``stage`` outside its layers on a chunk of ``tokens`` tokens: the
@@ -311,10 +337,14 @@ class CostModel:
         if stage == self.pp - 1:
             params += m.vocab_size * m.hidden_size + 2 * m.hidden_size
         params /= p.tp
+        replicas = p.dp * p.sp * p.cp
         optimizer = 8 + (4 if m.element_bytes < 4 else 0)
-        if p.distributed_optimizer:
-            optimizer /= p.dp * p.sp
-        return params * (m.element_bytes + 4 + optimizer) + p.reserved_gb * GB
+        if p.distributed_optimizer or p.zero3:
+            optimizer /= replicas
+        state = m.element_bytes + 4
+        if p.zero3:
+            state /= replicas
+        return params * (state + optimizer) + p.reserved_gb * GB
 
     def activation_budget(self, stage: int) -> float:
         """Bytes left for activations on ``stage``."""
@@ -322,7 +352,7 @@ class CostModel:
 
     # -- per-chunk quantities, memoised by signature ------------------------------------------
 
-    def _costs(self, chunk: Chunk) -> tuple[float, float, float, float]:
+    def _costs(self, chunk: Chunk) -> tuple[float, float, float, float, float]:
         return self.signature_cache(chunk.signature)
 
     def piece_work(self, context: int, tokens: int) -> float:
@@ -330,21 +360,27 @@ class CostModel:
         return self.alpha1 * ((context + tokens) ** 2 - context * context) + \
             self.linear_per_token * tokens
 
-    def _chunk_costs(self, signature: tuple) -> tuple[float, float, float, float]:
-        """(forward compute, collectives, stash per layer, saving per layer) of a signature."""
+    def _chunk_costs(self, signature: tuple) -> tuple[float, float, float, float, float]:
+        """(forward compute, forward collectives, stash per layer, saving per layer, backward
+        collectives) of a signature."""
         tokens = sum(s for _, s, _ in signature)
-        work = sum(self.alpha1 * ((c + s) ** 2 - c * c) + self.alpha2 * s
-                   for c, s, _ in signature)
+        attention = sum(self.alpha1 * ((c + s) ** 2 - c * c) for c, s, _ in signature)
+        work = attention + self.alpha2 * tokens
         if self.curved:
-            work /= self.hardware.efficiency(tokens / self.parallel.sp)
+            work /= self.hardware.efficiency(tokens / (self.parallel.sp * self.parallel.cp))
         compute = self.beta + work
-        comm = self.comm_latency + self.comm_per_token * tokens
+        comm = back = self.comm_latency + self.comm_per_token * tokens
+        if self.parallel.cp > 1:
+            latency, per_token = self.ring_step
+            ring = (self.parallel.cp - 1) * (latency + per_token * tokens)
+            comm += max(0.0, ring - attention)
+            back += max(0.0, 2 * ring - self.hardware.backward_factor * attention)
         stash = saving = 0.0
         for _, s, final in signature:
             stash += s * (self.full_per_token + (0 if final else self.dkv_per_token))
             saving += s * (self.full_per_token - self.ckpt_per_token
                            - (0 if final else self.kv_per_token))
-        return compute, comm, stash, saving
+        return compute, comm, stash, saving, back
 
 def peak_flops(hardware: HardwareProfile) -> float:
     """Achievable GEMM FLOP/s of one GPU."""

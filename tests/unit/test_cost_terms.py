@@ -125,3 +125,37 @@ def test_tensor_parallel_workspace_is_the_rest_of_the_gathered_input():
     cost = CostModel(TINY, profile(), ParallelConfig(pp=1, sp=2, tp=4))
     assert cost.layer_workspace(chunk) == 1024 / 2 * 64 * TINY.element_bytes * 3 / 4
     assert CostModel(TINY, profile(), ParallelConfig(pp=1, sp=2)).layer_workspace(chunk) == 0
+
+
+def test_ring_attention_is_exposed_only_beyond_the_attention_it_overlaps():
+    """CP 4 over a 100 GB/s link (4 GPUs, one node): each GPU holds a quarter of the chunk's
+    tokens and of its work; the ring passes a K/V block of tokens / 4 x 2h x 2 bytes three
+    times. A long chunk hides it behind attention, a short one exposes the rest; the backward
+    moves twice the bytes against twice the attention."""
+    plain = CostModel(TINY, profile(), ParallelConfig(pp=1))
+    cost = CostModel(TINY, profile(), ParallelConfig(pp=1, cp=4))
+    alpha1 = 2 * 64 / (4 * 1e12 * 0.25)
+    for tokens in (64, 1 << 16):
+        chunk = one_piece(tokens)
+        assert cost.layer_compute(chunk) == pytest.approx(
+            0.001 + (plain.layer_compute(chunk) - 0.001) / 4, rel=1e-12)
+        attention = alpha1 * tokens ** 2
+        ring = 3 * (1e-5 + tokens * 2 * 64 * TINY.element_bytes / 4 / (100 * GB))
+        assert cost.layer_collectives(chunk) == pytest.approx(max(0.0, ring - attention),
+                                                              abs=1e-15)
+        assert cost.layer_backward(chunk) == pytest.approx(
+            2 * cost.layer_compute(chunk) + max(0.0, 2 * ring - 2 * attention), rel=1e-12)
+        assert cost.layer_activation(chunk) == pytest.approx(plain.layer_activation(chunk) / 4)
+    assert cost.layer_collectives(one_piece(64)) > 0 == cost.layer_collectives(one_piece(1 << 16))
+    with pytest.raises(ValueError, match="Ulysses sp and ring-attention cp together"):
+        ParallelConfig(pp=1, sp=2, cp=2)
+
+
+def test_zero3_shards_weights_and_gradients_too():
+    model = ModelConfig("m", 4, 64, 16, 256, 100, dtype="bfloat16")
+    base = ParallelConfig(pp=1, dp=4, reserved_gb=0.0)
+    params = 4 * model.params_per_layer() + 2 * 100 * 64 + 2 * 64
+    plain = CostModel(model, profile(), base)
+    assert plain.static_bytes(0) == pytest.approx(params * (2 + 4 + 12 / 4))
+    zero3 = CostModel(model, profile(), dataclasses.replace(base, zero3=True))
+    assert zero3.static_bytes(0) == pytest.approx(params * (2 + 4 + 12) / 4)
