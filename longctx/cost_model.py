@@ -364,13 +364,14 @@ class CostModel:
         """(forward compute, forward collectives, stash per layer, saving per layer, backward
         collectives) of a signature."""
         tokens = sum(s for _, s, _ in signature)
-        attention = sum(self.alpha1 * ((c + s) ** 2 - c * c) for c, s, _ in signature)
-        work = attention + self.alpha2 * tokens
+        work = sum(self.alpha1 * ((c + s) ** 2 - c * c) + self.alpha2 * s
+                   for c, s, _ in signature)
         if self.curved:
             work /= self.hardware.efficiency(tokens / (self.parallel.sp * self.parallel.cp))
         compute = self.beta + work
         comm = back = self.comm_latency + self.comm_per_token * tokens
         if self.parallel.cp > 1:
+            attention = sum(self.alpha1 * ((c + s) ** 2 - c * c) for c, s, _ in signature)
             latency, per_token = self.ring_step
             ring = (self.parallel.cp - 1) * (latency + per_token * tokens)
             comm += max(0.0, ring - attention)
