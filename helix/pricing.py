@@ -16,11 +16,17 @@ parallelism (TP = SP = the node's GPUs) inside it, ``microbatches`` full-length 
   ``3 h^2 e / tp`` and its bias ``wb`` ``3 h e / tp``. Transfers posted together on one link
   share it (the simulator's rule).
 - 1F1B: the stage's ``L / p`` layers of one micro-batch are one forward, backward
-  ``backward_factor`` times it; with ``recompute`` every layer is recomputed (one more forward
-  before each backward), as Megatron's full recomputation does.
+  ``backward_factor`` times it; with recomputation every layer is recomputed (one more forward
+  before each backward), as Megatron's full recomputation does. Whether 1F1B needs it is
+  decided by memory: stage ``s`` holds ``min(p - s, m)`` micro-batches' activations (the cost
+  model's accounting for TP + SP, the last stage's logits included) on top of its model state
+  and a running layer's workspace; when a stage exceeds ``memory_gb`` without recomputation
+  the baseline recomputes (``1f1b_recompute`` says which), and when it exceeds it even then
+  the result says so (``1f1b_fits``).
 
-Memory is not priced: the comparison assumes that both schedules fit, as they did in the
-paper's runs (a known limit, stated where the comparison is reported).
+Helix's own memory is not priced: the comparison assumes that it fits, as it did in the
+paper's runs with recomputation without attention (a known limit, stated where the
+comparison is reported).
 """
 from __future__ import annotations
 
@@ -30,7 +36,8 @@ from megatron.plugin.pipeline.passes import add_communication, add_recomputation
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import UniformCosts, simulate
 
-from longctx.cost_model import GB
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import GB, CostModel, ParallelConfig
 from longctx.hardware import HardwareProfile
 from longctx.models import ModelConfig
 
@@ -68,10 +75,31 @@ def part_times(model: ModelConfig, hardware: HardwareProfile, seq: int, tp: int)
         bias=hardware.inter_node_latency_s + 3 * h * e / tp / network)
 
 
+def one_f_one_b_peaks(model: ModelConfig, hardware: HardwareProfile, seq: int, pp: int,
+                      tp: int, microbatches: int, memory_gb: float,
+                      recompute: bool) -> list[float]:
+    """Peak bytes of each 1F1B stage (module doc)."""
+    cost = CostModel(model, hardware, ParallelConfig(pp=pp, tp=tp, memory_gb=memory_gb))
+    chunk = Chunk((Piece(0, 0, 0, seq, True),))
+    peaks = []
+    for stage in range(pp):
+        kept = cost.stash_bytes(stage, chunk, cost.layers(stage) if recompute else 0)
+        rebuilt = cost.layer_saving(chunk) if recompute else 0.0
+        peaks.append(cost.static_bytes(stage) + min(pp - stage, microbatches) * kept
+                     + rebuilt + cost.layer_workspace(chunk))
+    return peaks
+
+
 def compare(model: ModelConfig, hardware: HardwareProfile, seq: int, pp: int, tp: int,
-            microbatches: int, recompute_1f1b: bool = False,
-            helix_recompute: bool = False) -> dict:
-    """Simulated iteration time of helix (two folds) and 1F1B, and their ratio."""
+            microbatches: int, helix_recompute: bool = False,
+            memory_gb: float | None = None) -> dict:
+    """Simulated iteration time of helix (two folds) and 1F1B (recomputing only when it does
+    not fit ``memory_gb``, default the profile's), and their ratio."""
+    memory_gb = hardware.hbm_gb if memory_gb is None else memory_gb
+    peaks = one_f_one_b_peaks(model, hardware, seq, pp, tp, microbatches, memory_gb, False)
+    recompute_1f1b = max(peaks) > memory_gb * GB
+    if recompute_1f1b:
+        peaks = one_f_one_b_peaks(model, hardware, seq, pp, tp, microbatches, memory_gb, True)
     parts = part_times(model, hardware, seq, tp)
     layers = model.num_layers
     helix = simulate(
@@ -90,5 +118,7 @@ def compare(model: ModelConfig, hardware: HardwareProfile, seq: int, pp: int, tp
     return {"parts_s": {"pre": parts.pre, "attention": parts.attention, "post": parts.post,
                         "hop": parts.hop},
             "1f1b_s": baseline.iteration_time, "1f1b_bubble": baseline.bubble_ratio,
+            "1f1b_recompute": recompute_1f1b, "1f1b_peak_gb": [p / GB for p in peaks],
+            "1f1b_fits": max(peaks) <= memory_gb * GB,
             "helix_s": helix.iteration_time, "helix_bubble": helix.bubble_ratio,
             "speedup": baseline.iteration_time / helix.iteration_time}

@@ -141,8 +141,10 @@ def simulated(profile_name: str = "h20") -> dict:
     print(f"SIMULATED (spec-derived {profile_name} profile, not measured): gpt-7b, "
           f"{seq} tokens a sequence, PP={pp} x TP={tp}, {microbatches} micro-batches; part "
           f"forwards t_pre {parts['pre'] * 1e3:.1f} ms, t_attn {parts['attention'] * 1e3:.1f} "
-          f"ms, t_post {parts['post'] * 1e3:.1f} ms a layer (helix.pricing; memory not priced)")
-    print(f"  1f1b  {found['1f1b_s']:8.2f} s/iteration, bubble {found['1f1b_bubble']:.3f}")
+          f"ms, t_post {parts['post'] * 1e3:.1f} ms a layer (helix.pricing; helix's memory not priced)")
+    print(f"  1f1b  {found['1f1b_s']:8.2f} s/iteration, bubble {found['1f1b_bubble']:.3f}, "
+          f"{'with' if found['1f1b_recompute'] else 'without'} recomputation, peak "
+          f"{max(found['1f1b_peak_gb']):.1f} GB of {hw.hbm_gb:g}")
     print(f"  helix {found['helix_s']:8.2f} s/iteration, bubble {found['helix_bubble']:.3f}"
           f" -> helix / 1f1b throughput x{found['speedup']:.3f}")
     return {"profile": profile_name, "model": "gpt-7b", "seq_length": seq, "pp": pp, "tp": tp,

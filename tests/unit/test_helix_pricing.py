@@ -42,3 +42,23 @@ def test_attention_heavy_sequences_favour_helix():
     assert found["helix_bubble"] < found["1f1b_bubble"]
     assert found["speedup"] == pytest.approx(found["1f1b_s"] / found["helix_s"])
     assert found["speedup"] > 1
+
+
+def test_1f1b_recomputes_only_when_it_does_not_fit():
+    """Stage 0 of 1F1B holds min(p, m) micro-batches' activations: at 64K tokens on 4 stages
+    the model's accounting needs about 4.5 GB there, so a 4 GB budget makes the baseline
+    recompute every layer (2.6 GB) and a 40 GB one does not."""
+    from longctx.chunks import Chunk, Piece
+    from longctx.cost_model import CostModel, ParallelConfig
+
+    cost = CostModel(MODEL, HW, ParallelConfig(pp=4, tp=8, memory_gb=40))
+    chunk = Chunk((Piece(0, 0, 0, 65536, True),))
+    stage0 = cost.static_bytes(0) + 4 * cost.stash_bytes(0, chunk) + cost.layer_workspace(chunk)
+    roomy = compare(MODEL, HW, 65536, pp=4, tp=8, microbatches=8, memory_gb=40)
+    assert roomy["1f1b_peak_gb"][0] == pytest.approx(stage0 / 1e9)
+    assert not roomy["1f1b_recompute"] and roomy["1f1b_fits"]
+    tight = compare(MODEL, HW, 65536, pp=4, tp=8, microbatches=8, memory_gb=4)
+    assert tight["1f1b_recompute"] and tight["1f1b_fits"]
+    assert tight["1f1b_s"] > roomy["1f1b_s"]  # the recomputation costs a forward
+    assert not compare(MODEL, HW, 65536, pp=4, tp=8, microbatches=8,
+                       memory_gb=2.5)["1f1b_fits"]
