@@ -45,8 +45,7 @@ def single_pipeline_plan(cost: CostModel, case: PipelineCase, table, num_slices:
     time_rsd, length_rsd = chunk_balance(case.chunks, cost)
     return Plan((PipelinePlan(case.chunks, case.backward, table, seconds, "uniform",
                               num_slices, case.lookahead),),
-                seconds, tuple(cost.static_bytes(s) + peaks[s] * case.problem.memory_unit
-                               for s in range(cost.pp)),
+                seconds, checkpointing.peak_bytes(cost, case.problem, peaks),
                 time_rsd, length_rsd, 0.0)
 
 
@@ -118,9 +117,7 @@ def full_checkpointing(plan: Plan, cost: CostModel) -> Plan | None:
         pipelines.append(PipelinePlan(case.chunks, case.backward, table,
                                       case.time(table) * checkpointing.TIME_UNIT, "full",
                                       pipeline.num_slices, pipeline.lookahead))
-        peaks = [max(x, y) for x, y in zip(peaks, checkpointing.memory_peaks(case.problem,
-                                                                             table))]
-    return Plan(tuple(pipelines), sum(p.predicted_time_s for p in pipelines),
-                tuple(cost.static_bytes(s) + peaks[s] * case.problem.memory_unit
-                      for s in range(cost.pp)),
+        peaks = [max(x, y) for x, y in zip(peaks, checkpointing.peak_bytes(
+            cost, case.problem, checkpointing.memory_peaks(case.problem, table)))]
+    return Plan(tuple(pipelines), sum(p.predicted_time_s for p in pipelines), tuple(peaks),
                 plan.chunk_time_rsd, plan.chunk_length_rsd, 0.0)

@@ -32,6 +32,7 @@ the CPU tests, whose whole activation budget is a few hundred KiB.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
@@ -71,6 +72,9 @@ class CheckpointProblem:
     """Bytes per memory unit (see the module docstring)."""
     events: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
     """Per stage: (chunk about to run its backward, chunks in flight)."""
+    workspace: int = 0
+    """Memory units set aside beside the activations (the largest workspace of a running
+    layer), already taken out of ``budget``."""
 
     @property
     def stages(self) -> int:
@@ -107,7 +111,7 @@ def build_problem(cost: CostModel, chunks: list[Chunk],
     backward = tuple(tuple(round(cost.stage_backward(p, c) / TIME_UNIT) for c in chunks)
                      for p in stages)
     saving = [cost.layer_saving(c) for c in chunks]
-    workspace = max((cost.layer_workspace(c) for c in chunks), default=0.0)
+    workspace = math.ceil(max((cost.layer_workspace(c) for c in chunks), default=0.0) / unit)
     return CheckpointProblem(
         layers=tuple(cost.layers(p) for p in stages),
         forward=forward, backward=backward,
@@ -117,10 +121,9 @@ def build_problem(cost: CostModel, chunks: list[Chunk],
         full=tuple(tuple(up(cost.stash_bytes(p, c)) for c in chunks) for p in stages),
         saving=(tuple(math.floor(s / unit) for s in saving),) * cost.pp,
         transient=(tuple(up(s) for s in saving),) * cost.pp,
-        budget=tuple(math.floor((cost.activation_budget(p) - workspace) / unit)
-                     for p in stages),
+        budget=tuple(math.floor(cost.activation_budget(p) / unit) - workspace for p in stages),
         memory_unit=unit,
-        events=tuple(tuple(stage_events) for stage_events in events))
+        events=tuple(tuple(stage_events) for stage_events in events), workspace=workspace)
 
 
 def memory_unit(largest_budget: float) -> float:
@@ -149,6 +152,13 @@ def memory_peaks(problem: CheckpointProblem, ckpt) -> list[int]:
             peak = max(peak, total)
         peaks.append(peak)
     return peaks
+
+
+def peak_bytes(cost: CostModel, problem: CheckpointProblem, peaks: Sequence[int]) -> tuple:
+    """Device bytes per stage at the ``peaks`` (units) of :func:`memory_peaks`: model state,
+    activations and the workspace set aside."""
+    return tuple(cost.static_bytes(s) + (peaks[s] + problem.workspace) * problem.memory_unit
+                 for s in range(cost.pp))
 
 
 def fits(problem: CheckpointProblem, ckpt) -> bool:

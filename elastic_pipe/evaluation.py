@@ -31,7 +31,7 @@ def report(plan: Plan, cost: CostModel, with_schedule: bool = True) -> dict:
                     if a.kind is Kind.RECOMPUTE)
     out = {"iteration_time_s": result.iteration_time, "bubble_ratio": result.bubble_ratio,
            "recompute_time_s": recompute,
-           "peak_memory_gb": [max(m for _, m in line) / GB for line in result.memory_timeline],
+           "peak_memory_gb": [peak / GB for peak in result.peak_memory],
            "memory_capacity_gb": cost.parallel.memory_gb,
            "solve_time_s": plan.solve_time_s,
            "num_chunks": len(plan.chunks()), "num_pipelines": len(plan.pipelines),

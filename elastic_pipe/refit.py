@@ -111,4 +111,5 @@ def refit(cost: CostModel, seen: Iterable[Observation]) -> tuple[HardwareProfile
     notes = dict(old.notes, layer_coefficients=summary,
                  backward_factor="refitted to the training run's measured backwards")
     return dataclasses.replace(old, source="measured", layer_coefficients=coefficients,
+                               kernel_efficiency=None,  # the fit prices the chunk size
                                backward_factor=backward_factor, notes=notes), summary

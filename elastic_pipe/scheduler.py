@@ -427,14 +427,13 @@ def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
         if solution.status in FALLBACK_REASONS:
             fallbacks.append({"pipeline": number, "status": solution.status,
                               "reason": FALLBACK_REASONS[solution.status]})
-        peaks = [max(x, y) for x, y in zip(peaks, checkpointing.memory_peaks(case.problem,
-                                                                             solution.ckpt))]
+        peaks = [max(x, y) for x, y in zip(peaks, checkpointing.peak_bytes(
+            cost, case.problem, checkpointing.memory_peaks(case.problem, solution.ckpt)))]
     all_chunks = [chunk for pipeline in pipelines for chunk in pipeline.chunks]
     time_rsd, length_rsd = chunk_balance(all_chunks, cost)
     return Plan(tuple(pipelines), sum(p.predicted_time_s for p in pipelines),
-                tuple(cost.static_bytes(s) + peaks[s] * case.problem.memory_unit
-                      for s in range(cost.pp)),
-                time_rsd, length_rsd, time.perf_counter() - started, tuple(fallbacks))
+                tuple(peaks), time_rsd, length_rsd, time.perf_counter() - started,
+                tuple(fallbacks))
 
 
 def _zeros(problem: CheckpointProblem) -> tuple[tuple[int, ...], ...]:
@@ -465,9 +464,8 @@ def _infeasible_message(docs, cost: CostModel, config: SchedulerConfig,
             problem = pipeline_case(cost, make_chunks(group, slices, cost).chunks,
                                     min(config.lookaheads)).problem
             peaks = checkpointing.memory_peaks(problem, checkpointing.full_table(problem))
-            need[(points[a], points[b])] = max(
-                cost.static_bytes(s) + (peaks[s] + 1) * problem.memory_unit
-                for s in range(cost.pp))
+            need[(points[a], points[b])] = max(checkpointing.peak_bytes(
+                cost, problem, [peak + 1 for peak in peaks]))
             finest[(points[a], points[b])] = slices
     best = {points[0]: 0.0}
     for index, b in enumerate(points[1:], 1):

@@ -6,7 +6,8 @@ parallelism (TP = SP = the node's GPUs) inside it, ``microbatches`` full-length 
 
 - ``t_pre``: the QKV projection, ``2 s 3h^2`` FLOPs, plus one all-gather of the ``[s, h]``
   activations inside the node; ``t_attn``: causal flash attention, ``2 h s^2`` FLOPs;
-  ``t_post``: the output projection and the MLP, ``2 s (h^2 + 2 h f)`` FLOPs, plus one
+  ``t_post``: the output projection and the MLP, ``2 s (h^2 + h w + h f)`` FLOPs (``w`` the
+  MLP's first width: ``f``, or ``2f`` gated), plus one
   all-gather and two reduce-scatters. GEMMs run at ``peak x matmul_efficiency``, attention at
   ``peak x attention_efficiency``, over the ``tp`` GPUs of the stage; a collective is
   ``latency + s h e (tp-1)/tp / intra_node bandwidth``.
@@ -60,7 +61,7 @@ class PartTimes:
 
 def part_times(model: ModelConfig, hardware: HardwareProfile, seq: int, tp: int) -> PartTimes:
     """:class:`PartTimes` of ``model`` on a stage of ``tp`` GPUs (module doc)."""
-    h, f, e = model.hidden_size, model.ffn_hidden_size, model.element_bytes
+    h, f, w, e = model.hidden_size, model.ffn_hidden_size, model.mlp_width, model.element_bytes
     peak = hardware.peak_tflops * 1e12 * tp
     matmul, attention = peak * hardware.matmul_efficiency, peak * hardware.attention_efficiency
     collective = hardware.intra_node_latency_s + seq * h * e * (tp - 1) / tp \
@@ -69,7 +70,7 @@ def part_times(model: ModelConfig, hardware: HardwareProfile, seq: int, tp: int)
     return PartTimes(
         pre=2 * seq * 3 * h * h / matmul + collective,
         attention=2 * h * seq * seq / attention,
-        post=2 * seq * (h * h + 2 * h * f) / matmul + 3 * collective,
+        post=2 * seq * (h * h + h * w + h * f) / matmul + 3 * collective,
         hop=hardware.inter_node_latency_s + seq * h * e / tp / network,
         weight=hardware.inter_node_latency_s + 3 * h * h * e / tp / network,
         bias=hardware.inter_node_latency_s + 3 * h * e / tp / network)

@@ -20,7 +20,9 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   layer and direction, each ``latency + bytes (sp-1)/sp / bandwidth`` with ``bytes = tokens h e
   / (sp tp)`` (``e``: bytes of an element of the model's dtype, see Memory); tensor parallelism
   with sequence parallelism adds two all-gathers and two reduce-scatters per layer and
-  direction, each ``latency + bytes (tp-1)/tp / bandwidth``. A group or hop that spans nodes
+  direction, each ``latency + bytes (tp-1)/tp / bandwidth`` with ``bytes = tokens h e / sp``
+  (the whole activation of the layer is gathered; until this stop they were divided by ``tp``
+  as well, pricing TP's collectives ``tp`` times too cheap). A group or hop that spans nodes
   runs at the profile's ``cross_node_gbps`` (the node's NICs shared by its GPUs, which cross at
   once).
   Collectives are not overlapped with compute (they sit between dependent kernels);
@@ -124,7 +126,7 @@ class ParallelConfig:
     """Runtime overhead that is never available to the planner (CUDA context, NCCL buffers,
     allocator fragmentation), GB."""
     distributed_optimizer: bool = True
-    """Shard FP32 master weights and Adam moments over the dp x sp replicas."""
+    """Shard FP32 master weights and Adam moments over the dp x sp x cp replicas."""
 
     def __post_init__(self):
         for name in ("pp", "sp", "tp", "dp", "cp"):
@@ -209,11 +211,15 @@ class CostModel:
             setattr(self, name, getattr(self, name) * self.allocator)
         self.curved = fit is None and hardware.kernel_efficiency is not None
         self.comm_latency = self.comm_per_token = 0.0
-        for degree, span in ((parallel.sp, parallel.tp * parallel.sp), (parallel.tp, parallel.tp)):
+        # Ulysses moves each GPU's tokens / sp of its h / tp channels; TP's all-gathers and
+        # reduce-scatters move the whole [tokens / (sp cp), h] activation of the layer.
+        for degree, span, per_token in (
+                (parallel.sp, parallel.tp * parallel.sp, e * h / shard),
+                (parallel.tp, parallel.tp, e * h / (parallel.sp * parallel.cp))):
             if degree > 1:
                 bandwidth, latency = self._link(span)
                 self.comm_latency += 4 * latency
-                self.comm_per_token += 4 * e * h / shard * (degree - 1) / degree / bandwidth
+                self.comm_per_token += 4 * per_token * (degree - 1) / degree / bandwidth
         self.ring_step = (0.0, 0.0)
         if parallel.cp > 1:
             bandwidth, latency = self._link(parallel.tp * parallel.cp)
@@ -299,9 +305,9 @@ class CostModel:
     def p2p_time(self, chunk: Chunk) -> float:
         """Sending one chunk's activations (or their gradients) to the next stage."""
         p = self.parallel
-        bandwidth, latency = self._link(p.tp * p.sp * p.dp * p.pp)
+        bandwidth, latency = self._link(p.tp * p.sp * p.cp * p.dp * p.pp)
         return latency + self.model.element_bytes * chunk.tokens * self.model.hidden_size \
-            / (p.sp * p.tp) / bandwidth
+            / (p.sp * p.tp * p.cp) / bandwidth
 
     # -- memory -----------------------------------------------------------------------------
 
@@ -316,8 +322,8 @@ class CostModel:
     def layer_workspace(self, chunk: Chunk) -> float:
         """Bytes a running layer holds beyond its stash: TP + SP's all-gathered input."""
         p = self.parallel
-        return self.model.element_bytes * chunk.tokens * self.model.hidden_size / p.sp \
-            * (p.tp - 1) / p.tp
+        return self.model.element_bytes * chunk.tokens * self.model.hidden_size \
+            / (p.sp * p.cp) * (p.tp - 1) / p.tp
 
     def stash_bytes(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
         """Bytes ``stage`` keeps for ``chunk`` between its forward and its backward."""

@@ -49,11 +49,14 @@ What is measured and how (every choice made here):
   out the embedding (first stage) and the head -- final norm, output layer, loss (last stage).
   Each of the four is fitted as ``seconds per token x tokens + seconds per chunk`` (NNLS on
   relative residuals) into ``end_coefficients``.
-- Kernel efficiency: at the ``C = 0`` points, the layer's FLOP rate at ``s`` tokens (the cost
-  model's FLOP accounting: ``2 (4h^2 + 2hf) s`` for the GEMMs plus ``2 h s^2`` for causal
-  attention, over the measured forward) divided by the rate at the largest ``s``, capped at
-  1: the ``kernel_efficiency`` curve, printed as a JSON line for a spec-derived profile of this
-  machine (a measured profile does not take it: its fit prices the chunk size itself).
+- Kernel efficiency: at the ``C = 0`` points, how much more time than the FLOP-derived model
+  the layer takes at ``s`` tokens than at the largest ``s``: the model's work is the cost
+  model's, ``2 h s^2 / attention_efficiency + 2 (4h^2 + h w + h f) s / matmul_efficiency``
+  with the base profile's efficiencies (``w`` the MLP's first width, ``2f`` when gated), the
+  measured time has the fit's ``beta`` taken off (the cost model adds the per-chunk constant
+  beside the curve), and their ratio at ``s`` over the ratio at the largest ``s``, capped at 1,
+  is the ``kernel_efficiency`` curve, printed as a JSON line for a spec-derived profile of
+  this machine (a measured profile does not take it: its fit prices the chunk size itself).
 - Allocator overhead (CUDA only): the caching allocator's reserved bytes over the allocated
   bytes at their peaks, minus 1, over the whole grid: written as ``allocator_overhead``. On a
   CPU there is no caching allocator to measure and the base profile's figure is inherited.
@@ -117,28 +120,44 @@ def predict(coefficients, tokens, contexts) -> np.ndarray:
     return design_matrix(tokens, contexts) @ np.asarray(coefficients, dtype=np.float64)
 
 
-def efficiency_curve(tokens, contexts, forward_s, hidden: int,
-                     ffn: int) -> list[list[float]]:
-    """``[[s, efficiency], ...]`` from the ``C = 0`` points (module doc), ``s`` ascending."""
+def efficiency_curve(tokens, contexts, forward_s, beta: float, work) -> list[list[float]]:
+    """``[[s, efficiency], ...]`` from the ``C = 0`` points (module doc), ``s`` ascending;
+    ``work(s)``: the FLOP-derived time of ``s`` tokens, in any unit."""
     rates = {}
     for s, c, t in zip(tokens, contexts, forward_s):
-        if c == 0:
-            rates[s] = (2 * (4 * hidden * hidden + 2 * hidden * ffn) * s
-                        + 2 * hidden * s * s) / t
+        if c == 0 and t > beta:
+            rates[s] = work(s) / (t - beta)
     if len(rates) < 2:
         return []
     best = rates[max(rates)]
     return [[s, min(1.0, rates[s] / best)] for s in sorted(rates)]
 
 
+def flop_time(hidden: int, ffn: int, gated: bool, base: dict):
+    """The cost model's FLOP-derived layer time of ``s`` tokens with ``base``'s efficiencies
+    (relative: the peak is left out)."""
+    width = 2 * ffn if gated else ffn
+    gemm = 2 * (4 * hidden * hidden + hidden * width + hidden * ffn)
+    return lambda s: (2 * hidden * s * s / base["attention_efficiency"]
+                      + gemm * s / base["matmul_efficiency"])
+
+
 def allocator_overhead(device) -> float | None:
-    """Reserved over allocated peak bytes minus 1 on CUDA; ``None`` elsewhere."""
+    """Reserved over allocated peak bytes minus 1 on CUDA; ``None`` elsewhere, and where the
+    ratio is 2 or more (a profile takes less than 1; said on stderr). The peaks include the
+    layers' weights, which the allocator packs well, so this is a lower bound of the overhead
+    on activations alone."""
     import torch
 
     if device.type != "cuda" or not torch.cuda.max_memory_allocated(device):
         return None
-    return max(0.0, torch.cuda.max_memory_reserved(device)
-               / torch.cuda.max_memory_allocated(device) - 1.0)
+    value = max(0.0, torch.cuda.max_memory_reserved(device)
+                / torch.cuda.max_memory_allocated(device) - 1.0)
+    if value >= 1.0:
+        print(f"warning: the allocator reserved {1 + value:.2f}x the bytes allocated; not "
+              f"written as allocator_overhead (a profile takes less than 1)", file=sys.stderr)
+        return None
+    return value
 
 
 def fit_backward_factor(forward_s, backward_s) -> float:
@@ -527,8 +546,8 @@ def main(argv=None) -> int:
           f"backward_factor {factor:.4f}")
     fit_error = (float(errors.max()), float(errors.mean()))
     print(f"fit relative error: max {fit_error[0]:.4f} mean {fit_error[1]:.4f}")
-    curve = efficiency_curve(tokens, contexts, forwards, args.hidden_size,
-                             config.ffn_hidden_size)
+    curve = efficiency_curve(tokens, contexts, forwards, beta, flop_time(
+        args.hidden_size, config.ffn_hidden_size, config.gated_linear_unit, base))
     if curve:
         print("kernel efficiency (FLOP rate over the largest chunk's; for a spec-derived "
               "profile of this machine): " + json.dumps(

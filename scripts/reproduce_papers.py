@@ -73,9 +73,10 @@ TESTBEDS = {
                       "HelixPipe L231: H20 nodes with 4 NDR HCAs at 200 Gb/s each"),
     "helixpipe-a800": ("a800", {"node_nic_gbps": 50.0},
                        "HelixPipe L231: A800 nodes with 4 HDR HCAs at 100 Gb/s each"),
-    "sppo-a100": ("a100", {"node_nic_gbps": 100.0, "host_link_gbps": 32.0},
-                  "SPPO L243: 16 nodes x 8 A100-80GB, 4 x 200 Gb/s HDR a node, 32 GB/s GPU-CPU "
-                  "link"),
+    "sppo-a100": ("a100", {"node_nic_gbps": 100.0, "host_link_gbps": 32.0,
+                           "gpus_per_host_link": 1},
+                  "SPPO L243: 16 nodes x 8 A100-80GB, 4 x 200 Gb/s HDR a node, a 32 GB/s "
+                  "GPU-CPU link (stated per GPU: not shared)"),
 }
 HELIX_MODELS = {
     "gpt-1.3b": ModelConfig("gpt-1.3b", 24, 2048, 16, 8192, 50304),

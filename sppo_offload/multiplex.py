@@ -211,8 +211,10 @@ class MultiplexCosts(SequenceCosts):
         return m.element_bytes * params / self.cost.parallel.tp
 
     def kv_bytes(self, block: int) -> float:
-        """K/V of ``u0`` on block ``block`` (one GPU of the TP group)."""
-        return self.cost.layers(block) * self.chunks[0].tokens * self.cost.kv_per_token
+        """K/V of ``u0`` on block ``block`` (one GPU of the TP group), live bytes (what a link
+        moves: the cost model's figure less the allocator's overhead)."""
+        return self.cost.layers(block) * self.chunks[0].tokens * self.cost.kv_per_token \
+            / self.cost.allocator
 
     def duration(self, action: Action) -> float:
         if action.part is None:

@@ -141,8 +141,8 @@ def capped_ratios(cost: CostModel, chunks: Sequence[Chunk], alphas: tuple[tuple[
     result = []
     for stage, row in enumerate(alphas):
         key = (stage_kind(cost, stage), row)
-        if key not in rows:
-            sizes = [offloadable_bytes(cost, stage, chunk) for chunk in chunks]
+        if key not in rows:  # the host holds live bytes: the allocator's overhead stays
+            sizes = [offloadable_bytes(cost, stage, chunk) / cost.allocator for chunk in chunks]
             rows[key] = capped(row, sizes, cap_bytes)
         result.append(rows[key])
     return tuple(result)
@@ -151,9 +151,10 @@ def capped_ratios(cost: CostModel, chunks: Sequence[Chunk], alphas: tuple[tuple[
 def host_bytes(cost: CostModel, chunks: Sequence[Chunk],
                alphas: tuple[tuple[float, ...], ...]) -> tuple[float, ...]:
     """Bytes each stage moves to host memory for the subsequences ``chunks`` of one sequence:
-    all of them are there at once, at the turn from forwards to backwards."""
+    all of them are there at once, at the turn from forwards to backwards. Live bytes: the
+    device bytes the offload frees, less the allocator's overhead on them."""
     return tuple(math.fsum(a * offloadable_bytes(cost, stage, chunk)
-                           for a, chunk in zip(row, chunks) if a)
+                           for a, chunk in zip(row, chunks) if a) / cost.allocator
                  for stage, row in enumerate(alphas))
 
 

@@ -131,6 +131,17 @@ class SolverConfig:
                              f"{self.host_memory_gb}")
         parse_offload(str(self.offload))
 
+    def check_layout(self, model: ModelConfig, hardware: HardwareProfile) -> None:
+        """Refuse a fixed ``layout`` that :func:`layouts` would not consider, saying why."""
+        if self.layout is None:
+            return
+        if not any((l.sp, l.pp) == self.layout for l in layouts(model, hardware, self.gpus)):
+            raise ValueError(
+                f"layout (sp, pp) = {self.layout} is not one the solver can run on "
+                f"{self.gpus} GPUs: sp must divide {model.name}'s {model.num_heads} heads and "
+                f"be a block of one {hardware.gpus_per_node}-GPU node or of whole nodes, and "
+                f"pp at most its {model.num_layers} layers")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -371,6 +382,11 @@ def _shapes(method, seq_length, model, hardware, config,
             largest: bool = False) -> Iterator[tuple[Layout, CostModel, int]]:
     """(layout, cost model, N) for every candidate; ``largest``: only ``dp = 1`` layouts, each
     at its largest N (see :func:`fits`)."""
+    config.check_layout(model, hardware)
+    if largest and config.layout and config.gpus != config.layout[0] * config.layout[1]:
+        raise ValueError(f"the longest sequence is searched over layouts with dp = 1; layout "
+                         f"(sp, pp) = {config.layout} leaves dp = "
+                         f"{config.gpus // (config.layout[0] * config.layout[1])}")
     for layout in layouts(model, hardware, config.gpus):
         if seq_length % layout.sp or (largest and layout.dp > 1):
             continue
@@ -436,11 +452,11 @@ def _candidate(method, seq_length, layout, cost, lengths, chunks, alphas, checkp
             held += cost.stash_bytes(s, chunk, checkpointed[s]) - moved
             forward += cost.stage_forward(s, chunk)
             backward += cost.stage_backward(s, chunk) + checkpointed[s] * cost.layer_forward(chunk)
-            copied += moved / (host * GB) if moved else 0.0
+            copied += moved / (host * GB * cost.allocator) if moved else 0.0
         if checkpointed[s]:  # the baselines recompute like Megatron: one layer at a time
             held += max(cost.layer_saving(chunk) for chunk in chunks)
         bound = max(bound, cost.static_bytes(s) + held)
-        most_moved = max(most_moved, math.fsum(stage_moved))
+        most_moved = max(most_moved, math.fsum(stage_moved) / cost.allocator)
         estimate = max(estimate, max(forward, copied) + max(backward, copied))
     if method == MEGATRON:
         estimate *= cost.pp

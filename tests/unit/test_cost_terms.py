@@ -74,6 +74,42 @@ def test_offload_copies_move_live_bytes():
     assert costs.duration(copy) == pytest.approx(1.0 / 16.0)
 
 
+def test_host_memory_and_multiplexed_transfers_count_live_bytes():
+    """The host holds, and a link moves, live bytes: the allocator's overhead stays behind."""
+    from sppo_offload.multiplex import MultiplexCosts
+    from sppo_offload.offload import host_bytes
+
+    model = ModelConfig("m", 4, 64, 16, 256, 100)
+    plain = CostModel(model, profile(host_link_gbps=32.0), ParallelConfig(pp=2, tp=2))
+    cost = CostModel(model, profile(host_link_gbps=32.0, allocator_overhead=0.25),
+                     ParallelConfig(pp=2, tp=2))
+    chunks = [Chunk((Piece(0, 0, 0, 512, False),)), Chunk((Piece(0, 1, 512, 1024, True),))]
+    alphas = ((0.5, 0.0), (0.5, 0.0))
+    assert host_bytes(cost, chunks, alphas) == pytest.approx(host_bytes(plain, chunks, alphas))
+    lengths = [512, 512]
+    assert MultiplexCosts(cost, lengths).kv_bytes(0) == pytest.approx(
+        MultiplexCosts(plain, lengths).kv_bytes(0))
+
+
+def test_the_planner_sets_the_largest_workspace_aside():
+    """Under TP 2 the elastic planner's checkpointing budget loses the largest chunk's
+    workspace (memory units, rounded up), and the plan's peak bytes add it back."""
+    from elastic_pipe import checkpointing
+
+    cost = CostModel(TINY, profile(hbm_gb=1.0), ParallelConfig(pp=2, tp=2, memory_gb=1.0,
+                                                               reserved_gb=0.0))
+    chunks = [one_piece(4096), one_piece(1024)]
+    events = [[(0, (0, 1)), (1, (1,))], [(0, (0,)), (1, (1,))]]
+    problem = checkpointing.build_problem(cost, chunks, events)
+    unit = problem.memory_unit
+    workspace = -(-cost.layer_workspace(chunks[0]) // unit)
+    assert problem.workspace == workspace > 0
+    assert problem.budget[0] == cost.activation_budget(0) // unit - workspace
+    peaks = checkpointing.memory_peaks(problem, checkpointing.full_table(problem))
+    assert checkpointing.peak_bytes(cost, problem, peaks)[1] == pytest.approx(
+        cost.static_bytes(1) + (peaks[1] + workspace) * unit)
+
+
 def test_kernel_efficiency_interpolates_in_log_tokens():
     hardware = profile(kernel_efficiency=[[1024, 0.5], [4096, 0.9]])
     assert hardware.efficiency(512) == 0.5  # held below the first point

@@ -13,7 +13,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from scripts.profile_costs import (  # noqa: E402
-    design_matrix, efficiency_curve, fit_backward_factor, fit_coefficients, fit_linear, nnls)
+    design_matrix, efficiency_curve, fit_backward_factor, fit_coefficients, fit_linear,
+    flop_time, nnls)
 
 from longctx.chunks import Chunk, Piece  # noqa: E402
 from longctx.cost_model import CostModel, ParallelConfig  # noqa: E402
@@ -117,11 +118,18 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
     assert "allocator_overhead" in profile.notes["inherited"]
 
 
-def test_efficiency_curve_is_the_flop_rate_over_the_largest_chunks():
-    """Hidden 1, ffn 1: 12 s + 2 s^2 FLOPs. At 2 tokens 32 FLOPs in 2 s (16/s), at 4 tokens
-    80 FLOPs in 1 s (80/s): efficiency 0.2 and 1; the C > 0 point is left out."""
-    curve = efficiency_curve([2, 4, 4], [0, 0, 8], [2.0, 1.0, 5.0], hidden=1, ffn=1)
-    assert curve == [[2, pytest.approx(0.2)], [4, 1.0]]
+def test_efficiency_curve_is_the_model_time_over_the_measured_past_beta():
+    """Model work s^2 + s; beta 0.5. At 2 tokens 6 units in 2.5 - 0.5 s (3/s), at 4 tokens 20
+    units in 1.5 - 0.5 s (20/s): efficiency 0.15 and 1; the C > 0 point is left out."""
+    curve = efficiency_curve([2, 4, 4], [0, 0, 8], [2.5, 1.5, 5.0], 0.5, lambda s: s * s + s)
+    assert curve == [[2, pytest.approx(0.15)], [4, 1.0]]
+
+
+def test_flop_time_is_the_cost_models_work():
+    """Hidden 2, ffn 8, gated: GEMMs 2 (16 + 32 + 16) = 128 FLOPs a token at efficiency 0.5,
+    attention 2 h s^2 = 4 s^2 at 0.25."""
+    work = flop_time(2, 8, True, {"attention_efficiency": 0.25, "matmul_efficiency": 0.5})
+    assert work(3) == pytest.approx(4 * 9 / 0.25 + 128 * 3 / 0.5)
 
 
 def test_linear_fit_recovers_per_token_and_per_call_seconds():

@@ -24,8 +24,9 @@ def test_layouts_are_blocks_of_a_node_or_of_whole_nodes():
     assert not {l.sp for l in found} & {3, 6, 12, 24}
     wide = next(l for l in found if (l.sp, l.pp) == (32, 1))
     cost = CostModel(GPT7B, HW, ParallelConfig(pp=1, tp=wide.sp))
-    # Four TP collectives a layer over 32 GPUs, at the node's network share per GPU.
-    expected = 4 * 2 * 4096 / 32 * 31 / 32 / (HW.cross_node_gbps * GB)
+    # Four TP collectives a layer over 32 GPUs, each gathering (or scattering) the whole
+    # [tokens, h] activation, at the node's network share per GPU.
+    expected = 4 * 2 * 4096 * 31 / 32 / (HW.cross_node_gbps * GB)
     assert cost.comm_per_token == pytest.approx(expected, rel=1e-12)
     for l in found:
         assert (HW.gpus_per_node % l.sp == 0 or l.sp % HW.gpus_per_node == 0) and \
@@ -37,6 +38,8 @@ def test_a_fixed_layout_is_the_only_one_searched():
     assert (plan.layout.sp, plan.layout.pp, plan.layout.dp) == (4, 8, 1)
     with pytest.raises(ValueError, match="must divide the 32 GPUs"):
         SolverConfig(gpus=32, memory_gb=80, layout=(3, 4))
+    with pytest.raises(ValueError, match=r"not one the solver can run.*block of one 8-GPU node"):
+        solve(SPPO, 1 << 20, GPT7B, HW, SolverConfig(gpus=48, memory_gb=80, layout=(12, 4)))
 
 
 def test_subsequence_counts_respect_the_band_and_pp():

@@ -24,8 +24,9 @@ stash of its ``(stage, unit, part)`` when it ends; the ``BACKWARD`` of that key 
 whole stash when it ends (``ATTN_F`` / ``ATTN_B`` likewise, in a stash of their own). While a
 compute action runs it also holds ``costs.workspace_bytes(action)`` (buffers freed at its end,
 such as tensor parallelism's all-gathered inputs): the peak counts them on top of the memory
-at the action's start. Each rank starts at ``costs.static_bytes(rank)`` (model state). The timeline lists ``(time, bytes)`` after
-every change; its maximum is the rank's peak.
+at the action's start and, for an action that stashes, at its end. Each rank starts at
+``costs.static_bytes(rank)`` (model state). The timeline lists ``(time, bytes)`` after every
+change of the stash; the peak is its maximum, plus the workspace of the actions running then.
 
 Offload and reload (``OFFLOAD`` / ``RELOAD``) run on a per-rank *copy stream* beside the compute
 stream (CUDA: a side stream and pinned host buffers). Reaching one in its list, a rank enqueues
@@ -303,8 +304,7 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
                     added = costs.activation_bytes(a)
                     held[slot] = held.get(slot, 0.0) + added
                     memory[r] += added
-                    if memory[r] > peak[r]:
-                        peak[r] = memory[r]
+                    peak[r] = max(peak[r], memory[r] + costs.workspace_bytes(a))
                 timeline[r].append((now, memory[r]))
             i += 1
         position[r], clock[r] = i, now
