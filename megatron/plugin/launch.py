@@ -48,8 +48,16 @@ def run_pretrain() -> None:
         megatron_training.save_checkpoint = checkpoint_errors.explained_save(
             megatron_training.save_checkpoint)
     heartbeat = hang_report.start(_agent_store("longctx"))
+    # Megatron-LM's pretrain returns (or, after --exit-interval, --exit-duration-in-mins or an
+    # exit signal, exits 0 after a barrier) with its process groups alive. With gloo that let a
+    # rank's interpreter abort at exit now and then, after the work was done; torchrun took that
+    # for a failure and ran the whole job again (seen in CI: a 3-iteration job logged 6).
     try:
         _pretrain(store)
+    except SystemExit as done:
+        if done.code in (None, 0):
+            shutdown()
+        raise
     except BaseException as error:
         if hang_report.is_timeout(error):
             hang_report.report(heartbeat, error)
@@ -57,6 +65,7 @@ def run_pretrain() -> None:
     finally:
         if heartbeat is not None:
             heartbeat.stop()
+    shutdown()
 
 
 def _pretrain(store) -> None:
@@ -183,12 +192,14 @@ def train_step(model, optimizer, scheduler, config, data_iterator, iteration: in
 
 
 def shutdown() -> None:
-    """Tear the process groups down after a run that did not go through ``pretrain``, on every
-    rank: a barrier keeps a fast rank from destroying a group a peer still uses, and exiting
-    with gloo's threads alive can abort the interpreter after the work is done."""
+    """Tear the process groups down after a run, on every rank: a barrier keeps a fast rank
+    from destroying a group a peer still uses, and exiting with gloo's threads alive can abort
+    the interpreter after the work is done."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    if not dist.is_initialized():
+        return
     parallel_state.destroy_model_parallel()
     dist.barrier()
     dist.destroy_process_group()
