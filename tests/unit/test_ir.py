@@ -6,6 +6,7 @@ from megatron.plugin.pipeline.ir import Action, Kind, format_schedule, parse, pa
 EXAMPLES = [
     Action(0, Kind.FORWARD, 3),
     Action(1, Kind.BACKWARD, 0),
+    Action(0, Kind.WEIGHT, 3),
     Action(2, Kind.RECOMPUTE, 7, "[0:2]"),
     Action(0, Kind.FORWARD, 3, "[0:2]"),
     Action(2, Kind.FORWARD, 1, ".attn"),
@@ -36,6 +37,7 @@ def test_text_forms_read_as_documented():
     assert str(Action(1, Kind.RECV_F, 3, None, 0)) == "1RECV_F3<0"
     assert str(Action(0, Kind.FORWARD, 3, "[0:2]")) == "0F3[0:2]"
     assert parse("0F3[0:2]").layer_range() == (0, 2)
+    assert str(Action(0, Kind.WEIGHT, 3)) == "0W3" and parse("0W3").kind is Kind.WEIGHT
 
 
 def test_schedule_round_trips():

@@ -9,6 +9,8 @@ an action with a part; :class:`StageRun` keeps the bookkeeping between them.
   functions Megatron's 1F1B calls), so loss dicts, per-token loss (``num_tokens`` summed into the
   global count handed to ``finalize_model_grads_func``), ``grad_scale_func`` and
   ``deallocate_pipeline_outputs`` behave exactly as in Megatron's loop.
+* ``W`` (weight gradients split from the backward: the ZB1P baseline) is simulated only; its
+  handler raises :class:`NotImplementedError`.
 * ``SEND_*``/``RECV_*``: each run of consecutive transfers is one batch posted and waited for
   together through :class:`~megatron.plugin.pipeline.p2p.PeerChannel` (with a timeout), the
   simulator's model of a step; receive buffers take their shapes from ``shape_of(action)``
@@ -341,11 +343,17 @@ def _reload(run: StageRun, index: int, action: Action) -> None:
         run.ctx.offload.reload((action.unit, action.part))
 
 
+def _weight(run: StageRun, index: int, action: Action) -> None:
+    raise NotImplementedError(
+        f"{action}: weight-gradient passes (W, the zero-bubble ZB1P baseline) are simulated "
+        f"only; the executor runs a backward as one pass (B computes the weight gradients too)")
+
+
 #: The handler of each action kind the executor runs itself (a part program runs the actions
 #: that have a part).
 HANDLERS: dict[Kind, Handler] = {
     Kind.FORWARD: _forward, Kind.BACKWARD: _backward, Kind.RECOMPUTE: _recompute,
-    Kind.OFFLOAD: _offload, Kind.RELOAD: _reload,
+    Kind.OFFLOAD: _offload, Kind.RELOAD: _reload, Kind.WEIGHT: _weight,
 }
 
 

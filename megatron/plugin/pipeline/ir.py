@@ -8,7 +8,9 @@ Text form (round-trips through :func:`parse` / ``str``)::
     <stage><KIND><unit>[<part>][<peer-arrow><peer>][:<tensor>]
 
     0F3            forward of unit 3 on stage 0 (whole stage)
-    1B0            backward of unit 0 on stage 1
+    1B0            backward of unit 0 on stage 1 (with a ``W`` of its own: input gradients only)
+    0W3            weight gradients of unit 3 on stage 0 (zero-bubble schedules split the
+                   backward into ``B`` and ``W``; simulated only, the executor refuses it)
     0F3[0:2]       forward of unit 3 over the stage's layers 0..1
     2F1.attn       forward of a layer part (helix: pre / attn / post, with a layer number)
     0SEND_F3>1     stage 0 sends unit 3's activations to stage 1
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 class Kind(enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"
+    WEIGHT = "W"
     RECOMPUTE = "R"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
@@ -43,7 +46,8 @@ class Kind(enum.Enum):
     ATTN_B = "ATTN_B"
 
 
-COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.RECOMPUTE, Kind.ATTN_F, Kind.ATTN_B})
+COMPUTE = frozenset({Kind.FORWARD, Kind.BACKWARD, Kind.WEIGHT, Kind.RECOMPUTE, Kind.ATTN_F,
+                     Kind.ATTN_B})
 SENDS = frozenset({Kind.SEND_F, Kind.SEND_B})
 RECVS = frozenset({Kind.RECV_F, Kind.RECV_B})
 #: A send and the receive that matches it.

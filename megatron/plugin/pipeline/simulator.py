@@ -1,7 +1,7 @@
 """Replay of schedule IR against a cost model: iteration time, bubbles, memory timeline.
 
 Execution model (the executor's): each rank runs its actions in order. Compute actions
-(forward, backward, recompute, foreign attention) occupy the rank for
+(forward, backward, weight gradients, recompute, foreign attention) occupy the rank for
 ``costs.duration(action)``. A run of consecutive transfers is one *batch* (Megatron's
 ``send_forward_recv_backward`` and friends), posted as one group per *link* (ordered pair of
 stages, :mod:`~megatron.plugin.pipeline.p2p`). Each rank has one stream per link, as NCCL
@@ -21,7 +21,11 @@ at the end of the schedule).
 
 Memory model: a ``FORWARD`` or ``RECOMPUTE`` adds ``costs.activation_bytes(action)`` to the
 stash of its ``(stage, unit, part)`` when it ends; the ``BACKWARD`` of that key releases the
-whole stash when it ends (``ATTN_F`` / ``ATTN_B`` likewise, in a stash of their own). While a
+whole stash when it ends (``ATTN_F`` / ``ATTN_B`` likewise, in a stash of their own). A key
+whose backward is split (zero-bubble schedules: ``B`` input gradients, then ``W`` weight
+gradients on the same rank) splits its stash: the ``B`` releases all but
+``costs.activation_bytes(w)`` of it (what the weight gradients read: the GEMMs' inputs and
+output gradients), and the ``W`` releases the rest when it ends. While a
 compute action runs it also holds ``costs.workspace_bytes(action)`` (buffers freed at its end,
 such as tensor parallelism's all-gathered inputs): the peak counts them on top of the memory
 at the action's start and, for an action that stashes, at its end. Each rank starts at
@@ -66,12 +70,16 @@ class UniformCosts:
     """Duration of a forward (and of a foreign-attention forward)."""
     backward: float = 2.0
     """Duration of a backward (and of a foreign-attention backward)."""
+    weight: float = 1.0
+    """Duration of a weight-gradient pass (``W``, zero-bubble schedules)."""
     recompute: float = 1.0
     """Duration of a recomputation."""
     transfer: float = 0.0
     """Time from a send to the arrival of its data."""
     activation: float = 1.0
     """Memory a forward (or a recompute) stashes until its backward."""
+    weight_activation: float = 0.0
+    """Part of that stash a split backward's ``B`` leaves for its ``W``."""
 
     def duration(self, action: Action) -> float:
         if action.kind in (Kind.FORWARD, Kind.ATTN_F):
@@ -80,6 +88,8 @@ class UniformCosts:
             return self.backward
         if action.kind is Kind.RECOMPUTE:
             return self.recompute
+        if action.kind is Kind.WEIGHT:
+            return self.weight
         return 0.0
 
     def transfer_time(self, action: Action) -> float:
@@ -87,8 +97,7 @@ class UniformCosts:
         return self.transfer
 
     def activation_bytes(self, action: Action) -> float:
-        del action
-        return self.activation
+        return self.weight_activation if action.kind is Kind.WEIGHT else self.activation
 
     workspace: float = 0.0
     """Memory a compute action holds while it runs, beyond its stash."""
@@ -131,7 +140,7 @@ class SimResult:
 
 
 _STASH = (Kind.FORWARD, Kind.RECOMPUTE, Kind.ATTN_F)
-_RELEASE = (Kind.BACKWARD, Kind.ATTN_B)
+_RELEASE = (Kind.BACKWARD, Kind.WEIGHT, Kind.ATTN_B)
 
 
 class _Group:
@@ -180,6 +189,8 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
     timeline = [[(0.0, memory[r])] for r in range(ranks)]
     peak = list(memory)
     stash: list[dict] = [{} for _ in range(ranks)]
+    weights = [{(a.stage, a.unit, a.part, False): a for a in actions if a.kind is Kind.WEIGHT}
+               for actions in schedule]
     events: list[TraceEvent] = []
     parked = [False] * ranks
     copy_free = [0.0] * ranks
@@ -299,7 +310,11 @@ def simulate(schedule: Schedule, costs=None, trace: bool = True,
                 held = stash[r]
                 slot = (a.stage, a.unit, a.part, kind in (Kind.ATTN_F, Kind.ATTN_B))
                 if kind in _RELEASE:
-                    memory[r] -= held.pop(slot, 0.0)
+                    freed = held.pop(slot, 0.0)
+                    if kind is Kind.BACKWARD and slot in weights[r]:
+                        held[slot] = min(freed, costs.activation_bytes(weights[r][slot]))
+                        freed -= held[slot]
+                    memory[r] -= freed
                 else:
                     added = costs.activation_bytes(a)
                     held[slot] = held.get(slot, 0.0) + added

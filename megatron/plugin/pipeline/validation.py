@@ -5,7 +5,8 @@
 1. placement: every stage lives on exactly one rank, no action appears twice on a rank;
 2. pairing: every forward (foreign-attention forward) has exactly one backward (attention
    backward) after it on the same rank, every backward and recompute follows its forward, a
-   recompute precedes its backward; an offload follows its forward and has its reload after
+   recompute precedes its backward, a weight-gradient pass (``W``) follows its backward; an
+   offload follows its forward and has its reload after
    it, and a reload follows its offload and precedes its backward (same stage, unit and part:
    the activations are back on the device before the backward reads them);
 3. local order of transfers: a send follows the compute that produced what it carries, a
@@ -142,6 +143,10 @@ def _check_rank(schedule: Schedule, rank: int, actions: list[Action], flow) -> N
             forward = where.get((_FORWARD_OF[a.kind], *key))
             if forward is None or forward > step:
                 raise ScheduleError(f"{a} comes before its forward", schedule, [(rank, step)])
+        if a.kind is Kind.WEIGHT:
+            backward = where.get((Kind.BACKWARD, *key))
+            if backward is None or backward > step:
+                raise ScheduleError(f"{a} comes before its backward", schedule, [(rank, step)])
         if a.kind is Kind.RECOMPUTE:
             backward = where.get((Kind.BACKWARD, *key))
             if backward is None or backward < step:
