@@ -1,4 +1,4 @@
-"""HelixPipe and 1F1B priced from a hardware profile, for simulated comparisons at paper scale.
+"""HelixPipe, 1F1B and ZB1P priced from a hardware profile, for simulated comparisons at paper scale.
 
 The layout is the paper's: one node per pipeline stage, tensor parallelism with sequence
 parallelism (TP = SP = the node's GPUs) inside it, ``microbatches`` full-length sequences of
@@ -24,6 +24,16 @@ parallelism (TP = SP = the node's GPUs) inside it, ``microbatches`` full-length 
   and a running layer's workspace; when a stage exceeds ``memory_gb`` without recomputation
   the baseline recomputes (``1f1b_recompute`` says which), and when it exceeds it even then
   the result says so (``1f1b_fits``).
+- ZB1P (:func:`~megatron.plugin.pipeline.schedule_zb1p.zb1p`, the zero-bubble ZB-H1): the same
+  forward; the backward split into ``B``, the attention's backward (``backward_factor x
+  t_attn``, attention has no weights) plus half of the GEMM parts' backward, and ``W``, the
+  other half: the GEMM parts' backward (``backward_factor x (t_pre + t_post)``) is split evenly
+  between input and weight gradients. It holds the memory 1F1B holds (the zero-bubble paper's
+  claim for ZB-H1), so it recomputes exactly when 1F1B does, before the ``B``. Its sends are
+  eager (asynchronous, as the zero-bubble implementation posts them; 1F1B replays the same
+  either way). With free transfers and ``m >= p`` its per-stage idle time is
+  ``(p - 1)(F + B - W)``, HelixPipe's eq. (3) ``(p - 1)(t_pre + 3 t_attn + t_post) L / p`` at
+  ``backward_factor = 2``.
 
 Helix's own memory is not priced: the comparison assumes that it fits, as it did in the
 paper's runs with recomputation without attention (a known limit, stated where the
@@ -35,6 +45,7 @@ from dataclasses import dataclass
 
 from megatron.plugin.pipeline.passes import add_communication, add_recomputation
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+from megatron.plugin.pipeline.schedule_zb1p import zb1p
 from megatron.plugin.pipeline.simulator import UniformCosts, simulate
 
 from longctx.chunks import Chunk, Piece
@@ -94,8 +105,10 @@ def one_f_one_b_peaks(model: ModelConfig, hardware: HardwareProfile, seq: int, p
 def compare(model: ModelConfig, hardware: HardwareProfile, seq: int, pp: int, tp: int,
             microbatches: int, helix_recompute: bool = False,
             memory_gb: float | None = None) -> dict:
-    """Simulated iteration time of helix (two folds) and 1F1B (recomputing only when it does
-    not fit ``memory_gb``, default the profile's), and their ratio."""
+    """Simulated iteration time of helix (two folds), 1F1B and ZB1P (recomputing only when
+    1F1B does not fit ``memory_gb``, default the profile's). ``speedup`` is helix over the
+    faster baseline (``best_baseline``: ``"1f1b"`` or ``"zb1p"``), ``speedup_1f1b`` helix
+    over 1F1B."""
     memory_gb = hardware.hbm_gb if memory_gb is None else memory_gb
     peaks = one_f_one_b_peaks(model, hardware, seq, pp, tp, microbatches, memory_gb, False)
     recompute_1f1b = max(peaks) > memory_gb * GB
@@ -116,10 +129,24 @@ def compare(model: ModelConfig, hardware: HardwareProfile, seq: int, pp: int, tp
     baseline = simulate(add_communication(schedule, num_stages=pp),
                         UniformCosts(forward=stage, backward=hardware.backward_factor * stage,
                                      recompute=stage, transfer=parts.hop), trace=False)
+    gemm_backward = layers / pp * hardware.backward_factor * (parts.pre + parts.post)
+    split = zb1p(pp, microbatches)
+    if recompute_1f1b:
+        split = add_recomputation(split, lambda action: True)
+    zero_bubble = simulate(
+        add_communication(split, num_stages=pp),
+        UniformCosts(forward=stage,
+                     backward=layers / pp * hardware.backward_factor * parts.attention
+                     + gemm_backward / 2,
+                     weight=gemm_backward / 2, recompute=stage, transfer=parts.hop),
+        trace=False, eager_sends=True)
+    best = min((baseline.iteration_time, "1f1b"), (zero_bubble.iteration_time, "zb1p"))
     return {"parts_s": {"pre": parts.pre, "attention": parts.attention, "post": parts.post,
                         "hop": parts.hop},
             "1f1b_s": baseline.iteration_time, "1f1b_bubble": baseline.bubble_ratio,
             "1f1b_recompute": recompute_1f1b, "1f1b_peak_gb": [p / GB for p in peaks],
             "1f1b_fits": max(peaks) <= memory_gb * GB,
+            "zb1p_s": zero_bubble.iteration_time, "zb1p_bubble": zero_bubble.bubble_ratio,
             "helix_s": helix.iteration_time, "helix_bubble": helix.bubble_ratio,
-            "speedup": baseline.iteration_time / helix.iteration_time}
+            "best_baseline": best[1], "speedup": best[0] / helix.iteration_time,
+            "speedup_1f1b": baseline.iteration_time / helix.iteration_time}

@@ -8,12 +8,13 @@ from longctx.models import ModelConfig
 from megatron.plugin.pipeline.ir import Action, Kind
 
 MODEL = ModelConfig("m", 8, 1024, 8, 4096, 1000)
-HW = profile_from_dict({
+SPEC = {
     "name": "hand", "source": "spec-derived", "peak_tflops": 100.0, "matmul_efficiency": 0.5,
     "attention_efficiency": 0.25, "layer_overhead_s": 0.0, "backward_factor": 2.0,
     "hbm_gb": 80.0, "intra_node_gbps": 100.0, "intra_node_latency_s": 1e-5,
     "inter_node_gbps": 25.0, "inter_node_latency_s": 2e-5, "gpus_per_node": 8,
-    "node_nic_gbps": 50.0})
+    "node_nic_gbps": 50.0}
+HW = profile_from_dict(SPEC)
 
 
 def test_part_times_by_hand():
@@ -40,8 +41,30 @@ def test_attention_heavy_sequences_favour_helix():
     """At long sequences attention dominates and helix keeps it out of its bubbles."""
     found = compare(MODEL, HW, 65536, pp=4, tp=8, microbatches=8)
     assert found["helix_bubble"] < found["1f1b_bubble"]
-    assert found["speedup"] == pytest.approx(found["1f1b_s"] / found["helix_s"])
+    assert found["speedup_1f1b"] == pytest.approx(found["1f1b_s"] / found["helix_s"])
+    best = min(found["1f1b_s"], found["zb1p_s"])
+    assert found["speedup"] == pytest.approx(best / found["helix_s"])
+    assert found["best_baseline"] == ("zb1p" if found["zb1p_s"] < found["1f1b_s"] else "1f1b")
     assert found["speedup"] > 1
+
+
+def test_zb1p_bubble_is_eq_3_with_free_transfers():
+    """Zero-latency links of 10^9 GB/s (a hop of about 1.3e-10 s): ZB1P beats 1F1B, and each
+    stage idles (p - 1)(t_pre + 3 t_attn + t_post) L / p (eq. (3), backward_factor 2), give or
+    take the hops on the critical path (at most one per forward and backward step: 2 (m + p))."""
+    free = profile_from_dict({**SPEC, "inter_node_gbps": 1e9, "node_nic_gbps": 1e9,
+                              "inter_node_latency_s": 0.0})
+    p, m, layers = 4, 8, MODEL.num_layers
+    found = compare(MODEL, free, 65536, pp=p, tp=8, microbatches=m)
+    assert not found["1f1b_recompute"]
+    assert found["zb1p_s"] < found["1f1b_s"] and found["best_baseline"] == "zb1p"
+    parts = found["parts_s"]
+    work = m * layers / p * 3 * (parts["pre"] + parts["attention"] + parts["post"])
+    eq3 = (p - 1) * (parts["pre"] + 3 * parts["attention"] + parts["post"]) * layers / p
+    hops = 2 * (m + p) * parts["hop"]
+    assert parts["hop"] < 2e-10
+    assert found["zb1p_s"] - work == pytest.approx(eq3, abs=hops)
+    assert found["zb1p_bubble"] * found["zb1p_s"] == pytest.approx(eq3, abs=hops)
 
 
 def test_1f1b_recomputes_only_when_it_does_not_fit():
@@ -60,5 +83,6 @@ def test_1f1b_recomputes_only_when_it_does_not_fit():
     tight = compare(MODEL, HW, 65536, pp=4, tp=8, microbatches=8, memory_gb=4)
     assert tight["1f1b_recompute"] and tight["1f1b_fits"]
     assert tight["1f1b_s"] > roomy["1f1b_s"]  # the recomputation costs a forward
+    assert tight["zb1p_s"] > roomy["zb1p_s"]  # ZB1P holds 1F1B's memory: it recomputes too
     assert not compare(MODEL, HW, 65536, pp=4, tp=8, microbatches=8,
                        memory_gb=2.5)["1f1b_fits"]
