@@ -1,4 +1,5 @@
-"""HelixPipe, 1F1B and ZB1P priced from a hardware profile, for simulated comparisons at paper scale.
+"""HelixPipe, 1F1B and ZB1P priced from a hardware profile, for simulated comparisons at
+paper scale.
 
 The layout is the paper's: one node per pipeline stage, tensor parallelism with sequence
 parallelism (TP = SP = the node's GPUs) inside it, ``microbatches`` full-length sequences of

@@ -23,8 +23,9 @@ def test_shape_for_two_stages():
 @pytest.mark.parametrize("p", [2, 3, 4])
 @pytest.mark.parametrize("extra", [0, 1, 3, 9])
 def test_iteration_time_is_the_zb_h1_closed_form(p, extra):
-    """F = B = W = 1, free transfers: ZB-H1 takes m (F + B + W) + (p - 1)(F + B - W) = 3m + p - 1;
-    1F1B with the same backward unsplit (B + W = 2) takes 3m + (p - 1)(F + B + W) = 3m + 3(p - 1)."""
+    """F = B = W = 1, free transfers: ZB-H1 takes m (F + B + W) + (p - 1)(F + B - W)
+    = 3m + p - 1; 1F1B with the same backward unsplit (B + W = 2) takes
+    3m + (p - 1)(F + B + W) = 3m + 3(p - 1)."""
     m = p + extra
     schedule = add_communication(zb1p(p, m), num_stages=p)
     validate(schedule)

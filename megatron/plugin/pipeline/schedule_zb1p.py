@@ -19,8 +19,8 @@ Sends are eager (``simulate(..., eager_sends=True)``), as the zero-bubble implem
 them asynchronously: with the executor's rendezvous batches a ``B``'s gradient send would wait
 for the stage upstream to reach its receive, behind a forward or a ``W``. (Megatron's 1F1B
 replays the same either way.) With unit costs ``F = B = W = 1`` and free transfers every stage
-is busy from its first ``B`` on, and an iteration takes ``m (F + B + W) + (p - 1)(F + B - W)`` for ``m >= p`` (the
-zero-bubble paper's ZB-H1 bubble; 1F1B's is ``(p - 1)(F + B + W)``), and
+is busy from its first ``B`` on, and an iteration takes
+``m (F + B + W) + (p - 1)(F + B - W)`` for ``m >= p`` (the zero-bubble paper's ZB-H1 bubble; 1F1B's is ``(p - 1)(F + B + W)``), and
 ``(p - 1 + m)(F + B) + W`` for ``m < p``, where the pipeline never fills
 (``tests/unit/test_schedule_zb1p.py``). Generators emit compute actions only:
 :func:`~megatron.plugin.pipeline.passes.add_communication` adds the transfers (``B`` sends
@@ -50,6 +50,7 @@ def zb1p(num_stages: int, microbatches: int) -> Schedule:
             if forwards < microbatches:
                 actions.append(Action(stage, Kind.FORWARD, forwards))
                 forwards += 1
-        actions.extend(Action(stage, Kind.WEIGHT, unit) for unit in range(weights, microbatches))
+        actions.extend(Action(stage, Kind.WEIGHT, unit)
+                       for unit in range(weights, microbatches))
         schedule.append(actions)
     return schedule
