@@ -145,8 +145,11 @@ def simulated(profile_name: str = "h20") -> dict:
     print(f"  1f1b  {found['1f1b_s']:8.2f} s/iteration, bubble {found['1f1b_bubble']:.3f}, "
           f"{'with' if found['1f1b_recompute'] else 'without'} recomputation, peak "
           f"{max(found['1f1b_peak_gb']):.1f} GB of {hw.hbm_gb:g}")
+    print(f"  zb1p  {found['zb1p_s']:8.2f} s/iteration, bubble {found['zb1p_bubble']:.3f} "
+          f"(ZB-H1, simulated only; recomputes when 1f1b does)")
     print(f"  helix {found['helix_s']:8.2f} s/iteration, bubble {found['helix_bubble']:.3f}"
-          f" -> helix / 1f1b throughput x{found['speedup']:.3f}")
+          f" -> helix / 1f1b throughput x{found['speedup_1f1b']:.3f}, helix / "
+          f"{found['best_baseline']} (the faster baseline) x{found['speedup']:.3f}")
     return {"profile": profile_name, "model": "gpt-7b", "seq_length": seq, "pp": pp, "tp": tp,
             "microbatches": microbatches, "helix_recompute_without_attention": True, **found}
 

@@ -22,24 +22,34 @@ Rows:
 - ``infinipipe`` (the why-words: the project's Seq1F1B tunes its chunk size per batch, with
   lookahead and checkpointing, so it is stronger than the paper's; Fig. 10 does not name its
   data set, and the GitHub-like batch's longest document stays below 192K, where the paper's
-  Seq1F1B degrades most): elastic over the enhanced Seq1F1B at 48K and 96K contexts (the maximum over
-  GPT-7B/13B/30B, as the paper states it), and for GPT-13B at 64K and 192K; 32 A800 GPUs as
-  Ulysses SP 8 inside a node x PP 4 across nodes; 512 documents a batch from the GitHub-like
-  length mixture (``elastic_pipe.workloads``), truncated to the context; the longest document of
-  each batch is reported. The paper gives no model shapes: the project's presets are used.
+  Seq1F1B degrades most): elastic over the enhanced Seq1F1B at 48K and 96K contexts (the
+  maximum over GPT-7B/13B/30B, as the paper states it), and for GPT-13B at 64K and 192K; 32
+  A800 GPUs as Ulysses SP 8 inside a node x PP 4 across nodes; 512 documents a batch from the
+  GitHub-like length mixture (``elastic_pipe.workloads``), truncated to the context; the
+  longest document of each batch is reported. The paper gives no model shapes: the project's
+  presets are used.
   Beside Seq1F1B, the paper's DeepSpeed-Ulysses (SP 32 with ZeRO-3) and Megatron-LM (TP 8 x
   CP 4, ring attention) for 13B and 30B: documents packed into context-long micro-batches
   (as the paper packs for them, L347), one after another, the fewest layers checkpointed that
-  fit; the paper's 7B layouts leave a factor unstated (L354) and are not priced. FlexSP
-  (heterogeneous SP groups) is not expressible yet.
+  fit; the paper's 7B layouts leave a factor unstated (L354) and are not priced. And FlexSP
+  for the same cells and for 13B at 64K and 192K (``elastic_pipe.flexsp``): the 32 GPUs split
+  into Ulysses SP groups of powers of two that run side by side, ZeRO-3 over all 32 GPUs,
+  every partition searched and the documents assigned longest first to the group finishing
+  them earliest (a heuristic for FlexSP's MILP), each group's documents packed as DeepSpeed's
+  into micro-batches its memory holds, documents that need all 32 GPUs in a step of their own;
+  a step takes its slowest group's time. Its rows' ``term missing``: the ZeRO-3 gathers and
+  reduce-scatters across nodes, which the paper names as FlexSP's and DeepSpeed's main cost
+  (L358, Fig. 9), are taken as overlapped, as for DeepSpeed; and the project's groups finish
+  within a few percent of each other, where the paper measures FlexSP's computation
+  1.33-1.46x InfiniPipe's from unbalanced groups (L373).
 - ``table3``: InfiniPipe's Table 3, the all-to-all share of GPT-13B's time under Ulysses SP of 8,
   16 and 32 GPUs at 32K tokens (one sequence): the layers' collectives over the layers' forward
   and backward (the embedding, head and ZeRO traffic of the paper's end-to-end time are left
   out); the preset's 40 heads become 64 so that 32 divides them.
 - ``helixpipe``: helix (two folds, recomputation without attention) over the best baseline for
   GPT-1.3B, 3B and 7B (the paper's Table 3 shapes) at 128K on 64 GPUs (PP 8 nodes x TP 8 with
-  sequence parallelism), 16 micro-batches, on the H20 and A800 clusters (:mod:`helix.pricing`; memory is
-  not priced). The paper's number is over its best baseline (1F1B, ZB1P or AdaPipe); the
+  sequence parallelism), 16 micro-batches, on the H20 and A800 clusters (memory is not
+  priced). The paper's number is over its best baseline (1F1B, ZB1P or AdaPipe); the
   simulated one over the faster of the project's 1F1B and ZB1P (:mod:`helix.pricing`; the
   detail names it and gives the ratio over 1F1B too). AdaPipe (adaptive recomputation and
   partitioning) is not expressible yet.
@@ -141,16 +151,18 @@ def sequence_parallel_baselines(model: str, context: int, profile: HardwareProfi
     """The paper's DeepSpeed (Ulysses SP 32, ZeRO-3) and Megatron-LM (TP 8 x CP 4 ring
     attention, distributed optimizer) layouts for 13B and 30B (L354, L358): whole documents
     packed into context-long micro-batches run one after another, the fewest layers
-    checkpointed uniformly that fit (seconds, ``None`` when nothing fits). Ulysses over 32 GPUs
-    needs a head count that 32 divides: the presets' 40 and 56 heads become 64 for it (the
-    cost model's time and memory do not depend on the split)."""
+    checkpointed uniformly that fit; and FlexSP, heterogeneous Ulysses SP groups over the 32
+    GPUs with ZeRO-3 over all of them (:mod:`elastic_pipe.flexsp`) (seconds, ``None`` when
+    nothing fits). Ulysses over 32 GPUs needs a head count that 32 divides: the presets' 40 and
+    56 heads become 64 for it (the cost model's time and memory do not depend on the split)."""
     from elastic_pipe.baselines import packed_1f1b
     from elastic_pipe.evaluation import report
+    from elastic_pipe.flexsp import plan_flexsp
 
     shape = get_model(model)
+    ulysses = dataclasses.replace(shape, num_heads=64)
     layouts = {
-        "deepspeed": (dataclasses.replace(shape, num_heads=64),
-                      ParallelConfig(pp=1, sp=32, zero3=True, memory_gb=80.0)),
+        "deepspeed": (ulysses, ParallelConfig(pp=1, sp=32, zero3=True, memory_gb=80.0)),
         "megatron": (shape, ParallelConfig(pp=1, tp=8, cp=4, memory_gb=80.0)),
     }
     found = {}
@@ -159,6 +171,11 @@ def sequence_parallel_baselines(model: str, context: int, profile: HardwareProfi
         plan = packed_1f1b(lengths, cost, context)
         found[name] = None if plan is None else \
             report(plan, cost, with_schedule=False)["iteration_time_s"]
+    try:
+        found["flexsp"] = plan_flexsp(lengths, ulysses, profile, 32, 80.0,
+                                      context).iteration_time_s()
+    except ValueError:
+        found["flexsp"] = None
     return found
 
 
@@ -181,20 +198,26 @@ def infinipipe(documents: int, seed: int) -> list[dict]:
     cells = [c for r in rows for c in r["cells"] if "speedup_deepspeed" in c]
     for name, label, published in (("deepspeed", "DeepSpeed-Ulysses (SP 32, ZeRO-3)", 2.07),
                                    ("megatron", "Megatron-LM (TP 8 x CP 4 ring attention)",
-                                    2.60)):
+                                    2.60),
+                                   ("flexsp", "FlexSP (heterogeneous Ulysses SP groups, ZeRO-3)",
+                                    1.69)):
         best = max((c[f"speedup_{name}"] for c in cells if c[f"speedup_{name}"]), default=None)
         rows.append(row("InfiniPipe", f"elastic / {label}, max over 13B/30B at 48K and 96K "
                         f"(Fig. 8, L356)", published, best, profile.name, "term missing",
                         cells=[{k: c[k] for k in ("model", "context", "elastic_s",
                                                    f"{name}_s", f"speedup_{name}")}
                                for c in cells]))
-    for context, published, ref in ((65536, 1.23, "low end"), (196608, 1.63, "high end")):
+    for context, published, flexsp, ref in ((65536, 1.23, 1.30, "low end"),
+                                            (196608, 1.63, 1.37, "high end")):
         cell = elastic_speedup("gpt-13b", context, profile, documents, seed)
         rows.append(row("InfiniPipe", f"elastic / Seq1F1B, 13B, {context // 1024}K (Fig. 10, "
                         f"L384, the range's {ref}){longest(cell)}", published, cell["speedup"],
                         profile.name,
                         "setting unknown" if context > 65536 else "baseline stronger",
                         cells=[cell]))
+        rows.append(row("InfiniPipe", f"elastic / FlexSP, 13B, {context // 1024}K (Fig. 10, "
+                        f"L384, the range's {ref})", flexsp, cell["speedup_flexsp"],
+                        profile.name, "term missing", cells=[cell]))
     return rows
 
 
@@ -235,7 +258,8 @@ def helixpipe() -> list[dict]:
                             differs="the project's helix ships the residual beside the normed "
                                     "input and back (x, r, o, res: four activation tensors a "
                                     "layer; the paper's design sends two): transfers not hidden "
-                                    "behind attention on the A800's slower network"))
+                                    "behind attention, most on the A800's slower network; the "
+                                    "baseline is ZB1P wherever it is faster than 1F1B"))
     return rows
 
 

@@ -20,7 +20,8 @@ them asynchronously: with the executor's rendezvous batches a ``B``'s gradient s
 for the stage upstream to reach its receive, behind a forward or a ``W``. (Megatron's 1F1B
 replays the same either way.) With unit costs ``F = B = W = 1`` and free transfers every stage
 is busy from its first ``B`` on, and an iteration takes
-``m (F + B + W) + (p - 1)(F + B - W)`` for ``m >= p`` (the zero-bubble paper's ZB-H1 bubble; 1F1B's is ``(p - 1)(F + B + W)``), and
+``m (F + B + W) + (p - 1)(F + B - W)`` for ``m >= p`` (the zero-bubble paper's ZB-H1 bubble;
+1F1B's is ``(p - 1)(F + B + W)``), and
 ``(p - 1 + m)(F + B) + W`` for ``m < p``, where the pipeline never fills
 (``tests/unit/test_schedule_zb1p.py``). Generators emit compute actions only:
 :func:`~megatron.plugin.pipeline.passes.add_communication` adds the transfers (``B`` sends

@@ -1,0 +1,117 @@
+"""The FlexSP-style baseline (elastic_pipe.flexsp) against hand calculations: the partitions
+it searches, the longest-first assignment, where short and long documents go, and that one
+group of all the GPUs is the DeepSpeed-Ulysses baseline exactly."""
+import pytest
+
+from elastic_pipe.baselines import packed_1f1b
+from elastic_pipe.evaluation import report
+from elastic_pipe.flexsp import assign, group_capacity, group_cost, partitions, plan_flexsp
+from longctx.cost_model import CostModel, ParallelConfig
+from longctx.hardware import profile_from_dict
+from longctx.models import ModelConfig
+
+MODEL = ModelConfig("m", 4, 1024, 16, 4096, 1000)
+HARDWARE = profile_from_dict({
+    "name": "hand", "source": "spec-derived", "peak_tflops": 100.0, "matmul_efficiency": 0.5,
+    "attention_efficiency": 0.5, "layer_overhead_s": 1e-5, "backward_factor": 2.0,
+    "hbm_gb": 80.0, "intra_node_gbps": 100.0, "intra_node_latency_s": 1e-5,
+    "inter_node_gbps": 25.0, "inter_node_latency_s": 2e-5, "gpus_per_node": 8,
+    "node_nic_gbps": 50.0})
+GPUS, MEMORY, CONTEXT = 16, 80.0, 65536
+
+
+def test_partitions_are_the_power_of_two_multisets():
+    eight = list(partitions(8))
+    assert eight[0] == (8,) and eight[-1] == (1,) * 8
+    assert len(eight) == len(set(eight)) == 10  # the binary partitions of 8
+    assert all(sum(p) == 8 and list(p) == sorted(p, reverse=True) for p in eight)
+    assert all(size & (size - 1) == 0 for p in eight for size in p)
+    assert len(list(partitions(32))) == 202
+
+
+def test_longest_first_goes_where_it_finishes_earliest():
+    """Sizes (2, 1, 1), a group of 2 holding 100 tokens and of 1 holding 50, a document taking
+    length / size seconds. 80 fits only the pair (0 + 40); 40 goes to a single (0 + 40 beats
+    40 + 20); 30 to the other single (0 + 30); the next 30 to the pair (40 + 15 = 55 beats
+    30 + 30); 10 to the second single (30 + 10 beats 55 + 5). Makespan 55."""
+    groups, loads = assign([30, 80, 10, 40, 30], (2, 1, 1), {2: 100, 1: 50},
+                           lambda size, length: length / size)
+    assert groups == (2, 0, 2, 1, 0)
+    assert loads == (55.0, 40.0, 40.0)
+
+
+def test_a_tie_goes_to_the_larger_group():
+    groups, _ = assign([10], (2, 1), {2: 10, 1: 10}, lambda size, length: 5.0)
+    assert groups == (0,)
+    with pytest.raises(ValueError, match="fits no group"):
+        assign([60], (1, 1), {1: 50}, lambda size, length: 1.0)
+
+
+def test_zero3_shards_every_group_over_the_whole_cluster():
+    whole = group_cost(MODEL, HARDWARE, GPUS, GPUS, MEMORY).static_bytes(0)
+    for size in (1, 2, 8):
+        assert group_cost(MODEL, HARDWARE, size, GPUS, MEMORY).static_bytes(0) == \
+            pytest.approx(whole)
+
+
+def test_capacity_is_the_context_or_what_memory_holds():
+    """The model's full stash per token and layer, (9h + 2f) e over the group, and its logits
+    4 V over the group, against the budget left by the sharded model state."""
+    cost = group_cost(MODEL, HARDWARE, 1, GPUS, 2.5)
+    per_token = 4 * (9 * 1024 + 2 * 4096) * 2 + 4 * 1000
+    tokens = group_capacity(cost, CONTEXT)
+    assert tokens == pytest.approx(cost.activation_budget(0) / per_token, rel=1e-3)
+    assert group_capacity(group_cost(MODEL, HARDWARE, 8, GPUS, 2.5), 1024) == 1024
+
+
+def test_one_group_of_all_gpus_is_the_deepspeed_ulysses_baseline():
+    lengths = [65536, 30000, 5000, 4000, 900, 700, 300, 120]
+    flexsp = plan_flexsp(lengths, MODEL, HARDWARE, GPUS, MEMORY, CONTEXT, layouts=[(GPUS,)])
+    assert flexsp.sizes == ((GPUS,),)
+    cost = CostModel(MODEL, HARDWARE, ParallelConfig(pp=1, sp=GPUS, zero3=True,
+                                                     memory_gb=MEMORY))
+    deepspeed = report(packed_1f1b(lengths, cost, CONTEXT), cost, with_schedule=False)
+    assert flexsp.iteration_time_s() == deepspeed["iteration_time_s"]
+    best = plan_flexsp(lengths, MODEL, HARDWARE, GPUS, MEMORY, CONTEXT)
+    assert best.predicted_time_s <= flexsp.predicted_time_s
+
+
+def test_short_documents_stay_inside_a_node():
+    """Many 2K documents: no group spans nodes (its all-to-all would cross the slow NICs)."""
+    plan = plan_flexsp([2048] * 64, MODEL, HARDWARE, GPUS, MEMORY, CONTEXT)
+    assert all(size <= HARDWARE.gpus_per_node for step in plan.sizes for size in step)
+    assert sorted(plan.assignment()) == list(range(64))
+
+
+def test_a_long_document_goes_to_a_group_that_holds_it():
+    """At 3 GB a group of one holds about 6K tokens: a 20K document needs a larger group."""
+    lengths = [20000] + [1000] * 40
+    plan = plan_flexsp(lengths, MODEL, HARDWARE, GPUS, 3.0, CONTEXT)
+    assert plan.capacity[1] < 20000
+    step, index = plan.assignment()[0]
+    group = plan.steps[step][index]
+    assert group.size > 1 and plan.capacity[group.size] >= 20000
+    for groups in plan.steps:
+        for group in groups:
+            assert all(lengths[doc] <= plan.capacity[group.size] for doc in group.documents)
+
+
+def test_documents_that_need_every_gpu_run_in_a_step_of_their_own():
+    """Only the group of all 16 GPUs holds 60K tokens at 3 GB: that document runs first on
+    it, the short ones after on groups of the best partition."""
+    cost = group_cost(MODEL, HARDWARE, GPUS // 2, GPUS, 3.0)
+    assert group_capacity(cost, CONTEXT) < 60000
+    lengths = [60000] + [2048] * 64
+    plan = plan_flexsp(lengths, MODEL, HARDWARE, GPUS, 3.0, CONTEXT)
+    assert plan.sizes[0] == (GPUS,) and plan.steps[0][0].documents == (0,)
+    one_group = plan_flexsp(lengths, MODEL, HARDWARE, GPUS, 3.0, CONTEXT, layouts=[(GPUS,)])
+    assert plan.predicted_time_s < one_group.predicted_time_s
+
+
+def test_documents_too_long_are_refused():
+    with pytest.raises(ValueError, match="fits no SP group: the largest, SP 16"):
+        plan_flexsp([65536], MODEL, HARDWARE, GPUS, 2.1, CONTEXT)
+    with pytest.raises(ValueError, match="exceeds the context"):
+        plan_flexsp([CONTEXT + 1], MODEL, HARDWARE, GPUS, MEMORY, CONTEXT)
+    with pytest.raises(ValueError, match="power of two"):
+        plan_flexsp([10], MODEL, HARDWARE, 12, MEMORY, CONTEXT)
