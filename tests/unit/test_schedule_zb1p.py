@@ -90,7 +90,7 @@ def test_validator_refuses_w_before_its_b():
 
 
 def test_executor_refuses_w():
-    with pytest.raises(NotImplementedError, match="simulated only"):
+    with pytest.raises(ValueError, match="simulated only"):
         HANDLERS[Kind.WEIGHT](None, 0, Action(0, Kind.WEIGHT, 0))
 
 

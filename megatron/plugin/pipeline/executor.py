@@ -10,7 +10,7 @@ an action with a part; :class:`StageRun` keeps the bookkeeping between them.
   global count handed to ``finalize_model_grads_func``), ``grad_scale_func`` and
   ``deallocate_pipeline_outputs`` behave exactly as in Megatron's loop.
 * ``W`` (weight gradients split from the backward: the ZB1P baseline) is simulated only; its
-  handler raises :class:`NotImplementedError`.
+  handler refuses it (``ValueError``).
 * ``SEND_*``/``RECV_*``: each run of consecutive transfers is one batch posted and waited for
   together through :class:`~megatron.plugin.pipeline.p2p.PeerChannel` (with a timeout), the
   simulator's model of a step; receive buffers take their shapes from ``shape_of(action)``
@@ -344,7 +344,7 @@ def _reload(run: StageRun, index: int, action: Action) -> None:
 
 
 def _weight(run: StageRun, index: int, action: Action) -> None:
-    raise NotImplementedError(
+    raise ValueError(
         f"{action}: weight-gradient passes (W, the zero-bubble ZB1P baseline) are simulated "
         f"only; the executor runs a backward as one pass (B computes the weight gradients too)")
 
