@@ -9,7 +9,15 @@ import numpy as np
 GITHUB_MIXTURE = ((0.85, 500.0, 1.2), (0.15, 8000.0, 1.2))
 """(weight, median tokens, log-space sigma) of the two log-normal components. Fitted to the
 InfiniPipe paper's GitHub figures: the mixture has 91.8% of documents at most 8K tokens (paper
-91.5%), 0.60% over 64K (0.6%), and those hold 21.5% of the tokens (21.6%); mean 3.3K tokens."""
+91.5%), 0.60% over 64K (0.6%), and those hold 21.5% of the tokens (21.6%); mean 3.3K tokens.
+
+How far the tail reaches follows from those figures, not from the log-normal shape: documents
+over 64K make up 0.6% and hold 21.6% of 3.3K-token-mean data, so they average about 120K
+tokens; a power-law tail with that mass and mean (exponent 2.2) puts 0.055% of documents over
+192K, the mixture 0.059%. A batch of 512 documents therefore holds one over 192K about a
+quarter of the time (over 96K three times in four, over 48K nearly always): a 192K context is
+rarely filled by this data, the paper's GitHub included. The benchmarks report each batch's
+longest document for that reason (``tests/unit/test_workloads.py`` checks both figures)."""
 
 
 def read_lengths(path: str) -> list[int]:
