@@ -31,7 +31,15 @@ Subsequence counts: ``N >= pp`` with ``S / (N sp)`` -- tokens per layer per devi
 ``[min_tokens, max_tokens]`` (2K-16K: large enough for efficient GEMMs and attention kernels,
 small enough to keep the last subsequence's full activations small); ``N = pp`` when the
 sequence is too short for the band. Candidates: ``N`` doubling from the band's low end, and
-its high end.
+its high end. The low end stands in for a cost: short subsequences run their kernels below
+peak, which the cost model prices only with a profile's ``kernel_efficiency`` curve. Without
+one it would rate ever finer subsequences faster (the 7B at 512K on 32 A100s: 256
+subsequences of 512 tokens a device 3% faster than the 32 of 2K the band allows; the 65B at
+600K on 128, 15%) although they are not. With a curve the cost is priced, and the low end
+moves down to the curve's first point (below it the curve is held, not measured):
+:func:`token_floor`. The high end excluded nothing the simulator rates faster where it was
+checked (those two rows and the 7B at 896K, with the high end at 2^30 tokens), and keeps the
+candidate count small.
 
 Search: every (layout, N) gets the cheapest memory option whose *lower bound* on the peak
 (model state plus what every subsequence keeps at the turn from forwards to backwards) fits
@@ -236,13 +244,25 @@ def layouts(model: ModelConfig, hardware: HardwareProfile, gpus: int) -> list[La
     return found
 
 
-def subsequence_counts(seq_length: int, layout: Layout, config: SolverConfig) -> list[int]:
-    """Candidate N for one layout (module doc)."""
+def token_floor(cost: CostModel, config: SolverConfig) -> int:
+    """The fewest tokens per layer per device a candidate subsequence has: ``min_tokens``, or
+    the first point of the kernel-efficiency curve that ``cost`` prices short chunks with, when
+    that is lower (module doc)."""
+    if not cost.curved:
+        return config.min_tokens
+    return min(config.min_tokens, cost.hardware.kernel_efficiency[0][0])
+
+
+def subsequence_counts(seq_length: int, layout: Layout, config: SolverConfig,
+                       floor: int | None = None) -> list[int]:
+    """Candidate N for one layout (module doc); ``floor`` tokens per layer per device at the
+    least (default ``config.min_tokens``; :func:`token_floor`)."""
     if config.subsequences is not None:
         return [config.subsequences]
     per_device = seq_length // layout.sp
     low = max(layout.pp, math.ceil(per_device / config.max_tokens))
-    high = min(per_device, max(low, per_device // config.min_tokens))
+    floor = config.min_tokens if floor is None else floor
+    high = min(per_device, max(low, per_device // floor))
     if low > high:
         return []
     counts, n = [], low
@@ -397,7 +417,8 @@ def _shapes(method, seq_length, model, hardware, config,
         if method == MEGATRON:
             yield layout, cost, 1
             continue
-        counts = [n for n in subsequence_counts(seq_length, layout, config)
+        counts = [n for n in subsequence_counts(seq_length, layout, config,
+                                                token_floor(cost, config))
                   if layout.pp <= n <= seq_length // layout.sp]
         for n in counts[-1:] if largest else counts:
             yield layout, cost, n

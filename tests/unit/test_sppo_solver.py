@@ -1,4 +1,6 @@
 """SPPO solver: layouts, budgets, error messages, baselines, largest trainable length."""
+import dataclasses
+
 import pytest
 
 from megatron.plugin.pipeline.ir import Kind
@@ -9,7 +11,8 @@ from longctx.hardware import load_profile
 
 from sppo_offload.models import get_model
 from sppo_offload.solver import (MEGATRON, SEQ1F1B, SPPO, NoFit, SolverConfig, fits,
-                                 largest_length, layouts, solve, subsequence_counts)
+                                 largest_length, layouts, solve, subsequence_counts,
+                                 token_floor)
 
 HW = load_profile("a100")
 GPT7B = get_model("gpt-7b")
@@ -51,6 +54,25 @@ def test_subsequence_counts_respect_the_band_and_pp():
             per_device = seq / (n * layout.sp)
             assert per_device <= config.max_tokens
             assert per_device >= config.min_tokens or n == layout.pp
+
+
+def test_a_kernel_efficiency_curve_moves_the_bands_low_end_down_to_its_first_point():
+    """Without a curve short subsequences are not priced and the band's 2K floor stands in for
+    that; with one they are, and the floor is the curve's first point (below it the curve is
+    held, not measured), never above min_tokens."""
+    config = SolverConfig(gpus=32, memory_gb=80)
+    layout = next(l for l in layouts(GPT7B, HW, 32) if (l.sp, l.pp) == (8, 4))
+    plain = CostModel(GPT7B, HW, ParallelConfig(pp=4, tp=8))
+    curved = CostModel(GPT7B, dataclasses.replace(HW, kernel_efficiency=((512, 0.4),
+                                                                          (8192, 1.0))),
+                       ParallelConfig(pp=4, tp=8))
+    assert token_floor(plain, config) == 2048
+    assert token_floor(curved, config) == 512
+    assert token_floor(curved, SolverConfig(gpus=32, memory_gb=80, min_tokens=256)) == 256
+    seq = 1 << 20  # 128K tokens a device
+    assert max(subsequence_counts(seq, layout, config)) == (1 << 17) // 2048
+    assert max(subsequence_counts(seq, layout, config, token_floor(curved, config))) == \
+        (1 << 17) // 512
 
 
 @pytest.mark.parametrize("gpus,seq", [(8, 262144), (16, 524288)])
