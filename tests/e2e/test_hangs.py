@@ -23,13 +23,18 @@ SCRIPT = "pretrain_gpt_elastic.py"
 pytestmark = pytest.mark.timeout(600)
 
 
-def stop_a_rank(tmp_path, schedule: str, timeouts: list[str], rank: int) -> tuple[str, float]:
+def stop_a_rank(tmp_path, schedule: str, flags: list[str], rank: int,
+                mid_schedule: bool = False) -> tuple[str, float]:
     """Train, stop ``rank`` once two iterations are recorded; (output, seconds until the job
-    ended)."""
+    ended). The last rank records an iteration at the end of its forward-backward, before the
+    gradient collectives, so a stop then leaves the other rank waiting in a collective. With
+    ``mid_schedule`` the stop waits for a third record instead and aims at the middle of the
+    next forward-backward (the records' period less half their ``forward_backward_s``), where
+    the other rank waits in a pipeline transfer; it may still land in a collective."""
     records, log = tmp_path / "metrics.jsonl", tmp_path / "job.log"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", SCRIPT, *TINY,
-               "--train-iters", "100000", "--pipeline-schedule", schedule, *timeouts,
+               "--train-iters", "100000", "--pipeline-schedule", schedule, *flags,
                "--metrics-jsonl", str(records)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONWARNINGS="ignore",
                TORCH_CPP_LOG_LEVEL="ERROR", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2")
@@ -38,10 +43,17 @@ def stop_a_rank(tmp_path, schedule: str, timeouts: list[str], rank: int) -> tupl
     stopped = None
     try:
         deadline = time.monotonic() + 240
-        while not (records.exists() and len(metrics(records)) >= 2):
+        seen = []
+        while len(seen) < (3 if mid_schedule else 2):
             assert job.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.1)
+            count = len(metrics(records)) if records.exists() else 0
+            seen += [time.monotonic()] * (count - len(seen))
+            time.sleep(0.01)
         stopped = next(p for p in workers(job) if p.environ().get("RANK") == str(rank))
+        if mid_schedule:
+            period = seen[2] - seen[1]
+            schedule_s = metrics(records)[2]["forward_backward_s"]
+            time.sleep(max(0.0, seen[2] + period - schedule_s / 2 - time.monotonic()))
         stopped.send_signal(signal.SIGSTOP)
         start = time.monotonic()
         job.wait(timeout=400)
@@ -59,12 +71,20 @@ COLLECTIVES = ["--distributed-timeout-minutes", "1"]
 
 
 def test_a_stopped_rank_under_the_executor_is_named(tmp_path):
-    output, took = stop_a_rank(tmp_path, "elastic", ["--pipeline-timeout-s", "10",
-                                                     *COLLECTIVES], 1)
-    assert "pipeline rank 0: send of" in output and "(peer stage 1) did not complete within " \
-        "10.0s" in output, output[-3000:]
-    assert "rank 0 timed out waiting; rank(s) 1 stopped answering" in output
-    assert took < 10 + 60
+    """Aimed at a pipeline transfer (10 s timeout); a stop that lands in a gradient collective
+    instead must end the job after the collectives' minute, naming that operation."""
+    # 96 documents a batch: the forward-backward takes ~90% of an iteration (~0.3 s on 2 CPU
+    # cores), so the aim is far wider than the stop's latency.
+    output, took = stop_a_rank(tmp_path, "elastic", ["--global-batch-size", "96",
+                                                     "--pipeline-timeout-s", "10",
+                                                     *COLLECTIVES], 1, mid_schedule=True)
+    assert "rank 0 timed out waiting; rank(s) 1 stopped answering" in output, output[-3000:]
+    if "Timed out waiting 60000ms" in output:
+        assert took < 60 + 60
+    else:
+        assert "pipeline rank 0: " in output and "(peer stage 1) did not complete within " \
+            "10.0s" in output, output[-3000:]
+        assert took < 10 + 60
 
 
 def test_a_stopped_rank_under_megatrons_schedule_is_named(tmp_path):
