@@ -21,10 +21,9 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   / (sp tp)`` (``e``: bytes of an element of the model's dtype, see Memory); tensor parallelism
   with sequence parallelism adds two all-gathers and two reduce-scatters per layer and
   direction, each ``latency + bytes (tp-1)/tp / bandwidth`` with ``bytes = tokens h e / sp``
-  (the whole activation of the layer is gathered; until this stop they were divided by ``tp``
-  as well, pricing TP's collectives ``tp`` times too cheap). A group or hop that spans nodes
-  runs at the profile's ``cross_node_gbps`` (the node's NICs shared by its GPUs, which cross at
-  once).
+  (each GPU gathers, or scatters, the layer's whole activation, not a ``1/tp`` share of it).
+  A group or hop that spans nodes runs at the profile's ``cross_node_gbps`` (the node's NICs
+  shared by its GPUs, which cross at once).
   Collectives are not overlapped with compute (they sit between dependent kernels);
 - Megatron-LM's context parallelism (``cp``, ring attention, for the baselines): every GPU of
   the ring holds ``1/cp`` of each chunk's tokens (causal work balanced, as Megatron's zigzag
