@@ -19,7 +19,7 @@ from megatron.plugin.pipeline.chrome_trace import write_chrome_trace
 
 from longctx.cost_model import CostModel, ParallelConfig
 from elastic_pipe.evaluation import baseline_plans, baseline_reports, report
-from longctx.hardware import load_profile
+from longctx.hardware import load_profile, profiles_help
 from elastic_pipe.lowering import simulate_plan
 from longctx.models import PRESETS, ModelConfig, get_model
 from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag in SHAPE_FLAGS:
         parser.add_argument("--" + flag.replace("_", "-"), type=int,
                             help="model shape (overrides the preset's value)")
-    parser.add_argument("--hardware", default="a800", help="a800|h100|h20 or a profile .json")
+    parser.add_argument("--hardware", default="a800", help=f"{profiles_help()} or a profile .json")
     parser.add_argument("--pp", type=int, default=4, help="pipeline stages")
     parser.add_argument("--sp", type=int, default=8, help="Ulysses sequence-parallel degree")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")

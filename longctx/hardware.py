@@ -1,8 +1,8 @@
 """Hardware profiles: the figures the cost model is derived from, loaded from JSON.
 
-A profile is either ``"source": "spec-derived"`` (the shipped ``profiles/a100.json``,
-``a800.json``, ``h100.json``, ``h20.json``, whose ``notes`` say which public figure or stated
-assumption each number comes from) or ``"source": "measured"`` (written by the profiler on a
+A profile is either ``"source": "spec-derived"`` (the shipped ``profiles/*.json``, whose
+``notes`` say which public figure or stated assumption each number comes from, and whose
+``device_names`` say which CUDA devices they are the default for) or ``"source": "measured"`` (written by the profiler on a
 real machine). A measured profile may add ``layer_coefficients`` -- the fitted per-layer
 ``alpha1``, ``alpha2`` and ``beta`` of eq. 1 together with the model shape and layout they were
 fitted for -- which then replace the coefficients derived from FLOPs; every profile carries the
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -188,6 +189,8 @@ class HardwareProfile:
     embedding lookup as free."""
     machine: str | None = field(default=None, compare=False)
     """Description of the machine a measured profile was taken on."""
+    device_names: tuple[str, ...] = field(default=(), compare=False)
+    """Words of a CUDA device name this profile is the default for (:func:`profile_for_device`)."""
     host_link_gbps: float | None = None
     """Host<->device bandwidth per GPU and direction (PCIe), GB/s: what offloading activations
     to host memory runs at (SPPO). ``None`` where the profile does not say."""
@@ -299,6 +302,22 @@ def builtin_profiles() -> list[str]:
     return sorted(entry.name[:-5] for entry in folder.iterdir() if entry.name.endswith(".json"))
 
 
+def profile_for_device(device_name: str) -> str | None:
+    """The shipped profile whose ``device_names`` holds a word of ``device_name`` (words split at
+    spaces and hyphens, so ``NVIDIA A100-SXM4-80GB`` is an A100 and ``NVIDIA H200`` no H20), or
+    ``None``."""
+    words = set(re.split(r"[\s\-_]+", device_name.upper()))
+    for name in builtin_profiles():
+        if words & {word.upper() for word in load_profile(name).device_names}:
+            return name
+    return None
+
+
+def profiles_help() -> str:
+    """The shipped profiles' names for a flag's help, ``a100|a800|...``."""
+    return "|".join(builtin_profiles())
+
+
 def profile_from_dict(data: dict) -> HardwareProfile:
     """Build a profile from its JSON object; unknown or missing keys raise ``ValueError``."""
     known = {f.name for f in fields(HardwareProfile)}
@@ -312,14 +331,14 @@ def profile_from_dict(data: dict) -> HardwareProfile:
                            ("end_coefficients", EndCoefficients)):
             if data.get(name) is not None:
                 data[name] = kind(**data[name])
+        data["device_names"] = tuple(data.get("device_names", ()))
         return HardwareProfile(**data)
     except TypeError as error:
         raise ValueError(f"incomplete profile {data.get('name')!r}: {error}") from None
 
 
 def load_profile(name_or_path: str) -> HardwareProfile:
-    """A shipped profile by name (``a100``, ``a800``, ``h100``, ``h20``) or any profile JSON by
-    path."""
+    """A shipped profile by name (:func:`builtin_profiles`) or any profile JSON by path."""
     if name_or_path.endswith(".json") or Path(name_or_path).is_file():
         path = Path(name_or_path)
         if not path.is_file():

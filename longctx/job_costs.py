@@ -2,8 +2,8 @@
 
 The model shape comes from the Megatron flags, its bytes per element from ``params_dtype``
 (4 in FP32, 2 in BF16 and FP16); the layout from the parallel sizes; the hardware profile from
-``--hardware-profile`` (``--elastic-hardware-profile`` is the old name), by default the
-shipped profile matching the CUDA device name, ``a800`` on CPU (the planners then only see
+``--hardware-profile``, by default the shipped profile whose ``device_names`` name the CUDA
+device, ``a800`` on CPU (the planners then only see
 relative costs); the memory budget is the schedule's (default: the CUDA device's memory,
 :data:`CPU_MEMORY_GB` on CPU). Rank 0 logs once which profile the job uses and for which dtype.
 """
@@ -17,20 +17,18 @@ import torch.distributed as dist
 from megatron.core.utils import get_attr_wrapped_model
 
 from longctx.cost_model import CostModel, ParallelConfig
-from longctx.hardware import load_profile
+from longctx.hardware import load_profile, profile_for_device, profiles_help
 from longctx.models import ModelConfig
 
 log = logging.getLogger(__name__)
 CPU_MEMORY_GB = 16.0
-_PROFILE_BY_DEVICE = (("H100", "h100"), ("H20", "h20"), ("A800", "a800"), ("A100", "a100"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of every schedule that prices its plan with the cost model."""
     g = parser.add_argument_group("long-context cost model (elastic, seq1f1b, sppo)")
-    g.add_argument("--hardware-profile", "--elastic-hardware-profile", default=None,
-                   dest="hardware_profile",
-                   help="a800|a100|h100|h20 or a profile JSON (scripts/profile_costs.py); "
+    g.add_argument("--hardware-profile", default=None,
+                   help=f"{profiles_help()} or a profile JSON (scripts/profile_costs.py); "
                         "default: matched from the CUDA device name, a800 on CPU")
 
 
@@ -53,7 +51,7 @@ def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
         profile, origin = "a800", "the default on CPU"
         if cuda:
             name = torch.cuda.get_device_name()
-            matched = next((p for key, p in _PROFILE_BY_DEVICE if key in name), None)
+            matched = profile_for_device(name)
             profile = matched or "a800"
             origin = f"matched from {name}" if matched else f"no shipped profile matches {name}"
     if memory_gb is None:

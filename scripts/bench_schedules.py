@@ -59,7 +59,7 @@ def model_flags(options, profile: str) -> list[str]:
             "--global-batch-size", str(options.global_batch_size), "--train-iters", "1000",
             "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0", *CORPUS_FLAGS,
             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "elastic",
-            "--elastic-hardware-profile", profile,
+            "--hardware-profile", profile,
             "--elastic-min-slice-tokens", str(options.min_slice_tokens),
             *(["--elastic-memory-gb", str(options.memory_gb)] if options.memory_gb else [])]
 

@@ -26,7 +26,7 @@ import sys
 from megatron.plugin.pipeline.gantt import write_gantt
 from megatron.plugin.pipeline.simulator import simulate
 
-from longctx.hardware import load_profile
+from longctx.hardware import load_profile, profiles_help
 
 from sppo_offload import multiplex
 from sppo_offload.models import MODELS, get_model
@@ -40,7 +40,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-length", type=int, required=True, help="tokens of the sequence")
     parser.add_argument("--model", default="gpt-7b", help="|".join(sorted(MODELS)))
     parser.add_argument("--hardware", default="a100",
-                        help="a100|a800|h100|h20 or a profile .json")
+                        help=f"{profiles_help()} or a profile .json")
     parser.add_argument("--gpus", type=int, default=32, help="GPUs of the job")
     parser.add_argument("--memory-gb", type=float, help="GB per GPU (default: the profile's)")
     parser.add_argument("--host-memory-gb", type=float,

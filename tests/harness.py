@@ -33,6 +33,12 @@ def assert_matches_golden(path: str, text: str) -> None:
         assert f.read() == text
 
 
+def python_path() -> str:
+    """``PYTHONPATH`` for a subprocess: the repository first, then what this process was given
+    (an environment that installs packages by ``PYTHONPATH`` keeps them)."""
+    return os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH")) if p)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -45,7 +51,7 @@ def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, che
     runs in the launcher's process before it starts (limits set there hold for the ranks)."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO,
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path(),
                     TORCH_CPP_LOG_LEVEL="ERROR", PYTHONWARNINGS="ignore")
     full_env.update(env or {})
     try:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from harness import REPO, free_port
+from harness import REPO, free_port, python_path
 from test_pretrain import TINY, metrics
 from test_recovery import workers
 
@@ -36,7 +36,7 @@ def stop_a_rank(tmp_path, schedule: str, flags: list[str], rank: int,
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", SCRIPT, *TINY,
                "--train-iters", "100000", "--pipeline-schedule", schedule, *flags,
                "--metrics-jsonl", str(records)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONWARNINGS="ignore",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path(), PYTHONWARNINGS="ignore",
                TORCH_CPP_LOG_LEVEL="ERROR", TORCH_ELASTIC_SHUTDOWN_TIMEOUT="2")
     job = subprocess.Popen(command, cwd=REPO, env=env, stdout=open(log, "w"),
                            stderr=subprocess.STDOUT)

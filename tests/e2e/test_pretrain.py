@@ -365,7 +365,7 @@ def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
     common = [*TINY, "--num-layers", "4", "--hidden-size", "64", "--seq-length", "2048",
               "--max-position-embeddings", "2048", "--global-batch-size", "8",
               "--train-iters", "3", "--pipeline-schedule", "elastic",
-              "--elastic-hardware-profile", str(profile), "--elastic-min-slice-tokens", "256"]
+              "--hardware-profile", str(profile), "--elastic-min-slice-tokens", "256"]
 
     def run(name, *flags):
         out = tmp_path / f"{name}.jsonl"

@@ -24,7 +24,7 @@ import time
 import psutil
 import pytest
 
-from harness import REPO, free_port, torchrun
+from harness import REPO, free_port, python_path, torchrun
 from test_pretrain import TINY, metrics
 from test_slurm import SHIM
 
@@ -67,7 +67,7 @@ def batch_job(tmp_path, argv, shutdown_s: int) -> tuple[list[str], dict]:
                SLURM_JOB_ID="42", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="127.0.0.1",
                SLURM_SUBMIT_DIR=REPO, GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
                SRUN_LOG=str(tmp_path / "srun.log"), SCONTROL_LOG=str(tmp_path / "scontrol.log"),
-               OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONWARNINGS="ignore",
+               OMP_NUM_THREADS="1", PYTHONPATH=python_path(), PYTHONWARNINGS="ignore",
                TORCH_CPP_LOG_LEVEL="ERROR", TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(shutdown_s))
     return ["bash", str(job), *argv], env
 

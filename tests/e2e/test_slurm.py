@@ -5,7 +5,7 @@ import stat
 import subprocess
 import sys
 
-from harness import REPO, free_port
+from harness import REPO, free_port, python_path
 from test_pretrain import TINY
 
 SHIM = """#!/usr/bin/env bash
@@ -24,7 +24,7 @@ def test_sbatch_script_runs_one_node(tmp_path):
     env = dict(os.environ, PATH=f"{shim.parent}:{os.environ['PATH']}", PYTHON=sys.executable,
                SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="127.0.0.1",
                SLURM_SUBMIT_DIR=REPO, GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
-               SRUN_LOG=str(tmp_path / "srun.log"), OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+               SRUN_LOG=str(tmp_path / "srun.log"), OMP_NUM_THREADS="1", PYTHONPATH=python_path())
     # sbatch runs a copy of the script from its spool directory, not from the repository.
     job = tmp_path / "slurm_script"
     job.write_text(open(os.path.join(REPO, "scripts/slurm/pretrain_gpt_elastic.sbatch")).read())

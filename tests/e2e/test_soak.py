@@ -19,7 +19,7 @@ import time
 import psutil
 import pytest
 
-from harness import REPO, free_port
+from harness import REPO, free_port, python_path
 from test_pretrain import TINY, metrics
 from test_recovery import workers
 
@@ -50,7 +50,7 @@ def test_memory_stays_flat_over_a_long_run(tmp_path, schedule):
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", SCRIPT, *TINY,
                "--train-iters", str(ITERATIONS), "--pipeline-schedule", schedule,
                *SCHEDULES[schedule], "--log-interval", "50", "--metrics-jsonl", str(records)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO, PYTHONWARNINGS="ignore",
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path(), PYTHONWARNINGS="ignore",
                TORCH_CPP_LOG_LEVEL="ERROR")
     job = subprocess.Popen(command, cwd=REPO, env=env, stdout=open(log, "w"),
                            stderr=subprocess.STDOUT)

@@ -123,7 +123,7 @@ def test_stage_layers_put_the_remainder_on_late_stages():
 
 def test_presets_and_profiles_exist_and_are_spec_derived():
     assert get_model("gpt-30b").num_layers == 48
-    assert builtin_profiles() == ["a100", "a800", "h100", "h20"]
+    assert builtin_profiles() == ["a100", "a800", "h100", "h20", "h200"]
     for name in builtin_profiles():
         profile = load_profile(name)
         assert profile.source == "spec-derived"

@@ -75,9 +75,12 @@ def job_args(**over) -> argparse.Namespace:
                                             ("NVIDIA A800-SXM4-80GB", "a800"),
                                             ("NVIDIA H100 80GB HBM3", "h100"),
                                             ("NVIDIA H20", "h20"),
+                                            ("NVIDIA H200", "h200"),
+                                            ("NVIDIA H100 PCIe", "h100"),
                                             ("NVIDIA L40S", "a800")])
 def test_the_default_profile_matches_the_cuda_device(monkeypatch, caplog, device, profile):
-    """Each shipped profile is the default on its device (an A100 once got the A800's); the log
+    """Each shipped profile is the default on its device (an A100 once got the A800's, an H200
+    the H20's: names are matched word by word); the log
     says which it is and why."""
     monkeypatch.setattr(job_costs.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(job_costs.torch.cuda, "get_device_name", lambda *a: device)
@@ -90,9 +93,10 @@ def test_the_default_profile_matches_the_cuda_device(monkeypatch, caplog, device
 
 @pytest.mark.parametrize("dtype,name", [(torch.float32, "float32"),
                                         (torch.bfloat16, "bfloat16")])
-def test_the_planner_counts_bytes_in_the_runs_dtype_and_says_so(caplog, dtype, name):
+def test_the_planner_counts_bytes_in_the_runs_dtype_and_says_so(monkeypatch, caplog, dtype, name):
     """The spec-derived profile prices the time; the bytes follow the run's params_dtype (an FP32
     run on CPU stashes twice a BF16 run's), and the log names the profile and the dtype."""
+    monkeypatch.setattr(job_costs.torch.cuda, "is_available", lambda: False)
     with caplog.at_level("INFO", logger="longctx.job_costs"):
         cost = job_costs.cost_model_from_args(job_args(params_dtype=dtype, swiglu=True), 512)
     assert (cost.model.dtype, cost.model.gated_mlp) == (name, True)

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import REPO, python_path
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
@@ -54,7 +54,7 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
          "--contexts", "0", "128", "--repeats", "1", "--base-profile", "a800",
          "--output", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
-        env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS",
+        env=dict(os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS",
                                                                              "1")))
     assert result.returncode == 0, result.stderr[-3000:]
     match = re.search(r"fit relative error: max (\S+) mean (\S+)", result.stdout)

@@ -5,7 +5,7 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import REPO, python_path
 WORDS = {"baseline stronger", "schedule differs", "baseline missing", "term missing",
          "setting unknown", "range"}
 
@@ -16,7 +16,7 @@ def test_table3_and_helixpipe_rows(tmp_path):
         [sys.executable, "scripts/reproduce_papers.py", "--only", "table3", "helixpipe",
          "--json", str(out), "--markdown", str(table)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
-        env=dict(os.environ, PYTHONPATH=REPO))
+        env=dict(os.environ, PYTHONPATH=python_path()))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("SIMULATED")
     report = json.loads(out.read_text())

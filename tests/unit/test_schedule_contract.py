@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from harness import assert_matches_golden
+from harness import assert_matches_golden, python_path
 from megatron.plugin import arguments, registry
 from megatron.plugin.pipeline import catalog
 from megatron.plugin.pipeline.ir import format_schedule
@@ -40,7 +40,7 @@ def test_outside_schedule_is_drawn_by_show_schedule(tmp_path):
     result = subprocess.run(
         [sys.executable, "scripts/show_schedule.py", "--schedule", "gpipe", "--pp", "2",
          "--microbatches", "4", "--gantt", str(png)], cwd=REPO, capture_output=True, text=True,
-        timeout=120, env=dict(os.environ, PYTHONPATH=REPO, **OUTSIDE))
+        timeout=120, env=dict(os.environ, PYTHONPATH=python_path(), **OUTSIDE))
     assert result.returncode == 0, result.stderr
     # GPipe: (m + p - 1) (forward + backward) = 5 x 3 units, bubble (p - 1) / (m + p - 1).
     assert "schedule gpipe: pp=2 microbatches=4 iteration time 15 units, bubble ratio " \

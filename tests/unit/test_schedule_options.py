@@ -132,7 +132,7 @@ FOREIGN_FLAGS = [
     ("helix", ["--hardware-profile", "h100"],
      "--hardware-profile is a flag of --pipeline-schedule elastic / seq1f1b / sppo"),
     ("sppo", ["--hardware-profile", "h100"], None),
-    ("seq1f1b", ["--elastic-hardware-profile", "h100", "--elastic-slices", "2"], None),
+    ("seq1f1b", ["--hardware-profile", "h100", "--elastic-slices", "2"], None),
 ]
 
 
@@ -191,5 +191,6 @@ def test_a_timeout_change_that_needs_cuda_is_refused_without_it(monkeypatch):
     ``--distributed-timeout-seconds-after-init`` (after the first iteration): on a machine
     without CUDA the flag is refused at start-up instead of failing there."""
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(arguments.torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="--distributed-timeout-seconds-after-init needs CUDA"):
         arguments.parse([*BASE, "--distributed-timeout-seconds-after-init", "10"])

@@ -4,13 +4,13 @@ import os
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from harness import REPO, python_path
 
 
 def show(*args):
     return subprocess.run([sys.executable, "scripts/show_schedule.py", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=REPO))
+                          env=dict(os.environ, PYTHONPATH=python_path()))
 
 
 def test_prints_grid_and_writes_outputs(tmp_path):

@@ -1,0 +1,108 @@
+"""One GPU, pipeline size 1: each schedule's planned activation bytes against what it holds.
+
+    python scripts/bench_gpu_memory.py [--seq-length 32768] [--schedules default,elastic,...]
+        [--json OUT]
+
+Launches ``pretrain_gpt_elastic.py`` once per schedule on one CUDA device (bf16, Megatron-LM's
+default dropout 0.1, ``--mock-data`` documents up to ``--seq-length`` tokens, a GPT of
+``--num-layers`` x ``--hidden-size``), three iterations each, and reads the last iteration of
+its ``--metrics-jsonl``: the plan's predicted activation bytes (elastic, seq1f1b and sppo make
+one), the bytes autograd saved for backward (the training loop's meter) and the CUDA
+allocator's peak over the forward-backward call, with the tokens per second. Prints one line
+per schedule with measured/planned; ``--json`` writes them all. The allocator's peak includes
+the model, its gradients and the optimizer state, so it is reported beside the saved bytes,
+not compared with the plan.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-length", type=int, default=32768)
+    parser.add_argument("--global-batch-size", type=int, default=4)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=1024)
+    parser.add_argument("--num-attention-heads", type=int, default=16)
+    parser.add_argument("--slices", type=int, default=8,
+                        help="--elastic-slices and --sppo-subsequences")
+    parser.add_argument("--schedules", default="default,elastic,seq1f1b,sppo")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per schedule")
+    parser.add_argument("--json", default=None)
+    return parser.parse_args(argv)
+
+
+def run_schedule(args, schedule: str, workdir: str) -> dict:
+    """One training run of ``schedule``; its last metrics record, or the error's tail."""
+    metrics = os.path.join(workdir, f"{schedule}.jsonl")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+        "--master-port", "29531", os.path.join(ROOT, "pretrain_gpt_elastic.py"),
+        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+        "--num-attention-heads", str(args.num_attention_heads),
+        "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
+        "--micro-batch-size", "1", "--global-batch-size", str(args.global_batch_size),
+        "--lr", "1e-4", "--train-iters", str(args.iters), "--log-interval", "1",
+        "--eval-interval", "1000", "--eval-iters", "0", "--calculate-per-token-loss",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "257", "--mock-data",
+        "--seed", "1234", "--bf16", "--pipeline-schedule", schedule,
+        "--metrics-jsonl", metrics]
+    if schedule in ("elastic", "seq1f1b"):
+        command += ["--elastic-slices", str(args.slices)]
+    if schedule == "sppo":
+        command += ["--sppo-subsequences", str(args.slices)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
+                              cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:g} s"}
+    if done.returncode != 0 or not os.path.exists(metrics):
+        return {"error": f"exit {done.returncode}", "tail": (done.stdout + done.stderr)[-3000:]}
+    with open(metrics) as f:
+        record = [json.loads(line) for line in f][-1]
+    keep = ("lm_loss", "num_tokens", "tokens_per_s", "forward_backward_s",
+            "peak_activation_bytes", "planned_activation_bytes", "device_peak_bytes")
+    result = {key: record[key] for key in keep if key in record}
+    if result.get("planned_activation_bytes"):
+        result["measured_over_planned"] = (result["peak_activation_bytes"]
+                                           / result["planned_activation_bytes"])
+    return result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        sys.exit("error: no CUDA device visible: run this on a GPU machine")
+    results = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        for schedule in args.schedules.split(","):
+            results[schedule] = result = run_schedule(args, schedule, workdir)
+            if "error" in result:
+                print(f"{schedule:8s} FAILED {result['error']}\n{result.get('tail', '')}",
+                      flush=True)
+                continue
+            ratio = result.get("measured_over_planned")
+            planned = result.get("planned_activation_bytes")
+            print(f"{schedule:8s} saved {result['peak_activation_bytes'] / 2**20:9.1f} MiB  "
+                  f"planned {planned / 2**20 if planned else float('nan'):9.1f} MiB  "
+                  f"measured/planned {ratio if ratio else float('nan'):6.2f}  "
+                  f"device peak {result.get('device_peak_bytes', 0) / 2**20:9.1f} MiB  "
+                  f"{result['tokens_per_s']:10.0f} tokens/s", flush=True)
+    report = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name(),
+              "torch": torch.__version__, "setup": vars(args), "schedules": results}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
