@@ -31,10 +31,10 @@ the fit and its error. The flags and their checks are :mod:`elastic_pipe.flags`.
 
 from __future__ import annotations
 
-from megatron.plugin.kv_store import KVStore
-from megatron.plugin.pipeline.executor import ChunkState
+from megatron.plugin.layers.kv_store import KVStore
+from megatron.plugin.pipeline.stage_context import ChunkState
 from megatron.plugin.pipeline.layer_checkpoint import leading_layers
-from megatron.plugin.pipeline.run_rank import megatron_process_groups, run_this_rank
+from megatron.plugin.executor_call import megatron_process_groups, run_this_rank
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 from longctx import job_costs

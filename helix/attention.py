@@ -1,6 +1,6 @@
 """Helix's attention part on CPU: attention without recomputing it.
 
-Helix's attention parts run :func:`megatron.plugin.packed_attention.packed_attention` (the
+Helix's attention parts run :func:`megatron.plugin.layers.packed_attention.packed_attention` (the
 fused CPU flash kernel per document into one output buffer, which is all it saves besides
 ``q``, ``k``, ``v``). Under ``--helix-recompute-without-attention`` they run
 :func:`recomputed_attention` (``x``, weight, bias -> ``o``) instead: the QKV projection (part
@@ -9,7 +9,8 @@ and the part saves only ``x``, the weight, the output and the log-sum-exp (about
 instead of ``5 bsh``). Its backward projects again with autograd, runs the attention's backward
 from the saved output and log-sum-exp -- the attention itself is never recomputed -- and
 back-propagates through the projection. Where
-:func:`megatron.plugin.packed_attention.supported` is false (attention dropout in training, off
+:func:`megatron.plugin.layers.packed_attention.supported` is false (attention dropout in training,
+off
 the CPU) helix runs the attention through Megatron's module.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from megatron.plugin.packed_attention import Segments, attend, attend_backward
+from megatron.plugin.layers.packed_attention import Segments, attend, attend_backward
 
 
 class _RecomputedAttention(torch.autograd.Function):
@@ -47,7 +48,7 @@ class _RecomputedAttention(torch.autograd.Function):
 
 def recomputed_attention(project: Callable, x, weight, bias, segments: Segments,
                          scale: float | None) -> torch.Tensor:
-    """:func:`~megatron.plugin.packed_attention.packed_attention` of ``project(x, weight,
+    """:func:`~megatron.plugin.layers.packed_attention.packed_attention` of ``project(x, weight,
     bias) -> (q, k, v)``, keeping ``x``, ``weight``, ``bias``, the output and the log-sum-exp,
     and projecting again in the backward (``project`` must be deterministic and
     differentiable)."""

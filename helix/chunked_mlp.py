@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron.plugin.rng import rng_restored, rng_state
+from megatron.plugin.layers.rng import rng_restored, rng_state
 
 
 def chunked_mlp(block, hidden: torch.Tensor, rows: int) -> torch.Tensor:

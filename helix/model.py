@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.transformer.utils import sharded_state_dict_default
 
 from helix.mapping import boundaries_of, check_layout
-from megatron.plugin.norm import SequenceParallelNorm
+from megatron.plugin.layers.norm import SequenceParallelNorm
 
 
 class ShippedQKV(torch.nn.Module):

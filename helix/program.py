@@ -15,11 +15,12 @@ from helix.chunked_loss import chunked_loss
 from helix.chunked_mlp import chunked_mlp
 from helix.model import HelixGPTModel
 from helix.schedule import HelixFlow, part, part_index
-from megatron.plugin import packed_attention
-from megatron.plugin.memory import keep
-from megatron.plugin.pipeline.executor import PartProgram, run_backward
+from megatron.plugin.layers import packed_attention
+from megatron.plugin.layers.memory import keep
+from megatron.plugin.pipeline.executor import run_backward
+from megatron.plugin.pipeline.stage_context import PartProgram
 from megatron.plugin.pipeline.ir import Action, Kind
-from megatron.plugin.rng import rng_restored, rng_state
+from megatron.plugin.layers.rng import rng_restored, rng_state
 
 
 class _Capture:

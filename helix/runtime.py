@@ -27,7 +27,7 @@ is computed in the forward. With ``--helix-mlp-chunk-size`` the LM head and the 
 the same sequence chunks as the MLP (:mod:`helix.chunked_loss`), so only one chunk's logits
 exist at a time.
 
-Attention parts on CPU run :mod:`megatron.plugin.packed_attention` (the fused flash kernel
+Attention parts on CPU run :mod:`megatron.plugin.layers.packed_attention` (the fused flash kernel
 per document, one output buffer, the log-sum-exp kept) or, under recomputation without
 attention, :mod:`helix.attention`; elsewhere, or with attention dropout in training,
 Megatron's ``SelfAttention`` with the project's core attention.
@@ -54,7 +54,7 @@ from helix.model import HelixGPTModel
 from helix.program import HelixProgram
 from helix.schedule import PRE_TENSORS, HelixFlow, helix_ir, planned_helix
 from helix.stage_model import build_model, helix_process_groups
-from megatron.plugin.pipeline.run_rank import run_this_rank
+from megatron.plugin.executor_call import run_this_rank
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 

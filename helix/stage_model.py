@@ -10,7 +10,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from helix.model import HelixGPTModel
-from megatron.plugin.pipeline.run_rank import megatron_process_groups
+from megatron.plugin.executor_call import megatron_process_groups
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,7 +14,7 @@ import functools
 
 from megatron.plugin.pipeline.catalog import one_f_one_b_ir
 from megatron.plugin.pipeline.passes import add_communication
-from megatron.plugin.pipeline.run_rank import run_over_packed
+from megatron.plugin.executor_call import run_over_packed
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.validation import validate
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec

@@ -7,8 +7,8 @@
 What is measured and how (every choice made here):
 
 - The layer is a real Megatron ``TransformerLayer`` built from the project's spec
-  (:func:`megatron.plugin.attention.document_layer_spec`, core attention
-  :class:`~megatron.plugin.attention.DocumentAttention`) with the ``TransformerConfig`` that
+  (:func:`megatron.plugin.layers.attention.document_layer_spec`, core attention
+  :class:`~megatron.plugin.layers.attention.DocumentAttention`) with the ``TransformerConfig`` that
   :func:`megatron.plugin.model.model_config` builds from the training flags (parsed by
   Megatron-LM's own parser, so the defaults -- LayerNorm, GeLU, biases, learned-absolute
   positions, FP32 on CPU -- are those of a training run with the same model flags). Dropout is
@@ -175,7 +175,7 @@ def build_layers(args):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron.plugin import launch
-    from megatron.plugin.attention import document_layer_spec
+    from megatron.plugin.layers.attention import document_layer_spec
     from megatron.plugin.model import model_config
 
     # the longest slice with its context, and the one-layer model's longest batch
@@ -220,8 +220,8 @@ def measure_point(layers, hidden, tokens, context, repeats, device, dtype, seed=
     """Median ``(forward_s, backward_s)`` of all layers on slice ``(tokens, context)``."""
     import torch
 
-    from megatron.plugin.attention import PackedDocuments, Segment
-    from megatron.plugin.kv_store import KVStore
+    from megatron.plugin.layers.layout import PackedDocuments, Segment
+    from megatron.plugin.layers.kv_store import KVStore
 
     g = torch.Generator().manual_seed(seed)
     store = KVStore()
@@ -279,8 +279,8 @@ def activation_coefficients(args, config, layers, device) -> dict:
     import torch
 
     from megatron.plugin.batches import forward_step, micro_batch, pack_row
-    from megatron.plugin.kv_store import KVStore
-    from megatron.plugin.memory import SavedTensorMeter
+    from megatron.plugin.layers.kv_store import KVStore
+    from megatron.plugin.layers.memory import SavedTensorMeter
     from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
 
     model = one_layer_model(config, device)

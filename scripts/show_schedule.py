@@ -52,7 +52,7 @@ def main(argv=None) -> int:
         offload=args.offload,
         t_pre=args.pre_cost, t_attn=args.attention_cost, t_post=args.post_cost)
     try:
-        built = catalog.build(args.schedule, args.pp, args.microbatches, options)
+        built = registry.build_ir(args.schedule)(args.pp, args.microbatches, options)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

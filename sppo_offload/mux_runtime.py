@@ -40,10 +40,11 @@ import torch.nn.functional as F
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
-from megatron.plugin.attention import Segment
+from megatron.plugin.layers.layout import Segment
 from megatron.plugin.batches import MicroBatch
-from megatron.plugin.devices import collective_device
-from megatron.plugin.pipeline.executor import ChunkState, run_backward, chunk_backward
+from megatron.plugin.layers.devices import collective_device
+from megatron.plugin.pipeline.executor import chunk_backward, run_backward
+from megatron.plugin.pipeline.stage_context import ChunkState
 from megatron.plugin.pipeline.ir import Action, Kind
 
 from sppo_offload.multiplex import (MultiplexFlow, block_of, grad_name, mux, piece_name,

@@ -59,10 +59,10 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from megatron.plugin.kv_store import KVStore
-from megatron.plugin.pipeline.executor import ChunkState
+from megatron.plugin.layers.kv_store import KVStore
+from megatron.plugin.pipeline.stage_context import ChunkState
 from megatron.plugin.pipeline.layer_checkpoint import leading_layers
-from megatron.plugin.pipeline.run_rank import megatron_process_groups, run_this_rank
+from megatron.plugin.executor_call import megatron_process_groups, run_this_rank
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 from longctx import job_costs

@@ -11,7 +11,7 @@ package (Megatron-LM would warn and write nothing). It runs before any process d
 Defaults that differ from Megatron-LM's, and why:
 
 * ``--transformer-impl local``: the layer spec is Megatron's local spec with the project's
-  document attention in place of core attention (``megatron/plugin/attention.py``).
+  document attention in place of core attention (``megatron/plugin/layers/attention.py``).
 * ``--dataloader-type external``: batches are whole documents, one global batch per step, from
   :mod:`megatron.plugin.document_data`; ``single`` and ``cyclic`` are Megatron's per-sample
   loaders and are refused.
@@ -63,7 +63,7 @@ NOT_IMPLEMENTED = {
     "full_validation": "validation runs --eval-iters batches; drop --full-validation",
     "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
     # Options of Megatron's attention and rotary embedding the document attention does not
-    # implement (megatron/plugin/attention.py).
+    # implement (megatron/plugin/layers/attention.py).
     "use_rope_scaling": "the document attention's RoPE has no frequency scaling; drop "
                         "--use-rope-scaling",
     "rotary_seq_len_interpolation_factor": "the document attention's RoPE does not interpolate "

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state
 
-from megatron.plugin.attention import PackedDocuments, Segment
+from megatron.plugin.layers.layout import PackedDocuments, Segment
 from megatron.plugin.loss_checks import validate_loss
 
 

@@ -8,7 +8,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.plugin import registry
-from megatron.plugin.attention import RopeSettings, document_layer_spec
+from megatron.plugin.layers.attention import RopeSettings, document_layer_spec
 from megatron.plugin.cpu_compat import megatron_core_version
 
 

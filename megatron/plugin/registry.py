@@ -32,7 +32,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as _schedules
 
 from megatron.plugin.batches import MicroBatches, pack_micro_batches, padding_fraction
-from megatron.plugin.devices import collective_device
+from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.pipeline.catalog import one_f_one_b_ir
 from megatron.plugin.reporting import StepReporter, loss_entries
 from megatron.plugin.schedule_spec import ScheduleSpec

@@ -1,8 +1,10 @@
 """What a schedule reports about one training step, to Megatron-LM's log and to a JSON-lines file.
 
 :class:`StepReporter` measures one forward-backward call (wall time, the bytes autograd
-saved for backward through :class:`~megatron.plugin.memory.SavedTensorMeter` and, on CUDA, the
-allocator's peak over the call: :func:`~megatron.plugin.memory.device_peak_bytes`), reads what
+saved for backward through :class:`~megatron.plugin.layers.memory.SavedTensorMeter` and, on CUDA,
+the
+allocator's peak over the call: :func:`~megatron.plugin.layers.memory.device_peak_bytes`), reads
+what
 the schedule's input carries (the plan's predicted activation peak, planning time, padding:
 helix's empty micro-batches, the padded share of Megatron's packed rows) and
 turns it into:
@@ -34,8 +36,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron.plugin.devices import collective_device
-from megatron.plugin.memory import SavedTensorMeter, device_peak_bytes, reset_device_peak
+from megatron.plugin.layers.devices import collective_device
+from megatron.plugin.layers.memory import SavedTensorMeter, device_peak_bytes, reset_device_peak
 from megatron.plugin.schedule_spec import REPORT_KEYS
 
 #: record key -> name in Megatron's log line, TensorBoard and W&B.

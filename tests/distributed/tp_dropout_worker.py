@@ -11,7 +11,8 @@ from megatron.core.tensor_parallel import random as tp_random
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.plugin import cpu_compat
-from megatron.plugin.attention import DocumentAttention, PackedDocuments, document_segments
+from megatron.plugin.layers.attention import DocumentAttention
+from megatron.plugin.layers.layout import PackedDocuments, document_segments
 
 SEED, HEADS, DIM, TOKENS = 1234, 2, 8, 16
 

@@ -10,7 +10,7 @@ single-process reference gradients (``tests/distributed/test_golden_megatron.py`
 from megatron.plugin.pipeline.catalog import Built, Options
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.passes import add_communication
-from megatron.plugin.pipeline.run_rank import run_over_packed
+from megatron.plugin.executor_call import run_over_packed
 from megatron.plugin.pipeline.simulator import UniformCosts
 from megatron.plugin.pipeline.validation import validate
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec

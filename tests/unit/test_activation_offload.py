@@ -3,8 +3,8 @@ saved tensors, the host tier, the two levels (K/V stay), the meter's device-resi
 import pytest
 import torch
 
-from megatron.plugin.kv_store import KVStore
-from megatron.plugin.memory import SavedTensorMeter, storage_key
+from megatron.plugin.layers.kv_store import KVStore
+from megatron.plugin.layers.memory import SavedTensorMeter, storage_key
 from megatron.plugin.pipeline.offload import (ActivationOffloader, HostMemory,
                                               HostMemoryExhausted, SavedHandle, host_tier)
 

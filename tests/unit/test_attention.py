@@ -3,9 +3,9 @@ import pytest
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.plugin.attention import (DocumentAttention, PackedDocuments, RopeSettings, Segment,
-                                       document_segments)
-from megatron.plugin.kv_store import KVStore
+from megatron.plugin.layers.attention import DocumentAttention, RopeSettings
+from megatron.plugin.layers.layout import PackedDocuments, Segment, document_segments
+from megatron.plugin.layers.kv_store import KVStore
 
 HEADS, DIM = 4, 8
 
@@ -108,7 +108,7 @@ def test_missing_context_is_an_error():
 def test_packed_documents_keep_one_output_buffer():
     """Documents without context save q, k, v, one ``[s, b, h]`` output and the log-sum-exp;
     the output projection saving that output as its input adds nothing."""
-    from megatron.plugin.memory import SavedTensorMeter
+    from megatron.plugin.layers.memory import SavedTensorMeter
 
     attn = make_attention()
     lengths = [5, 12, 7]
@@ -154,7 +154,7 @@ def test_flash_attn_runs_once_per_packed_row_with_the_documents_as_cu_seqlens(
         monkeypatch, groups):
     """The CUDA path: one varlen call per row, bounded by its documents and padding, equal to
     the per-document SDPA path (flash-attn replaced by a CPU reference of its semantics)."""
-    from megatron.plugin import attention
+    from megatron.plugin.layers import attention
 
     attn = make_attention(groups=groups)
     rows = [[5, 1, 9, 3], [7, 7, 4]]
@@ -176,7 +176,7 @@ def test_flash_attn_runs_once_per_packed_row_with_the_documents_as_cu_seqlens(
 
 def test_flash_attn_takes_half_precision_only(monkeypatch, caplog):
     """fp32 on CUDA falls back to SDPA with one warning; CPU tensors never go to flash-attn."""
-    from megatron.plugin import attention
+    from megatron.plugin.layers import attention
 
     class CudaLike:
         is_cuda = True
@@ -188,7 +188,7 @@ def test_flash_attn_takes_half_precision_only(monkeypatch, caplog):
     monkeypatch.setattr(attention, "_warned_fp32", [])
     assert attention.flash_usable(CudaLike(torch.bfloat16))
     assert attention.flash_usable(CudaLike(torch.float16))
-    with caplog.at_level("WARNING", logger="megatron.plugin.attention"):
+    with caplog.at_level("WARNING", logger="megatron.plugin.layers.attention"):
         assert not attention.flash_usable(CudaLike(torch.float32))
         assert not attention.flash_usable(CudaLike(torch.float32))
     assert len([r for r in caplog.records if "fp16 or bf16" in r.message]) == 1

@@ -1,4 +1,5 @@
-"""``megatron.plugin.packed_attention`` and ``helix.attention``: the same values and gradients
+"""``megatron.plugin.layers.packed_attention`` and ``helix.attention``: the same values and
+gradients
 as SDPA per document (RoPE and grouped-query heads included), and only the claimed tensors
 saved for backward."""
 import pytest
@@ -6,10 +7,10 @@ import torch
 from megatron.core.transformer import TransformerConfig
 
 from helix.attention import recomputed_attention
-from megatron.plugin.attention import (DocumentAttention, PackedDocuments, RopeSettings,
-                                       document_segments)
-from megatron.plugin.packed_attention import packed_attention, row_segments, supported
-from megatron.plugin.memory import SavedTensorMeter
+from megatron.plugin.layers.attention import DocumentAttention, RopeSettings
+from megatron.plugin.layers.layout import PackedDocuments, document_segments
+from megatron.plugin.layers.packed_attention import packed_attention, row_segments, supported
+from megatron.plugin.layers.memory import SavedTensorMeter
 
 HEADS, DIM = 4, 8
 HIDDEN = HEADS * DIM

@@ -1,7 +1,7 @@
 """Saved-tensor accounting: bytes autograd holds for backward, on any device."""
 import torch
 
-from megatron.plugin.memory import SavedTensorMeter
+from megatron.plugin.layers.memory import SavedTensorMeter
 
 
 def test_meter_counts_saved_activations_and_returns_to_zero():
@@ -23,7 +23,7 @@ def test_meter_counts_saved_activations_and_returns_to_zero():
 
 
 def test_kept_tensors_count_until_dropped_and_share_storage_with_saved_ones():
-    from megatron.plugin.memory import keep
+    from megatron.plugin.layers.memory import keep
 
     meter = SavedTensorMeter()
     weight = torch.nn.Parameter(torch.ones(4, 4))

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.plugin.norm import SequenceParallelNorm
+from megatron.plugin.layers.norm import SequenceParallelNorm
 
 
 def config(normalization, centred=False, sequence_parallel=False):

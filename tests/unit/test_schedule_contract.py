@@ -49,7 +49,7 @@ def test_outside_schedule_is_drawn_by_show_schedule(tmp_path):
 
 
 def test_outside_schedule_is_priced_validated_and_accepted_by_the_parser(gpipe, monkeypatch):
-    built = catalog.build("gpipe", 4, 8)
+    built = registry.build_ir("gpipe")(4, 8, catalog.Options())
     result = simulate(built.schedule, built.costs)
     assert result.iteration_time == (8 + 4 - 1) * 3
     assert result.peak_memory == [8.0] * 4  # every forward stashed before the first backward
@@ -92,7 +92,7 @@ GOLDEN_CASES = [
 
 @pytest.mark.parametrize("name,pp,units,options,golden", GOLDEN_CASES)
 def test_ir_builder_matches_golden_file(name, pp, units, options, golden):
-    built = catalog.build(name, pp, units, options)
+    built = registry.build_ir(name)(pp, units, options)
     dry_run(built.schedule, eager_sends=built.eager_sends)
     text = format_schedule(built.schedule) + "\n"
     path = os.path.join(GOLDEN, f"{golden}.txt")
@@ -105,7 +105,7 @@ def test_every_project_schedule_is_drawable_or_says_where_it_is_drawn():
     assert set(registry.drawable_names()) >= {"1f1b", "1f1b-ir", "helix", "sppo"}
     for name in ("elastic", "seq1f1b", "interleaved"):
         with pytest.raises(ValueError, match=f"schedule '{name}' has no IR builder"):
-            catalog.build(name, 2, 4)
+            registry.build_ir(name)
 
 
 def test_elastic_lowering_matches_golden_file():

@@ -5,8 +5,8 @@ Each schedule's spec names its IR builder (``ScheduleSpec.build_ir``): ``build_i
 options)`` returns a :class:`Built`, the validated schedule with its transfers, the unit costs
 that price it and how the simulator must replay it (``eager_sends`` for helix, whose hops run
 against the pipeline's direction). :class:`Options` carries what a schedule needs besides
-``(pp, units)`` (helix: layers, folds, recomputation) and the unit costs. :func:`build` looks
-the builder up by schedule name.
+``(pp, units)`` (helix: layers, folds, recomputation) and the unit costs. The registry looks a
+builder up by schedule name (:func:`megatron.plugin.registry.build_ir`).
 """
 from __future__ import annotations
 
@@ -56,10 +56,3 @@ def one_f_one_b_ir(pp: int, microbatches: int, options: Options) -> Built:
     return Built(schedule, UniformCosts(forward=options.forward, backward=options.backward,
                                         transfer=options.transfer))
 
-
-def build(name: str, pp: int, units: int, options: Options = Options()) -> Built:
-    """The validated schedule ``name`` for ``pp`` stages and ``units`` micro-batches (or
-    chunks, subsequences: what the schedule counts)."""
-    from megatron.plugin import registry
-
-    return registry.build_ir(name)(pp, units, options)

@@ -8,7 +8,7 @@ an explicit ``RECOMPUTE`` action. :class:`LeadingLayers` hooks the stage's
 
 * forward of a chunk with ``count > 0`` (:meth:`LeadingLayers.armed`): the input and keyword
   arguments of the first layer and the RNG state are kept (the input through
-  :func:`~megatron.plugin.memory.keep`, so the activation meter counts it); layers
+  :func:`~megatron.plugin.layers.memory.keep`, so the activation meter counts it); layers
   ``0..count-1`` run without autograd (nothing of theirs is stashed); the output of layer ``count-1`` is cut off as a fresh
   leaf (the *boundary*) from which the rest of the stage builds its graph as usual;
 * ``RECOMPUTE`` (:meth:`LeadingLayers.recompute`): the same layers run again from the kept input
@@ -19,7 +19,7 @@ an explicit ``RECOMPUTE`` action. :class:`LeadingLayers` hooks the stage's
 K/V of checkpointed layers: the no-autograd forward records them in the K/V store as usual, so
 later slices see them as context and accumulate their gradients on the store's leaves; the
 recomputation records the same values again, which only re-attaches the slice's own K/V to the
-new graph (see :mod:`megatron.plugin.kv_store`): what other slices read is never changed.
+new graph (see :mod:`megatron.plugin.layers.kv_store`): what other slices read is never changed.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron.plugin.memory import keep
-from megatron.plugin.rng import rng_restored, rng_state
+from megatron.plugin.layers.memory import keep
+from megatron.plugin.layers.rng import rng_restored, rng_state
 
 
 @dataclass
@@ -42,7 +42,8 @@ class Stash:
     rng_state: dict
     boundary: torch.Tensor
     held: object
-    """:func:`~megatron.plugin.memory.keep` handle of the kept input (counted as activation)."""
+    """:func:`~megatron.plugin.layers.memory.keep` handle of the kept input (counted as
+    activation)."""
     recomputed: torch.Tensor | None = None
 
 

@@ -6,8 +6,8 @@ installs saved-tensor hooks: autograd keeps a :class:`SavedHandle` instead of ea
 saves. Leaves that require grad (parameters, a stage's received input, the K/V context leaves)
 are not the unit's activations and pass through untouched; views of them (a transposed weight)
 get handles but are never offloaded. A handle holds its tensor through
-:func:`megatron.plugin.memory.keep`, so the active
-:class:`~megatron.plugin.memory.SavedTensorMeter` counts it like any saved tensor.
+:func:`megatron.plugin.layers.memory.keep`, so the active
+:class:`~megatron.plugin.layers.memory.SavedTensorMeter` counts it like any saved tensor.
 
 Offload (``OFFLOAD`` of a unit, ratio ``alpha``). The unit of transfer is a *storage*: the saved
 tensors that share one (views of one GEMM output) move together and come back as views of one
@@ -46,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from megatron.plugin.memory import keep, storage_key
+from megatron.plugin.layers.memory import keep, storage_key
 
 MIB = 2 ** 20
 
@@ -238,7 +238,8 @@ class ActivationOffloader:
 
     def offload(self, key: tuple, resident: set) -> OffloadRecord:
         """Move the ratio's share of unit ``key``'s offloadable storages to the host tier;
-        storages whose :func:`~megatron.plugin.memory.storage_key` is in ``resident`` stay."""
+        storages whose :func:`~megatron.plugin.layers.memory.storage_key` is in ``resident``
+        stay."""
         unit = self._unit(key, "OFFLOAD")
         if unit.moved:
             raise RuntimeError(f"unit {key}: offloaded twice without a reload")

@@ -40,7 +40,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from megatron.plugin.devices import collective_device
+from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.pipeline.ir import Action
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
@@ -14,10 +13,8 @@ from megatron.core.utils import get_model_config
 from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.p2p import PeerChannel
 from megatron.plugin.pipeline.simulator import transfer_batches
+from megatron.plugin.pipeline.stage_context import StageContext
 from megatron.plugin.pipeline.chrome_trace import TraceEvent
-
-if TYPE_CHECKING:
-    from megatron.plugin.pipeline.executor import StageContext
 
 
 class _GradSync:

@@ -16,7 +16,7 @@ gradients only need the row's final normaliser and ``rowsum(dO * O)``, so each b
 query, the slice's K/V and the context blocks themselves (the K/V store's leaves, no copies),
 the merged output and the LSE -- linear in the tokens.
 
-Used by :class:`~megatron.plugin.attention.DocumentAttention` for slices with context on CPU
+Used by :class:`~megatron.plugin.layers.attention.DocumentAttention` for slices with context on CPU
 without dropout and without grouped-query heads; the other cases (dropout, GQA, CUDA's
 flash-attn) keep the masked SDPA or flash-attn path, whose results are the same.
 """

@@ -14,20 +14,20 @@ backward calls the kernel's backward per document with those buffers.
 Grouped-query heads are expanded to the query heads per document (the kernel wants equal head
 counts); the expanded gradients are summed back per group. The kernel has no dropout: with a
 positive attention dropout in training, or off the CPU, :func:`supported` is false and callers
-keep their SDPA / flash-attn path. Used by :class:`~megatron.plugin.attention.DocumentAttention`
+keep their SDPA / flash-attn path. Used by
+:class:`~megatron.plugin.layers.attention.DocumentAttention`
 for documents without K/V context and by :mod:`helix.attention`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
 
-from megatron.plugin.context_attention import (FLASH_DTYPES, flash_backward, flash_forward,
-                                               heads_first)
+from megatron.plugin.layers.context_attention import (FLASH_DTYPES, flash_backward, flash_forward,
+                                                      heads_first)
 
-if TYPE_CHECKING:
-    from megatron.plugin.attention import Segment
+from megatron.plugin.layers.layout import Segment
 
 Segments = Sequence["Sequence[Segment] | None"]
 """Per row of the micro-batch, the documents' segments covering it (``None``: one document)."""

@@ -3,7 +3,8 @@
 Every schedule (Megatron's own included) feeds the model *packed* micro-batches: several
 documents concatenated in one row, each attending causally only to itself, with positions that
 restart at 0 per document. A document cut into slices (elastic chunks, SPPO subsequences) also
-attends to the K/V of its earlier slices, held in a :class:`~megatron.plugin.kv_store.KVStore`.
+attends to the K/V of its earlier slices, held in a
+:class:`~megatron.plugin.layers.kv_store.KVStore`.
 
 How the batch layout reaches the attention: :class:`PackedDocuments` is a ``PackedSeqParams``
 (Megatron passes that object untouched from ``GPTModel.forward`` down to every core attention)
@@ -28,9 +29,10 @@ Backends: torch SDPA per document on any device (exact, device-agnostic), flash-
 CUDA when importable and the inputs are fp16 or bf16 (fp32 falls back to SDPA, with a warning):
 once per packed row with the row's documents as ``cu_seqlens``, or per slice with its K/V
 context (``causal=True`` is bottom-right aligned there, which is the K/V-context semantics). A slice with context on CPU (no dropout, no grouped-query heads) runs
-:mod:`megatron.plugin.context_attention`: one fused kernel call per K/V block merged by
+:mod:`megatron.plugin.layers.context_attention`: one fused kernel call per K/V block merged by
 log-sum-exp, so neither the ``[s, c+s]`` mask nor a concatenated copy of the context is kept.
-Documents without context on CPU (no dropout) run :mod:`megatron.plugin.packed_attention`: the
+Documents without context on CPU (no dropout) run :mod:`megatron.plugin.layers.packed_attention`:
+the
 same fused kernel per document writing into one output buffer, which the output projection
 saves as its input too, instead of per-document outputs plus the row built from them (one
 ``[s, b, h]`` fewer saved per layer).
@@ -39,20 +41,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_sp2hp
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 
-from megatron.plugin import context_attention, packed_attention
-from megatron.plugin.kv_store import KVStore
+from megatron.plugin.layers import context_attention, packed_attention
+from megatron.plugin.layers.layout import PackedDocuments, Segment
 
 try:  # optional GPU backend
     from flash_attn import flash_attn_varlen_func
@@ -60,56 +61,6 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = None
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A run ``[start, stop)`` of one document's tokens inside a packed row.
-
-    ``doc_key``/``slice_index`` name the document slice for the K/V store; ``doc_key=None``
-    means a whole document with no context (nothing is stored).
-    """
-
-    start: int
-    stop: int
-    doc_key: object = None
-    slice_index: int = 0
-
-    @property
-    def length(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass
-class PackedDocuments(PackedSeqParams):
-    """Layout of a packed micro-batch ``[s, b]``: per row, the document segments.
-
-    ``position_ids`` is ``[b, s]`` (true positions, offset by the context length for slices).
-    ``kv_store`` is required when a segment has ``slice_index > 0`` or will be continued.
-    ``share``: the row is one rank's range of a slice computed by a sequence-parallel group
-    (SPPO's multiplexed partitioning, :class:`~sppo_offload.mux_runtime.GroupShare`); its
-    ``context(key, value, layer_number)`` returns the K/V context blocks of the range.
-    """
-
-    segments: tuple[tuple[Segment, ...], ...] = ()
-    position_ids: torch.Tensor | None = None
-    kv_store: KVStore | None = None
-    record_kv: bool = field(default=False)
-    share: object = None
-
-    def __post_init__(self):
-        self.qkv_format = "sbhd"
-
-
-def document_segments(lengths, doc_keys=None, slice_indices=None) -> tuple[Segment, ...]:
-    """Segments of one packed row from consecutive document lengths."""
-    segments, start = [], 0
-    for i, length in enumerate(lengths):
-        key = None if doc_keys is None else doc_keys[i]
-        index = 0 if slice_indices is None else slice_indices[i]
-        segments.append(Segment(start, start + int(length), key, index))
-        start += int(length)
-    return tuple(segments)
 
 
 @dataclass(frozen=True)
@@ -348,7 +299,7 @@ def _sequence_to_heads(t: torch.Tensor, group) -> torch.Tensor:
 def document_layer_spec(num_layers: int, normalization: str = "LayerNorm",
                         rope: RopeSettings | None = None, qk_layernorm: bool = False):
     """Transformer-block spec: Megatron's local GPT layer with :class:`DocumentAttention` as
-    core attention and :class:`~megatron.plugin.norm.SequenceParallelNorm` norms.
+    core attention and :class:`~megatron.plugin.layers.norm.SequenceParallelNorm` norms.
 
     ``num_layers`` is the number of layers this pipeline stage builds (Megatron's
     ``get_num_layers_to_build``).
@@ -357,7 +308,7 @@ def document_layer_spec(num_layers: int, normalization: str = "LayerNorm",
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron.plugin.norm import SequenceParallelNorm
+    from megatron.plugin.layers.norm import SequenceParallelNorm
 
     spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     layer = spec.submodules

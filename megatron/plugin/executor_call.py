@@ -8,7 +8,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
 from megatron.plugin.pipeline import run_settings
-from megatron.plugin.pipeline.executor import StageContext, run_schedule
+from megatron.plugin.pipeline.executor import run_schedule
+from megatron.plugin.pipeline.stage_context import StageContext
 from megatron.plugin.schedule_spec import RankCall
 
 

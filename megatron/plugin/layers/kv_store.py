@@ -17,7 +17,8 @@ slice. :meth:`KVStore.release` then frees the slice's tensors; an empty store be
 is the no-leak invariant.
 
 Memory accounting: every recorded K/V and every accumulated context gradient is held through
-:func:`~megatron.plugin.memory.keep`, so an active saved-tensor meter counts the store (once per
+:func:`~megatron.plugin.layers.memory.keep`, so an active saved-tensor meter counts the store (once
+per
 storage) also for slices that ran without autograd and for the dK/dV accumulators, which
 autograd itself does not save.
 
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron.plugin.memory import keep, storage_key
+from megatron.plugin.layers.memory import keep, storage_key
 
 
 @dataclass
@@ -41,7 +42,7 @@ class _Entry:
     key_leaf: torch.Tensor
     value_leaf: torch.Tensor
     held: list = field(default_factory=list)
-    """:func:`~megatron.plugin.memory.keep` handles of K, V and the accumulated gradients."""
+    """:func:`~megatron.plugin.layers.memory.keep` handles of K, V and the accumulated gradients."""
 
     def hold(self) -> None:
         """Count K/V (and, as they accumulate, their context gradients) as activation bytes."""
@@ -118,7 +119,7 @@ class KVStore:
         return len(self._entries)
 
     def storage_keys(self) -> set:
-        """:func:`~megatron.plugin.memory.storage_key` of every recorded K and V (the context
+        """:func:`~megatron.plugin.layers.memory.storage_key` of every recorded K and V (the context
         leaves share their storage): what activation offloading must leave on the device."""
         return {storage_key(tensor) for layers in self._entries.values()
                 for entry in layers.values() for tensor in (entry.key, entry.value)}

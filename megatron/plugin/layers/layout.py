@@ -1,0 +1,62 @@
+"""How a packed micro-batch's rows are laid out, for the attention: :class:`Segment` (a run of
+one document's tokens, or of one slice of it), :class:`PackedDocuments` (the segments of every
+row, the true positions and the K/V store; Megatron hands it untouched to every core attention)
+and :func:`document_segments`."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron.plugin.layers.kv_store import KVStore
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run ``[start, stop)`` of one document's tokens inside a packed row.
+
+    ``doc_key``/``slice_index`` name the document slice for the K/V store; ``doc_key=None``
+    means a whole document with no context (nothing is stored).
+    """
+
+    start: int
+    stop: int
+    doc_key: object = None
+    slice_index: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass
+class PackedDocuments(PackedSeqParams):
+    """Layout of a packed micro-batch ``[s, b]``: per row, the document segments.
+
+    ``position_ids`` is ``[b, s]`` (true positions, offset by the context length for slices).
+    ``kv_store`` is required when a segment has ``slice_index > 0`` or will be continued.
+    ``share``: the row is one rank's range of a slice computed by a sequence-parallel group
+    (SPPO's multiplexed partitioning, :class:`~sppo_offload.mux_runtime.GroupShare`); its
+    ``context(key, value, layer_number)`` returns the K/V context blocks of the range.
+    """
+
+    segments: tuple[tuple[Segment, ...], ...] = ()
+    position_ids: torch.Tensor | None = None
+    kv_store: KVStore | None = None
+    record_kv: bool = field(default=False)
+    share: object = None
+
+    def __post_init__(self):
+        self.qkv_format = "sbhd"
+
+
+def document_segments(lengths, doc_keys=None, slice_indices=None) -> tuple[Segment, ...]:
+    """Segments of one packed row from consecutive document lengths."""
+    segments, start = [], 0
+    for i, length in enumerate(lengths):
+        key = None if doc_keys is None else doc_keys[i]
+        index = 0 if slice_indices is None else slice_indices[i]
+        segments.append(Segment(start, start + int(length), key, index))
+        start += int(length)
+    return tuple(segments)
