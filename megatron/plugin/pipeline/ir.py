@@ -128,18 +128,19 @@ Schedule = list[list[Action]]
 """One ordered list of actions per pipeline rank."""
 
 _PART = re.compile(r"\[\d+:\d+\]|\.[A-Za-z_][A-Za-z0-9_]*")
-_KINDS = "|".join(sorted((k.value for k in Kind), key=len, reverse=True))
+#: The kind each text form names: :func:`parse` looks kinds up here.
+KIND_OF_TEXT: dict[str, Kind] = {kind.value: kind for kind in Kind}
 _ACTION = re.compile(
-    rf"(?P<stage>\d+)(?P<kind>{_KINDS})(?P<unit>\d+)(?P<part>{_PART.pattern})?"
+    rf"(?P<stage>\d+)(?P<kind>[A-Z][A-Z_]*)(?P<unit>\d+)(?P<part>{_PART.pattern})?"
     r"(?:(?P<arrow>[<>])(?P<peer>\d+))?(?::(?P<tensor>[A-Za-z_][A-Za-z0-9_]*))?")
 
 
 def parse(text: str) -> Action:
     """Inverse of ``str(action)``."""
     match = _ACTION.fullmatch(text.strip())
-    if match is None:
+    kind = None if match is None else KIND_OF_TEXT.get(match["kind"])
+    if kind is None:
         raise ValueError(f"not an action: {text!r} (e.g. '0F3', '1RECV_F3<0', '0B2[0:4]')")
-    kind = Kind(match["kind"])
     peer = None if match["peer"] is None else int(match["peer"])
     if peer is not None:
         expected = ">" if kind in SENDS or kind in (Kind.ATTN_F, Kind.ATTN_B) else "<"

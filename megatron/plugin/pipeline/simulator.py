@@ -43,8 +43,9 @@ is allocated first). A ``BACKWARD`` waits until the last copy of its key has end
 Copy time is not compute time (``busy``); a rank's finish time includes its copy stream. A
 schedule without memory actions replays exactly as before.
 
-The engine is a work list: a rank runs until a group it waits for has a transfer whose peer has
-not started it, parks, and is woken when that group completes. Every action is visited once, so
+The engine is a work list: a rank hands its actions, in order, to the handler of their kind
+(:data:`HANDLERS`: a new kind of action is a new entry) until a group it waits for has a
+transfer whose peer has not started it, parks, and is woken when that group completes. Every action is visited once, so
 64 stages x 512 micro-batches replay in well under a second. A rank parked when the work list
 empties is a deadlock (so is a group that never completes after its rank's last action):
 :class:`Deadlock` names the blocked batch of every unfinished rank (the validator turns it into
@@ -56,6 +57,7 @@ import heapq
 import itertools
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.chrome_trace import TraceEvent
@@ -139,10 +141,6 @@ class SimResult:
         return sum(self.idle) / (len(self.idle) * self.iteration_time)
 
 
-_STASH = (Kind.FORWARD, Kind.RECOMPUTE, Kind.ATTN_F)
-_RELEASE = (Kind.BACKWARD, Kind.WEIGHT, Kind.ATTN_B)
-
-
 class _Group:
     """The transfers of one batch on one link, posted on the rank's stream for that link:
     launched when the stream is free, complete when every transfer in it is."""
@@ -175,166 +173,270 @@ def transfer_batches(actions: list[Action]) -> list[tuple[int, int]]:
     return batches
 
 
-def simulate(schedule: Schedule, costs=None, trace: bool = True,
-             eager_sends: bool = False) -> SimResult:
-    """Replay ``schedule`` (with its transfers) against ``costs`` (default
-    :class:`UniformCosts`). Raises :class:`Deadlock` when the schedule cannot finish."""
-    costs = costs or UniformCosts()
-    ranks = len(schedule)
-    batch_end = [dict(transfer_batches(actions)) for actions in schedule]
-    clock = [0.0] * ranks
-    busy = [0.0] * ranks
-    position = [0] * ranks
-    memory = [float(costs.static_bytes(r)) for r in range(ranks)]
-    timeline = [[(0.0, memory[r])] for r in range(ranks)]
-    peak = list(memory)
-    stash: list[dict] = [{} for _ in range(ranks)]
-    weights = [{(a.stage, a.unit, a.part, False): a for a in actions if a.kind is Kind.WEIGHT}
-               for actions in schedule]
-    events: list[TraceEvent] = []
-    parked = [False] * ranks
-    copy_free = [0.0] * ranks
-    copied: list[dict] = [{} for _ in range(ranks)]
-    pending: list[list] = [[] for _ in range(ranks)]
-    order = itertools.count()
+@dataclass
+class _Rank:
+    """One rank's replay: where it is in its list, its clocks and its memory."""
 
-    def settle(r: int, until: float) -> None:
-        """Apply rank ``r``'s copy-stream memory changes due by ``until``, in time order."""
-        due = pending[r]
-        while due and due[0][0] <= until:
-            at, _, slot, delta = heapq.heappop(due)
-            stash[r][slot] = stash[r].get(slot, 0.0) + delta
-            memory[r] += delta
-            peak[r] = max(peak[r], memory[r])
-            timeline[r].append((at, memory[r]))
+    number: int
+    actions: list[Action]
+    memory: float
+    """Static bytes plus what is stashed now."""
+    batch_end: dict[int, int] = field(init=False)
+    """Start of each transfer batch -> its stop."""
+    weights: dict[tuple, Action] = field(init=False)
+    """Stash slot -> the ``W`` that reads part of it (split backwards)."""
+    peak: float = field(init=False)
+    timeline: list[tuple[float, float]] = field(init=False)
+    clock: float = 0.0
+    """Time on the compute stream."""
+    busy: float = 0.0
+    position: int = 0
+    parked: bool = False
+    copy_free: float = 0.0
+    """When the copy stream has run its last enqueued copy."""
+    stash: dict[tuple, float] = field(default_factory=dict)
+    copied: dict[tuple, float] = field(default_factory=dict)
+    """Stash slot -> end of its last copy (its backward waits for it)."""
+    pending: list[tuple] = field(default_factory=list)
+    """Heap of the copy stream's ``(time, order, slot, bytes)`` memory changes to come."""
+    awaited: list[_Group] = field(default_factory=list)
+    """Groups of the batch the rank waits for."""
 
-    # Communication streams, one per rank and link (key ``(rank, link)``).
-    queue: dict[tuple, deque] = defaultdict(deque)
-    current: dict[tuple, _Group] = {}
-    stream_free: dict[tuple, float] = defaultdict(float)
-    launched: dict[tuple, tuple[_Group, Action]] = {}
-    awaited: list[list[_Group]] = [[] for _ in range(ranks)]
-    ready = deque(range(ranks))
+    def __post_init__(self):
+        self.batch_end = dict(transfer_batches(self.actions))
+        self.weights = {_slot(a): a for a in self.actions if a.kind is Kind.WEIGHT}
+        self.peak = self.memory
+        self.timeline = [(0.0, self.memory)]
 
-    def advance(first: tuple) -> None:
+    def settle(self, until: float) -> None:
+        """Apply the copy stream's memory changes due by ``until``, in time order."""
+        while self.pending and self.pending[0][0] <= until:
+            at, _, slot, delta = heapq.heappop(self.pending)
+            self.stash[slot] = self.stash.get(slot, 0.0) + delta
+            self.memory += delta
+            self.peak = max(self.peak, self.memory)
+            self.timeline.append((at, self.memory))
+
+
+def _slot(action: Action) -> tuple:
+    """The stash an action fills or frees: its stage, unit and part, foreign attention apart."""
+    return (action.stage, action.unit, action.part, action.kind in (Kind.ATTN_F, Kind.ATTN_B))
+
+
+class _Replay:
+    """The work list: ranks ready to run, and one communication stream per rank and link
+    (key ``(rank, link)``)."""
+
+    def __init__(self, schedule: Schedule, costs, trace: bool, eager_sends: bool):
+        self.costs, self.trace, self.eager_sends = costs, trace, eager_sends
+        self.ranks = [_Rank(r, actions, float(costs.static_bytes(r)))
+                      for r, actions in enumerate(schedule)]
+        self.events: list[TraceEvent] = []
+        self.order = itertools.count()
+        self.queue: dict[tuple, deque] = defaultdict(deque)
+        self.current: dict[tuple, _Group] = {}
+        self.stream_free: dict[tuple, float] = defaultdict(float)
+        self.launched: dict[tuple, tuple[_Group, Action]] = {}
+        self.ready = deque(range(len(schedule)))
+
+    def run(self) -> None:
+        """Run ready ranks until each finishes or parks on a batch (woken when it completes)."""
+        while self.ready:
+            rank = self.ranks[self.ready.popleft()]
+            rank.parked = False
+            while rank.position < len(rank.actions):
+                action = rank.actions[rank.position]
+                following = HANDLERS[action.kind](self, rank, action)
+                if following is None:
+                    rank.parked = True
+                    break
+                rank.position = following
+
+    def post(self, rank: _Rank, stop: int) -> None:
+        """Queue the batch ``[rank.position, stop)`` as one group per link; the rank awaits
+        them all, or only its receiving groups with ``eager_sends``."""
+        per_link: dict[tuple, list[Action]] = {}
+        for op in rank.actions[rank.position:stop]:
+            per_link.setdefault(op.link(), []).append(op)
+        for link in sorted(per_link):
+            group = _Group(rank.number, link, rank.position, per_link[link], rank.clock)
+            self.queue[(rank.number, link)].append(group)
+            if not self.eager_sends or group.ops[0].is_recv():
+                rank.awaited.append(group)
+            self.advance((rank.number, link))
+
+    def advance(self, first: tuple) -> None:
         """Launch queued batches on every stream that has become free, matching transfers
         whose peers are launched too; wake ranks whose awaited batches completed."""
         free = [first]
         while free:
             stream = free.pop()
-            while stream not in current and queue[stream]:
-                group = queue[stream].popleft()
-                group.launch(stream_free[stream])
-                current[stream] = group
+            while stream not in self.current and self.queue[stream]:
+                group = self.queue[stream].popleft()
+                group.launch(self.stream_free[stream])
+                self.current[stream] = group
                 for op in group.ops:
-                    other = launched.pop(op.transfer_key(), None)
+                    other = self.launched.pop(op.transfer_key(), None)
                     if other is None:
-                        launched[op.transfer_key()] = (group, op)
+                        self.launched[op.transfer_key()] = (group, op)
                         continue
                     peer, peer_op = other
                     send, sender = (op, group) if op.is_send() else (peer_op, peer)
-                    at = max(group.start, peer.start, sender.wire) + costs.transfer_time(send)
+                    at = max(group.start, peer.start, sender.wire) + self.costs.transfer_time(send)
                     sender.wire = at
                     for side in (group, peer):
                         side.finish = max(side.finish, at)
                         side.open -= 1
                     if peer.open == 0:
-                        free.append(complete(peer))
+                        free.append(self.complete(peer))
                 if group.open == 0:
-                    complete(group)
+                    self.complete(group)
 
-    def complete(group: _Group) -> tuple:
+    def complete(self, group: _Group) -> tuple:
+        """Free the group's stream; returns the stream."""
         stream = (group.rank, group.link)
-        del current[stream]
-        stream_free[stream] = group.finish
-        q = group.rank
-        if parked[q] and all(g.open == 0 for g in awaited[q]):
-            parked[q] = False
-            ready.append(q)
+        del self.current[stream]
+        self.stream_free[stream] = group.finish
+        waiting = self.ranks[group.rank]
+        if waiting.parked and all(g.open == 0 for g in waiting.awaited):
+            waiting.parked = False
+            self.ready.append(group.rank)
         return stream
 
-    while ready:
-        r = ready.popleft()
-        parked[r] = False
-        actions = schedule[r]
-        ends = batch_end[r]
-        i, now = position[r], clock[r]
-        while i < len(actions):
-            a = actions[i]
-            kind = a.kind
-            if a.is_communication():
-                stop = ends[i]
-                if not awaited[r]:
-                    per_link: dict[tuple, list[Action]] = {}
-                    for op in actions[i:stop]:
-                        per_link.setdefault(op.link(), []).append(op)
-                    for link in sorted(per_link):
-                        group = _Group(r, link, i, per_link[link], now)
-                        queue[(r, link)].append(group)
-                        if not eager_sends or group.ops[0].is_recv():
-                            awaited[r].append(group)
-                        advance((r, link))
-                if any(group.open for group in awaited[r]):
-                    parked[r] = True
-                    break
-                now = max([now, *(group.finish for group in awaited[r])])
-                awaited[r].clear()
-                i = stop
-                continue
-            if a.is_memory():
-                start = max(now, copy_free[r])
-                took = costs.duration(a)
-                copy_free[r] = start + took
-                moved = costs.activation_bytes(a)
-                slot = (a.stage, a.unit, a.part, False)
-                copied[r][slot] = copy_free[r]
-                if kind is Kind.RELOAD:
-                    heapq.heappush(pending[r], (start, next(order), slot, moved))
-                else:
-                    heapq.heappush(pending[r], (copy_free[r], next(order), slot, -moved))
-                if trace:
-                    events.append(TraceEvent(r, str(a), start, took, "memory"))
-                i += 1
-                continue
-            if kind is Kind.BACKWARD:
-                now = max(now, copied[r].pop((a.stage, a.unit, a.part, False), now))
-            took = costs.duration(a)
-            settle(r, now)
-            peak[r] = max(peak[r], memory[r] + costs.workspace_bytes(a))
-            if trace:
-                events.append(TraceEvent(r, str(a), now, took, "compute"))
-            now += took
-            busy[r] += took
-            if kind in _STASH or kind in _RELEASE:
-                settle(r, now)
-                held = stash[r]
-                slot = (a.stage, a.unit, a.part, kind in (Kind.ATTN_F, Kind.ATTN_B))
-                if kind in _RELEASE:
-                    freed = held.pop(slot, 0.0)
-                    if kind is Kind.BACKWARD and slot in weights[r]:
-                        held[slot] = min(freed, costs.activation_bytes(weights[r][slot]))
-                        freed -= held[slot]
-                    memory[r] -= freed
-                else:
-                    added = costs.activation_bytes(a)
-                    held[slot] = held.get(slot, 0.0) + added
-                    memory[r] += added
-                    peak[r] = max(peak[r], memory[r] + costs.workspace_bytes(a))
-                timeline[r].append((now, memory[r]))
-            i += 1
-        position[r], clock[r] = i, now
-    blocked = {r: position[r] for r in range(ranks) if position[r] < len(schedule[r])}
-    for (r, _), group in current.items():
-        blocked[r] = min(blocked.get(r, group.index), group.index)
+    def compute(self, rank: _Rank, action: Action) -> None:
+        """Occupy the rank for the action's duration, holding its workspace meanwhile, and
+        apply the copy stream's memory changes due by its end."""
+        took = self.costs.duration(action)
+        rank.settle(rank.clock)
+        rank.peak = max(rank.peak, rank.memory + self.costs.workspace_bytes(action))
+        if self.trace:
+            self.events.append(TraceEvent(rank.number, str(action), rank.clock, took, "compute"))
+        rank.clock += took
+        rank.busy += took
+        rank.settle(rank.clock)
+
+    def copy(self, rank: _Rank, action: Action) -> tuple[float, float, float]:
+        """Enqueue the action on the rank's copy stream; returns its start, end and bytes."""
+        start = max(rank.clock, rank.copy_free)
+        took = self.costs.duration(action)
+        rank.copy_free = start + took
+        moved = self.costs.activation_bytes(action)
+        rank.copied[_slot(action)] = rank.copy_free
+        if self.trace:
+            self.events.append(TraceEvent(rank.number, str(action), start, took, "memory"))
+        return start, rank.copy_free, moved
+
+    def blocked(self) -> dict[int, int]:
+        """Rank -> the step it is stuck at, for every rank with actions or groups left."""
+        blocked = {rank.number: rank.position for rank in self.ranks
+                   if rank.position < len(rank.actions)}
+        for (r, _), group in self.current.items():
+            blocked[r] = min(blocked.get(r, group.index), group.index)
+        return blocked
+
+    def result(self) -> SimResult:
+        """Drain the copy streams; a rank finishes with its last compute, copy or group."""
+        for rank in self.ranks:
+            rank.settle(float("inf"))
+            rank.clock = max([rank.clock, rank.copy_free,
+                              *(free for (q, _), free in self.stream_free.items()
+                                if q == rank.number)])
+        total = max((rank.clock for rank in self.ranks), default=0.0)
+        busy = [rank.busy for rank in self.ranks]
+        return SimResult(iteration_time=total, busy=busy, idle=[total - b for b in busy],
+                         peak_memory=[rank.peak for rank in self.ranks],
+                         memory_timeline=[rank.timeline for rank in self.ranks],
+                         events=self.events)
+
+
+Handler = Callable[[_Replay, _Rank, Action], "int | None"]
+"""Replays one action at ``rank.position``; returns the position of the rank's next action, or
+``None`` when the rank parks there."""
+
+
+def _transfers(replay: _Replay, rank: _Rank, action: Action) -> int | None:
+    """A batch of transfers: posted on first visit, passed once its awaited groups complete
+    (the rank waits for the last of them)."""
+    stop = rank.batch_end[rank.position]
+    if not rank.awaited:
+        replay.post(rank, stop)
+    if any(group.open for group in rank.awaited):
+        return None
+    rank.clock = max([rank.clock, *(group.finish for group in rank.awaited)])
+    rank.awaited.clear()
+    return stop
+
+
+def _stash(replay: _Replay, rank: _Rank, action: Action) -> int:
+    """Forward, recompute, foreign-attention forward: its activations join its stash when it
+    ends (the peak counts its workspace on top)."""
+    replay.compute(rank, action)
+    added = replay.costs.activation_bytes(action)
+    slot = _slot(action)
+    rank.stash[slot] = rank.stash.get(slot, 0.0) + added
+    rank.memory += added
+    rank.peak = max(rank.peak, rank.memory + replay.costs.workspace_bytes(action))
+    rank.timeline.append((rank.clock, rank.memory))
+    return rank.position + 1
+
+
+def _backward(replay: _Replay, rank: _Rank, action: Action) -> int:
+    """Backward: waits for the last copy of its stash, frees the stash when it ends but for
+    what its own ``W`` reads."""
+    slot = _slot(action)
+    rank.clock = max(rank.clock, rank.copied.pop(slot, rank.clock))
+    replay.compute(rank, action)
+    freed = rank.stash.pop(slot, 0.0)
+    if slot in rank.weights:
+        rank.stash[slot] = min(freed, replay.costs.activation_bytes(rank.weights[slot]))
+        freed -= rank.stash[slot]
+    rank.memory -= freed
+    rank.timeline.append((rank.clock, rank.memory))
+    return rank.position + 1
+
+
+def _release(replay: _Replay, rank: _Rank, action: Action) -> int:
+    """Weight gradients, foreign-attention backward: free what is left of the stash."""
+    replay.compute(rank, action)
+    rank.memory -= rank.stash.pop(_slot(action), 0.0)
+    rank.timeline.append((rank.clock, rank.memory))
+    return rank.position + 1
+
+
+def _offload(replay: _Replay, rank: _Rank, action: Action) -> int:
+    """Offload: its bytes leave the device stash when the copy ends."""
+    _, end, moved = replay.copy(rank, action)
+    heapq.heappush(rank.pending, (end, next(replay.order), _slot(action), -moved))
+    return rank.position + 1
+
+
+def _reload(replay: _Replay, rank: _Rank, action: Action) -> int:
+    """Reload: its bytes are back in the device stash when the copy starts."""
+    start, _, moved = replay.copy(rank, action)
+    heapq.heappush(rank.pending, (start, next(replay.order), _slot(action), moved))
+    return rank.position + 1
+
+
+#: The handler of each action kind (a new kind of action is a new entry).
+HANDLERS: dict[Kind, Handler] = {
+    Kind.FORWARD: _stash, Kind.RECOMPUTE: _stash, Kind.ATTN_F: _stash,
+    Kind.BACKWARD: _backward, Kind.WEIGHT: _release, Kind.ATTN_B: _release,
+    Kind.OFFLOAD: _offload, Kind.RELOAD: _reload,
+    Kind.SEND_F: _transfers, Kind.RECV_F: _transfers,
+    Kind.SEND_B: _transfers, Kind.RECV_B: _transfers,
+}
+
+
+def simulate(schedule: Schedule, costs=None, trace: bool = True,
+             eager_sends: bool = False) -> SimResult:
+    """Replay ``schedule`` (with its transfers) against ``costs`` (default
+    :class:`UniformCosts`). Raises :class:`Deadlock` when the schedule cannot finish."""
+    replay = _Replay(schedule, costs or UniformCosts(), trace, eager_sends)
+    replay.run()
+    blocked = replay.blocked()
     if blocked:
         raise Deadlock(blocked)
-    for r in range(ranks):
-        settle(r, float("inf"))
-        clock[r] = max([clock[r], copy_free[r],
-                        *(free for (q, _), free in stream_free.items() if q == r)])
-    total = max(clock, default=0.0)
-    return SimResult(iteration_time=total, busy=busy, idle=[total - b for b in busy],
-                     peak_memory=peak, memory_timeline=timeline, events=events)
+    return replay.result()
 
 
 def dry_run(schedule: Schedule, eager_sends: bool = False) -> None:

@@ -9,6 +9,7 @@
    offload follows its forward and has its reload after
    it, and a reload follows its offload and precedes its backward (same stage, unit and part:
    the activations are back on the device before the backward reads them);
+   :data:`ORDER_RULES` holds these orders and those of point 3, per kind of action;
 3. local order of transfers: a send follows the compute that produced what it carries, a
    receive precedes the compute that consumes it. By default (layer-wise pipelines) that is
    the forward (backward) of the same unit and part; schedules whose transfers connect
@@ -30,7 +31,9 @@ per-rank grid around the failing step, the failing cells marked ``<-- ERROR HERE
 """
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
@@ -124,10 +127,64 @@ class LayerwiseFlow:
     consumer = producer
 
 
-#: Forward kinds and the backward that must follow each on the same rank.
-_BACKWARD_OF = {Kind.FORWARD: Kind.BACKWARD, Kind.ATTN_F: Kind.ATTN_B}
-_FORWARD_OF = {Kind.BACKWARD: Kind.FORWARD, Kind.RECOMPUTE: Kind.FORWARD,
-               Kind.ATTN_B: Kind.ATTN_F}
+@dataclass(frozen=True)
+class OrderRule:
+    """An action needs another action of its rank ``before`` (at or before its step),
+    ``after`` (at or after it) or ``anywhere``; ``message`` (formatted with ``a``, ``rank``
+    and the other action's ``kind``) says what is wrong when it is missing or misplaced."""
+
+    other: Callable[[Action, object], tuple]
+    """``(action, flow) -> (kind, stage, unit, part)`` of the action needed."""
+    order: str
+    message: str
+
+
+_ORDER = {"before": operator.le, "after": operator.ge, "anywhere": lambda found, step: True}
+
+
+def _same(kind: Kind) -> Callable[[Action, object], tuple]:
+    """The action of ``kind`` with the same stage, unit and part."""
+    return lambda a, flow: (kind, a.stage, a.unit, a.part)
+
+
+def _produced(a: Action, flow) -> tuple:
+    """The compute that produced what a send carries."""
+    kind, unit, part = flow.producer(a)
+    return kind, a.stage, unit, part
+
+
+def _consumed(a: Action, flow) -> tuple:
+    """The compute that consumes what a receive brings."""
+    kind, unit, part = flow.consumer(a)
+    return kind, a.stage, unit, part
+
+
+_NO_BACKWARD = OrderRule(_same(Kind.BACKWARD), "after", "{a} has no backward after it")
+_AFTER_FORWARD = OrderRule(_same(Kind.FORWARD), "before", "{a} comes before its forward")
+_SENT = OrderRule(_produced, "before",
+                  "{a} sends what no earlier {kind} on rank {rank} produced")
+_RECEIVED = OrderRule(_consumed, "after",
+                      "{a} receives what no later {kind} on rank {rank} uses")
+
+#: The rules each kind of action obeys on its rank, checked in order (a new kind of action
+#: is a new entry).
+ORDER_RULES: dict[Kind, tuple[OrderRule, ...]] = {
+    Kind.FORWARD: (OrderRule(_same(Kind.BACKWARD), "anywhere",
+                             "{a} has no backward on rank {rank}"),),
+    Kind.ATTN_F: (OrderRule(_same(Kind.ATTN_B), "anywhere",
+                            "{a} has no backward on rank {rank}"),),
+    Kind.BACKWARD: (_AFTER_FORWARD,),
+    Kind.ATTN_B: (OrderRule(_same(Kind.ATTN_F), "before", "{a} comes before its forward"),),
+    Kind.RECOMPUTE: (_AFTER_FORWARD, _NO_BACKWARD),
+    Kind.WEIGHT: (OrderRule(_same(Kind.BACKWARD), "before", "{a} comes before its backward"),),
+    Kind.OFFLOAD: (OrderRule(_same(Kind.FORWARD), "before",
+                             "{a} offloads what no earlier forward stashed"),
+                   OrderRule(_same(Kind.RELOAD), "after", "{a} has no reload after it")),
+    Kind.RELOAD: (OrderRule(_same(Kind.OFFLOAD), "before",
+                            "{a} reloads what no earlier offload stored"), _NO_BACKWARD),
+    Kind.SEND_F: (_SENT,), Kind.SEND_B: (_SENT,),
+    Kind.RECV_F: (_RECEIVED,), Kind.RECV_B: (_RECEIVED,),
+}
 
 
 def _check_rank(schedule: Schedule, rank: int, actions: list[Action], flow) -> None:
@@ -136,49 +193,13 @@ def _check_rank(schedule: Schedule, rank: int, actions: list[Action], flow) -> N
         if a.is_compute() or a.is_memory():
             where[(a.kind, a.stage, a.unit, a.part)] = step
     for step, a in enumerate(actions):
-        key = (a.stage, a.unit, a.part)
-        if a.kind in _BACKWARD_OF and where.get((_BACKWARD_OF[a.kind], *key)) is None:
-            raise ScheduleError(f"{a} has no backward on rank {rank}", schedule, [(rank, step)])
-        if a.kind in _FORWARD_OF:
-            forward = where.get((_FORWARD_OF[a.kind], *key))
-            if forward is None or forward > step:
-                raise ScheduleError(f"{a} comes before its forward", schedule, [(rank, step)])
-        if a.kind is Kind.WEIGHT:
-            backward = where.get((Kind.BACKWARD, *key))
-            if backward is None or backward > step:
-                raise ScheduleError(f"{a} comes before its backward", schedule, [(rank, step)])
-        if a.kind is Kind.RECOMPUTE:
-            backward = where.get((Kind.BACKWARD, *key))
-            if backward is None or backward < step:
-                raise ScheduleError(f"{a} has no backward after it", schedule, [(rank, step)])
-        if a.kind is Kind.OFFLOAD:
-            forward = where.get((Kind.FORWARD, *key))
-            if forward is None or forward > step:
-                raise ScheduleError(f"{a} offloads what no earlier forward stashed", schedule,
-                                    [(rank, step)])
-            reload = where.get((Kind.RELOAD, *key))
-            if reload is None or reload < step:
-                raise ScheduleError(f"{a} has no reload after it", schedule, [(rank, step)])
-        if a.kind is Kind.RELOAD:
-            offload = where.get((Kind.OFFLOAD, *key))
-            if offload is None or offload > step:
-                raise ScheduleError(f"{a} reloads what no earlier offload stored", schedule,
-                                    [(rank, step)])
-            backward = where.get((Kind.BACKWARD, *key))
-            if backward is None or backward < step:
-                raise ScheduleError(f"{a} has no backward after it", schedule, [(rank, step)])
-        if a.is_send():
-            kind, unit, made_by = flow.producer(a)
-            made = where.get((kind, a.stage, unit, made_by))
-            if made is None or made > step:
-                raise ScheduleError(f"{a} sends what no earlier {kind.name.lower()} "
-                                    f"on rank {rank} produced", schedule, [(rank, step)])
-        if a.is_recv():
-            kind, unit, used_by = flow.consumer(a)
-            used = where.get((kind, a.stage, unit, used_by))
-            if used is None or used < step:
-                raise ScheduleError(f"{a} receives what no later {kind.name.lower()} "
-                                    f"on rank {rank} uses", schedule, [(rank, step)])
+        for rule in ORDER_RULES[a.kind]:
+            other = rule.other(a, flow)
+            found = where.get(other)
+            if found is None or not _ORDER[rule.order](found, step):
+                raise ScheduleError(rule.message.format(a=a, rank=rank,
+                                                        kind=other[0].name.lower()),
+                                    schedule, [(rank, step)])
 
 
 def _check_matching(schedule: Schedule, shape_of) -> None:
