@@ -1,17 +1,15 @@
-"""Helix's attention part on CPU: attention without recomputing it.
+"""Helix's attention part under recomputation without attention.
 
-Helix's attention parts run :func:`megatron.plugin.layers.packed_attention.packed_attention` (the
-fused CPU flash kernel per document into one output buffer, which is all it saves besides
-``q``, ``k``, ``v``). Under ``--helix-recompute-without-attention`` they run
-:func:`recomputed_attention` (``x``, weight, bias -> ``o``) instead: the QKV projection (part
-of the pre-attention, so recomputed like the rest of it) runs without autograd in the forward,
-and the part saves only ``x``, the weight, the output and the log-sum-exp (about ``2 bsh``
-instead of ``5 bsh``). Its backward projects again with autograd, runs the attention's backward
-from the saved output and log-sum-exp -- the attention itself is never recomputed -- and
-back-propagates through the projection. Where
-:func:`megatron.plugin.layers.packed_attention.supported` is false (attention dropout in training,
-off
-the CPU) helix runs the attention through Megatron's module.
+Helix's attention parts run :func:`megatron.plugin.layers.packed_attention.packed_attention`
+(one block-kernel call per document into one output buffer, which is all it saves besides
+``q``, ``k``, ``v``), on every device and with dropout. Under
+``--helix-recompute-without-attention`` they run :func:`recomputed_attention` (``x``, weight,
+bias -> ``o``) instead: the QKV projection (part of the pre-attention, so recomputed like the
+rest of it) runs without autograd in the forward, and the part saves only ``x``, the weight,
+the output, the log-sum-exp and each document's dropout state (about ``2 bsh`` instead of
+``5 bsh``). Its backward projects again with autograd, runs the attention's backward from the
+saved output and log-sum-exp -- the attention itself is never recomputed, and its dropout masks
+are drawn again from their state -- and back-propagates through the projection.
 """
 from __future__ import annotations
 
@@ -19,16 +17,17 @@ from typing import Callable
 
 import torch
 
+from megatron.plugin.layers.attention_kernels import block_kernel
 from megatron.plugin.layers.packed_attention import Segments, attend, attend_backward
 
 
 class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, project, segments, scale, x, weight, bias):
+    def forward(ctx, project, segments, kernel, x, weight, bias):
         with torch.no_grad():
             q, k, v = project(x, weight, bias)
-            out, lse = attend(q, k, v, segments, scale)
-        ctx.project, ctx.segments, ctx.scale = project, segments, scale
+            out, lse, states = attend(q, k, v, segments, kernel)
+        ctx.project, ctx.segments, ctx.kernel, ctx.states = project, segments, kernel, states
         ctx.save_for_backward(x, weight, bias, out, lse)
         return out
 
@@ -40,16 +39,17 @@ class _RecomputedAttention(torch.autograd.Function):
         with torch.enable_grad():
             q, k, v = ctx.project(*leaves)
         grads = attend_backward(grad, q.detach(), k.detach(), v.detach(), out, lse,
-                                ctx.segments, ctx.scale)
+                                ctx.segments, ctx.kernel, ctx.states)
         roots = [(t, g) for t, g in zip((q, k, v), grads) if t.requires_grad]
         torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
         return None, None, None, *(None if t is None else t.grad for t in leaves)
 
 
 def recomputed_attention(project: Callable, x, weight, bias, segments: Segments,
-                         scale: float | None) -> torch.Tensor:
+                         scale: float | None, dropout: float = 0.0) -> torch.Tensor:
     """:func:`~megatron.plugin.layers.packed_attention.packed_attention` of ``project(x, weight,
     bias) -> (q, k, v)``, keeping ``x``, ``weight``, ``bias``, the output and the log-sum-exp,
     and projecting again in the backward (``project`` must be deterministic and
     differentiable)."""
-    return _RecomputedAttention.apply(project, segments, scale, x, weight, bias)
+    kernel = block_kernel(x, dropout, scale)
+    return _RecomputedAttention.apply(project, segments, kernel, x, weight, bias)

@@ -180,15 +180,21 @@ class HelixProgram(PartProgram):
         return contextlib.nullcontext()
 
     def _attend(self, x, weight, bias, layout) -> torch.Tensor:
-        """``attn(l)`` with the shipped weights: through the packed CPU kernel where it
-        serves (the QKV projection recomputed in the backward under recomputation without
-        attention), else through Megatron's ``SelfAttention``."""
+        """``attn(l)`` with the shipped weights: through the packed attention (the QKV
+        projection recomputed in the backward under recomputation without attention; dropout
+        drawing where the core attention draws), or through Megatron's ``SelfAttention`` for
+        an attention output gate."""
         attention = self.module.foreign_attention
         core = attention.core_attention
-        dropout = core.dropout if self.training else 0.0
-        if self.config.attention_output_gate or not packed_attention.supported(x, dropout):
+        if self.config.attention_output_gate:
             attention.linear_qkv.use(weight, bias)
             return attention(x, attention_mask=None, packed_seq_params=layout)[0]
+        with core._dropout_rng():
+            return self._attend_packed(attention, x, weight, bias, layout)
+
+    def _attend_packed(self, attention, x, weight, bias, layout) -> torch.Tensor:
+        core = attention.core_attention
+        dropout = core.dropout if self.training else 0.0
 
         def project(x, weight, bias):
             attention.linear_qkv.use(weight, bias)
@@ -198,9 +204,9 @@ class HelixProgram(PartProgram):
         segments = packed_attention.row_segments(layout, x.shape[1])
         if self.recompute_boundaries:
             return helix_attention.recomputed_attention(project, x, weight, bias, segments,
-                                                        core.softmax_scale)
+                                                        core.softmax_scale, dropout)
         return packed_attention.packed_attention(*project(x, weight, bias), segments,
-                                                 core.softmax_scale)
+                                                 core.softmax_scale, dropout)
 
     def _read_batch(self, unit: int) -> None:
         capture = _Capture(self.module)

@@ -27,10 +27,10 @@ is computed in the forward. With ``--helix-mlp-chunk-size`` the LM head and the 
 the same sequence chunks as the MLP (:mod:`helix.chunked_loss`), so only one chunk's logits
 exist at a time.
 
-Attention parts on CPU run :mod:`megatron.plugin.layers.packed_attention` (the fused flash kernel
-per document, one output buffer, the log-sum-exp kept) or, under recomputation without
-attention, :mod:`helix.attention`; elsewhere, or with attention dropout in training,
-Megatron's ``SelfAttention`` with the project's core attention.
+Attention parts run :mod:`megatron.plugin.layers.packed_attention` (a block kernel per
+document, one output buffer, the log-sum-exp kept) or, under recomputation without attention,
+:mod:`helix.attention`, on every device and with dropout; Megatron's ``SelfAttention`` with
+the project's core attention runs only an attention output gate.
 
 Recomputation without attention (``--helix-recompute-without-attention``): a boundary's
 forward runs without autograd and keeps only its inputs (the attention output and residual

@@ -166,8 +166,6 @@ def test_flash_attn_runs_once_per_packed_row_with_the_documents_as_cu_seqlens(
     calls = []
     monkeypatch.setattr(attention, "flash_attn_varlen_func", _varlen_reference(calls))
     monkeypatch.setattr(attention, "flash_usable", lambda x: True)
-    # As on CUDA, where the fused CPU kernel does not serve.
-    monkeypatch.setattr(attention.packed_attention, "supported", lambda x, dropout: False)
     got = attn(q, k, v, packed_seq_params=layout)
     assert calls == [([0, 5, 6, 15, 18], [0, 5, 6, 15, 18], 9, 9),
                      ([0, 7, 14, 18], [0, 7, 14, 18], 7, 7)]

@@ -9,7 +9,7 @@ from megatron.core.transformer import TransformerConfig
 from helix.attention import recomputed_attention
 from megatron.plugin.layers.attention import DocumentAttention, RopeSettings
 from megatron.plugin.layers.layout import PackedDocuments, document_segments
-from megatron.plugin.layers.packed_attention import packed_attention, row_segments, supported
+from megatron.plugin.layers.packed_attention import packed_attention, row_segments
 from megatron.plugin.layers.memory import SavedTensorMeter
 
 HEADS, DIM = 4, 8
@@ -160,8 +160,29 @@ def test_saves_only_what_the_backward_needs():
     assert saved == activation + weight.numel() * item + bias.numel() * item + activation + lse
 
 
-def test_supported_only_without_dropout_on_cpu():
-    x = torch.randn(2, 1, HIDDEN)
-    assert supported(x, 0.0)
-    assert not supported(x, 0.1)
-    assert not supported(x.to(torch.int32), 0.0)
+def test_dropout_masks_are_drawn_again_after_the_projection_is_recomputed():
+    """With attention dropout, recomputation without attention gives the packed attention's
+    values and gradients from the same seed (its backward draws each document's mask again
+    from the state its forward kept), saves the same bytes as without dropout, and drops."""
+    core, layout = make_core(None, 2), make_layout()
+    project = make_project(core, layout, 2)
+    segments = row_segments(layout, BATCH)
+    results = []
+    for recompute, dropout in ((False, 0.2), (True, 0.2), (True, 0.0)):
+        x, weight, bias, grad = inputs(2)
+        torch.manual_seed(7)
+        if recompute:
+            out, saved = _saved_bytes(lambda: recomputed_attention(
+                project, x, weight, bias, segments, None, dropout))
+        else:
+            out = packed_attention(*project(x, weight, bias), segments, None, dropout)
+            saved = None
+        grads = torch.autograd.grad(out, (x, weight, bias), grad)
+        results.append((out, grads, saved))
+    (plain, plain_grads, _), (again, again_grads, saved), (undropped, _, undropped_saved) = \
+        results
+    torch.testing.assert_close(again, plain, rtol=1e-12, atol=1e-12)
+    for a, b in zip(again_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert saved == undropped_saved
+    assert not torch.allclose(again, undropped)

@@ -25,17 +25,17 @@ that split for a split of the heads with one all-to-all each for Q, K and V (Meg
 the document layout and the K/V store see whole rows, so slicing and packing work unchanged --
 and trades back with one all-to-all of the output.
 
-Backends: torch SDPA per document on any device (exact, device-agnostic), flash-attn varlen on
-CUDA when importable and the inputs are fp16 or bf16 (fp32 falls back to SDPA, with a warning):
-once per packed row with the row's documents as ``cu_seqlens``, or per slice with its K/V
-context (``causal=True`` is bottom-right aligned there, which is the K/V-context semantics). A slice with context on CPU (no dropout, no grouped-query heads) runs
-:mod:`megatron.plugin.layers.context_attention`: one fused kernel call per K/V block merged by
-log-sum-exp, so neither the ``[s, c+s]`` mask nor a concatenated copy of the context is kept.
-Documents without context on CPU (no dropout) run :mod:`megatron.plugin.layers.packed_attention`:
-the
-same fused kernel per document writing into one output buffer, which the output projection
-saves as its input too, instead of per-document outputs plus the row built from them (one
-``[s, b, h]`` fewer saved per layer).
+Backends. A row of documents without context runs
+:mod:`megatron.plugin.layers.packed_attention` (one block-kernel call per document writing into
+one output buffer, which the output projection saves as its input too: one ``[s, b, h]`` fewer
+saved per layer), or on CUDA flash-attn varlen once per packed row with the row's documents as
+``cu_seqlens`` when it is importable and the inputs are fp16 or bf16 (fp32 falls back, with a
+warning). A row holding a segment with K/V context (a later slice, a multiplexed share) runs
+each segment through :mod:`megatron.plugin.layers.context_attention`: one kernel call per K/V
+block (each earlier slice as the store holds it, then the segment's own keys causally), merged
+by log-sum-exp, so neither a concatenated copy of the context nor an ``[s, c+s]`` mask exists.
+Both serve every device, dropout and grouped-query heads alike
+(:mod:`megatron.plugin.layers.attention_kernels` picks the kernel).
 """
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -172,14 +171,13 @@ class DocumentAttention(MegatronModule):
             raise ValueError("DocumentAttention needs PackedDocuments, got a THD PackedSeqParams")
         query, key = self.rotate(query, key, layout)
         dropout = self.dropout if self.training else 0.0
-        if packed_attention.supported(query, dropout) and not _has_context(layout):
+        if not _has_context(layout):
             self._record(key, value, layout)
+            if flash_usable(query):
+                return self._flash_rows(query, key, value, layout, dropout)
             return packed_attention.packed_attention(
                 query, key, value, packed_attention.row_segments(layout, batch),
-                self.softmax_scale)
-        if flash_usable(query) and not _has_context(layout):
-            self._record(key, value, layout)
-            return self._flash_rows(query, key, value, layout, dropout)
+                self.softmax_scale, dropout)
         rows = []
         for b in range(batch):
             segments = (layout.segments[b] if layout is not None and layout.segments
@@ -218,29 +216,8 @@ class DocumentAttention(MegatronModule):
         elif seg.slice_index > 0:
             raise ValueError(f"slice {seg.slice_index} of a document needs a KVStore for its context")
         dropout = self.dropout if self.training else 0.0
-        if context and context_attention.supported(q, k, dropout):
-            return context_attention.attend_with_context(q, k, v, context, self.softmax_scale)
-        if context:
-            k = torch.cat([key for key, _ in context] + [k], dim=0)
-            v = torch.cat([value for _, value in context] + [v], dim=0)
-        if flash_usable(q):
-            return self._flash(q, k, v, dropout)
-        ctx_len = k.shape[0] - q.shape[0]
-        # [1, heads, t, dim]: with a batch dimension and no mask, SDPA can pick a fused kernel
-        # that keeps no [t, t] matrix (the CPU flash kernel too); 3-D inputs fall back to math.
-        qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        gqa = qh.shape[1] != kh.shape[1]
-        if ctx_len == 0:
-            out = F.scaled_dot_product_attention(
-                qh, kh, vh, is_causal=True, dropout_p=dropout, scale=self.softmax_scale,
-                enable_gqa=gqa)
-        else:
-            rows = torch.arange(q.shape[0], device=q.device).unsqueeze(1) + ctx_len
-            mask = torch.arange(k.shape[0], device=q.device).unsqueeze(0) <= rows
-            out = F.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale,
-                enable_gqa=gqa)
-        return out.squeeze(0).transpose(0, 1)
+        return context_attention.attend_with_context(q, k, v, context, self.softmax_scale,
+                                                     dropout)
 
     def _flash_rows(self, query, key, value, layout, dropout):
         """flash-attn varlen once per packed row ``[s, heads, dim]``, its documents (and the
@@ -257,14 +234,6 @@ class DocumentAttention(MegatronModule):
                 query[:, b], key[:, b], value[:, b], cu, cu, longest, longest,
                 dropout_p=dropout, softmax_scale=self.softmax_scale, causal=True))
         return torch.stack(rows, dim=1).reshape(seq, batch, -1)
-
-    def _flash(self, q, k, v, dropout):
-        """One document segment with its K/V context in front (causal aligned to the end)."""
-        cu_q = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-        cu_k = torch.tensor([0, k.shape[0]], dtype=torch.int32, device=q.device)
-        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, q.shape[0], k.shape[0],
-                                      dropout_p=dropout, softmax_scale=self.softmax_scale,
-                                      causal=True)
 
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)

@@ -40,8 +40,8 @@ it is enqueued or when the previous copy ends, whichever is later, and lasting
 takes those bytes off the device stash of its ``(stage, unit, part)`` when the copy *ends* (the
 device buffer is live until then), a reload puts them back when it *starts* (the device buffer
 is allocated first). A ``BACKWARD`` waits until the last copy of its key has ended.
-Copy time is not compute time (``busy``); a rank's finish time includes its copy stream. A
-schedule without memory actions replays exactly as before.
+Copy time is not compute time (``busy``); a rank's finish time includes its copy stream; a
+schedule without memory actions has no copy stream.
 
 The engine is a work list: a rank hands its actions, in order, to the handler of their kind
 (:data:`HANDLERS`: a new kind of action is a new entry) until a group it waits for has a

@@ -4,7 +4,7 @@
 
 1. placement: every stage lives on exactly one rank, no action appears twice on a rank;
 2. pairing: every forward (foreign-attention forward) has exactly one backward (attention
-   backward) after it on the same rank, every backward and recompute follows its forward, a
+   backward) on the same rank, every backward and recompute follows its forward, a
    recompute precedes its backward, a weight-gradient pass (``W``) follows its backward; an
    offload follows its forward and has its reload after
    it, and a reload follows its offload and precedes its backward (same stage, unit and part:

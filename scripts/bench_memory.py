@@ -1,17 +1,19 @@
-"""One GPU, pipeline size 1: each schedule's planned activation bytes against what it holds.
+"""Each schedule's planned activation bytes against what it holds, side by side.
 
-    python scripts/bench_gpu_memory.py [--seq-length 32768] [--schedules default,elastic,...]
+    python scripts/bench_memory.py [--pp 1] [--seq-length 32768] [--schedules default,...]
         [--json OUT]
 
-Launches ``pretrain_gpt_elastic.py`` once per schedule on one CUDA device (bf16, Megatron-LM's
-default dropout 0.1, ``--mock-data`` documents up to ``--seq-length`` tokens, a GPT of
-``--num-layers`` x ``--hidden-size``), three iterations each, and reads the last iteration of
-its ``--metrics-jsonl``: the plan's predicted activation bytes (elastic, seq1f1b and sppo make
-one), the bytes autograd saved for backward (the training loop's meter) and the CUDA
-allocator's peak over the forward-backward call, with the tokens per second. Prints one line
-per schedule with measured/planned; ``--json`` writes them all. The allocator's peak includes
-the model, its gradients and the optimizer state, so it is reported beside the saved bytes,
-not compared with the plan.
+Launches ``pretrain_gpt_elastic.py`` once per schedule on ``--pp`` ranks (one pipeline; on
+CUDA one GPU a rank in bf16, on CPU gloo ranks in fp32), under Megatron-LM's default dropout
+0.1, on ``--mock-data`` documents up to ``--seq-length`` tokens with a GPT of ``--num-layers``
+x ``--hidden-size``, three iterations each, and reads the last iteration of its
+``--metrics-jsonl`` (per-stage figures: the largest stage's): the plan's predicted activation
+bytes (elastic and seq1f1b make one), the bytes autograd saved for backward (the training
+loop's meter) and the CUDA allocator's peak over the forward-backward call (CUDA only), with
+the tokens per second.
+Prints one line per schedule with measured/planned (per stage too); ``--json`` writes them all.
+The allocator's peak includes the model, its gradients and the optimizer state, so it is
+reported beside the saved bytes, not compared with the plan.
 """
 import argparse
 import json
@@ -20,11 +22,14 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks)")
     parser.add_argument("--seq-length", type=int, default=32768)
     parser.add_argument("--global-batch-size", type=int, default=4)
     parser.add_argument("--num-layers", type=int, default=8)
@@ -43,7 +48,7 @@ def run_schedule(args, schedule: str, workdir: str) -> dict:
     """One training run of ``schedule``; its last metrics record, or the error's tail."""
     metrics = os.path.join(workdir, f"{schedule}.jsonl")
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.pp),
         "--master-port", "29531", os.path.join(ROOT, "pretrain_gpt_elastic.py"),
         "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
         "--num-attention-heads", str(args.num_attention_heads),
@@ -52,8 +57,10 @@ def run_schedule(args, schedule: str, workdir: str) -> dict:
         "--lr", "1e-4", "--train-iters", str(args.iters), "--log-interval", "1",
         "--eval-interval", "1000", "--eval-iters", "0", "--calculate-per-token-loss",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "257", "--mock-data",
-        "--seed", "1234", "--bf16", "--pipeline-schedule", schedule,
-        "--metrics-jsonl", metrics]
+        "--seed", "1234", "--pipeline-model-parallel-size", str(args.pp),
+        "--pipeline-schedule", schedule, "--metrics-jsonl", metrics]
+    if torch.cuda.is_available():
+        command.append("--bf16")
     if schedule in ("elastic", "seq1f1b"):
         command += ["--elastic-slices", str(args.slices)]
     if schedule == "sppo":
@@ -68,19 +75,21 @@ def run_schedule(args, schedule: str, workdir: str) -> dict:
     with open(metrics) as f:
         record = [json.loads(line) for line in f][-1]
     keep = ("lm_loss", "num_tokens", "tokens_per_s", "forward_backward_s",
-            "peak_activation_bytes", "planned_activation_bytes", "device_peak_bytes")
+            "peak_activation_bytes", "planned_activation_bytes", "device_peak_bytes",
+            "peak_activation_bytes_per_stage", "planned_activation_bytes_per_stage")
     result = {key: record[key] for key in keep if key in record}
     if result.get("planned_activation_bytes"):
         result["measured_over_planned"] = (result["peak_activation_bytes"]
                                            / result["planned_activation_bytes"])
+        result["measured_over_planned_per_stage"] = [
+            measured / planned for measured, planned in
+            zip(result["peak_activation_bytes_per_stage"],
+                result["planned_activation_bytes_per_stage"])]
     return result
 
 
 def main(argv=None):
     args = parse_args(argv)
-    import torch
-    if not torch.cuda.is_available():
-        sys.exit("error: no CUDA device visible: run this on a GPU machine")
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
         for schedule in args.schedules.split(","):
@@ -94,9 +103,13 @@ def main(argv=None):
             print(f"{schedule:8s} saved {result['peak_activation_bytes'] / 2**20:9.1f} MiB  "
                   f"planned {planned / 2**20 if planned else float('nan'):9.1f} MiB  "
                   f"measured/planned {ratio if ratio else float('nan'):6.2f}  "
-                  f"device peak {result.get('device_peak_bytes', 0) / 2**20:9.1f} MiB  "
-                  f"{result['tokens_per_s']:10.0f} tokens/s", flush=True)
-    report = {"argv": sys.argv[1:], "device": torch.cuda.get_device_name(),
+                  f"device peak {result.get('device_peak_bytes', float('nan')) / 2**20:9.1f} "
+                  f"MiB  {result['tokens_per_s']:10.0f} tokens/s", flush=True)
+            if ratio and args.pp > 1:
+                stages = " ".join(f"{r:.2f}" for r in result["measured_over_planned_per_stage"])
+                print(f"{'':8s} measured/planned per stage: {stages}", flush=True)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    report = {"argv": sys.argv[1:], "device": device,
               "torch": torch.__version__, "setup": vars(args), "schedules": results}
     if args.json:
         with open(args.json, "w") as f:

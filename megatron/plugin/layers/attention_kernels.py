@@ -1,0 +1,165 @@
+"""Attention kernels over one block of keys that return and accept their softmax statistics.
+
+A *block kernel* attends a query ``[1, heads, s, dim]`` to one block of keys and values
+``[1, heads, t, dim]`` (unmasked, or causally when the block is the query's own tokens, ``t ==
+s``) and returns ``(out, lse, state)``: the block's output in the input dtype, the log-sum-exp of
+each query row's scores over the block (``[1, heads, s]``, fp32, or fp64 for fp64 inputs) and what its backward needs to
+draw the same dropout mask again. Its backward takes the gradient of the *merged* output over all
+blocks together with the merged output and log-sum-exp (``rowsum(dO * O)`` and the row's final
+normaliser are all a softmax backward needs of the other blocks), so each block's ``dQ, dK, dV``
+are exactly its share; :mod:`~megatron.plugin.layers.context_attention` merges the blocks.
+
+Kernels, chosen by :func:`block_kernel` from the device, the dtype and the dropout:
+
+* :class:`CudaFlash`: torch's flash-attention operator
+  (``aten._scaled_dot_product_flash_attention`` and its backward) for fp16/bf16 on CUDA; dropout
+  from the CUDA generator, its Philox state returned by the forward and handed to the backward.
+* :class:`CudaEfficient`: torch's memory-efficient operator for fp32 on CUDA (its log-sum-exp
+  is padded along the queries; the kernel trims it and pads the merged one back).
+* :class:`CpuFlash`: the fused CPU flash kernel SDPA picks on CPU, without dropout.
+* :class:`CpuMath`: the block computed with matrix products (any device and dtype, dropout
+  included): the mask is drawn from a generator seeded by one draw of the default CPU generator
+  (so Megatron's RNG tracker decides it, as it does SDPA's) and drawn again from that seed in
+  backward; nothing of the block's ``[heads, s, t]`` scores is kept.
+
+Torch's operators rather than flash-attn's: they ship with every torch the project supports
+(2.6 on), take the same arguments on every GPU, and their forward returns the log-sum-exp and
+the dropout state that their backward accepts (flash-attn's varlen functions hide both behind
+their autograd function). Grouped-query heads are expanded per block by the caller.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+"""Element types the fused CPU flash kernel takes."""
+flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+"""The fused CPU flash kernel: ``(out, lse)`` of ``[b, heads, t, dim]`` inputs."""
+flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def heads_first(t: torch.Tensor) -> torch.Tensor:
+    """``[t, heads, dim]`` -> ``[1, heads, t, dim]`` (a view), the kernels' layout."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+class CpuFlash:
+    """The fused CPU flash kernel (no dropout)."""
+
+    def __init__(self, dropout: float, scale: float | None):
+        del dropout
+        self.scale = scale
+
+    def forward(self, q, k, v, causal: bool):
+        out, lse = flash_forward(q, k, v, 0.0, causal, scale=self.scale)
+        return out, lse, None
+
+    def backward(self, grad, q, k, v, out, lse, causal: bool, state):
+        del state
+        return flash_backward(grad, q, k, v, out, lse, 0.0, causal, scale=self.scale)
+
+
+class CpuMath:
+    """The block by matrix products in fp32 (fp64 for fp64 inputs), with dropout drawn again in
+    backward."""
+
+    def __init__(self, dropout: float, scale: float | None):
+        self.dropout = dropout
+        self.scale = scale
+
+    def _probabilities(self, q, k, causal: bool, lse=None):
+        """``(p, lse)``: softmax probabilities of the block (normalised by ``lse`` when given,
+        else by the block's own log-sum-exp)."""
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        work = torch.promote_types(q.dtype, torch.float32)
+        scores = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * scale
+        if causal:
+            s, t = scores.shape[-2:]
+            scores = scores.masked_fill(
+                torch.ones(s, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        if lse is None:
+            lse = torch.logsumexp(scores, dim=-1)
+        return torch.exp(scores - lse.unsqueeze(-1)), lse
+
+    def _keep(self, p: torch.Tensor, seed):
+        """``p`` with dropout applied (scaled by ``1 / (1 - dropout)``), its mask from ``seed``."""
+        if seed is None:
+            return p
+        generator = torch.Generator(device=p.device).manual_seed(seed)
+        kept = torch.rand(p.shape, generator=generator, device=p.device) >= self.dropout
+        return p * kept / (1.0 - self.dropout)
+
+    def forward(self, q, k, v, causal: bool):
+        p, lse = self._probabilities(q, k, causal)
+        seed = int(torch.randint(2**62, (1,))) if self.dropout > 0 else None
+        out = torch.matmul(self._keep(p, seed), v.to(p.dtype))
+        return out.to(q.dtype), lse, seed
+
+    def backward(self, grad, q, k, v, out, lse, causal: bool, state):
+        p, _ = self._probabilities(q, k, causal, lse)
+        work = p.dtype
+        grad = grad.to(work)
+        dropped = self._keep(p, state)
+        grad_value = torch.matmul(dropped.transpose(-1, -2), grad)
+        grad_p = self._keep(torch.matmul(grad, v.to(work).transpose(-1, -2)), state)
+        row = (grad * out.to(work)).sum(-1, keepdim=True)
+        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        grad_scores = p * (grad_p - row) * scale
+        grad_query = torch.matmul(grad_scores, k.to(work))
+        grad_key = torch.matmul(grad_scores.transpose(-1, -2), q.to(work))
+        return grad_query.to(q.dtype), grad_key.to(k.dtype), grad_value.to(v.dtype)
+
+
+class CudaFlash:
+    """torch's CUDA flash-attention operator (fp16, bf16)."""
+
+    def __init__(self, dropout: float, scale: float | None):
+        self.dropout = dropout
+        self.scale = scale
+
+    def forward(self, q, k, v, causal: bool):
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = \
+            torch.ops.aten._scaled_dot_product_flash_attention(
+                q, k, v, self.dropout, causal, False, scale=self.scale)
+        return out, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+    def backward(self, grad, q, k, v, out, lse, causal: bool, state):
+        cum_q, cum_k, max_q, max_k, seed, offset = state
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, self.dropout, causal, seed,
+            offset, scale=self.scale)
+
+
+class CudaEfficient:
+    """torch's CUDA memory-efficient operator (fp32); its log-sum-exp rows are padded."""
+
+    def __init__(self, dropout: float, scale: float | None):
+        self.dropout = dropout
+        self.scale = scale
+
+    def forward(self, q, k, v, causal: bool):
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, self.dropout, causal, scale=self.scale)
+        return out, lse[..., :q.shape[2]].float(), (seed, offset, lse.shape[-1])
+
+    def backward(self, grad, q, k, v, out, lse, causal: bool, state):
+        seed, offset, padded = state
+        lse = torch.nn.functional.pad(lse, (0, padded - lse.shape[-1]))
+        grad_query, grad_key, grad_value, _ = \
+            torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+                grad, q, k, v, None, out, lse, seed, offset, self.dropout,
+                [True, True, True, False], causal, scale=self.scale)
+        return grad_query, grad_key, grad_value
+
+
+def block_kernel(query: torch.Tensor, dropout: float, scale: float | None):
+    """The block kernel for ``query``'s device and dtype with this (effective) dropout."""
+    if query.is_cuda:
+        if query.dtype in (torch.float16, torch.bfloat16):
+            return CudaFlash(dropout, scale)
+        return CudaEfficient(dropout, scale)
+    if dropout == 0.0 and query.device.type == "cpu" and query.dtype in FLASH_DTYPES:
+        return CpuFlash(dropout, scale)
+    return CpuMath(dropout, scale)
