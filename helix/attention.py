@@ -38,8 +38,8 @@ class _RecomputedAttention(torch.autograd.Function):
                   for t, needs in zip((x, weight, bias), ctx.needs_input_grad[3:])]
         with torch.enable_grad():
             q, k, v = ctx.project(*leaves)
-        grads = attend_backward(grad, q.detach(), k.detach(), v.detach(), out, lse,
-                                ctx.segments, ctx.kernel, ctx.states)
+        *grads, _ = attend_backward(grad, q.detach(), k.detach(), v.detach(), out, lse,
+                                    ctx.segments, ctx.kernel, ctx.states)
         roots = [(t, g) for t, g in zip((q, k, v), grads) if t.requires_grad]
         torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
         return None, None, None, *(None if t is None else t.grad for t in leaves)

@@ -198,7 +198,9 @@ class CostModel:
             self.kv_per_token, self.dkv_per_token = measured.kv, measured.dkv
             self.embedding_per_token, self.logits_per_token = measured.embedding, measured.head
         else:
-            self.full_per_token = e * (9 * h + f + w) / shard
+            # Two hidden-dropout masks of one byte an element, when that dropout is on.
+            masks = 2 * h if model.hidden_dropout else 0
+            self.full_per_token = (e * (9 * h + f + w) + masks) / shard
             self.ckpt_per_token = e * h / shard
             self.kv_per_token = e * 2 * h / shard
             self.dkv_per_token = e * 2 * h / shard

@@ -61,7 +61,7 @@ def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
     model = ModelConfig("custom", args.num_layers, args.hidden_size, args.num_attention_heads,
                         args.ffn_hidden_size, vocab_size,
                         dtype=str(args.params_dtype).removeprefix("torch."),
-                        gated_mlp=args.swiglu)
+                        gated_mlp=args.swiglu, hidden_dropout=args.hidden_dropout > 0)
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
@@ -79,7 +79,7 @@ def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
 
 _COSTS: dict[tuple, CostModel] = {}
 _COST_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-               "params_dtype", "swiglu", "tensor_model_parallel_size",
+               "params_dtype", "swiglu", "hidden_dropout", "tensor_model_parallel_size",
                "pipeline_model_parallel_size", "context_parallel_size",
                "use_distributed_optimizer", "hardware_profile")
 

@@ -31,6 +31,9 @@ class ModelConfig:
     """Element type of the weights and activations: a key of :data:`DTYPE_BYTES`."""
     gated_mlp: bool = False
     """SwiGLU-style MLP: the first projection is ``2f`` wide (gate and value), ``f`` after."""
+    hidden_dropout: bool = False
+    """Dropout after the attention and after the MLP (Megatron's ``--hidden-dropout`` > 0):
+    each keeps a one-byte mask per element for its backward."""
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

@@ -17,7 +17,7 @@ python -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1 \
   --max-position-embeddings 512 --position-embedding-type rope --normalization RMSNorm --swiglu \
   --micro-batch-size 1 --global-batch-size 16 --train-iters 40 \
   --lr 3e-3 --min-lr 3e-4 --lr-decay-style cosine --lr-warmup-iters 4 --weight-decay 0.01 \
-  --clip-grad 1.0 --hidden-dropout 0 --attention-dropout 0 --seed 1234 \
+  --clip-grad 1.0 --seed 1234 \
   --pipeline-model-parallel-size 2 --pipeline-schedule elastic --elastic-min-slice-tokens 128 \
   --calculate-per-token-loss --tokenizer-type NullTokenizer --vocab-size 257 \
   --log-interval 5 --eval-interval 20 --eval-iters 2 \

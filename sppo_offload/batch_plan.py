@@ -70,9 +70,11 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
 
 
 def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, offload,
-                 memory_gb: float, host_memory_gb: float | None, token_split: int = 1) -> None:
-    """Raise before any compute when the plan of documents of ``lengths`` tokens does not fit
-    (module doc, step 6); ``subsequences``, ``offload`` and ``token_split`` as planned."""
+                 memory_gb: float, host_memory_gb: float | None,
+                 token_split: int = 1) -> list[float]:
+    """The simulated peak device bytes per stage of the plan of documents of ``lengths``
+    tokens; raises before any compute when it does not fit (module doc, step 6);
+    ``subsequences``, ``offload`` and ``token_split`` as planned."""
     peak, host = replay(plan, cost)
     if host_memory_gb is not None and max(host) > host_memory_gb * GB:
         stage = host.index(max(host))
@@ -83,7 +85,7 @@ def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, 
             f"{_ceil_gb(max(host)):g}" + (", or lower --sppo-offload, or use auto (it lowers "
                                           "the ratios to fit)" if offload != AUTO else ""))
     if max(peak) <= memory_gb * GB:
-        return
+        return peak
     cap = None if host_memory_gb is None else host_memory_gb * GB
     saver = plan if offload != AUTO else plan_subsequences(
         lengths, cost, subsequences, offload, token_split, cap, most_saving=True)

@@ -97,4 +97,6 @@ def run(call: RankCall) -> list:
 
 SPEC = ScheduleSpec(NAME, run=run, input_type=SubsequenceBatch,
                     argument_groups=(job_costs.add_arguments, add_arguments),
-                    check_args=check_args, prepare_input=prepare_input, build_ir=sppo_ir)
+                    check_args=check_args, prepare_input=prepare_input, build_ir=sppo_ir,
+                    report=lambda batch: {"planned_activation_bytes":
+                                          batch.planned_activation_bytes})

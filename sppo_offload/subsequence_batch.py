@@ -38,6 +38,9 @@ class SubsequenceBatch(ChunkRows):
     multiplex: bool = False
     """The schedule is :func:`~sppo_offload.multiplex.multiplexed_schedule` (unit 0's shares
     run by :class:`~sppo_offload.mux_runtime.MultiplexProgram`)."""
+    planned_activation_bytes: float | None = None
+    """This stage's simulated peak device bytes less its model state: what the plan predicts
+    the activations hold (the training loop reports it beside the measured peak)."""
 
     def shape_of(self, action: Action) -> tuple[int, int, int]:
         if action.part is None:
@@ -55,12 +58,12 @@ def prepare_input(documents, args, model):
     host_gb = args.sppo_host_memory_gb
     plan = plan_subsequences(mine, cost, args.sppo_subsequences, args.sppo_offload, tp * cp,
                              None if host_gb is None else host_gb * GB)
-    check_budget(mine, plan, cost, args.sppo_subsequences, args.sppo_offload,
-                 memory_budget_gb(args), host_gb, tp * cp)
+    peaks = check_budget(mine, plan, cost, args.sppo_subsequences, args.sppo_offload,
+                         memory_budget_gb(args), host_gb, tp * cp)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     offloaded = lambda action: plan.alphas[action.stage][action.unit] > 0  # noqa: E731
     if args.sppo_multiplex:
-        _check_multiplexable(plan, cost, memory_budget_gb(args))
+        peaks = _check_multiplexable(plan, cost, memory_budget_gb(args))
         schedule = multiplexed_schedule(cost.pp, plan.counts[0], offloaded)
         block_groups(tuple(dist.get_process_group_ranks(
             parallel_state.get_pipeline_model_parallel_group())))
@@ -77,19 +80,22 @@ def prepare_input(documents, args, model):
     divisor = (tp if args.sequence_parallel else 1) * cp
     batch = SubsequenceBatch(schedule, batches, slices, args.hidden_size, divisor,
                              subsequences=plan, offloader=offloader,
-                             multiplex=args.sppo_multiplex)
+                             multiplex=args.sppo_multiplex,
+                             planned_activation_bytes=peaks[stage] - cost.static_bytes(stage))
     log.info("sppo plan: %d documents in %d subsequences, %d offloaded on stage %d",
              len(share), len(batch), sum(a > 0 for a in plan.alphas[stage]), stage)
     return batch, len(batch)
 
 
-def _check_multiplexable(plan: SubsequencePlan, cost: CostModel, memory_gb: float) -> None:
+def _check_multiplexable(plan: SubsequencePlan, cost: CostModel,
+                         memory_gb: float) -> list[float] | None:
     """Multiplexing fills the warm-up and cool-down of one sequence's pipeline, and must fit
     the memory budget the plain schedule was planned for (its helpers hold the weights they
     borrow: the simulated peak is refused when over ``memory_gb``, naming the stage). Every
     rank learns every replica's verdict (one gather) and they all raise the first problem
-    found, so no replica is left waiting in a collective for one that stopped."""
-    problem = None
+    found, so no replica is left waiting in a collective for one that stopped. Returns the
+    multiplexed schedule's simulated peak device bytes per stage."""
+    problem, peaks = None, None
     pp = cost.pp
     first = plan.chunks[0].pieces[0].tokens
     if len(plan.counts) != 1:
@@ -120,3 +126,4 @@ def _check_multiplexable(plan: SubsequencePlan, cost: CostModel, memory_gb: floa
     found = next((verdict for verdict in verdicts if verdict is not None), None)
     if found is not None:
         raise ValueError(found)
+    return peaks

@@ -1,13 +1,11 @@
 """What a schedule reports about one training step, to Megatron-LM's log and to a JSON-lines file.
 
 :class:`StepReporter` measures one forward-backward call (wall time, the bytes autograd
-saved for backward through :class:`~megatron.plugin.layers.memory.SavedTensorMeter` and, on CUDA,
-the
-allocator's peak over the call: :func:`~megatron.plugin.layers.memory.device_peak_bytes`), reads
-what
-the schedule's input carries (the plan's predicted activation peak, planning time, padding:
-helix's empty micro-batches, the padded share of Megatron's packed rows) and
-turns it into:
+saved for backward through :class:`~megatron.plugin.layers.memory.SavedTensorMeter` and, on
+CUDA, the allocator's peak over the call:
+:func:`~megatron.plugin.layers.memory.device_peak_bytes`), reads what the schedule's input
+carries (the plan's predicted activation peak, planning time, padding: helix's empty
+micro-batches, the padded share of Megatron's packed rows) and turns it into:
 
 * **entries of Megatron's loss dictionary**: ``[value, 1]`` pairs next to ``lm loss``. Megatron's
   ``train_step`` averages each pair over the data-parallel ranks (every rank reports the same

@@ -1,6 +1,6 @@
-"""Blockwise attention over K/V context (``megatron.plugin.layers.context_attention``): every
-block kernel against full attention over the concatenated keys, dropout drawn again in
-backward, and saved bytes that do not grow with the context.
+"""Blockwise attention over K/V context (``megatron.plugin.layers.context_attention`` through
+``packed_attention``): every block kernel against full attention over the concatenated keys,
+dropout drawn again in backward, and saved bytes that do not grow with the context.
 
 Tolerances: fp64 on CPU 1e-10 (the merge is exact up to rounding); fp32 on CUDA 2e-5 (the
 memory-efficient kernel accumulates in fp32); bf16 on CUDA 2e-2 absolute and relative on unit-
@@ -11,7 +11,7 @@ import contextlib
 import pytest
 import torch
 
-from megatron.plugin.layers import attention_kernels, context_attention
+from megatron.plugin.layers import attention_kernels, packed_attention
 from megatron.plugin.layers.attention import DocumentAttention
 from megatron.plugin.layers.kv_store import KVStore
 from megatron.plugin.layers.layout import PackedDocuments, Segment
@@ -58,13 +58,15 @@ def reference(query, pairs, scale=None):
 
 
 def blockwise(kernel, query, pairs):
-    """The merged attention through ``kernel`` (``[s, HEADS, DIM]``)."""
-    first = attention_kernels.heads_first
+    """The merged attention through ``kernel`` (``[s, HEADS, DIM]``): one row holding one
+    segment whose context is every pair but the last."""
     (key, value), context = pairs[-1], pairs[:-1]
-    flat = [first(t) for pair in context for t in pair]
-    out = context_attention._ContextAttention.apply(kernel, first(query), first(key),
-                                                    first(value), *flat)
-    return out.squeeze(0).transpose(0, 1)
+    tokens = query.shape[0]
+    flat = [t for pair in context for t in pair]
+    out = packed_attention._PackedAttention.apply(
+        ((Segment(0, tokens),),), kernel, [[list(context)]], query[:, None], key[:, None],
+        value[:, None], *flat)
+    return out.view(tokens, HEADS, DIM)
 
 
 @pytest.mark.parametrize("kernel_type,device,dtype,tol", KERNELS)
@@ -167,3 +169,4 @@ def test_a_slice_saves_no_more_with_a_longer_context(monkeypatch, groups, dropou
     assert long == short
     # q, own k/v, merged output and its log-sum-exp (fp32), at most.
     assert short <= 64 * (HEADS * DIM * 2 + 2 * groups * DIM + HEADS) * 4
+

@@ -1,7 +1,6 @@
 """``megatron.plugin.layers.packed_attention`` and ``helix.attention``: the same values and
-gradients
-as SDPA per document (RoPE and grouped-query heads included), and only the claimed tensors
-saved for backward."""
+gradients as SDPA per document (RoPE and grouped-query heads included), and only the claimed
+tensors saved for backward."""
 import pytest
 import torch
 from megatron.core.transformer import TransformerConfig

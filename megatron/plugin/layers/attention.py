@@ -25,17 +25,16 @@ that split for a split of the heads with one all-to-all each for Q, K and V (Meg
 the document layout and the K/V store see whole rows, so slicing and packing work unchanged --
 and trades back with one all-to-all of the output.
 
-Backends. A row of documents without context runs
-:mod:`megatron.plugin.layers.packed_attention` (one block-kernel call per document writing into
-one output buffer, which the output projection saves as its input too: one ``[s, b, h]`` fewer
-saved per layer), or on CUDA flash-attn varlen once per packed row with the row's documents as
-``cu_seqlens`` when it is importable and the inputs are fp16 or bf16 (fp32 falls back, with a
-warning). A row holding a segment with K/V context (a later slice, a multiplexed share) runs
-each segment through :mod:`megatron.plugin.layers.context_attention`: one kernel call per K/V
-block (each earlier slice as the store holds it, then the segment's own keys causally), merged
-by log-sum-exp, so neither a concatenated copy of the context nor an ``[s, c+s]`` mask exists.
-Both serve every device, dropout and grouped-query heads alike
-(:mod:`megatron.plugin.layers.attention_kernels` picks the kernel).
+Backends. Every row runs :mod:`megatron.plugin.layers.packed_attention`: each segment
+attends over its K/V context blocks (a later slice: each earlier slice's K/V as the store holds
+it; a multiplexed share: what the share returns) and causally over its own keys, one kernel call
+per block merged by log-sum-exp (:mod:`megatron.plugin.layers.context_attention`), into one
+output buffer that the output projection saves as its input too. No concatenated copy of the
+context and no ``[s, c+s]`` mask exists, on every device, with dropout and grouped-query heads
+alike (:mod:`megatron.plugin.layers.attention_kernels` picks the kernel). On CUDA a row without
+context runs flash-attn varlen instead, once per packed row with the row's documents as
+``cu_seqlens``, when it is importable and the inputs are fp16 or bf16 (fp32 falls back, with a
+warning).
 """
 from __future__ import annotations
 
@@ -51,7 +50,7 @@ from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.module import MegatronModule
 
-from megatron.plugin.layers import context_attention, packed_attention
+from megatron.plugin.layers import packed_attention
 from megatron.plugin.layers.layout import PackedDocuments, Segment
 
 try:  # optional GPU backend
@@ -178,22 +177,15 @@ class DocumentAttention(MegatronModule):
             return packed_attention.packed_attention(
                 query, key, value, packed_attention.row_segments(layout, batch),
                 self.softmax_scale, dropout)
-        rows = []
-        for b in range(batch):
-            segments = (layout.segments[b] if layout is not None and layout.segments
-                        else (Segment(0, seq),))
-            outs = [self._segment(query[:, b], key[:, b], value[:, b], seg, layout)
-                    for seg in segments]
-            covered = sum(seg.length for seg in segments)
-            if covered != seq:
-                raise ValueError(f"segments cover {covered} tokens of a {seq}-token row")
-            rows.append(torch.cat(outs, dim=0) if len(outs) > 1 else outs[0])
-        out = torch.stack(rows, dim=1)
-        return out.reshape(seq, batch, -1)
+        rows = layout.segments or ((Segment(0, seq),),) * batch
+        contexts = [[self._context(key[:, b], value[:, b], seg, layout) for seg in row]
+                    for b, row in enumerate(rows)]
+        return packed_attention.packed_attention(query, key, value, rows, self.softmax_scale,
+                                                 dropout, contexts)
 
     def _record(self, key, value, layout) -> None:
         """Put the K/V of the layout's recorded segments (first slices of split documents)
-        into its store, as :meth:`_segment` does one segment at a time."""
+        into its store, as :meth:`_context` does one segment at a time."""
         if layout is None or layout.kv_store is None or not layout.record_kv:
             return
         for b, row in enumerate(layout.segments):
@@ -203,21 +195,20 @@ class DocumentAttention(MegatronModule):
                                            key[seg.start:seg.stop, b],
                                            value[seg.start:seg.stop, b])
 
-    def _segment(self, q, k, v, seg: Segment, layout):
-        """Causal attention of one document segment ``[t, heads, dim]`` (+ K/V context)."""
-        q, k, v = q[seg.start:seg.stop], k[seg.start:seg.stop], v[seg.start:seg.stop]
-        context = []
-        if layout is not None and layout.share is not None:
-            context = layout.share.context(k, v, self.layer_number)
-        elif seg.doc_key is not None and layout is not None and layout.kv_store is not None:
+    def _context(self, k, v, seg: Segment, layout) -> list:
+        """The K/V context blocks of one segment (of row ``k``/``v``, ``[s, groups, dim]``),
+        recording its own K/V in the store when the layout asks."""
+        k, v = k[seg.start:seg.stop], v[seg.start:seg.stop]
+        if layout.share is not None:
+            return layout.share.context(k, v, self.layer_number)
+        if seg.doc_key is not None and layout.kv_store is not None:
             context = layout.kv_store.context(seg.doc_key, seg.slice_index, self.layer_number)
             if layout.record_kv:
                 layout.kv_store.record(seg.doc_key, seg.slice_index, self.layer_number, k, v)
-        elif seg.slice_index > 0:
+            return context
+        if seg.slice_index > 0:
             raise ValueError(f"slice {seg.slice_index} of a document needs a KVStore for its context")
-        dropout = self.dropout if self.training else 0.0
-        return context_attention.attend_with_context(q, k, v, context, self.softmax_scale,
-                                                     dropout)
+        return []
 
     def _flash_rows(self, query, key, value, layout, dropout):
         """flash-attn varlen once per packed row ``[s, heads, dim]``, its documents (and the

@@ -24,7 +24,12 @@ then by order. Each transfer also carries a tag derived from its identity
 (:meth:`~megatron.plugin.pipeline.ir.Action.transfer_key`), so gloo cannot pair two different
 transfers even if the channel order were broken.
 
-Every wait has a timeout; the error names the rank, the action and the peer instead of hanging.
+Every wait has a deadline; a missed one names the rank, the action and the peer instead of
+hanging. On gloo the host waits, with a timeout, and raises :class:`TransferTimeout`. On NCCL a
+wait with a timeout would synchronise the host with the device at every transfer batch, so the
+compute stream waits on the batch instead (``work.wait()``) and the process's
+:class:`~megatron.plugin.pipeline.p2p_watchdog.TransferWatchdog` holds the deadline: past it,
+the same message is logged and the process ends.
 Handles and send buffers are released as soon as their batch completes (or, for transfers
 posted ahead with :meth:`PeerChannel.post`, when the caller waits for them or polls them
 complete).
@@ -42,6 +47,10 @@ import torch.distributed as dist
 
 from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.pipeline.ir import Action
+from megatron.plugin.pipeline.p2p_watchdog import TransferWatchdog
+
+WATCHDOG = TransferWatchdog()
+"""The deadlines of this process's transfers on NCCL."""
 
 
 class TransferTimeout(TimeoutError):
@@ -84,6 +93,8 @@ class PeerChannel:
         self.rank_label = rank_label
         self.timeout_s = timeout_s
         self.links = pipeline_links(tuple(dist.get_process_group_ranks(group)))
+        self.host_waits = dist.get_backend(group) != "nccl"
+        """Whether waits block the host (gloo); on NCCL the stream waits (module doc)."""
 
     def _global(self, stage: int) -> int:
         return dist.get_global_rank(self.group, stage)
@@ -132,7 +143,21 @@ class Posted:
         return False
 
     def wait(self) -> None:
-        """Wait for every transfer, or raise :class:`TransferTimeout` naming what is missing."""
+        """Wait for every transfer: on the host, raising :class:`TransferTimeout` naming what is
+        missing (gloo); or by making the compute stream wait and handing the works to the
+        watchdog with the same deadline (NCCL: the host goes on)."""
+        if self.channel.host_waits:
+            self._wait_on_host()
+        else:
+            for work in self.works:
+                work.wait()
+            actions = self.actions
+            WATCHDOG.watch(self.works, self.channel.timeout_s,
+                           lambda waited: _missing(self.channel, actions, None, waited,
+                                                   "watchdog"))
+        self.works = self.ops = []
+
+    def _wait_on_host(self) -> None:
         actions, works = self.actions, self.works
         start = time.monotonic()
         deadline = start + self.channel.timeout_s
@@ -144,16 +169,19 @@ class Posted:
             try:
                 work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as err:
-                waited = time.monotonic() - start
-                if action is None:
-                    what = "batch " + " ".join(str(a) for a in actions)
-                    peers = sorted({a.peer for a in actions})
-                    peer = f"peer stages {peers}"
-                else:
-                    what = ("send of " if action.is_send() else "receive of ") + str(action)
-                    peer = f"peer stage {action.peer}"
-                raise TransferTimeout(
-                    f"{self.channel.rank_label}: {what} ({peer}) did not complete within "
-                    f"{waited:.1f}s: the peer never posted the matching transfer or stopped; "
-                    f"raise --pipeline-timeout-s if the peer is only slow ({err})") from err
-        self.works = self.ops = []
+                raise TransferTimeout(_missing(self.channel, actions, action,
+                                               time.monotonic() - start, err)) from err
+
+
+def _missing(channel: PeerChannel, actions: list[Action], action: Action | None,
+             waited: float, cause) -> str:
+    """What a timeout names: the rank, the transfer (``action``) or the whole batch, the peer."""
+    if action is None:
+        what = "batch " + " ".join(str(a) for a in actions)
+        peer = f"peer stages {sorted({a.peer for a in actions})}"
+    else:
+        what = ("send of " if action.is_send() else "receive of ") + str(action)
+        peer = f"peer stage {action.peer}"
+    return (f"{channel.rank_label}: {what} ({peer}) did not complete within {waited:.1f}s: the "
+            f"peer never posted the matching transfer or stopped; raise --pipeline-timeout-s if "
+            f"the peer is only slow ({cause})")
