@@ -26,7 +26,8 @@ on CPU). A measured profile's activation bytes are used only if they were counte
 dtype (otherwise the run stops). With ``--elastic-refit-interval K`` the ranks record the
 executor's forward and backward times and, every ``K`` training iterations, refit the profile's
 eq. 1 coefficients and backward factor to them (:mod:`elastic_pipe.run_costs`); the log shows
-the fit and its error. The flags and their checks are :mod:`elastic_pipe.flags`.
+the fit and its error. The flags and their checks are :mod:`elastic_pipe.flags`; the drawing of
+one batch's plan (``build_ir``) is :mod:`elastic_pipe.drawing`.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 from longctx import job_costs
 
+from elastic_pipe.drawing import DRAW_ARGUMENTS, plan_builder
 from elastic_pipe.flags import add_arguments, check_args
 from elastic_pipe.planned_batch import PlannedBatch, input_functions
 from elastic_pipe.run_costs import MEASURED
@@ -72,7 +74,8 @@ def _spec(name: str) -> ScheduleSpec:
                         argument_groups=(job_costs.add_arguments, add_arguments),
                         check_args=check_args,
                         prepare_input=prepare_input, prefetch_input=prefetch_input,
-                        report=_report)
+                        report=_report, build_ir=plan_builder(name),
+                        draw_arguments=DRAW_ARGUMENTS, draw_units=False)
 
 
 ELASTIC = _spec("elastic")

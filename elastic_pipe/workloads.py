@@ -73,3 +73,7 @@ def github_like(count: int, seed: int) -> list[int]:
     sigmas = np.array([s for _, _, s in GITHUB_MIXTURE])[component]
     values = medians * np.exp(sigmas * rng.standard_normal(count))
     return [max(1, int(v)) for v in values]
+
+
+WORKLOADS = {"github-like": github_like}
+"""Generated workloads by name: ``generate(count, seed)`` -> lengths."""

@@ -1,4 +1,4 @@
-"""The flags of ``helix`` and what it refuses."""
+"""The flags of ``helix`` (training and drawing) and what it refuses."""
 from __future__ import annotations
 
 import argparse
@@ -18,6 +18,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="run each MLP block over chunks of TOKENS sequence positions, keeping "
                         "one chunk's intermediate activations at a time (see "
                         "helix/chunked_mlp.py)")
+
+
+def add_draw_arguments(parser: argparse.ArgumentParser) -> None:
+    """Helix's drawing flags (``scripts/show_schedule.py``, :func:`helix.schedule.helix_ir`);
+    ``--num-layers`` is shared (:func:`longctx.model_flags.add_num_layers`)."""
+    parser.add_argument("--helix-folds", type=int, default=2,
+                        help="micro-batches in flight per slot")
+    parser.add_argument("--recompute", action="store_true",
+                        help="recompute pre/post-attention parts before their backward")
+    parser.add_argument("--pre-cost", type=float, default=1.0,
+                        help="pre-attention forward (input norm, QKV projection)")
+    parser.add_argument("--attention-cost", type=float, default=1.0, help="attention forward")
+    parser.add_argument("--post-cost", type=float, default=2.0,
+                        help="post-attention forward (output projection, residual, norm, MLP)")
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -49,13 +49,15 @@ import functools
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from helix.batches import HelixBatches, prepare_input
-from helix.flags import add_arguments, check_args
+from helix.flags import add_arguments, add_draw_arguments, check_args
 from helix.model import HelixGPTModel
 from helix.program import HelixProgram
 from helix.schedule import PRE_TENSORS, HelixFlow, helix_ir, planned_helix
 from helix.stage_model import build_model, helix_process_groups
 from megatron.plugin.executor_call import run_this_rank
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
+
+from longctx.model_flags import add_num_layers
 
 
 def _transfer_shapes(config, seq_length: int, micro_batch_size: int, tp: int):
@@ -108,4 +110,4 @@ SPEC = ScheduleSpec("helix", run=run, input_type=HelixBatches,
                     argument_groups=(add_arguments,), check_args=check_args,
                     build_model=build_model, prepare_input=prepare_input,
                     report=lambda batches: {"padding_microbatches": batches.padding},
-                    build_ir=helix_ir)
+                    build_ir=helix_ir, draw_arguments=(add_num_layers, add_draw_arguments))

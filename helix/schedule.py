@@ -304,12 +304,16 @@ class HelixCosts:
         return 0.0
 
 
-def helix_ir(pp: int, microbatches: int, options: Options) -> Built:
-    """The helix schedule priced per part (``ScheduleSpec.build_ir``): ``options.num_layers``
-    layers (default ``2 pp``), its folds and recomputation; the backward of every part is
-    ``options.backward / options.forward`` times its forward."""
-    layers = options.num_layers if options.num_layers is not None else 2 * pp
-    schedule = planned_helix(pp, layers, microbatches, options.folds, options.recompute)
-    costs = HelixCosts(options.t_pre, options.t_attn, options.t_post, layers,
+def helix_ir(pp: int, microbatches: int, options: Options, *, num_layers: int | None,
+             helix_folds: int, recompute: bool, pre_cost: float, attention_cost: float,
+             post_cost: float) -> Built:
+    """The helix schedule priced per part (``ScheduleSpec.build_ir``; the keywords are its
+    drawing flags, :func:`helix.flags.add_draw_arguments`): ``num_layers`` layers (``None``:
+    ``2 pp``), its folds and recomputation, the pre-attention, attention and post-attention
+    forward costs; the backward of every part is ``options.backward / options.forward`` times
+    its forward."""
+    layers = num_layers if num_layers is not None else 2 * pp
+    schedule = planned_helix(pp, layers, microbatches, helix_folds, recompute)
+    costs = HelixCosts(pre_cost, attention_cost, post_cost, layers,
                        backward=options.backward / options.forward, transfer=options.transfer)
     return Built(schedule, costs, eager_sends=True)

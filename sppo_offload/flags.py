@@ -1,4 +1,4 @@
-"""The flags of ``sppo`` and what it refuses."""
+"""The flags of ``sppo`` (training and drawing) and what it refuses."""
 from __future__ import annotations
 
 import argparse
@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="device memory budget per GPU the batch's plan is checked against "
                         f"before computing, GB; default: the CUDA device's memory, "
                         f"{CPU_MEMORY_GB:g} on CPU")
+
+
+def add_draw_arguments(parser: argparse.ArgumentParser) -> None:
+    """SPPO's drawing flag (``scripts/show_schedule.py``, :func:`sppo_offload.pipeline.sppo_ir`)."""
+    parser.add_argument("--offload", action="store_true",
+                        help="offload every subsequence but the last, reload it before its "
+                             "backward")
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -119,13 +119,13 @@ def build_schedule(pp: int, num_subsequences: int | Sequence[int],
     return schedule
 
 
-def sppo_ir(pp: int, subsequences: int, options: Options) -> Built:
+def sppo_ir(pp: int, subsequences: int, options: Options, *, offload: bool) -> Built:
     """One sequence of ``subsequences`` subsequences with uniform unit costs
-    (``ScheduleSpec.build_ir``); with ``options.offload`` every subsequence but the last is
-    offloaded after its forward and reloaded one backward ahead (the copies cost nothing
-    here: unit costs price compute only)."""
+    (``ScheduleSpec.build_ir``; ``offload`` is its drawing flag,
+    :func:`sppo_offload.flags.add_draw_arguments`): with ``offload`` every subsequence but the
+    last is offloaded after its forward and reloaded one backward ahead (the copies cost
+    nothing here: unit costs price compute only)."""
     last = subsequences - 1
-    schedule = build_schedule(pp, subsequences,
-                              lambda action: options.offload and action.unit != last)
+    schedule = build_schedule(pp, subsequences, lambda action: offload and action.unit != last)
     return Built(schedule, UniformCosts(forward=options.forward, backward=options.backward,
                                         transfer=options.transfer))

@@ -67,7 +67,7 @@ from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 from longctx import job_costs
 
-from sppo_offload.flags import NAME, add_arguments, check_args
+from sppo_offload.flags import NAME, add_arguments, add_draw_arguments, check_args
 from sppo_offload.mux_runtime import MultiplexProgram, block_groups
 from sppo_offload.pipeline import sppo_ir
 from sppo_offload.subsequence_batch import SubsequenceBatch, prepare_input
@@ -99,4 +99,5 @@ SPEC = ScheduleSpec(NAME, run=run, input_type=SubsequenceBatch,
                     argument_groups=(job_costs.add_arguments, add_arguments),
                     check_args=check_args, prepare_input=prepare_input, build_ir=sppo_ir,
                     report=lambda batch: {"planned_activation_bytes":
-                                          batch.planned_activation_bytes})
+                                          batch.planned_activation_bytes},
+                    draw_arguments=(add_draw_arguments,))

@@ -32,8 +32,9 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as _schedules
 
 from megatron.plugin.batches import MicroBatches, pack_micro_batches, padding_fraction
+from megatron.plugin.drawing import DrawCommand, Drawable
 from megatron.plugin.layers.devices import collective_device
-from megatron.plugin.pipeline.catalog import one_f_one_b_ir
+from megatron.plugin.pipeline.catalog import SIMULATED, one_f_one_b_ir
 from megatron.plugin.reporting import StepReporter, loss_entries
 from megatron.plugin.schedule_spec import ScheduleSpec
 
@@ -53,12 +54,18 @@ _DISCOVERED = False
 
 
 def register(spec: ScheduleSpec) -> None:
-    """Register ``spec`` under its name (registering the same object again is a no-op)."""
-    if not spec.name or spec.name == DEFAULT:
+    """Register ``spec`` under its name (registering the same object again is a no-op).
+    Refused: a name taken (``default``, a simulate-only drawing of
+    :data:`~megatron.plugin.pipeline.catalog.SIMULATED`, another schedule), and a drawing flag
+    that another schedule's function or ``scripts/show_schedule.py`` already has."""
+    if not spec.name or spec.name == DEFAULT or spec.name in SIMULATED:
         raise ValueError(f"invalid schedule name {spec.name!r}")
     existing = _SPECS.get(spec.name)
     if existing is not None and existing is not spec:
         raise ValueError(f"schedule {spec.name!r} is already registered")
+    if existing is None and spec.build_ir is not None:
+        DrawCommand([*(_drawable(s) for s in _SPECS.values() if s.build_ir is not None),
+                     _drawable(spec)])
     _SPECS[spec.name] = spec
 
 
@@ -122,18 +129,39 @@ def get_schedule(name: str) -> Callable:
     return found.forward_backward
 
 
+def _drawable(found: ScheduleSpec) -> Drawable:
+    return Drawable(found.name, found.build_ir, found.draw_arguments, found.draw_units)
+
+
+def drawables() -> list[Drawable]:
+    """What ``scripts/show_schedule.py`` draws, by name: the schedules with an IR builder
+    (``ScheduleSpec.build_ir``) and the simulate-only ones, which ``--pipeline-schedule``
+    refuses (:data:`~megatron.plugin.pipeline.catalog.SIMULATED`)."""
+    found = {s.name: _drawable(s) for s in specs() if s.build_ir is not None}
+    found.update((name, Drawable(name, build)) for name, build in SIMULATED.items())
+    return [found[name] for name in sorted(found)]
+
+
 def drawable_names() -> list[str]:
-    """The schedules with an IR builder (``ScheduleSpec.build_ir``)."""
-    return [s.name for s in specs() if s.build_ir is not None]
+    """The names of :func:`drawables`."""
+    return [found.name for found in drawables()]
 
 
-def build_ir(name: str) -> Callable:
-    """The IR builder of schedule ``name`` (``ScheduleSpec.build_ir``)."""
+def drawable(name: str) -> Drawable:
+    """The drawable ``name``: a simulate-only one, or a registered schedule with an IR
+    builder."""
+    if name in SIMULATED:
+        return Drawable(name, SIMULATED[name])
     found = spec(name)
     if found is None or found.build_ir is None:
         raise ValueError(f"schedule {name!r} has no IR builder; schedules with one: "
                          f"{', '.join(drawable_names())}")
-    return found.build_ir
+    return _drawable(found)
+
+
+def build_ir(name: str) -> Callable:
+    """The IR builder of drawable ``name`` (``ScheduleSpec.build_ir``)."""
+    return drawable(name).build_ir
 
 
 class DocumentSchedule:

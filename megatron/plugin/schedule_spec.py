@@ -26,9 +26,15 @@ the name and one way to run is optional):
    ``planned_activation_bytes`` (this rank's stage; the loop takes the maximum per stage),
    ``plan_solve_s``, ``plan_wait_s``, ``padding_microbatches``, ``padding_fraction``
    (:mod:`megatron.plugin.reporting`).
-7. ``build_ir(pp, units, options) -> Built``: the schedule as IR with the unit costs that
+7. ``build_ir(pp, units, options, **knobs) -> Built``: the schedule as IR with the costs that
    price it (:mod:`megatron.plugin.pipeline.catalog`), for tools that draw, simulate or
-   validate it without running it (``scripts/show_schedule.py``).
+   validate it without running it (``scripts/show_schedule.py``). ``options`` are the unit
+   costs every schedule shares; ``draw_arguments`` are functions ``add(parser)`` adding the
+   schedule's own drawing flags, whose values ``build_ir`` takes as keywords named by their
+   ``dest``. A function may be shared by schedules (added once); two that add the same flag
+   are refused at registration. ``units`` is the drawing's ``--microbatches``; a schedule
+   that makes its units from its own flags (elastic plans a batch's documents) sets
+   ``draw_units=False`` and gets ``None``.
 """
 from __future__ import annotations
 
@@ -74,6 +80,8 @@ class ScheduleSpec:
     prefetch_input: Callable | None = None
     report: Callable[[Any], dict] | None = None
     build_ir: Callable | None = None
+    draw_arguments: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
+    draw_units: bool = True
     forward_backward: Callable = field(init=False, repr=False, compare=False)
     """Megatron's forward-backward signature: ``megatron_function``, or ``run`` wrapped."""
 
@@ -81,6 +89,8 @@ class ScheduleSpec:
         if (self.run is None) == (self.megatron_function is None):
             raise ValueError(f"schedule {self.name!r}: give exactly one of run and "
                              f"megatron_function")
+        if self.build_ir is None and (self.draw_arguments or not self.draw_units):
+            raise ValueError(f"schedule {self.name!r}: drawing flags without build_ir")
         object.__setattr__(self, "forward_backward",
                            self.megatron_function or _megatron_signature(self))
 

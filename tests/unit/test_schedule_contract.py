@@ -2,8 +2,10 @@
 source tree (``tests/schedules/gpipe.py``), registered through the registry's environment
 variable, is drawn by ``scripts/show_schedule.py``, priced by the simulator and validated
 (it is trained to the reference gradients in ``tests/distributed/test_golden_megatron.py``,
-layout ``pp2_gpipe_outside``); and every schedule's IR builder, and the lowering of an elastic
-plan, matches its golden files.
+layout ``pp2_gpipe_outside``); every registered schedule but Megatron's ``interleaved`` (and
+``default``, Megatron's choice) is drawn through the flags its spec declares, and the
+simulate-only ``zb1p`` too while ``--pipeline-schedule`` refuses it; every schedule's IR
+builder, and the lowering of an elastic plan, matches its golden files.
 
 Regenerate the golden files after an intended change with
 ``REGENERATE_GOLDEN=1 python -m pytest tests/unit/test_schedule_contract.py``.
@@ -17,7 +19,9 @@ import pytest
 
 from harness import assert_matches_golden, python_path
 from megatron.plugin import arguments, registry
+from megatron.plugin.drawing import DrawCommand
 from megatron.plugin.pipeline import catalog
+from megatron.plugin.schedule_spec import ScheduleSpec
 from megatron.plugin.pipeline.ir import format_schedule
 from megatron.plugin.pipeline.simulator import dry_run, simulate
 
@@ -78,34 +82,92 @@ def test_spec_in_the_environment_must_name_a_schedule_spec(monkeypatch):
         registry.schedule_names()
 
 
-#: (schedule, pp, units, options, golden file): the IR of every drawable project schedule
+def draw(name, *flags):
+    """What ``scripts/show_schedule.py --schedule NAME FLAGS`` builds."""
+    command = DrawCommand(registry.drawables())
+    return command.build(registry.drawable(name), command.parse(["--schedule", name, *flags]))
+
+
+#: (schedule, pp, units, drawing flags, golden file): the IR of every drawable project schedule
 #: (``1f1b-ir`` draws Megatron's 1F1B: the file of ``tests/unit/test_schedule_1f1b.py``).
 GOLDEN_CASES = [
-    ("1f1b-ir", 4, 9, catalog.Options(), "1f1b_pp4_m9"),
-    ("helix", 2, 4, catalog.Options(), "helix_pp2_m4"),
-    ("helix", 2, 3, catalog.Options(num_layers=4, recompute=True), "helix_pp2_m3_l4_recompute"),
-    ("helix", 4, 8, catalog.Options(folds=1), "helix_pp4_m8_folds1"),
-    ("sppo", 2, 4, catalog.Options(), "sppo_pp2_m4"),
-    ("sppo", 4, 6, catalog.Options(offload=True), "sppo_pp4_m6_offload"),
+    ("1f1b-ir", 4, 9, [], "1f1b_pp4_m9"),
+    ("helix", 2, 4, [], "helix_pp2_m4"),
+    ("helix", 2, 3, ["--num-layers", "4", "--recompute"], "helix_pp2_m3_l4_recompute"),
+    ("helix", 4, 8, ["--helix-folds", "1"], "helix_pp4_m8_folds1"),
+    ("sppo", 2, 4, [], "sppo_pp2_m4"),
+    ("sppo", 4, 6, ["--offload"], "sppo_pp4_m6_offload"),
 ]
 
 
-@pytest.mark.parametrize("name,pp,units,options,golden", GOLDEN_CASES)
-def test_ir_builder_matches_golden_file(name, pp, units, options, golden):
-    built = registry.build_ir(name)(pp, units, options)
+@pytest.mark.parametrize("name,pp,units,flags,golden", GOLDEN_CASES)
+def test_ir_builder_matches_golden_file(name, pp, units, flags, golden):
+    built = draw(name, "--pp", str(pp), "--microbatches", str(units), *flags)
     dry_run(built.schedule, eager_sends=built.eager_sends)
     text = format_schedule(built.schedule) + "\n"
     path = os.path.join(GOLDEN, f"{golden}.txt")
     assert_matches_golden(path, text)
 
 
-def test_every_project_schedule_is_drawable_or_says_where_it_is_drawn():
-    """``elastic`` and ``seq1f1b`` plan documents before they have a schedule: their IR is
-    drawn by ``python -m elastic_pipe.plan --gantt`` from a batch's lengths."""
-    assert set(registry.drawable_names()) >= {"1f1b", "1f1b-ir", "helix", "sppo"}
-    for name in ("elastic", "seq1f1b", "interleaved"):
-        with pytest.raises(ValueError, match=f"schedule '{name}' has no IR builder"):
-            registry.build_ir(name)
+#: A batch for the schedules that plan their own units (``draw_units=False``): ten documents,
+#: a tiny model on two stages, one solver worker.
+BATCH = ["3000", "120", "64", "900", "40", "2200", "300", "16", "700", "50"]
+TINY = ["--model", "custom", "--num-layers", "4", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--vocab-size", "512",
+        "--sp", "1", "--memory-gb", "16", "--workers", "1", "--solver-time-limit", "0.05"]
+
+
+def test_every_registered_schedule_but_interleaved_is_drawn(tmp_path):
+    """Megatron's ``interleaved`` (virtual stages) has no IR builder, ``default`` is whichever
+    Megatron picks; every other schedule is drawn with its spec's own flags."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("\n".join(BATCH) + "\n")
+    names = [name for name in registry.schedule_names() if name not in ("default",
+                                                                         "interleaved")]
+    assert set(names) >= {"1f1b", "1f1b-ir", "elastic", "helix", "seq1f1b", "sppo"}
+    for name in names:
+        if registry.drawable(name).draw_units:
+            built = draw(name, "--pp", "2", "--microbatches", "4")
+        else:
+            built = draw(name, "--pp", "2", "--lengths", str(lengths), *TINY)
+        dry_run(built.schedule, eager_sends=built.eager_sends)
+        assert simulate(built.schedule, built.costs, eager_sends=built.eager_sends) \
+            .iteration_time > 0, name
+    with pytest.raises(ValueError, match="schedule 'interleaved' has no IR builder"):
+        registry.build_ir("interleaved")
+
+
+def test_zb1p_is_drawn_but_not_trained(monkeypatch):
+    """ZB1P is simulate-only (the executor refuses its W actions): drawn at the zero-bubble
+    closed form 3m + p - 1 (B = W = half the backward), refused by ``--pipeline-schedule``."""
+    built = draw("zb1p", "--pp", "4", "--microbatches", "8")
+    assert simulate(built.schedule, built.costs, eager_sends=True).iteration_time == 3 * 8 + 3
+    assert "zb1p" in registry.drawable_names() and "zb1p" not in registry.schedule_names()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zb1p'"):
+        arguments.parse(["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads",
+                         "4", "--seq-length", "64", "--max-position-embeddings", "64",
+                         "--micro-batch-size", "1", "--global-batch-size", "8",
+                         "--train-iters", "1", "--lr", "1e-3",
+                         "--pipeline-model-parallel-size", "2", "--calculate-per-token-loss",
+                         "--tokenizer-type", "NullTokenizer", "--vocab-size", "256",
+                         "--pipeline-schedule", "zb1p"])
+    with pytest.raises(ValueError, match="invalid schedule name 'zb1p'"):
+        registry.register(ScheduleSpec("zb1p", run=print))
+
+
+def test_a_drawing_flag_declared_twice_is_refused_at_registration():
+    def folds(parser):
+        parser.add_argument("--helix-folds", type=int, default=2)
+
+    registry.specs()
+    with pytest.raises(ValueError, match="--helix-folds.*already a flag of helix"):
+        registry.register(ScheduleSpec("folds", run=print, build_ir=catalog.one_f_one_b_ir,
+                                       draw_arguments=(folds,)))
+    with pytest.raises(ValueError, match="--pp.*already a flag of show_schedule itself"):
+        registry.register(ScheduleSpec("pp", run=print, build_ir=catalog.one_f_one_b_ir,
+                                       draw_arguments=(lambda p: p.add_argument("--pp"),)))
+    assert "folds" not in registry.schedule_names() and "pp" not in registry.schedule_names()
 
 
 def test_elastic_lowering_matches_golden_file():

@@ -57,3 +57,28 @@ def test_helix_refuses_layers_that_do_not_divide():
     result = show("--schedule", "helix", "--pp", "3", "--microbatches", "6", "--num-layers", "4")
     assert result.returncode == 2
     assert "layers divisible by pp" in result.stderr
+
+
+def test_elastic_from_a_lengths_file(tmp_path):
+    """elastic plans its units from the documents: one length a line, priced in seconds."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("3000\n120\n64\n900\n40\n2200\n300\n16\n700\n50\n")
+    out = tmp_path / "e.json"
+    result = show("--schedule", "elastic", "--pp", "2", "--lengths", str(lengths),
+                  "--model", "custom", "--num-layers", "4", "--hidden-size", "64",
+                  "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--vocab-size",
+                  "512", "--sp", "1", "--memory-gb", "16", "--workers", "1",
+                  "--solver-time-limit", "0.05", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "schedule elastic: pp=2 microbatches=" in result.stdout
+    assert " s, bubble ratio " in result.stdout and "peak bytes per stage" in result.stdout
+    assert json.loads(out.read_text())["iteration_time"] > 0
+
+
+def test_zb1p_and_flags_of_other_schedules():
+    result = show("--schedule", "zb1p", "--pp", "4", "--microbatches", "8")
+    assert result.returncode == 0, result.stderr
+    assert "iteration time 27 units" in result.stdout  # 3m + p - 1, B = W = 1
+    result = show("--schedule", "1f1b", "--pp", "2", "--microbatches", "2", "--offload")
+    assert result.returncode == 2
+    assert "--offload is a drawing flag of sppo and would do nothing for 1f1b" in result.stderr
