@@ -214,16 +214,15 @@ class DocumentAttention(MegatronModule):
         """flash-attn varlen once per packed row ``[s, heads, dim]``, its documents (and the
         padding) as the sequences of ``cu_seqlens``: no token attends across a boundary."""
         seq, batch = query.shape[0], query.shape[1]
+        layout = layout if layout is not None else PackedDocuments()
         rows = []
-        for b, segments in enumerate(packed_attention.row_segments(layout, batch)):
-            bounds = [0] + [seg.stop for seg in segments] if segments else [0, seq]
-            if bounds[-1] != seq:
-                raise ValueError(f"segments cover {bounds[-1]} tokens of a {seq}-token row")
-            cu = torch.tensor(bounds, dtype=torch.int32, device=query.device)
-            longest = max(hi - lo for lo, hi in zip(bounds, bounds[1:]))
+        for b in range(batch):
+            cu, longest = layout.row_bounds(b, seq, query.device)
             rows.append(flash_attn_varlen_func(
                 query[:, b], key[:, b], value[:, b], cu, cu, longest, longest,
                 dropout_p=dropout, softmax_scale=self.softmax_scale, causal=True))
+        if batch == 1:  # a view: the output projection saves flash-attn's own output
+            return rows[0].view(seq, 1, -1)
         return torch.stack(rows, dim=1).reshape(seq, batch, -1)
 
 

@@ -47,8 +47,25 @@ class PackedDocuments(PackedSeqParams):
     record_kv: bool = field(default=False)
     share: object = None
 
+    _bounds: dict = field(default_factory=dict, repr=False, compare=False)
+
     def __post_init__(self):
         self.qkv_format = "sbhd"
+
+    def row_bounds(self, row: int, seq: int, device) -> tuple[torch.Tensor, int]:
+        """``(cu_seqlens, longest)`` of row ``row`` (``seq`` tokens): its documents' bounds as
+        an int32 tensor on ``device`` and the longest document, made once per micro-batch (not
+        once per layer) from the plan's segments, with no read back from the device."""
+        cached = self._bounds.get((row, device))
+        if cached is None:
+            segments = self.segments[row] if self.segments else ()
+            bounds = [0] + [seg.stop for seg in segments] if segments else [0, seq]
+            if bounds[-1] != seq:
+                raise ValueError(f"segments cover {bounds[-1]} tokens of a {seq}-token row")
+            cached = (torch.tensor(bounds, dtype=torch.int32, device=device),
+                      max(hi - lo for lo, hi in zip(bounds, bounds[1:])))
+            self._bounds[(row, device)] = cached
+        return cached
 
 
 def document_segments(lengths, doc_keys=None, slice_indices=None) -> tuple[Segment, ...]:
