@@ -16,8 +16,8 @@ batch):
    attention records and reads K/V context; whole documents carry none.
 
 The schedule function then runs this rank's actions with
-:class:`~megatron.plugin.pipeline.executor.ChunkState` (a fresh K/V store per iteration, the
-plan's checkpointing table for this stage).
+the executor extension :class:`~megatron.plugin.pipeline.chunks.DocumentChunks` (a fresh K/V
+store per iteration, the plan's checkpointing table for this stage).
 
 Cost model of a real run: the job's (:mod:`longctx.job_costs`: model shape and bytes per element
 from the Megatron flags, ``--hardware-profile``) within ``--elastic-memory-gb`` (default: the
@@ -33,7 +33,7 @@ one batch's plan (``build_ir``) is :mod:`elastic_pipe.drawing`.
 from __future__ import annotations
 
 from megatron.plugin.layers.kv_store import KVStore
-from megatron.plugin.pipeline.stage_context import ChunkState
+from megatron.plugin.pipeline.chunks import DocumentChunks
 from megatron.plugin.pipeline.layer_checkpoint import leading_layers
 from megatron.plugin.executor_call import megatron_process_groups, run_this_rank
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
@@ -53,11 +53,11 @@ def _run(call: RankCall) -> list:
     groups = megatron_process_groups()
     rank = groups.pp.rank()
     stage = planned.plan.ckpt_table()[rank]
-    chunks = ChunkState(kv_store=KVStore(), layers=leading_layers(call.model),
-                        checkpointed=stage.__getitem__, slices=planned.slices.__getitem__)
+    chunks = DocumentChunks(kv_store=KVStore(), layers=leading_layers(call.model),
+                            checkpointed=stage.__getitem__, slices=planned.slices.__getitem__)
     events = [] if planned.refit and not call.forward_only else None
     result = run_this_rank(planned.schedule, groups, call, data_iterator=iter(planned.batches),
-                           shape_of=planned.shape_of, chunks=chunks, events=events)
+                           shape_of=planned.shape_of, extensions=[chunks], events=events)
     if events is not None:
         MEASURED.record(planned, rank, events)
     return result

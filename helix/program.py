@@ -17,8 +17,8 @@ from helix.model import HelixGPTModel
 from helix.schedule import HelixFlow, part, part_index
 from megatron.plugin.layers import packed_attention
 from megatron.plugin.layers.memory import keep
-from megatron.plugin.pipeline.executor import run_backward
-from megatron.plugin.pipeline.stage_context import PartProgram
+from megatron.plugin.pipeline.extension import run_backward
+from megatron.plugin.pipeline.parts import PartProgram
 from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.layers.rng import rng_restored, rng_state
 

@@ -12,7 +12,7 @@ complete the schedule to a multiple of ``p x folds`` is :attr:`HelixBatches.padd
 slots are left out of the schedule, see :mod:`helix.schedule`).
 
 Execution (:class:`~helix.program.HelixProgram`, a
-:class:`~megatron.plugin.pipeline.executor.PartProgram`): every part starts from leaves
+:class:`~megatron.plugin.pipeline.parts.PartProgram`): every part starts from leaves
 (``detach().requires_grad_()`` of what it receives, or of what this stage handed itself), so
 each forward has its own graph and each backward is one multi-root autograd call over the part's
 outputs; gradients of the shipped QKV weight and bias come back as the gradients of the
@@ -55,6 +55,7 @@ from helix.program import HelixProgram
 from helix.schedule import PRE_TENSORS, HelixFlow, helix_ir, planned_helix
 from helix.stage_model import build_model, helix_process_groups
 from megatron.plugin.executor_call import run_this_rank
+from megatron.plugin.pipeline.parts import Parts
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 from longctx.model_flags import add_num_layers
@@ -92,7 +93,8 @@ def run(call: RankCall) -> list:
         flow=HelixFlow(pp, config.num_layers, batches.folds, call.num_microbatches),
         pre_tensors=pre_tensors)
     result = run_this_rank(schedule, groups, call, data_iterator=batches,
-                           shape_of=lambda action: shapes[action.tensor], program=program)
+                           shape_of=lambda action: shapes[action.tensor],
+                           extensions=[Parts(program)])
     return store + result
 
 

@@ -11,7 +11,7 @@ A share of ``u0`` on block ``k`` (member ``k + i`` of ``G_k = {k, ..., p-1}``, t
   (positions at their true offsets) and, after block 0, the pieces it received concatenated in
   token order as the stage input; block ``p - 1`` is stage ``p - 1`` alone, the plain forward
   of ``u0`` with the loss. Its backward is the chunk backward of the executor
-  (:func:`~megatron.plugin.pipeline.executor.chunk_backward`): the output and ``u0``'s K/V
+  (:func:`~megatron.plugin.pipeline.chunks.chunk_backward`): the output and ``u0``'s K/V
   recorded in the K/V store (with the dK/dV the steady backwards accumulated) as roots.
 - **Helper** (stage ``h > k``): its own layer modules run with the owner's tensors
   (``torch.func.functional_call``); for block 0 the embedding of its range is computed from
@@ -43,8 +43,8 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from megatron.plugin.layers.layout import Segment
 from megatron.plugin.batches import MicroBatch
 from megatron.plugin.layers.devices import collective_device
-from megatron.plugin.pipeline.executor import chunk_backward, run_backward
-from megatron.plugin.pipeline.stage_context import ChunkState
+from megatron.plugin.pipeline.chunks import DocumentChunks, chunk_backward
+from megatron.plugin.pipeline.extension import run_backward
 from megatron.plugin.pipeline.ir import Action, Kind
 
 from sppo_offload.multiplex import (MultiplexFlow, block_of, grad_name, mux, piece_name,
@@ -107,12 +107,12 @@ def block_groups(pp_ranks: tuple[int, ...]) -> dict[int, tuple[object, tuple[int
 
 class MultiplexProgram:
     """The shares of ``u0`` on one stage (module doc): a
-    :class:`~megatron.plugin.pipeline.executor.PartProgram`."""
+    :class:`~megatron.plugin.pipeline.parts.PartProgram`."""
 
     flow = MultiplexFlow()
 
     def __init__(self, *, model, u0: MicroBatch, doc_key, stage: int, pp: int, groups: dict,
-                 chunks: ChunkState, forward_step_func, forward_data_store: list,
+                 chunks: DocumentChunks, forward_step_func, forward_data_store: list,
                  num_microbatches: int, forward_only: bool, collect_non_loss_data: bool):
         self.model = model
         self.gpt = get_attr_wrapped_model(model, "decoder", return_model_obj=True)

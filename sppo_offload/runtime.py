@@ -60,7 +60,9 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from megatron.plugin.layers.kv_store import KVStore
-from megatron.plugin.pipeline.stage_context import ChunkState
+from megatron.plugin.pipeline.chunks import DocumentChunks
+from megatron.plugin.pipeline.offloading import Offloading
+from megatron.plugin.pipeline.parts import Parts
 from megatron.plugin.pipeline.layer_checkpoint import leading_layers
 from megatron.plugin.executor_call import megatron_process_groups, run_this_rank
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
@@ -76,10 +78,11 @@ from sppo_offload.subsequence_batch import SubsequenceBatch, prepare_input
 def run(call: RankCall) -> list:
     """This rank's actions over ``call.input`` (:class:`SubsequenceBatch`)."""
     planned = call.input
-    chunks = ChunkState(kv_store=KVStore(), layers=leading_layers(call.model),
-                        checkpointed=lambda unit: 0, slices=planned.slices.__getitem__)
+    chunks = DocumentChunks(kv_store=KVStore(), layers=leading_layers(call.model),
+                            checkpointed=lambda unit: 0, slices=planned.slices.__getitem__)
+    extensions = [chunks, Offloading(planned.offloader, resident=chunks.kv_store.storage_keys)]
     groups = megatron_process_groups()
-    program, store, batches = None, [], planned.batches
+    store, batches = [], planned.batches
     if planned.multiplex:
         program = MultiplexProgram(
             model=call.model, u0=batches[0], doc_key=planned.slices[0][0][0],
@@ -88,10 +91,10 @@ def run(call: RankCall) -> list:
             chunks=chunks, forward_step_func=call.forward_step_func, forward_data_store=store,
             num_microbatches=call.num_microbatches, forward_only=call.forward_only,
             collect_non_loss_data=call.collect_non_loss_data)
+        extensions.insert(0, Parts(program))  # first: it runs every action with a part
         batches = batches[1:]
     result = run_this_rank(planned.schedule, groups, call, data_iterator=iter(batches),
-                           shape_of=planned.shape_of, chunks=chunks, offload=planned.offloader,
-                           program=program)
+                           shape_of=planned.shape_of, extensions=extensions)
     return store + result
 
 

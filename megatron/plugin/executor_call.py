@@ -33,11 +33,11 @@ def run_over_packed(call: RankCall, schedule_for) -> list:
 
 
 def run_this_rank(schedule, groups: ProcessGroupCollection, call: RankCall, *, data_iterator,
-                  shape_of, chunks=None, program=None, offload=None,
-                  events: list | None = None) -> list:
-    """Run this pipeline rank's row of ``schedule`` for ``call``, reading units from
-    ``data_iterator``, under the configured timeout, and record its trace (also appended to
-    ``events`` when given, with device times); returns the loss dicts."""
+                  shape_of, extensions=(), events: list | None = None) -> list:
+    """Run this pipeline rank's row of ``schedule`` for ``call`` with the schedule's
+    ``extensions``, reading units from ``data_iterator``, under the configured timeout, and
+    record its trace (also appended to ``events`` when given, with device times); returns the
+    loss dicts."""
     pp, rank = groups.pp.size(), groups.pp.rank()
     ctx = StageContext(
         forward_step_func=call.forward_step_func, data_iterator=data_iterator,
@@ -45,8 +45,8 @@ def run_this_rank(schedule, groups: ProcessGroupCollection, call: RankCall, *, d
         pp_group=groups.pp, pg_collection=groups, is_first_stage=rank == 0,
         is_last_stage=rank == pp - 1, forward_only=call.forward_only,
         collect_non_loss_data=call.collect_non_loss_data, first_val_step=call.first_val_step,
-        timeout_s=run_settings.settings().timeout_s, chunks=chunks, program=program,
-        offload=offload, device_times=events is not None)
+        timeout_s=run_settings.settings().timeout_s, extensions=list(extensions),
+        device_times=events is not None)
     result = run_schedule(schedule[rank], ctx)
     run_settings.record(ctx.events)
     if events is not None:

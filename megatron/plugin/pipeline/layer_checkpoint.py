@@ -13,8 +13,9 @@ an explicit ``RECOMPUTE`` action. :class:`LeadingLayers` hooks the stage's
   leaf (the *boundary*) from which the rest of the stage builds its graph as usual;
 * ``RECOMPUTE`` (:meth:`LeadingLayers.recompute`): the same layers run again from the kept input
   with autograd, under the kept RNG state, giving the boundary's value with its graph;
-* the executor's backward then runs in two calls: from the stage output down to the boundary
-  (``boundary.grad``), then from the recomputed boundary down to the stage input.
+* the chunk's backward (:func:`~megatron.plugin.pipeline.chunks.chunk_backward`) then runs in
+  two calls: from the stage output down to the boundary (``boundary.grad``), then from the
+  recomputed boundary down to the stage input.
 
 K/V of checkpointed layers: the no-autograd forward records them in the K/V store as usual, so
 later slices see them as context and accumulate their gradients on the store's leaves; the

@@ -1,5 +1,5 @@
 """Saved activations moved to host memory and back: what the executor's ``OFFLOAD`` and
-``RELOAD`` actions run.
+``RELOAD`` actions run (through :mod:`~megatron.plugin.pipeline.offloading`).
 
 Capture. During the forward of a unit the schedule offloads, :meth:`ActivationOffloader.capture`
 installs saved-tensor hooks: autograd keeps a :class:`SavedHandle` instead of each tensor it
@@ -12,9 +12,10 @@ get handles but are never offloaded. A handle holds its tensor through
 Offload (``OFFLOAD`` of a unit, ratio ``alpha``). The unit of transfer is a *storage*: the saved
 tensors that share one (views of one GEMM output) move together and come back as views of one
 new storage, so a reload is bit for bit and keeps their sharing. Two levels: a storage in the
-``resident`` set the executor passes (the K/V store's entries -- read by every later slice,
-which with Megatron's fused QKV projection is the whole QKV output -- and the unit's own input
-and output, held by the executor anyway) stays on the device; the others are *offloadable*.
+``resident`` set the caller passes (the executor's offloading passes the K/V store's entries --
+read by every later slice, which with Megatron's fused QKV projection is the whole QKV output --
+and the unit's own input and output, held by the executor anyway) stays on the device; the
+others are *offloadable*.
 Choice, deterministic: offloadable storages largest first (ties in capture order), each taken
 while the moved total stays within ``alpha x offloadable bytes``; then the smallest storage left
 behind is added when that brings the total nearer to the target (so ``alpha = 1`` takes all,

@@ -37,13 +37,13 @@ class _GradSync:
 
 class StageRun:
     """The bookkeeping of one rank's execution: what the actions hand each other (stage inputs
-    and outputs, received and outgoing tensors, checkpoint stashes, a part program's
-    mailbox), the gradient-sync state and the token count; :meth:`finish` checks that nothing
-    is left and runs Megatron's end of step."""
+    and outputs, received and outgoing tensors), the gradient-sync state and the token count;
+    :meth:`finish` checks that nothing is left and runs Megatron's end of step."""
 
     def __init__(self, actions: list[Action], ctx: StageContext):
         self.actions = actions
         self.ctx = ctx
+        self.extensions = ctx.extensions
         self.model = ctx.model
         self.config = get_model_config(ctx.model)
         self.dtype = self.config.pipeline_dtype or torch.float32
@@ -66,34 +66,35 @@ class StageRun:
         self.outputs: dict[tuple, torch.Tensor] = {}
         self.received: dict[tuple, torch.Tensor] = {}
         self.to_send: dict[tuple, torch.Tensor | None] = {}
-        self.stashes: dict[tuple, object] = {}
-        self.step_func = ctx.forward_step_func
-        if ctx.chunks is not None:
-            self.step_func = functools.partial(self.step_func, kv_store=ctx.chunks.kv_store,
-                                               record_kv=True)
+        kwargs = {k: v for ext in self.extensions for k, v in ext.step_kwargs().items()}
+        self.step_func = functools.partial(ctx.forward_step_func, **kwargs) if kwargs \
+            else ctx.forward_step_func
+        backwards = [ext.unit_backward for ext in self.extensions
+                     if ext.unit_backward is not None]
+        if len(backwards) > 1:
+            raise ValueError(f"pipeline rank {self.rank}: {len(backwards)} extensions replace "
+                             f"the backward of a unit; at most one may")
+        self.unit_backward = backwards[0] if backwards else _megatron_backward
         self.forwards_done = 0
         self.origin = time.perf_counter()
-        self.captured = {(a.unit, a.part) for a in actions if a.kind is Kind.OFFLOAD} \
-            if self.training else set()
-        if self.captured and (ctx.offload is None
-                              or any(part is not None for _, part in self.captured)):
-            raise ValueError(f"pipeline rank {self.rank}: OFFLOAD actions need an activation "
-                             f"offloader (StageContext.offload) and whole-stage compute, not a "
-                             f"part")
-        self.eager = ctx.program is not None and ctx.program.flow.eager_sends
-        self.in_flight: list = []
-        self.arriving: dict[tuple, object] = {}
-        self.mailbox: dict[tuple, torch.Tensor] = {}
+        for ext in self.extensions:
+            ext.start(self)
 
-    def claimed(self, action: Action) -> bool:
-        """Whether the part program runs ``action`` (or its transfer carries a part's
-        tensor)."""
-        return self.ctx.program is not None and action.part is not None
+    def owner(self, transfer: Action):
+        """The extension that claims ``transfer``'s tensor, else ``None``."""
+        return next((ext for ext in self.extensions if ext.claims(transfer)), None)
 
-    def route(self, action: Action) -> tuple:
-        if not self.claimed(action):
-            return (action.kind, action.unit, action.part)
-        return (*self.ctx.program.flow.consumer(action), action.tensor)
+    def outgoing(self, send: Action):
+        owner = self.owner(send)
+        return owner.outgoing(send) if owner else \
+            self.to_send.pop((send.kind, send.unit, send.part))
+
+    def incoming(self, recv: Action, buffer) -> None:
+        owner = self.owner(recv)
+        if owner:
+            owner.incoming(recv, buffer)
+        else:
+            self.received[(recv.kind, recv.unit, recv.part)] = buffer
 
     def before_backward(self, index: int) -> None:
         """Megatron's rule: gradient sync resumes right before the last backward (only on
@@ -108,43 +109,37 @@ class StageRun:
                                           category, nbytes))
 
     def finish(self) -> list:
-        """Wait for what is in flight, check that the schedule left nothing behind, then
-        Megatron's end of step (gradient sync, ``finalize_model_grads_func``); returns the
-        ``forward_data_store``."""
-        ctx, rank, config = self.ctx, self.rank, self.config
-        for posted in self.in_flight + list(self.arriving.values()):
-            posted.wait()
-        if self.mailbox:
-            raise RuntimeError(f"pipeline rank {rank}: the schedule left tensors nobody "
-                               f"consumed: {sorted(str(k) for k in self.mailbox)[:8]}")
-        if self.captured:
-            ctx.offload.check_empty(f"pipeline rank {rank}")
-        if ctx.chunks is not None:
-            if ctx.forward_only:
-                ctx.chunks.kv_store.clear()
-            elif len(ctx.chunks.kv_store):
-                raise RuntimeError(f"pipeline rank {rank}: K/V of {len(ctx.chunks.kv_store)} "
-                                   f"slices were never released: a slice's backward is missing")
-        if self.inputs or self.outputs or self.received or self.to_send or self.stashes:
+        """Let the extensions wait for what is in flight and check what they hold, check that
+        the schedule left nothing behind, then Megatron's end of step (gradient sync,
+        ``finalize_model_grads_func``); returns the ``forward_data_store``."""
+        for ext in self.extensions:
+            ext.finish(self)
+        if self.inputs or self.outputs or self.received or self.to_send:
             left = sorted({k[0] for k in self.inputs} | {k[0] for k in self.outputs} |
                           {k[1] for k in self.received} | {k[1] for k in self.to_send})
-            raise RuntimeError(f"pipeline rank {rank}: the schedule left stashed tensors of "
-                               f"units {left}: every forward needs its backward and transfers")
+            raise RuntimeError(f"pipeline rank {self.rank}: the schedule left stashed tensors "
+                               f"of units {left}: every forward needs its backward and "
+                               f"transfers")
         if self.training:
-            if self.sync.context is not None:
-                self.sync.enable()
-                if config.grad_sync_func is not None:
-                    config.grad_sync_func(self.model.parameters())
-            if config.finalize_model_grads_func is not None:
-                if ctx.program is not None:
-                    # Megatron takes the token count from the last stage; a part schedule may
-                    # compute the loss elsewhere (helix: stage 0), so every stage gets the
-                    # total.
-                    torch.distributed.all_reduce(self.total_tokens, group=ctx.pp_group)
-                megatron_schedules.finish_embedding_wgrad_compute(
-                    config, self.embedding_module, ctx.is_last_stage, ctx.pg_collection.tp)
-                config.finalize_model_grads_func(
-                    [self.model],
-                    self.total_tokens if config.calculate_per_token_loss else None,
-                    pg_collection=ctx.pg_collection)
+            self._end_of_step()
         return self.forward_data_store
+
+    def _end_of_step(self) -> None:
+        ctx, config = self.ctx, self.config
+        if self.sync.context is not None:
+            self.sync.enable()
+            if config.grad_sync_func is not None:
+                config.grad_sync_func(self.model.parameters())
+        if config.finalize_model_grads_func is not None:
+            for ext in self.extensions:
+                ext.finalize(self)
+            megatron_schedules.finish_embedding_wgrad_compute(
+                config, self.embedding_module, ctx.is_last_stage, ctx.pg_collection.tp)
+            config.finalize_model_grads_func(
+                [self.model], self.total_tokens if config.calculate_per_token_loss else None,
+                pg_collection=ctx.pg_collection)
+
+
+def _megatron_backward(run: StageRun, action: Action, input_tensor, output, output_grad):
+    """Megatron's ``backward_step`` of a whole-stage unit."""
+    return megatron_schedules.backward_step(input_tensor, output, output_grad, run.config)
