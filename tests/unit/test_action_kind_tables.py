@@ -1,10 +1,14 @@
-"""Every kind of action has its row in the simulator's, the validator's and the executor's
-tables, and a kind from outside ``Kind`` runs as one row in each."""
+"""Every kind of action has its row in the simulator's and the validator's tables and is run
+by the executor or one of its stage extensions (or refused), and a kind from outside ``Kind``
+runs as one row in each table."""
 import enum
 
 import pytest
 
+from megatron.plugin.layers.kv_store import KVStore
 from megatron.plugin.pipeline import executor, ir, simulator, validation
+from megatron.plugin.pipeline.chunks import DocumentChunks
+from megatron.plugin.pipeline.offloading import Offloading
 from megatron.plugin.pipeline.ir import Action, Kind, format_schedule, parse, parse_schedule
 from megatron.plugin.pipeline.passes import add_communication
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
@@ -29,10 +33,21 @@ def test_every_kind_has_validator_rules():
     assert set(validation.ORDER_RULES) == set(Kind)
 
 
+def _extension_kinds() -> set:
+    """The kinds the shipped stage extensions run (document chunks, offloading)."""
+    chunks = DocumentChunks(KVStore(), None, lambda unit: 0, lambda unit: ())
+    extensions = (chunks, Offloading(offloader=None))
+    compute = set(Kind) - ir.SENDS - ir.RECVS
+    return {kind for kind in compute for ext in extensions
+            if ext.handler(Action(0, kind, 0)) is not None}
+
+
 def test_every_kind_is_run_or_refused_by_the_executor():
     transfers = ir.SENDS | ir.RECVS  # run as batches, not through HANDLERS
-    assert set(executor.HANDLERS) | transfers | PART_PROGRAM_ONLY == set(Kind)
-    assert not set(executor.HANDLERS) & (transfers | PART_PROGRAM_ONLY)
+    owned = _extension_kinds()
+    assert owned == {Kind.RECOMPUTE, Kind.OFFLOAD, Kind.RELOAD}
+    assert set(executor.HANDLERS) | owned | transfers | PART_PROGRAM_ONLY == set(Kind)
+    assert not set(executor.HANDLERS) & (owned | transfers | PART_PROGRAM_ONLY)
     with pytest.raises(ValueError, match="simulated only"):
         executor.HANDLERS[Kind.WEIGHT](None, 0, Action(0, Kind.WEIGHT, 0))
 
