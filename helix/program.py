@@ -189,7 +189,7 @@ class HelixProgram(PartProgram):
         if self.config.attention_output_gate:
             attention.linear_qkv.use(weight, bias)
             return attention(x, attention_mask=None, packed_seq_params=layout)[0]
-        with core._dropout_rng():
+        with core.dropout_rng():
             return self._attend_packed(attention, x, weight, bias, layout)
 
     def _attend_packed(self, attention, x, weight, bias, layout) -> torch.Tensor:

@@ -163,7 +163,7 @@ def test_a_slice_saves_no_more_with_a_longer_context(monkeypatch, groups, dropou
     the context (and with dropout the whole probability matrix): now what a slice saves beyond
     the store's K/V is the same after 256 or 4096 tokens of context. (Where the dropout draws,
     Megatron's RNG tracker, is tests/unit/test_rng_tracker.py's concern.)"""
-    monkeypatch.setattr(DocumentAttention, "_dropout_rng", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(DocumentAttention, "dropout_rng", lambda self: contextlib.nullcontext())
     short = _slice_saved_bytes(256, groups, dropout)
     long = _slice_saved_bytes(4096, groups, dropout)
     assert long == short

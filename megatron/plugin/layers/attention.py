@@ -146,14 +146,14 @@ class DocumentAttention(MegatronModule):
         if self.config.context_parallel_size > 1:
             group = parallel_state.get_context_parallel_group()
             query, key, value = (_sequence_to_heads(t, group) for t in (query, key, value))
-        with self._dropout_rng():
+        with self.dropout_rng():
             out = self._attend(query, key, value, packed_seq_params)
         if group is not None:
             out = all_to_all_hp2sp(out.reshape(-1, out.shape[-1]), group)
             out = out.view(-1, query.shape[1], out.shape[-1])
         return out
 
-    def _dropout_rng(self):
+    def dropout_rng(self):
         """Where the attention dropout draws, as in Megatron's ``DotProductAttention``: from
         the model-parallel RNG state (``seed + 2718 + tp_rank``) unless sequence parallelism
         is on, whose ``TransformerBlock`` runs every layer under that state already; so each

@@ -69,12 +69,14 @@ class CpuMath:
         self.dropout = dropout
         self.scale = scale
 
+    def _scale(self, q) -> float:
+        return self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
     def _probabilities(self, q, k, causal: bool, lse=None):
         """``(p, lse)``: softmax probabilities of the block (normalised by ``lse`` when given,
         else by the block's own log-sum-exp)."""
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
         work = torch.promote_types(q.dtype, torch.float32)
-        scores = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * scale
+        scores = torch.matmul(q.to(work), k.to(work).transpose(-1, -2)) * self._scale(q)
         if causal:
             s, t = scores.shape[-2:]
             scores = scores.masked_fill(
@@ -105,8 +107,7 @@ class CpuMath:
         grad_value = torch.matmul(dropped.transpose(-1, -2), grad)
         grad_p = self._keep(torch.matmul(grad, v.to(work).transpose(-1, -2)), state)
         row = (grad * out.to(work)).sum(-1, keepdim=True)
-        scale = self.scale if self.scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        grad_scores = p * (grad_p - row) * scale
+        grad_scores = p * (grad_p - row) * self._scale(q)
         grad_query = torch.matmul(grad_scores, k.to(work))
         grad_key = torch.matmul(grad_scores.transpose(-1, -2), q.to(work))
         return grad_query.to(q.dtype), grad_key.to(k.dtype), grad_value.to(v.dtype)

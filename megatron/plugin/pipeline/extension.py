@@ -74,10 +74,14 @@ class StageExtension:
         return False
 
     def outgoing(self, transfer: Action):
-        raise NotImplementedError(f"{type(self).__name__} claims no transfer ({transfer})")
+        """The tensor a claimed send carries (called only for transfers :meth:`claims`
+        accepts: an extension that claims transfers defines it)."""
+        raise TypeError(f"{type(self).__name__} claims {transfer} but gives no tensor for it")
 
     def incoming(self, transfer: Action, buffer) -> None:
-        raise NotImplementedError(f"{type(self).__name__} claims no transfer ({transfer})")
+        """Take the buffer a claimed receive filled (called only for transfers :meth:`claims`
+        accepts: an extension that claims transfers defines it)."""
+        raise TypeError(f"{type(self).__name__} claims {transfer} but takes no buffer for it")
 
     def post(self, run, sends: list, recvs: list) -> bool:
         """Post a batch of transfers itself (``True``), or leave it to the executor's one

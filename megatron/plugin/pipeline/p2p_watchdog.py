@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,7 +27,6 @@ TIMEOUT_EXIT = 124
 def end_process(message: str) -> None:
     """Log ``message`` as the error it is and end the process with :data:`TIMEOUT_EXIT`."""
     log.error(message)
-    print(message, file=sys.stderr, flush=True)
     logging.shutdown()
     os._exit(TIMEOUT_EXIT)
 
