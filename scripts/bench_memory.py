@@ -44,9 +44,8 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def run_schedule(args, schedule: str, workdir: str) -> dict:
-    """One training run of ``schedule``; its last metrics record, or the error's tail."""
-    metrics = os.path.join(workdir, f"{schedule}.jsonl")
+def training_command(args, schedule: str, metrics: str) -> list[str]:
+    """The ``pretrain_gpt_elastic.py`` launch of ``schedule`` that writes ``metrics``."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.pp),
         "--master-port", "29531", os.path.join(ROOT, "pretrain_gpt_elastic.py"),
@@ -65,6 +64,13 @@ def run_schedule(args, schedule: str, workdir: str) -> dict:
         command += ["--elastic-slices", str(args.slices)]
     if schedule == "sppo":
         command += ["--sppo-subsequences", str(args.slices)]
+    return command
+
+
+def run_schedule(args, schedule: str, workdir: str) -> dict:
+    """One training run of ``schedule``; its last metrics record, or the error's tail."""
+    metrics = os.path.join(workdir, f"{schedule}.jsonl")
+    command = training_command(args, schedule, metrics)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
                               cwd=ROOT)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Validates an install on a CUDA machine: versions, the unit tests (the CUDA-only ones run
 # here), a short training run of every schedule that fits the GPUs present (NCCL, fp32, bf16
-# and fp16), then the golden suite when there are 4 GPUs or more (its layouts use up to 4 ranks,
-# one GPU each). Prints a report, with each run's losses (no dropout: the schedules train the
+# and fp16; the runs of one schedule side by side, each on its own port, beside the unit tests),
+# then the golden suite when there are 4 GPUs or more (its layouts use up to 4 ranks, one GPU
+# each). Prints a report, with each run's losses (no dropout: the schedules train the
 # same documents from the same initialization, so their first losses should agree to about the
 # precision's rounding) and, for fp16, the iterations Megatron-LM's loss scaler skipped on
 # overflow (its initial scale, 2^32, overflows the first steps: each schedule must scale its
@@ -22,20 +23,28 @@ log="${GPU_CHECK_LOG_DIR:-$(mktemp -d)}"  # where each step's log is kept
 mkdir -p "$log"
 report=()
 failed=0
-step() {  # step NAME COMMAND...: run, keep the log, record the result
+step() {  # step NAME COMMAND...: run, keep the log and the exit status
   local name=$1
   shift
-  if timeout 900 "$@" >"$log/$name.log" 2>&1; then
-    report+=("ok      $name")
-  else
-    report+=("FAILED  $name (log: $log/$name.log)")
-    failed=1
-  fi
+  timeout "${GPU_CHECK_STEP_TIMEOUT:-900}" "$@" >"$log/$name.log" 2>&1
+  echo $? >"$log/$name.rc"
+}
+collect() {  # collect NAME...: record the results of finished steps
+  local name
+  for name in "$@"; do
+    if [ "$(cat "$log/$name.rc")" = 0 ]; then
+      report+=("ok      $name")
+    else
+      report+=("FAILED  $name (log: $log/$name.log)")
+      failed=1
+    fi
+  done
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, importlib.metadata as m; print("torch", torch.__version__, "CUDA",
 torch.version.cuda, "GPUs", torch.cuda.device_count(), "megatron-core", m.version("megatron-core"))'
-step unit python3 -m pytest -q -p no:cacheprovider tests/unit
+step unit python3 -m pytest -q -p no:cacheprovider tests/unit &
+unit=$!
 pp=$(( gpus >= 2 ? 2 : 1 ))
 tiny=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 256
       --max-position-embeddings 256 --micro-batch-size 1 --global-batch-size 8 --lr 1e-3
@@ -45,20 +54,29 @@ tiny=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 256
       --pipeline-model-parallel-size "$pp")
 schedules=(default elastic seq1f1b sppo)
 [ "$pp" -ge 2 ] && schedules+=(1f1b 1f1b-ir helix)
+dtypes=(fp32 bf16 fp16)
 for schedule in "${schedules[@]}"; do
   extra=()
   [ "$schedule" = sppo ] && extra=(--sppo-subsequences "$(( pp * 2 ))")
-  for dtype in fp32 bf16 fp16; do
+  names=()
+  for i in "${!dtypes[@]}"; do
+    dtype=${dtypes[$i]}
     precision=()
     [ "$dtype" = bf16 ] && precision=(--bf16)
     [ "$dtype" = fp16 ] && precision=(--fp16)
-    step "train-$schedule-$dtype" torchrun --nproc-per-node "$pp" --master-port 29511 \
+    names+=("train-$schedule-$dtype")
+    step "train-$schedule-$dtype" torchrun --nproc-per-node "$pp" --master-port $(( 29511 + i )) \
       pretrain_gpt_elastic.py "${tiny[@]}" --pipeline-schedule "$schedule" "${extra[@]}" \
-      "${precision[@]}"
+      "${precision[@]}" &
   done
+  wait $(jobs -p | grep -vx "$unit")
+  collect "${names[@]}"
 done
+wait "$unit"
+collect unit
 if [ "$gpus" -ge 4 ]; then
   step golden python3 -m pytest -q -p no:cacheprovider tests/distributed/test_golden_megatron.py
+  collect golden
 else
   report+=("skipped golden: its layouts need 4 GPUs, $gpus present")
 fi

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# What one GPU shows without NCCL pipelines (PP = 1, bf16, Megatron-LM's default dropout 0.1),
+# each part's JSON and printout under OUT (default benchmarks/results/gpu), cheapest first so a
+# time limit cuts the largest:
+#   attention_tests.txt   the blockwise attention against full attention over the concatenated
+#                         keys, fp32 and bf16, forward and every gradient (tolerances in the tests)
+#   memory_32k.*          every schedule on documents up to 32K tokens: bytes saved for backward
+#                         against the plan, the allocator's peak, tokens/s side by side
+#   memory_short.*        the same on 32 short documents (up to 4K tokens), where the document
+#                         schedules must not lose to Megatron-LM's own schedule
+#   offload_trace.*       SPPO's offload and reload copies against compute, from a profiler trace
+#   memory_128k.*         Megatron-LM's schedule, elastic and seq1f1b on documents up to 128K
+# Runs in about 8 minutes on one H200. Usage: bash scripts/gpu_bench.sh [OUT]
+set -u
+cd "$(dirname "$0")/.."
+out=${1:-benchmarks/results/gpu}
+mkdir -p "$out"
+if ! python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  echo "error: no CUDA device visible: run this on a GPU machine" >&2
+  exit 1
+fi
+failed=0
+part() {  # part NAME COMMAND...: run, print and keep the output
+  local name=$1
+  shift
+  echo "== $name"
+  "$@" 2>&1 | tee "$out/$name.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || failed=1
+}
+part attention_tests python3 -m pytest -q -p no:cacheprovider tests/unit/test_context_attention.py \
+  tests/unit/test_attention.py tests/unit/test_helix_attention.py
+part memory_32k python3 scripts/bench_memory.py --seq-length 32768 --timeout 150 \
+  --json "$out/memory_32k.json"
+part memory_short python3 scripts/bench_memory.py --seq-length 4096 --global-batch-size 32 \
+  --slices 2 --timeout 120 --json "$out/memory_short.json"
+part offload_trace python3 scripts/trace_offload.py --timeout 150 --json "$out/offload_trace.json" \
+  --trace "$out/offload_trace.json.gz"
+part memory_128k python3 scripts/bench_memory.py --seq-length 131072 --global-batch-size 2 \
+  --schedules default,elastic,seq1f1b --slices 16 --timeout 150 --json "$out/memory_128k.json"
+exit "$failed"

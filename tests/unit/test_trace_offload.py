@@ -1,0 +1,47 @@
+"""``scripts/trace_offload.py``: the copy/compute overlap read from a profiler trace."""
+import os
+import sys
+
+import pytest
+
+from harness import REPO
+SCRIPTS = os.path.join(REPO, "scripts")
+if SCRIPTS not in sys.path:
+    sys.path.insert(0, SCRIPTS)
+
+from trace_offload import copy_overlap  # noqa: E402
+
+
+def _event(cat, name, ts, dur, stream, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+            "args": {"stream": stream, **args}}
+
+
+def test_copies_count_only_the_time_kernels_run_on_other_streams():
+    trace = {"traceEvents": [
+        _event("kernel", "gemm", 0, 100, 7),
+        _event("kernel", "gemm", 50, 100, 7),  # overlaps the first: one busy span 0..150
+        _event("kernel", "softmax", 300, 50, 7),
+        _event("kernel", "side", 120, 80, 20),  # on the copy stream: not compute overlap
+        # 100..200 on stream 20: 50 us under the compute stream's 0..150
+        _event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 100, 100, 20, bytes=1000),
+        # 280..380: 50 us under 300..350
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 280, 100, 20, bytes=4000),
+        # the same stream as compute: serialised, no overlap; pageable host memory
+        _event("gpu_memcpy", "Memcpy HtoD (Pageable -> Device)", 400, 20, 7, bytes=10),
+        _event("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 0, 10, 7, bytes=10),
+        {"ph": "M", "name": "process_name"},
+    ]}
+    totals = copy_overlap(trace)
+    assert set(totals) == {"DtoH", "HtoD"}
+    assert totals["DtoH"]["copies"] == 1 and totals["DtoH"]["bytes"] == 1000
+    assert totals["DtoH"]["overlapped_fraction"] == pytest.approx(0.5)
+    assert totals["DtoH"]["pinned_fraction"] == 1.0
+    assert totals["HtoD"]["copies"] == 2 and totals["HtoD"]["us"] == 120
+    assert totals["HtoD"]["overlapped_us"] == pytest.approx(50)
+    assert totals["HtoD"]["pinned_fraction"] == pytest.approx(100 / 120)
+    assert totals["DtoH"]["gb_per_s"] == pytest.approx(1000 / 100e3)
+
+
+def test_a_trace_without_copies_reports_none():
+    assert copy_overlap({"traceEvents": [_event("kernel", "gemm", 0, 10, 7)]}) == {}
