@@ -71,7 +71,7 @@ def blockwise(kernel, query, pairs):
 
 @pytest.mark.parametrize("kernel_type,device,dtype,tol", KERNELS)
 @pytest.mark.parametrize("groups", [HEADS, 2])
-@pytest.mark.parametrize("lengths", [[24], [40, 24], [8, 40, 16, 24]])
+@pytest.mark.parametrize("lengths", [[24], [40, 24], [8, 40, 16, 24], [64, 32]])
 def test_blocks_merged_equal_full_attention(kernel_type, device, dtype, tol, groups, lengths):
     """Output and every gradient (query, own K/V, each context block's K/V)."""
     query, pairs = tensors(lengths, groups, device, dtype)

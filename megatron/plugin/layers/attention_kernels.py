@@ -128,8 +128,10 @@ class CudaFlash:
 
     def backward(self, grad, q, k, v, out, lse, causal: bool, state):
         cum_q, cum_k, max_q, max_k, seed, offset = state
+        # The operator reads the log-sum-exp as a contiguous [batch, heads, s] array whatever
+        # its strides (a view into the packed [s, b, heads] buffer is not one).
         return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, self.dropout, causal, seed,
+            grad, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, self.dropout, causal, seed,
             offset, scale=self.scale)
 
 
@@ -147,7 +149,9 @@ class CudaEfficient:
 
     def backward(self, grad, q, k, v, out, lse, causal: bool, state):
         seed, offset, padded = state
-        lse = torch.nn.functional.pad(lse, (0, padded - lse.shape[-1]))
+        # The operator wants its padded, contiguous log-sum-exp back (a view into the packed
+        # [s, b, heads] buffer is neither, and padding by nothing returns the view itself).
+        lse = torch.nn.functional.pad(lse, (0, padded - lse.shape[-1])).contiguous()
         grad_query, grad_key, grad_value, _ = \
             torch.ops.aten._scaled_dot_product_efficient_attention_backward(
                 grad, q, k, v, None, out, lse, seed, offset, self.dropout,
