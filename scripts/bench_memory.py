@@ -12,17 +12,25 @@ bytes (elastic and seq1f1b make one), the bytes autograd saved for backward (the
 loop's meter) and the CUDA allocator's peak over the forward-backward call (CUDA only), with
 the tokens per second.
 Prints one line per schedule with measured/planned (per stage too); ``--json`` writes them all.
+With ``--trace-dir`` each run also traces its third iteration with Megatron-LM's
+``--profile --use-pytorch-profiler`` (four iterations are run), keeps the trace there as
+``SCHEDULE.json.gz`` and reports how busy the device was (``device_busy_fraction``: a run
+that launches kernels slower than the device runs them leaves it idle in between).
 The allocator's peak includes the model, its gradients and the optimizer state, so it is
 reported beside the saved bytes, not compared with the plan.
 """
 import argparse
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 
 import torch
+
+from profiler_trace import PROFILE_FLAGS, device_busy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,11 +49,14 @@ def parse_args(argv=None):
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per schedule")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--trace-dir", default=None,
+                        help="keep a profiler trace of each run here (CUDA)")
     return parser.parse_args(argv)
 
 
-def training_command(args, schedule: str, metrics: str) -> list[str]:
-    """The ``pretrain_gpt_elastic.py`` launch of ``schedule`` that writes ``metrics``."""
+def training_command(args, schedule: str, metrics: str, iters: int) -> list[str]:
+    """The ``pretrain_gpt_elastic.py`` launch of ``schedule`` for ``iters`` iterations that
+    writes ``metrics``."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.pp),
         "--master-port", "29531", os.path.join(ROOT, "pretrain_gpt_elastic.py"),
@@ -53,7 +64,7 @@ def training_command(args, schedule: str, metrics: str) -> list[str]:
         "--num-attention-heads", str(args.num_attention_heads),
         "--seq-length", str(args.seq_length), "--max-position-embeddings", str(args.seq_length),
         "--micro-batch-size", "1", "--global-batch-size", str(args.global_batch_size),
-        "--lr", "1e-4", "--train-iters", str(args.iters), "--log-interval", "1",
+        "--lr", "1e-4", "--train-iters", str(iters), "--log-interval", "1",
         "--eval-interval", "1000", "--eval-iters", "0", "--calculate-per-token-loss",
         "--tokenizer-type", "NullTokenizer", "--vocab-size", "257", "--mock-data",
         "--seed", "1234", "--pipeline-model-parallel-size", str(args.pp),
@@ -67,13 +78,20 @@ def training_command(args, schedule: str, metrics: str) -> list[str]:
     return command
 
 
-def run_schedule(args, schedule: str, workdir: str) -> dict:
-    """One training run of ``schedule``; its last metrics record, or the error's tail."""
-    metrics = os.path.join(workdir, f"{schedule}.jsonl")
-    command = training_command(args, schedule, metrics)
+def run_schedule(args, schedule: str, workdir: str, extra=(), trace: bool = False) -> dict:
+    """One training run of ``schedule`` (with ``extra`` flags); its last metrics record, or
+    the error's tail. With ``trace``, the third iteration is traced: ``trace_path`` names the
+    trace and ``device_busy_fraction`` says how busy the device was."""
+    rundir = os.path.join(workdir, schedule)
+    os.makedirs(rundir, exist_ok=True)
+    metrics = os.path.join(rundir, "metrics.jsonl")
+    iters = max(args.iters, 4) if trace else args.iters
+    command = training_command(args, schedule, metrics, iters) + list(extra)
+    if trace:
+        command += PROFILE_FLAGS
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
-                              cwd=ROOT)
+                              cwd=rundir)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout:g} s"}
     if done.returncode != 0 or not os.path.exists(metrics):
@@ -84,6 +102,12 @@ def run_schedule(args, schedule: str, workdir: str) -> dict:
             "peak_activation_bytes", "planned_activation_bytes", "device_peak_bytes",
             "peak_activation_bytes_per_stage", "planned_activation_bytes_per_stage")
     result = {key: record[key] for key in keep if key in record}
+    if trace:
+        result["trace_path"] = os.path.join(rundir, "torch_profile", "rank-0.json.gz")
+        if not os.path.exists(result["trace_path"]):
+            return {"error": "no profiler trace written", "tail": done.stdout[-3000:]}
+        with gzip.open(result["trace_path"], "rt") as f:
+            result["device_busy_fraction"] = device_busy(json.load(f))["busy_fraction"]
     if result.get("planned_activation_bytes"):
         result["measured_over_planned"] = (result["peak_activation_bytes"]
                                            / result["planned_activation_bytes"])
@@ -99,7 +123,8 @@ def main(argv=None):
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
         for schedule in args.schedules.split(","):
-            results[schedule] = result = run_schedule(args, schedule, workdir)
+            results[schedule] = result = run_schedule(args, schedule, workdir,
+                                                      trace=args.trace_dir is not None)
             if "error" in result:
                 print(f"{schedule:8s} FAILED {result['error']}\n{result.get('tail', '')}",
                       flush=True)
@@ -110,7 +135,13 @@ def main(argv=None):
                   f"planned {planned / 2**20 if planned else float('nan'):9.1f} MiB  "
                   f"measured/planned {ratio if ratio else float('nan'):6.2f}  "
                   f"device peak {result.get('device_peak_bytes', float('nan')) / 2**20:9.1f} "
-                  f"MiB  {result['tokens_per_s']:10.0f} tokens/s", flush=True)
+                  f"MiB  {result['tokens_per_s']:10.0f} tokens/s"
+                  + (f"  device busy {result['device_busy_fraction']:6.1%}"
+                     if args.trace_dir else ""), flush=True)
+            if args.trace_dir:
+                os.makedirs(args.trace_dir, exist_ok=True)
+                shutil.copyfile(result.pop("trace_path"),
+                                os.path.join(args.trace_dir, f"{schedule}.json.gz"))
             if ratio and args.pp > 1:
                 stages = " ".join(f"{r:.2f}" for r in result["measured_over_planned_per_stage"])
                 print(f"{'':8s} measured/planned per stage: {stages}", flush=True)

@@ -6,9 +6,10 @@
 #                         keys, fp32 and bf16, forward and every gradient (tolerances in the tests)
 #   memory_32k.*          every schedule on documents up to 32K tokens: bytes saved for backward
 #                         against the plan, the allocator's peak, tokens/s side by side
-#   memory_short.*        the same on 32 short documents (up to 4K tokens), where the document
-#                         schedules must not lose to Megatron-LM's own schedule
 #   offload_trace.*       SPPO's offload and reload copies against compute, from a profiler trace
+#   memory_short.*        the same on 32 short documents (up to 4K tokens), where the document
+#                         schedules must not lose to Megatron-LM's own schedule; each run's
+#                         profiler trace in traces_short/ with how busy it kept the device
 #   memory_128k.*         Megatron-LM's schedule, elastic and seq1f1b on documents up to 128K
 # Runs in about 8 minutes on one H200. Usage: bash scripts/gpu_bench.sh [OUT]
 set -u
@@ -31,10 +32,10 @@ part attention_tests python3 -m pytest -q -p no:cacheprovider tests/unit/test_co
   tests/unit/test_attention.py tests/unit/test_helix_attention.py
 part memory_32k python3 scripts/bench_memory.py --seq-length 32768 --timeout 150 \
   --json "$out/memory_32k.json"
-part memory_short python3 scripts/bench_memory.py --seq-length 4096 --global-batch-size 32 \
-  --slices 2 --timeout 120 --json "$out/memory_short.json"
 part offload_trace python3 scripts/trace_offload.py --timeout 150 --json "$out/offload_trace.json" \
   --trace "$out/offload_trace.json.gz"
+part memory_short python3 scripts/bench_memory.py --seq-length 4096 --global-batch-size 32 \
+  --slices 2 --timeout 120 --json "$out/memory_short.json" --trace-dir "$out/traces_short"
 part memory_128k python3 scripts/bench_memory.py --seq-length 131072 --global-batch-size 2 \
   --schedules default,elastic,seq1f1b --slices 16 --timeout 150 --json "$out/memory_128k.json"
 exit "$failed"

@@ -1,4 +1,4 @@
-"""``scripts/trace_offload.py``: the copy/compute overlap read from a profiler trace."""
+"""``scripts/profiler_trace.py``: how busy the device was and the copy/compute overlap, read from a profiler trace."""
 import os
 import sys
 
@@ -9,7 +9,7 @@ SCRIPTS = os.path.join(REPO, "scripts")
 if SCRIPTS not in sys.path:
     sys.path.insert(0, SCRIPTS)
 
-from trace_offload import copy_overlap  # noqa: E402
+from profiler_trace import copy_overlap, device_busy  # noqa: E402
 
 
 def _event(cat, name, ts, dur, stream, **args):
@@ -45,3 +45,17 @@ def test_copies_count_only_the_time_kernels_run_on_other_streams():
 
 def test_a_trace_without_copies_reports_none():
     assert copy_overlap({"traceEvents": [_event("kernel", "gemm", 0, 10, 7)]}) == {}
+
+
+def test_the_device_is_busy_where_kernels_or_copies_run():
+    trace = {"traceEvents": [
+        _event("kernel", "gemm", 0, 100, 7),
+        _event("kernel", "gemm", 50, 100, 7),
+        _event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 140, 20, 20, bytes=8),
+        _event("cpu_op", "aten::mm", 0, 400, 0),  # host time does not count
+        _event("kernel", "softmax", 300, 100, 7),  # idle 160..300
+    ]}
+    busy = device_busy(trace)
+    assert busy["span_us"] == 400 and busy["busy_us"] == 260
+    assert busy["busy_fraction"] == pytest.approx(260 / 400)
+    assert device_busy({"traceEvents": []})["busy_fraction"] == 0.0
