@@ -203,7 +203,8 @@ class CostModel:
             self.full_per_token = (e * (9 * h + f + w) + masks) / shard
             self.ckpt_per_token = e * h / shard
             self.kv_per_token = e * 2 * h / shard
-            self.dkv_per_token = e * 2 * h / shard
+            # Context dK/dV accumulate in fp32 (megatron.plugin.layers.kv_store).
+            self.dkv_per_token = max(e, 4) * 2 * h / shard
             self.embedding_per_token = 0.0
             self.logits_per_token = 4 * model.vocab_size / shard
         self.allocator = 1.0 + hardware.allocator_overhead

@@ -54,13 +54,14 @@ def test_ulysses_all_to_all_time_by_hand(tmp_path):
 def test_activation_memory_by_hand(tmp_path):
     cost = CostModel(TINY, hand_profile(tmp_path), ParallelConfig(pp=2, sp=2))
     h, f = 64, 256
-    head = Chunk((Piece(0, 0, 0, 10, False),))       # keeps K/V and a dK/dV buffer
+    head = Chunk((Piece(0, 0, 0, 10, False),))       # keeps K/V and an fp32 dK/dV sum
     whole = Chunk((Piece(1, 0, 0, 10, True),))
     full = (18 * h + 4 * f) / 2
     assert cost.layer_activation(whole) == pytest.approx(10 * full)
-    assert cost.layer_activation(head) == pytest.approx(10 * (full + 4 * h / 2))
+    # the dK/dV accumulator: K and V, 4 bytes an element whatever the model's dtype.
+    assert cost.layer_activation(head) == pytest.approx(10 * (full + 8 * h / 2))
     assert cost.layer_saving(whole) == pytest.approx(10 * (full - 2 * h / 2))
-    assert cost.layer_saving(head) == pytest.approx(10 * (full - 2 * h / 2 - 4 * h / 2))
+    assert cost.layer_saving(head) == pytest.approx(10 * (full - 2 * h / 2 - 8 * h / 2))
     # stage 0 has 3 layers; checkpointing 2 of them keeps 1 full layer and 2 inputs.
     assert cost.stash_bytes(0, whole, 2) == pytest.approx(10 * (full + 2 * h))
     # last stage also keeps FP32 logits: 4 V / sp bytes per token.

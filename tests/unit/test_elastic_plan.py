@@ -59,7 +59,7 @@ def test_split_documents_run_backwards_in_reverse_slice_order():
 
 
 @pytest.mark.parametrize("seed", range(5))
-@pytest.mark.parametrize("memory_gb", [1.2, 1.6, 3.0])
+@pytest.mark.parametrize("memory_gb", [1.4, 1.6, 3.0])
 def test_simulated_memory_never_exceeds_capacity(seed, memory_gb):
     cost = cost_for(memory_gb)
     plan = plan_elastic(lengths_for(seed), cost, CONFIG)
@@ -68,7 +68,7 @@ def test_simulated_memory_never_exceeds_capacity(seed, memory_gb):
     # the oracle is the simulator's own replay; the plan's bound must not be below it either
     assert all(sim <= bound + 1 for sim, bound in zip(result.peak_memory,
                                                        plan.peak_memory_bytes))
-    if memory_gb == 1.2:
+    if memory_gb == 1.4:
         assert any(a.kind is Kind.RECOMPUTE for row in schedule for a in row)
 
 
@@ -81,7 +81,7 @@ def test_same_input_same_plan_in_process_and_in_workers():
     assert first.to_dict() == again.to_dict() == pooled.to_dict()
 
 
-@pytest.mark.parametrize("seed, count, memory_gb", [(0, 24, 1.2), (5, 24, 1.2), (1, 24, 2.0)])
+@pytest.mark.parametrize("seed, count, memory_gb", [(0, 24, 1.4), (5, 24, 1.4), (1, 24, 2.0)])
 def test_dropping_candidates_by_bound_keeps_the_plan(monkeypatch, seed, count, memory_gb):
     """The branch and bound solves fewer candidates and returns the plan that solving every
     candidate the zero-checkpointing bounds leave open returns (a limit CP-SAT proves optimal
@@ -106,7 +106,7 @@ def test_dropping_candidates_by_bound_keeps_the_plan(monkeypatch, seed, count, m
 
 def test_tiny_time_limit_returns_and_records_fallbacks():
     config = SchedulerConfig(chunking=CONFIG.chunking, solver_time_limit=1e-4, workers=2)
-    plan = plan_elastic(lengths_for(3, count=60), cost_for(1.2), config)
+    plan = plan_elastic(lengths_for(3, count=60), cost_for(1.4), config)
     statuses = {p.status for p in plan.pipelines}
     assert {f["status"] for f in plan.fallbacks} == statuses - {"optimal", "trivial"}
     assert statuses - {"optimal", "trivial"}
@@ -143,7 +143,7 @@ def test_infeasible_budget_names_the_smallest_that_fits():
         plan_elastic(lengths, cost_for(need - 0.02), CONFIG)
 
 
-@pytest.mark.parametrize("memory_gb", [1.2, 3.0])
+@pytest.mark.parametrize("memory_gb", [1.4, 3.0])
 def test_each_pipeline_runs_the_lookahead_it_was_planned_with(memory_gb):
     """The lowered order of every pipeline is the runtime's 1F1B with the pipeline's own
     lookahead (one of the configured ones), and the plan records it."""

@@ -1,6 +1,7 @@
 """Pure parts of the ``sppo`` training runtime: cutting a batch's documents into subsequences,
 their offload ratios and schedule, and the flags."""
 import argparse
+import math
 
 import pytest
 
@@ -97,7 +98,9 @@ def test_a_host_cap_lowers_auto_ratios_and_check_budget_accepts_what_fits():
     plan = plan_subsequences(lengths, cost, 4, "auto", 1, cap, most_saving=True)
     assert max(replay(plan, cost)[1]) <= cap
     assert sum(map(sum, plan.alphas)) < sum(map(sum, free.alphas))
-    check_budget(lengths, plan, cost, 4, "auto", max(replay(plan, cost)[0]) / GB, cap / GB)
+    # The budget is the plan's own peak, rounded up to the next float (GB is 1e9 bytes).
+    least = math.nextafter(max(replay(plan, cost)[0]) / GB, math.inf)
+    check_budget(lengths, plan, cost, 4, "auto", least, math.nextafter(cap / GB, math.inf))
     assert max(replay(plan, cost)[0]) > max(peak)  # what the host does not take stays
 
 

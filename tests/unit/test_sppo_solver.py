@@ -143,10 +143,10 @@ def test_largest_length_is_the_boundary():
 
 
 def test_a_host_cap_lowers_the_largest_ratios_and_is_honoured():
-    free = solve(SPPO, 262144, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80))
-    cap = 120.0
+    free = solve(SPPO, 196608, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80))
+    cap = 88.0
     assert max(free.host_bytes) > cap * GB  # the uncapped plan needs more than the cap
-    plan = solve(SPPO, 262144, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80,
+    plan = solve(SPPO, 196608, GPT7B, HW, SolverConfig(gpus=8, memory_gb=80,
                                                        host_memory_gb=cap))
     assert max(plan.host_bytes) <= cap * GB
     assert max(plan.peak_memory_bytes) <= 80 * GB
@@ -177,9 +177,9 @@ def test_an_impossible_host_cap_names_the_host_budget_that_fits():
 
 
 def test_a_fixed_ratio_is_not_lowered_under_a_host_cap():
-    config = SolverConfig(gpus=8, memory_gb=80, offload=0.9, host_memory_gb=100)
+    config = SolverConfig(gpus=8, memory_gb=80, offload=0.9, host_memory_gb=40)
     with pytest.raises(NoFit, match=r"smallest host budget that fits is .*--sppo-offload auto"):
-        solve(SPPO, 262144, GPT7B, HW, config)
+        solve(SPPO, 131072, GPT7B, HW, config)
     with pytest.raises(ValueError, match="host_memory_gb must be > 0"):
         SolverConfig(gpus=8, memory_gb=80, host_memory_gb=0)
 

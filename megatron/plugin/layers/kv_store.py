@@ -7,20 +7,24 @@ slices ``0..j-1`` of the same document, layer by layer. The store keeps, for eve
 * the K and V produced by that slice's forward, still attached to its autograd graph, so that
   the slice's backward can push the K/V gradients coming from later slices into it;
 * a detached leaf copy (``requires_grad=True``, sharing storage; also when the slice ran
-  without autograd, as checkpointed layers do) handed to later slices as context. Autograd accumulates the gradients of every later slice into the leaf's ``.grad``:
-  that sum is exactly the dK/dV the slice's own backward needs.
+  without autograd, as checkpointed layers do) handed to later slices as context. The
+  gradient each later slice sends to the leaf is added into an accumulator of at least fp32
+  (:func:`accumulator_dtype`; the leaf's ``.grad`` is taken and cleared by a post-accumulate
+  hook, so autograd never sums in a half-precision ``.grad``): that sum is exactly the dK/dV the
+  slice's own backward needs, rounded to the K/V's dtype once, when it is used. A single
+  attention kernel over the whole document accumulates dK/dV in fp32 the same way.
 
 Backward of slice ``i`` is therefore one multi-tensor call
-``torch.autograd.backward([out_i, K_i.., V_i..], [dout_i, leaf_K_i.grad.., leaf_V_i.grad..])``
+``torch.autograd.backward([out_i, K_i.., V_i..], [dout_i, dK_i.., dV_i..])``
 (:meth:`KVStore.backward_targets` returns the extra pairs), run after the backward of every later
 slice. :meth:`KVStore.release` then frees the slice's tensors; an empty store between iterations
 is the no-leak invariant.
 
-Memory accounting: every recorded K/V and every accumulated context gradient is held through
-:func:`~megatron.plugin.layers.memory.keep`, so an active saved-tensor meter counts the store (once
-per
-storage) also for slices that ran without autograd and for the dK/dV accumulators, which
-autograd itself does not save.
+Memory accounting: every recorded K/V and every accumulator is held through
+:func:`~megatron.plugin.layers.memory.keep`, so an active saved-tensor meter counts the store
+(once per storage) also for slices that ran without autograd and for the dK/dV accumulators,
+which autograd itself does not save; the planners price an accumulator at four bytes an element
+(:class:`longctx.cost_model.CostModel`'s ``dkv_per_token``) in bf16/fp16 runs.
 
 Recomputation: re-recording an existing (key, slice, layer) replaces the graph-attached tensors
 by the recomputed ones and keeps the leaves (and their accumulated gradients) untouched, so a
@@ -35,27 +39,40 @@ import torch
 from megatron.plugin.layers.memory import keep, storage_key
 
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What context gradients of K/V in ``dtype`` are summed in: fp32, or ``dtype`` if wider."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 @dataclass
 class _Entry:
     key: torch.Tensor
     value: torch.Tensor
     key_leaf: torch.Tensor
     value_leaf: torch.Tensor
+    sums: list = field(default_factory=lambda: [None, None])
+    """The accumulated context gradients of K and V (``None`` until a later slice sends one)."""
     held: list = field(default_factory=list)
-    """:func:`~megatron.plugin.layers.memory.keep` handles of K, V and the accumulated gradients."""
+    """:func:`~megatron.plugin.layers.memory.keep` handles of K, V and the two accumulators."""
 
     def hold(self) -> None:
         """Count K/V (and, as they accumulate, their context gradients) as activation bytes."""
         self.held[:] = [keep(self.key), keep(self.value), None, None]
-        for slot, leaf in ((2, self.key_leaf), (3, self.value_leaf)):
-            leaf.register_post_accumulate_grad_hook(_grad_keeper(self.held, slot))
+        for slot, leaf in ((0, self.key_leaf), (1, self.value_leaf)):
+            leaf.register_post_accumulate_grad_hook(_accumulate(self.sums, self.held, slot))
 
 
-def _grad_keeper(held: list, slot: int):
-    """Hook that keeps a leaf's accumulated gradient in ``held[slot]``; it refers to the list
-    only, so no reference cycle keeps the entry (and its bytes) alive after its release."""
+def _accumulate(sums: list, held: list, slot: int):
+    """Hook that moves a leaf's gradient into ``sums[slot]`` (kept in ``held[2 + slot]``) and
+    clears ``.grad``; it refers to the lists only, so no reference cycle keeps the entry (and
+    its bytes) alive after its release."""
     def hook(leaf):
-        held[slot] = keep(leaf.grad)
+        grad, leaf.grad = leaf.grad, None
+        if sums[slot] is None:
+            sums[slot] = grad.to(accumulator_dtype(grad.dtype))
+            held[2 + slot] = keep(sums[slot])
+        else:
+            sums[slot].add_(grad)
     return hook
 
 
@@ -102,10 +119,10 @@ class KVStore:
         for layer, entry in self._entries.get((doc_key, slice_index), {}).items():
             if layers is not None and layer not in layers:
                 continue
-            for tensor, leaf in ((entry.key, entry.key_leaf), (entry.value, entry.value_leaf)):
-                if leaf.grad is not None and tensor.requires_grad:
+            for tensor, total in zip((entry.key, entry.value), entry.sums):
+                if total is not None and tensor.requires_grad:
                     tensors.append(tensor)
-                    grads.append(leaf.grad)
+                    grads.append(total.to(tensor.dtype))
         return tensors, grads
 
     def release(self, doc_key, slice_index: int) -> None:
@@ -129,7 +146,7 @@ class KVStore:
         total = 0
         for layers in self._entries.values():
             for entry in layers.values():
-                for tensor in (entry.key, entry.value, entry.key_leaf.grad, entry.value_leaf.grad):
+                for tensor in (entry.key, entry.value, *entry.sums):
                     if tensor is not None:
                         total += tensor.numel() * tensor.element_size()
         return total
