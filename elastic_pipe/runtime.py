@@ -36,6 +36,7 @@ from megatron.plugin.layers.kv_store import KVStore
 from megatron.plugin.pipeline.chunks import DocumentChunks
 from megatron.plugin.pipeline.layer_checkpoint import leading_layers
 from megatron.plugin.executor_call import megatron_process_groups, run_this_rank
+from megatron.plugin.pipeline.p2p import neighbour_links
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 from longctx import job_costs
@@ -57,7 +58,8 @@ def _run(call: RankCall) -> list:
                             checkpointed=stage.__getitem__, slices=planned.slices.__getitem__)
     events = [] if planned.refit and not call.forward_only else None
     result = run_this_rank(planned.schedule, groups, call, data_iterator=iter(planned.batches),
-                           shape_of=planned.shape_of, extensions=[chunks], events=events)
+                           shape_of=planned.shape_of, extensions=[chunks], events=events,
+                           links=neighbour_links)
     if events is not None:
         MEASURED.record(planned, rank, events)
     return result

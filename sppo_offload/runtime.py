@@ -65,6 +65,7 @@ from megatron.plugin.pipeline.offloading import Offloading
 from megatron.plugin.pipeline.parts import Parts
 from megatron.plugin.pipeline.layer_checkpoint import leading_layers
 from megatron.plugin.executor_call import megatron_process_groups, run_this_rank
+from megatron.plugin.pipeline.p2p import neighbour_links
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 from longctx import job_costs
@@ -94,7 +95,8 @@ def run(call: RankCall) -> list:
         extensions.insert(0, Parts(program))  # first: it runs every action with a part
         batches = batches[1:]
     result = run_this_rank(planned.schedule, groups, call, data_iterator=iter(batches),
-                           shape_of=planned.shape_of, extensions=extensions)
+                           shape_of=planned.shape_of, extensions=extensions,
+                           links=neighbour_links)
     return store + result
 
 

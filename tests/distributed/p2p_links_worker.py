@@ -1,12 +1,13 @@
 """Worker: four pipeline ranks exchange with both neighbours and with the stage two away in
-one post; each link carries one direction between two ranks on a group of its own."""
+one post; each link carries one direction between two ranks on a group of its own; a channel
+declaring neighbour links holds only those."""
 import sys
 
 import torch
 import torch.distributed as dist
 
 from megatron.plugin.pipeline.ir import Action, Kind
-from megatron.plugin.pipeline.p2p import PeerChannel
+from megatron.plugin.pipeline.p2p import PeerChannel, neighbour_links
 
 
 def main() -> int:
@@ -34,6 +35,9 @@ def main() -> int:
     assert torch.equal(recvs[0][1], torch.full((3,), float(before)))
     assert torch.equal(recvs[1][1], torch.full((3,), -float(after)))
     assert torch.equal(recvs[2][1], torch.full((3,), 10.0 + far))
+    # A schedule of the 1F1B family declares its neighbours: only those links are created.
+    near = PeerChannel(dist.group.WORLD, f"pipeline rank {rank}", 30.0, neighbour_links(n))
+    assert set(near.links) == {pair for pair in neighbour_links(n) if rank in pair}, near.links
     dist.barrier()
     print(f"LINKS OK rank {rank}", flush=True)
     return 0

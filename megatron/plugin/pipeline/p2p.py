@@ -16,8 +16,12 @@ matching by tag, never shows. On a link only one rank sends and only the other r
 in-order execution is exactly the channel order the validator requires (receives posted in send
 order), and the dry run (:func:`~megatron.plugin.pipeline.simulator.simulate`) replays one
 in-order stream per rank and link: a schedule that passes it cannot hang on NCCL. The price:
-``P(P-1)`` two-rank groups per pipeline of ``P`` stages (helix sends to every stage, not only to
-neighbours), created once, at the first schedule run, by every rank (``new_group`` requires it).
+a two-rank communicator per link, whose buffers take device memory on NCCL. A schedule declares
+the links it uses (:func:`neighbour_links` for the 1F1B family: two per inner rank each way;
+:func:`every_link` by default, as helix sends to every stage), :func:`check_links` refuses a
+schedule that uses another one before anything runs, and only the declared links are created:
+once, at the first schedule run, by every rank (``new_group`` requires it). At ``P`` stages a
+rank holds at most four communicators of the 1F1B family instead of ``2(P-1)``.
 
 Matching: NCCL pairs transfers between two ranks by issue order only, gloo by (peer, tag) and
 then by order. Each transfer also carries a tag derived from its identity
@@ -62,21 +66,47 @@ def tag_of(action: Action) -> int:
     return zlib.crc32(repr(action.transfer_key()).encode()) & 0x7FFFFFFF
 
 
+Links = frozenset
+"""Ordered ``(source stage, destination stage)`` pairs of a pipeline."""
+
+
+def every_link(stages: int) -> Links:
+    """Every ordered pair of ``stages`` stages."""
+    return frozenset(itertools.permutations(range(stages), 2))
+
+
+def neighbour_links(stages: int) -> Links:
+    """Each stage to the next and back: the links of the 1F1B family of schedules."""
+    return frozenset(pair for s in range(stages - 1) for pair in ((s, s + 1), (s + 1, s)))
+
+
+def check_links(schedule, links: Links) -> None:
+    """Refuse a ``schedule`` (rows of actions, one per stage) with a transfer on a link outside
+    ``links``; every rank runs this over the same rows before any transfer."""
+    for row in schedule:
+        for action in row:
+            if action.is_communication() and action.link() not in links:
+                raise ValueError(
+                    f"{action} travels on link {action.link()}, which the schedule did not "
+                    f"declare (its links: {sorted(links)}): declare every link its transfers "
+                    f"use (megatron.plugin.pipeline.p2p.every_link by default)")
+
+
 @functools.lru_cache(maxsize=4)
-def pipeline_links(pipeline: tuple[int, ...]) -> dict[tuple[int, int], object]:
-    """``(source stage, destination stage) -> two-rank group`` for the links of this rank: the
-    ordered pairs of stages of the pipeline whose global ranks are ``pipeline`` that have this
-    rank at one end (module doc).
+def pipeline_links(pipeline: tuple[int, ...], links: Links) -> dict[tuple[int, int], object]:
+    """``(source stage, destination stage) -> two-rank group`` for the declared ``links`` of the
+    pipeline whose global ranks are ``pipeline`` that have this rank at one end (module doc).
 
     Every rank takes part in creating the links of every pipeline (``new_group`` requires it),
-    at its first call; each link then runs one collective so that NCCL sets its communicator up
-    while both ranks are here (a first point-to-point batch must involve all of a group's ranks).
+    at its first call, all pipelines declaring the same ``links``; each link then runs one
+    collective so that NCCL sets its communicator up while both ranks are here (a first
+    point-to-point batch must involve all of a group's ranks).
     """
     pipelines = [None] * dist.get_world_size()
     dist.all_gather_object(pipelines, pipeline)
     mine = {}
     for ranks in sorted(set(pipelines)):
-        for src, dst in itertools.permutations(range(len(ranks)), 2):
+        for src, dst in sorted(links):
             group = dist.new_group([ranks[src], ranks[dst]])
             if dist.get_rank() in (ranks[src], ranks[dst]):
                 mine[(src, dst)] = group
@@ -88,11 +118,12 @@ def pipeline_links(pipeline: tuple[int, ...]) -> dict[tuple[int, int], object]:
 class PeerChannel:
     """Batched transfers of one rank with its pipeline's other stages, over the links."""
 
-    def __init__(self, group, rank_label: str, timeout_s: float):
+    def __init__(self, group, rank_label: str, timeout_s: float, links: Links | None = None):
         self.group = group
         self.rank_label = rank_label
         self.timeout_s = timeout_s
-        self.links = pipeline_links(tuple(dist.get_process_group_ranks(group)))
+        ranks = tuple(dist.get_process_group_ranks(group))
+        self.links = pipeline_links(ranks, every_link(len(ranks)) if links is None else links)
         self.host_waits = dist.get_backend(group) != "nccl"
         """Whether waits block the host (gloo); on NCCL the stream waits (module doc)."""
 

@@ -30,6 +30,9 @@ class StageContext:
     collect_non_loss_data: bool = False
     first_val_step: bool | None = None
     timeout_s: float = 600.0
+    links: frozenset | None = None
+    """The links the schedule declares (:mod:`~megatron.plugin.pipeline.p2p`); ``None``: every
+    ordered pair of stages."""
     extensions: list[StageExtension] = field(default_factory=list)
     """What the schedule adds to the executor, hooks called in list order."""
     events: list = field(default_factory=list)

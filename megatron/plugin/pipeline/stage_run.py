@@ -49,7 +49,8 @@ class StageRun:
         self.dtype = self.config.pipeline_dtype or torch.float32
         self.device = next(ctx.model.parameters()).device
         self.rank = ctx.pp_group.rank()
-        self.channel = PeerChannel(ctx.pp_group, f"pipeline rank {self.rank}", ctx.timeout_s)
+        self.channel = PeerChannel(ctx.pp_group, f"pipeline rank {self.rank}", ctx.timeout_s,
+                                   ctx.links)
         self.training = not ctx.forward_only
         self.embedding_module = None
         if self.training and self.config.finalize_model_grads_func is not None:
