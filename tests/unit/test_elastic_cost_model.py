@@ -61,7 +61,8 @@ def test_activation_memory_by_hand(tmp_path):
     # the dK/dV accumulator: K and V, 4 bytes an element whatever the model's dtype.
     assert cost.layer_activation(head) == pytest.approx(10 * (full + 8 * h / 2))
     assert cost.layer_saving(whole) == pytest.approx(10 * (full - 2 * h / 2))
-    assert cost.layer_saving(head) == pytest.approx(10 * (full - 2 * h / 2 - 8 * h / 2))
+    # checkpointing keeps the layer's input and the K/V (the store's); the sum is not saved
+    assert cost.layer_saving(head) == pytest.approx(10 * (full - 2 * h / 2 - 4 * h / 2))
     # stage 0 has 3 layers; checkpointing 2 of them keeps 1 full layer and 2 inputs.
     assert cost.stash_bytes(0, whole, 2) == pytest.approx(10 * (full + 2 * h))
     # last stage also keeps FP32 logits: 4 V / sp bytes per token.
@@ -69,16 +70,20 @@ def test_activation_memory_by_hand(tmp_path):
 
 
 def test_an_fp32_model_prices_twice_the_activation_bytes_of_a_bf16_one(tmp_path):
-    """Activations, K/V, dK/dV and what a stage sends are in the model's dtype whichever profile
-    prices the time; the logits are FP32 in both."""
+    """Activations, K/V and what a stage sends are in the model's dtype whichever profile
+    prices the time; the logits and the dK/dV sums of a split document are FP32 in both."""
     profile = hand_profile(tmp_path)
     bf16, fp32 = (CostModel(ModelConfig("tiny", 6, 64, 4, 256, 100, dtype=dtype), profile,
                             ParallelConfig(pp=2, sp=2)) for dtype in ("bfloat16", "float32"))
     split, whole = Chunk((Piece(0, 0, 0, 10, False),)), Chunk((Piece(1, 0, 0, 10, True),))
-    for chunk in (split, whole):
-        assert fp32.layer_activation(chunk) == pytest.approx(2 * bf16.layer_activation(chunk))
+    assert fp32.dkv_per_token == bf16.dkv_per_token == 4 * 2 * 64 / 2
+    for chunk, sums in ((split, 10 * bf16.dkv_per_token), (whole, 0.0)):
+        assert fp32.layer_activation(chunk) - sums == pytest.approx(
+            2 * (bf16.layer_activation(chunk) - sums))
         assert fp32.layer_saving(chunk) == pytest.approx(2 * bf16.layer_saving(chunk))
-        assert fp32.stash_bytes(0, chunk, 1) == pytest.approx(2 * bf16.stash_bytes(0, chunk, 1))
+        # stage 0 has 3 layers, each with its sum
+        assert fp32.stash_bytes(0, chunk, 1) - 3 * sums == pytest.approx(
+            2 * (bf16.stash_bytes(0, chunk, 1) - 3 * sums))
     logits = 10 * 4 * 100 / 2
     assert fp32.stash_bytes(1, whole) - logits == pytest.approx(
         2 * (bf16.stash_bytes(1, whole) - logits))
