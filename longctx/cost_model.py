@@ -17,19 +17,24 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   include it.
 - backward compute = ``backward_factor`` x forward compute;
 - collectives (eq. 2-3): Ulysses moves Q, K, V and the attention output with four all-to-alls per
-  layer and direction, each ``latency + bytes (sp-1)/sp / bandwidth`` with ``bytes = tokens h e
-  / (sp tp)`` (``e``: bytes of an element of the model's dtype, see Memory); tensor parallelism
-  with sequence parallelism adds two all-gathers and two reduce-scatters per layer and
-  direction, each ``latency + bytes (tp-1)/tp / bandwidth`` with ``bytes = tokens h e / sp``
-  (each GPU gathers, or scatters, the layer's whole activation, not a ``1/tp`` share of it).
-  A group or hop that spans nodes runs at the profile's ``cross_node_gbps`` (the node's NICs
-  shared by its GPUs, which cross at once).
+  layer and direction, each of ``bytes = tokens h e / (sp tp)`` a GPU (``e``: bytes of an
+  element of the model's dtype, see Memory); tensor parallelism with sequence parallelism adds
+  two all-gathers and two reduce-scatters per layer and direction, rings over a buffer of
+  ``bytes = tokens h e / sp`` (each GPU gathers, or scatters, the layer's whole activation, not
+  a ``1/tp`` share of it). Each is ``latency + bytes x`` its seconds per byte as NCCL runs it
+  (:mod:`longctx.collectives`): within a node ``(n-1)/n / intra_node_gbps`` for both; an
+  all-to-all that spans nodes sends only its cross-node share ``(n-g)/n`` through the NICs
+  (``g`` of its ``n`` ranks on a node, the rest over NVLink at the same time), a ring crosses
+  each node's NICs once, the node's NICs shared by the rings of its GPUs. A pipeline hop that
+  spans nodes runs at the profile's ``cross_node_gbps`` (the node's NICs shared by its GPUs,
+  which cross at once).
   Collectives are not overlapped with compute (they sit between dependent kernels);
 - Megatron-LM's context parallelism (``cp``, ring attention, for the baselines): every GPU of
   the ring holds ``1/cp`` of each chunk's tokens (causal work balanced, as Megatron's zigzag
   split does), so compute and activations divide by ``cp`` too; per layer the ring passes the
   K/V of ``tokens / cp`` tokens ``cp - 1`` times (``2 h e / (tp cp)`` bytes a token, each
-  step ``latency + bytes / bandwidth`` over the group ``tp x cp`` spans), overlapped with the
+  step ``latency + bytes x`` a point-to-point ring step's seconds per byte over the group
+  ``tp x cp`` spans, :mod:`longctx.collectives`), overlapped with the
   layer's attention: only what exceeds it is exposed; the backward passes K/V and their
   gradients, twice the bytes, against ``backward_factor`` times the attention;
 - recomputing a checkpointed layer costs one more forward of it, collectives included (eq. 11);
@@ -91,6 +96,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from longctx.chunks import Chunk
+from longctx import collectives
 from longctx.hardware import HardwareProfile
 from longctx.models import ModelConfig
 
@@ -214,17 +220,20 @@ class CostModel:
         self.comm_latency = self.comm_per_token = 0.0
         # Ulysses moves each GPU's tokens / sp of its h / tp channels; TP's all-gathers and
         # reduce-scatters move the whole [tokens / (sp cp), h] activation of the layer.
-        for degree, span, per_token in (
-                (parallel.sp, parallel.tp * parallel.sp, e * h / shard),
-                (parallel.tp, parallel.tp, e * h / (parallel.sp * parallel.cp))):
+        for degree, span, per_token, per_byte in (
+                (parallel.sp, parallel.tp * parallel.sp, e * h / shard,
+                 collectives.all_to_all_per_byte),
+                (parallel.tp, parallel.tp, e * h / (parallel.sp * parallel.cp),
+                 collectives.ring_per_byte)):
             if degree > 1:
-                bandwidth, latency = self._link(span)
-                self.comm_latency += 4 * latency
-                self.comm_per_token += 4 * per_token * (degree - 1) / degree / bandwidth
+                self.comm_latency += 4 * collectives.latency(hardware, span)
+                self.comm_per_token += 4 * per_token * per_byte(hardware, degree, span)
         self.ring_step = (0.0, 0.0)
         if parallel.cp > 1:
-            bandwidth, latency = self._link(parallel.tp * parallel.cp)
-            self.ring_step = (latency, 2 * e * h / (parallel.tp * parallel.cp) / bandwidth)
+            span = parallel.tp * parallel.cp
+            self.ring_step = (collectives.latency(hardware, span),
+                              2 * e * h / (parallel.tp * parallel.cp)
+                              * collectives.ring_step_per_byte(hardware, parallel.cp, span))
         self.linear_per_token = self.alpha2 + self.comm_per_token
         self.chunk_constant = self.beta + self.comm_latency
         self._layers = stage_layers(model.num_layers, parallel.pp)

@@ -32,11 +32,12 @@ def test_node_nics_are_shared_by_the_node_gpus():
     assert profile().cross_node_gbps == 25.0  # no node figure: the GPU's own
     assert profile(node_nic_gbps=50.0).cross_node_gbps == 50.0 / 8  # 400 Gb/s a node
     assert profile(node_nic_gbps=400.0).cross_node_gbps == 25.0  # capped by the GPU's HCA
-    # Ulysses over 16 GPUs (two nodes): four all-to-alls per layer, each latency +
-    # tokens h e / sp (sp - 1) / sp / bandwidth.
+    # Ulysses over 16 GPUs (two nodes): four all-to-alls per layer, each latency + the
+    # cross-node share of tokens h e / sp, 8 of its 16 peers' (the other 7 go over NVLink at
+    # the same time and finish first: 7/16 / 100 GB/s < 8/16 / 6.25 GB/s).
     cost = CostModel(TINY, profile(node_nic_gbps=50.0), ParallelConfig(pp=1, sp=16))
     tokens = 4096
-    bytes_ = tokens * 64 * TINY.element_bytes / 16 * 15 / 16
+    bytes_ = tokens * 64 * TINY.element_bytes / 16 * 8 / 16
     expected = 4 * (2e-5 + bytes_ / (6.25 * GB))
     assert cost.layer_collectives(one_piece(tokens)) == pytest.approx(expected, rel=1e-12)
     inside = CostModel(TINY, profile(node_nic_gbps=50.0), ParallelConfig(pp=1, sp=8))
