@@ -107,7 +107,7 @@ def one_f_one_b_peaks(model: ModelConfig, hardware: HardwareProfile, seq: int, p
         kept = cost.stash_bytes(stage, chunk, cost.layers(stage) if recompute else 0)
         rebuilt = cost.layer_saving(chunk) if recompute else 0.0
         peaks.append(cost.static_bytes(stage) + min(pp - stage, microbatches) * kept
-                     + rebuilt + cost.layer_workspace(chunk))
+                     + rebuilt + cost.stage_workspace(stage, chunk))
     return peaks
 
 

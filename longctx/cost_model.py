@@ -74,11 +74,24 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   ``1 + allocator_overhead`` of the profile: the device bytes the caching allocator holds per
   live byte (fragmentation). Offloading frees and copies live bytes, so SPPO's copy times
   divide it back out;
-- workspace: tensor parallelism with sequence parallelism all-gathers a layer's input before
-  its GEMMs, a full ``[tokens / sp, h]`` buffer of which each GPU holds ``1/tp`` in its stash;
-  the other ``(tp - 1)/tp`` live only while a forward, backward or recomputation runs. The
-  simulator adds them on top of the stash during those actions; the elastic planner's budget
-  sets aside the batch's largest;
+- workspace, what a running stage holds beyond its stash (the simulator adds it on top of the
+  stash while a forward, backward or recomputation runs; the elastic planner's budget sets
+  aside the batch's largest on each stage), as Megatron-LM's layers allocate it:
+
+  - *TP + SP full-sequence buffers*, ``2 e`` bytes per token of ``[tokens / (sp cp), h]``
+    when ``tp > 1``: a column-parallel linear all-gathers its input into a full-sequence
+    buffer before its GEMM, and its backward (megatron-core
+    ``tensor_parallel/layers.py``, ``LinearWithGradAccumulationAndAsyncCommunication.backward``)
+    all-gathers it again for the weight gradient (``total_input``) while it holds the
+    full-sequence input gradient ``grad_output @ weight`` (``grad_input``) that it then
+    reduce-scatters: two full ``[tokens, h]`` buffers at once, the backward's being the larger
+    of the two directions and the one charged;
+  - *loss buffers* on the last stage, ``e V / (sp tp cp)`` bytes per token when the model's
+    dtype is below FP32: the output layer's logits in the model's dtype live beside the FP32
+    copy the vocab-parallel cross entropy makes of them (megatron-core
+    ``tensor_parallel/cross_entropy.py``, ``calculate_logits_max``: ``.float()``) and keeps for
+    its backward (the FP32 logits above), and the backward's logits gradient in the model's
+    dtype beside the FP32 one; in FP32 the copy is the tensor itself;
 - model state per stage (eq. 10): weights in the model's dtype (``e`` bytes/param), FP32 main
   gradients (4), Adam moments (8) and, below FP32, FP32 master weights (4) -- moments and
   master weights sharded over the ``dp x sp x cp`` replicas when the distributed optimizer is
@@ -330,10 +343,27 @@ class CostModel:
         return self._costs(chunk)[3]
 
     def layer_workspace(self, chunk: Chunk) -> float:
-        """Bytes a running layer holds beyond its stash: TP + SP's all-gathered input."""
+        """Bytes a running layer holds beyond its stash: TP + SP's two full-sequence buffers
+        (module doc)."""
         p = self.parallel
-        return self.model.element_bytes * chunk.tokens * self.model.hidden_size \
-            / (p.sp * p.cp) * (p.tp - 1) / p.tp
+        if p.tp == 1:
+            return 0.0
+        return 2 * self.model.element_bytes * chunk.tokens * self.model.hidden_size \
+            / (p.sp * p.cp)
+
+    def loss_workspace(self, chunk: Chunk) -> float:
+        """Bytes the last stage's loss holds beyond its FP32 logits (module doc)."""
+        m, p = self.model, self.parallel
+        if m.element_bytes >= 4:
+            return 0.0
+        return m.element_bytes * m.vocab_size * chunk.tokens / (p.sp * p.tp * p.cp)
+
+    def stage_workspace(self, stage: int, chunk: Chunk) -> float:
+        """Bytes ``stage`` holds beyond its stash while it runs ``chunk``: the larger of a
+        layer's and, on the last stage, the loss's (they do not run at once)."""
+        if stage == self.pp - 1:
+            return max(self.layer_workspace(chunk), self.loss_workspace(chunk))
+        return self.layer_workspace(chunk)
 
     def stash_bytes(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
         """Bytes ``stage`` keeps for ``chunk`` between its forward and its backward."""
