@@ -72,9 +72,9 @@ class CheckpointProblem:
     """Bytes per memory unit (see the module docstring)."""
     events: tuple[tuple[tuple[int, tuple[int, ...]], ...], ...]
     """Per stage: (chunk about to run its backward, chunks in flight)."""
-    workspace: int = 0
-    """Memory units set aside beside the activations (the largest workspace of a running
-    layer), already taken out of ``budget``."""
+    workspace: tuple[int, ...] = ()
+    """Per stage: memory units set aside beside the activations (the largest workspace of the
+    running stage), already taken out of ``budget``; none when empty."""
 
     @property
     def stages(self) -> int:
@@ -101,8 +101,9 @@ class CheckpointSolution:
 def build_problem(cost: CostModel, chunks: list[Chunk],
                   events: list[list[tuple[int, tuple[int, ...]]]]) -> CheckpointProblem:
     """The integer problem for ``chunks`` (in forward order) with the given in-flight sets; the
-    budget sets aside the largest workspace of the chunks (a running layer's all-gathered input
-    under TP + SP, :meth:`~longctx.cost_model.CostModel.layer_workspace`)."""
+    budget of each stage sets aside its largest workspace over the chunks (TP + SP's
+    full-sequence buffers, the loss's on the last stage,
+    :meth:`~longctx.cost_model.CostModel.stage_workspace`)."""
     stages = range(cost.pp)
     unit = memory_unit(max(cost.activation_budget(p) for p in stages))
     up = lambda x: math.ceil(x / unit)  # noqa: E731 -- three tables share the rounding
@@ -111,7 +112,8 @@ def build_problem(cost: CostModel, chunks: list[Chunk],
     backward = tuple(tuple(round(cost.stage_backward(p, c) / TIME_UNIT) for c in chunks)
                      for p in stages)
     saving = [cost.layer_saving(c) for c in chunks]
-    workspace = math.ceil(max((cost.layer_workspace(c) for c in chunks), default=0.0) / unit)
+    workspace = tuple(math.ceil(max((cost.stage_workspace(p, c) for c in chunks), default=0.0)
+                                / unit) for p in stages)
     return CheckpointProblem(
         layers=tuple(cost.layers(p) for p in stages),
         forward=forward, backward=backward,
@@ -121,7 +123,8 @@ def build_problem(cost: CostModel, chunks: list[Chunk],
         full=tuple(tuple(up(cost.stash_bytes(p, c)) for c in chunks) for p in stages),
         saving=(tuple(math.floor(s / unit) for s in saving),) * cost.pp,
         transient=(tuple(up(s) for s in saving),) * cost.pp,
-        budget=tuple(math.floor(cost.activation_budget(p) / unit) - workspace for p in stages),
+        budget=tuple(math.floor(cost.activation_budget(p) / unit) - workspace[p]
+                     for p in stages),
         memory_unit=unit,
         events=tuple(tuple(stage_events) for stage_events in events), workspace=workspace)
 
@@ -157,7 +160,8 @@ def memory_peaks(problem: CheckpointProblem, ckpt) -> list[int]:
 def peak_bytes(cost: CostModel, problem: CheckpointProblem, peaks: Sequence[int]) -> tuple:
     """Device bytes per stage at the ``peaks`` (units) of :func:`memory_peaks`: model state,
     activations and the workspace set aside."""
-    return tuple(cost.static_bytes(s) + (peaks[s] + problem.workspace) * problem.memory_unit
+    workspace = problem.workspace or (0,) * cost.pp
+    return tuple(cost.static_bytes(s) + (peaks[s] + workspace[s]) * problem.memory_unit
                  for s in range(cost.pp))
 
 

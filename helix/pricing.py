@@ -5,13 +5,21 @@ The layout is the paper's: one node per pipeline stage, tensor parallelism with 
 parallelism (TP = SP = the node's GPUs) inside it, ``microbatches`` full-length sequences of
 ``seq`` tokens, one per micro-batch. Per layer and sequence, with ``e`` bytes per element:
 
-- ``t_pre``: the QKV projection, ``2 s 3h^2`` FLOPs, plus one all-gather of the ``[s, h]``
+- ``t_qkv``: the QKV projection, ``2 s 3h^2`` FLOPs, plus one all-gather of the ``[s, h]``
   activations inside the node; ``t_attn``: causal flash attention, ``2 h s^2`` FLOPs;
   ``t_post``: the output projection and the MLP, ``2 s (h^2 + h w + h f)`` FLOPs (``w`` the
   MLP's first width: ``f``, or ``2f`` gated), plus one
   all-gather and two reduce-scatters. GEMMs run at ``peak x matmul_efficiency``, attention at
   ``peak x attention_efficiency``, over the ``tp`` GPUs of the stage; a collective is
   ``latency + s h e (tp-1)/tp / intra_node bandwidth``.
+- Helix's parts are priced where its runtime runs them (:mod:`helix.model`, the paper's
+  Section 4.2): the pre-attention part is the input LayerNorm (not priced: ``t_pre = 0``), which
+  ships the normed input, the residual and the QKV weight to the attention's stage; that stage
+  gathers the input and projects Q, K, V before attending, so helix's attention part costs
+  ``t_qkv + t_attn`` and is not recomputed with the boundaries. Table 2's bubble of the
+  two-fold schedule with recomputation, ``8 (p - 1)(t_pre + t_post)`` a loop of ``2p``
+  micro-batches, is reported beside the simulated idle time (``helix_idle_s``: the most any
+  stage idles) as ``table2_idle_s``.
 - Transfers between stages cross nodes at the profile's ``cross_node_gbps`` (the node's NICs
   shared by its GPUs, which all send their shard at once): an activation-sized tensor (``x``,
   ``r``, ``o``, ``res``, a 1F1B hop) is ``s h e / tp`` bytes a GPU, the shipped QKV weight ``w``
@@ -28,12 +36,12 @@ parallelism (TP = SP = the node's GPUs) inside it, ``microbatches`` full-length 
 - ZB1P (:func:`~megatron.plugin.pipeline.schedule_zb1p.zb1p`, the zero-bubble ZB-H1): the same
   forward; the backward split into ``B``, the attention's backward (``backward_factor x
   t_attn``, attention has no weights) plus half of the GEMM parts' backward, and ``W``, the
-  other half: the GEMM parts' backward (``backward_factor x (t_pre + t_post)``) is split evenly
+  other half: the GEMM parts' backward (``backward_factor x (t_qkv + t_post)``) is split evenly
   between input and weight gradients. It holds the memory 1F1B holds (the zero-bubble paper's
   claim for ZB-H1), so it recomputes exactly when 1F1B does, before the ``B``. Its sends are
   eager (asynchronous, as the zero-bubble implementation posts them; 1F1B replays the same
   either way). With free transfers and ``m >= p`` its per-stage idle time is
-  ``(p - 1)(F + B - W)``, HelixPipe's eq. (3) ``(p - 1)(t_pre + 3 t_attn + t_post) L / p`` at
+  ``(p - 1)(F + B - W)``, HelixPipe's eq. (3) ``(p - 1)(t_qkv + 3 t_attn + t_post) L / p`` at
   ``backward_factor = 2``.
 
 Helix's own memory is not priced: the comparison assumes that it fits, as it did in the
@@ -61,7 +69,7 @@ from helix.schedule import HelixCosts, planned_helix
 class PartTimes:
     """Forward seconds of one layer's parts for one sequence, and transfer seconds."""
 
-    pre: float
+    qkv: float
     attention: float
     post: float
     hop: float
@@ -80,7 +88,7 @@ def part_times(model: ModelConfig, hardware: HardwareProfile, seq: int, tp: int)
         / (hardware.intra_node_gbps * GB)
     network = hardware.cross_node_gbps * GB
     return PartTimes(
-        pre=2 * seq * 3 * h * h / matmul + collective,
+        qkv=2 * seq * 3 * h * h / matmul + collective,
         attention=2 * h * seq * seq / attention,
         post=2 * seq * (h * h + h * w + h * f) / matmul + 3 * collective,
         hop=hardware.inter_node_latency_s + seq * h * e / tp / network,
@@ -99,7 +107,7 @@ def one_f_one_b_peaks(model: ModelConfig, hardware: HardwareProfile, seq: int, p
         kept = cost.stash_bytes(stage, chunk, cost.layers(stage) if recompute else 0)
         rebuilt = cost.layer_saving(chunk) if recompute else 0.0
         peaks.append(cost.static_bytes(stage) + min(pp - stage, microbatches) * kept
-                     + rebuilt + cost.layer_workspace(chunk))
+                     + rebuilt + cost.stage_workspace(stage, chunk))
     return peaks
 
 
@@ -119,18 +127,18 @@ def compare(model: ModelConfig, hardware: HardwareProfile, seq: int, pp: int, tp
     layers = model.num_layers
     helix = simulate(
         planned_helix(pp, layers, microbatches, 2, helix_recompute),
-        HelixCosts(parts.pre, parts.attention, parts.post, layers,
+        HelixCosts(0.0, parts.qkv + parts.attention, parts.post, layers,
                    backward=hardware.backward_factor, transfer=parts.hop,
                    tensor_transfer=(("w", parts.weight), ("wb", parts.bias))),
         trace=False, eager_sends=True)
-    stage = layers / pp * (parts.pre + parts.attention + parts.post)
+    stage = layers / pp * (parts.qkv + parts.attention + parts.post)
     schedule = one_f_one_b(pp, microbatches)
     if recompute_1f1b:
         schedule = add_recomputation(schedule, lambda action: True)
     baseline = simulate(add_communication(schedule, num_stages=pp),
                         UniformCosts(forward=stage, backward=hardware.backward_factor * stage,
                                      recompute=stage, transfer=parts.hop), trace=False)
-    gemm_backward = layers / pp * hardware.backward_factor * (parts.pre + parts.post)
+    gemm_backward = layers / pp * hardware.backward_factor * (parts.qkv + parts.post)
     split = zb1p(pp, microbatches)
     if recompute_1f1b:
         split = add_recomputation(split, lambda action: True)
@@ -142,12 +150,15 @@ def compare(model: ModelConfig, hardware: HardwareProfile, seq: int, pp: int, tp
                      weight=gemm_backward / 2, recompute=stage, transfer=parts.hop),
         trace=False, eager_sends=True)
     best = min((baseline.iteration_time, "1f1b"), (zero_bubble.iteration_time, "zb1p"))
-    return {"parts_s": {"pre": parts.pre, "attention": parts.attention, "post": parts.post,
+    loops = -(-microbatches // (2 * pp))
+    return {"parts_s": {"qkv": parts.qkv, "attention": parts.attention, "post": parts.post,
                         "hop": parts.hop},
             "1f1b_s": baseline.iteration_time, "1f1b_bubble": baseline.bubble_ratio,
             "1f1b_recompute": recompute_1f1b, "1f1b_peak_gb": [p / GB for p in peaks],
             "1f1b_fits": max(peaks) <= memory_gb * GB,
             "zb1p_s": zero_bubble.iteration_time, "zb1p_bubble": zero_bubble.bubble_ratio,
             "helix_s": helix.iteration_time, "helix_bubble": helix.bubble_ratio,
+            "helix_idle_s": max(helix.idle),
+            "table2_idle_s": loops * (8 if helix_recompute else 6) * (pp - 1) * parts.post,
             "best_baseline": best[1], "speedup": best[0] / helix.iteration_time,
             "speedup_1f1b": baseline.iteration_time / helix.iteration_time}

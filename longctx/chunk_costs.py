@@ -45,7 +45,7 @@ class ChunkCosts:
 
     def workspace_bytes(self, action: Action) -> float:
         """Bytes a running forward, backward or recomputation holds beyond the stash."""
-        return self.cost.layer_workspace(self.chunks[action.unit])
+        return self.cost.stage_workspace(action.stage, self.chunks[action.unit])
 
     def static_bytes(self, rank: int) -> float:
         return self.cost.static_bytes(rank)

@@ -17,19 +17,24 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   include it.
 - backward compute = ``backward_factor`` x forward compute;
 - collectives (eq. 2-3): Ulysses moves Q, K, V and the attention output with four all-to-alls per
-  layer and direction, each ``latency + bytes (sp-1)/sp / bandwidth`` with ``bytes = tokens h e
-  / (sp tp)`` (``e``: bytes of an element of the model's dtype, see Memory); tensor parallelism
-  with sequence parallelism adds two all-gathers and two reduce-scatters per layer and
-  direction, each ``latency + bytes (tp-1)/tp / bandwidth`` with ``bytes = tokens h e / sp``
-  (each GPU gathers, or scatters, the layer's whole activation, not a ``1/tp`` share of it).
-  A group or hop that spans nodes runs at the profile's ``cross_node_gbps`` (the node's NICs
-  shared by its GPUs, which cross at once).
+  layer and direction, each of ``bytes = tokens h e / (sp tp)`` a GPU (``e``: bytes of an
+  element of the model's dtype, see Memory); tensor parallelism with sequence parallelism adds
+  two all-gathers and two reduce-scatters per layer and direction, rings over a buffer of
+  ``bytes = tokens h e / sp`` (each GPU gathers, or scatters, the layer's whole activation, not
+  a ``1/tp`` share of it). Each is ``latency + bytes x`` its seconds per byte as NCCL runs it
+  (:mod:`longctx.collectives`): within a node ``(n-1)/n / intra_node_gbps`` for both; an
+  all-to-all that spans nodes sends only its cross-node share ``(n-g)/n`` through the NICs
+  (``g`` of its ``n`` ranks on a node, the rest over NVLink at the same time), a ring crosses
+  each node's NICs once, the node's NICs shared by the rings of its GPUs. A pipeline hop that
+  spans nodes runs at the profile's ``cross_node_gbps`` (the node's NICs shared by its GPUs,
+  which cross at once).
   Collectives are not overlapped with compute (they sit between dependent kernels);
 - Megatron-LM's context parallelism (``cp``, ring attention, for the baselines): every GPU of
   the ring holds ``1/cp`` of each chunk's tokens (causal work balanced, as Megatron's zigzag
   split does), so compute and activations divide by ``cp`` too; per layer the ring passes the
   K/V of ``tokens / cp`` tokens ``cp - 1`` times (``2 h e / (tp cp)`` bytes a token, each
-  step ``latency + bytes / bandwidth`` over the group ``tp x cp`` spans), overlapped with the
+  step ``latency + bytes x`` a point-to-point ring step's seconds per byte over the group
+  ``tp x cp`` spans, :mod:`longctx.collectives`), overlapped with the
   layer's attention: only what exceeds it is exposed; the backward passes K/V and their
   gradients, twice the bytes, against ``backward_factor`` times the attention;
 - recomputing a checkpointed layer costs one more forward of it, collectives included (eq. 11);
@@ -69,11 +74,24 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   ``1 + allocator_overhead`` of the profile: the device bytes the caching allocator holds per
   live byte (fragmentation). Offloading frees and copies live bytes, so SPPO's copy times
   divide it back out;
-- workspace: tensor parallelism with sequence parallelism all-gathers a layer's input before
-  its GEMMs, a full ``[tokens / sp, h]`` buffer of which each GPU holds ``1/tp`` in its stash;
-  the other ``(tp - 1)/tp`` live only while a forward, backward or recomputation runs. The
-  simulator adds them on top of the stash during those actions; the elastic planner's budget
-  sets aside the batch's largest;
+- workspace, what a running stage holds beyond its stash (the simulator adds it on top of the
+  stash while a forward, backward or recomputation runs; the elastic planner's budget sets
+  aside the batch's largest on each stage), as Megatron-LM's layers allocate it:
+
+  - *TP + SP full-sequence buffers*, ``2 e`` bytes per token of ``[tokens / (sp cp), h]``
+    when ``tp > 1``: a column-parallel linear all-gathers its input into a full-sequence
+    buffer before its GEMM, and its backward (megatron-core
+    ``tensor_parallel/layers.py``, ``LinearWithGradAccumulationAndAsyncCommunication.backward``)
+    all-gathers it again for the weight gradient (``total_input``) while it holds the
+    full-sequence input gradient ``grad_output @ weight`` (``grad_input``) that it then
+    reduce-scatters: two full ``[tokens, h]`` buffers at once, the backward's being the larger
+    of the two directions and the one charged;
+  - *loss buffers* on the last stage, ``e V / (sp tp cp)`` bytes per token when the model's
+    dtype is below FP32: the output layer's logits in the model's dtype live beside the FP32
+    copy the vocab-parallel cross entropy makes of them (megatron-core
+    ``tensor_parallel/cross_entropy.py``, ``calculate_logits_max``: ``.float()``) and keeps for
+    its backward (the FP32 logits above), and the backward's logits gradient in the model's
+    dtype beside the FP32 one; in FP32 the copy is the tensor itself;
 - model state per stage (eq. 10): weights in the model's dtype (``e`` bytes/param), FP32 main
   gradients (4), Adam moments (8) and, below FP32, FP32 master weights (4) -- moments and
   master weights sharded over the ``dp x sp x cp`` replicas when the distributed optimizer is
@@ -91,6 +109,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from longctx.chunks import Chunk
+from longctx import collectives
 from longctx.hardware import HardwareProfile
 from longctx.models import ModelConfig
 
@@ -215,17 +234,20 @@ class CostModel:
         self.comm_latency = self.comm_per_token = 0.0
         # Ulysses moves each GPU's tokens / sp of its h / tp channels; TP's all-gathers and
         # reduce-scatters move the whole [tokens / (sp cp), h] activation of the layer.
-        for degree, span, per_token in (
-                (parallel.sp, parallel.tp * parallel.sp, e * h / shard),
-                (parallel.tp, parallel.tp, e * h / (parallel.sp * parallel.cp))):
+        for degree, span, per_token, per_byte in (
+                (parallel.sp, parallel.tp * parallel.sp, e * h / shard,
+                 collectives.all_to_all_per_byte),
+                (parallel.tp, parallel.tp, e * h / (parallel.sp * parallel.cp),
+                 collectives.ring_per_byte)):
             if degree > 1:
-                bandwidth, latency = self._link(span)
-                self.comm_latency += 4 * latency
-                self.comm_per_token += 4 * per_token * (degree - 1) / degree / bandwidth
+                self.comm_latency += 4 * collectives.latency(hardware, span)
+                self.comm_per_token += 4 * per_token * per_byte(hardware, degree, span)
         self.ring_step = (0.0, 0.0)
         if parallel.cp > 1:
-            bandwidth, latency = self._link(parallel.tp * parallel.cp)
-            self.ring_step = (latency, 2 * e * h / (parallel.tp * parallel.cp) / bandwidth)
+            span = parallel.tp * parallel.cp
+            self.ring_step = (collectives.latency(hardware, span),
+                              2 * e * h / (parallel.tp * parallel.cp)
+                              * collectives.ring_step_per_byte(hardware, parallel.cp, span))
         self.linear_per_token = self.alpha2 + self.comm_per_token
         self.chunk_constant = self.beta + self.comm_latency
         self._layers = stage_layers(model.num_layers, parallel.pp)
@@ -322,10 +344,27 @@ class CostModel:
         return self._costs(chunk)[3]
 
     def layer_workspace(self, chunk: Chunk) -> float:
-        """Bytes a running layer holds beyond its stash: TP + SP's all-gathered input."""
+        """Bytes a running layer holds beyond its stash: TP + SP's two full-sequence buffers
+        (module doc)."""
         p = self.parallel
-        return self.model.element_bytes * chunk.tokens * self.model.hidden_size \
-            / (p.sp * p.cp) * (p.tp - 1) / p.tp
+        if p.tp == 1:
+            return 0.0
+        return 2 * self.model.element_bytes * chunk.tokens * self.model.hidden_size \
+            / (p.sp * p.cp)
+
+    def loss_workspace(self, chunk: Chunk) -> float:
+        """Bytes the last stage's loss holds beyond its FP32 logits (module doc)."""
+        m, p = self.model, self.parallel
+        if m.element_bytes >= 4:
+            return 0.0
+        return m.element_bytes * m.vocab_size * chunk.tokens / (p.sp * p.tp * p.cp)
+
+    def stage_workspace(self, stage: int, chunk: Chunk) -> float:
+        """Bytes ``stage`` holds beyond its stash while it runs ``chunk``: the larger of a
+        layer's and, on the last stage, the loss's (they do not run at once)."""
+        if stage == self.pp - 1:
+            return max(self.layer_workspace(chunk), self.loss_workspace(chunk))
+        return self.layer_workspace(chunk)
 
     def stash_bytes(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
         """Bytes ``stage`` keeps for ``chunk`` between its forward and its backward."""

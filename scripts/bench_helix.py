@@ -18,8 +18,9 @@ stash), with the ratios to ``1f1b``.
 
 Simulated (:mod:`helix.pricing` from a spec-derived hardware profile; no measurement): GPT-7B,
 128K-token sequences, 8 pipeline stages of one node each (TP=8 with sequence parallelism inside
-the node, stages linked by InfiniBand), per-part FLOPs of the pre-attention (QKV), the causal
-attention and the post-attention (projection and MLP) with TP collectives, helix with
+the node, stages linked by InfiniBand), per-part FLOPs of the QKV projection (in helix's
+attention part, where its runtime runs it), the causal attention and the post-attention
+(projection and MLP) with TP collectives, helix with
 recomputation without attention, against 1F1B with the same layers per stage. Prints the
 iteration time of each and the ratio.
 """
@@ -140,7 +141,7 @@ def simulated(profile_name: str = "h20") -> dict:
     parts = found["parts_s"]
     print(f"SIMULATED (spec-derived {profile_name} profile, not measured): gpt-7b, "
           f"{seq} tokens a sequence, PP={pp} x TP={tp}, {microbatches} micro-batches; part "
-          f"forwards t_pre {parts['pre'] * 1e3:.1f} ms, t_attn {parts['attention'] * 1e3:.1f} "
+          f"forwards t_qkv {parts['qkv'] * 1e3:.1f} ms, t_attn {parts['attention'] * 1e3:.1f} "
           f"ms, t_post {parts['post'] * 1e3:.1f} ms a layer (helix.pricing; helix's memory not priced)")
     print(f"  1f1b  {found['1f1b_s']:8.2f} s/iteration, bubble {found['1f1b_bubble']:.3f}, "
           f"{'with' if found['1f1b_recompute'] else 'without'} recomputation, peak "

@@ -47,7 +47,9 @@ Rows:
 - ``table3``: InfiniPipe's Table 3, the all-to-all share of GPT-13B's time under Ulysses SP of 8,
   16 and 32 GPUs at 32K tokens (one sequence): the layers' collectives over the layers' forward
   and backward (the embedding, head and ZeRO traffic of the paper's end-to-end time are left
-  out); the preset's 40 heads become 64 so that 32 divides them.
+  out); and the all-to-all's seconds of all fifteen cells (end-to-end seconds x share; the
+  layers' forward and backward all-to-alls, no recomputation counted); the preset's 40 heads
+  become 64 so that 32 divides them.
 - ``helixpipe``: helix (two folds, recomputation without attention) over the best baseline for
   GPT-1.3B, 3B and 7B (the paper's Table 3 shapes) at 128K on 64 GPUs (PP 8 nodes x TP 8 with
   sequence parallelism), 16 micro-batches (the paper's global batch of twice the pipeline
@@ -58,12 +60,13 @@ Rows:
   and gives the ratio over 1F1B too). AdaPipe (adaptive recomputation and partitioning) is not
   expressible yet.
 - ``sppo``: SPPO over Megatron-LM (full recomputation) for GPT-7B on 32 GPUs at 512K-896K, and
-  GPT-65B on 128 GPUs at 600K and 640K, each method at the best layout ``sppo_offload.solver``
-  finds for it (the same search for both; Megatron-LM's SP may span nodes, as the paper's tuned
-  Megatron-LM's does), one sequence an iteration (the paper does not state its batch); the
-  detail also gives the ratio with both at the layout of the paper's Table 4 (SP 8 x PP 4 and
-  SP 16 x PP 8, L247-264), where a one-sequence Megatron-LM pipeline is mostly bubble; the
-  longest sequence each fits (GPT-65B on 128 GPUs, GPT-7B on 32, 64 and 128 GPUs).
+  GPT-65B on 128 GPUs at 600K and 640K, each at the layout the paper's Table 4 states for it
+  (L247-268, all DP 1): SPPO at SP 8 x PP 4 (7B) and SP 16 x PP 8 (65B) with Table 4's
+  subsequence count N for the length, the tuned Megatron-LM at SP 32 x PP 1 (7B) and SP 64 x
+  PP 2 (65B); one sequence an iteration (the paper does not state its batch). The detail also
+  gives the ratio with each method at the best layout ``sppo_offload.solver`` finds for it
+  (the same search for both); the longest sequence each fits (GPT-65B on 128 GPUs, GPT-7B on
+  32, 64 and 128 GPUs).
 """
 from __future__ import annotations
 
@@ -252,7 +255,24 @@ def table3() -> list[dict]:
         rows.append(row("InfiniPipe", f"Table 3: all-to-all share, 13B, Ulysses SP {sp}, 32K "
                         f"(L462-467)", published, comm / total, profile.name,
                         "term missing"))
+    for sp, cells in TABLE3.items():
+        cost = CostModel(model, profile, ParallelConfig(pp=1, sp=sp))
+        for context, (seconds, share) in zip(TABLE3_CONTEXTS, cells):
+            chunk = Chunk((Piece(0, 0, 0, context, True),))
+            comm = 2 * cost.layer_collectives(chunk) * model.num_layers
+            rows.append(row("InfiniPipe", f"Table 3: all-to-all seconds (end-to-end x share), "
+                            f"13B, Ulysses SP {sp}, {context // 1024}K (L462-467)",
+                            seconds * share, comm, profile.name, "term missing"))
     return rows
+
+
+TABLE3_CONTEXTS = (32768, 49152, 73728, 110592, 165888)
+"""Table 3's context lengths (32K, 48K, 72K, 108K, 162K)."""
+TABLE3 = {8: ((1.128, .074), (2.101, .059), (4.202, .045), (8.793, .032), (18.922, .022)),
+          16: ((1.188, .475), (1.936, .437), (3.378, .376), (6.262, .304), (12.207, .234)),
+          32: ((0.854, .515), (1.307, .505), (2.147, .461), (3.766, .394), (7.005, .318))}
+"""InfiniPipe's Table 3 (L462-467): per SP degree and context, the end-to-end seconds and the
+all-to-all's share of them; their product is the all-to-all's seconds."""
 
 
 # -- HelixPipe ----------------------------------------------------------------------------------
@@ -267,10 +287,6 @@ def helixpipe() -> list[dict]:
     short = {"helixpipe-h20": (">=", 1.0, "L254: comparable or faster"),
              "helixpipe-a800": ("<=", 1.0, "L258: 1F1B is the best method")}
     models = (HELIX_MODELS["gpt-1.3b"], HELIX_MODELS["gpt-3b"], get_model("gpt-7b"))
-    differs = ("the project's helix ships the residual beside the normed input and back (x, r, "
-               "o, res: four activation tensors a layer; the paper's design sends two): "
-               "transfers not hidden behind attention, most on the A800's slower network; the "
-               "baseline is ZB1P wherever it is faster than 1F1B")
     rows = []
     for name, numbers in published.items():
         profile = testbed(name)
@@ -281,7 +297,7 @@ def helixpipe() -> list[dict]:
             rows.append(row("HelixPipe", f"helix / best of 1F1B, ZB1P, {model.name}, "
                             f"{cluster}, 128K, 64 GPUs (Fig. 8, L249-254)", number,
                             found["speedup"], profile.name, "schedule differs", **found,
-                            differs=differs))
+                            differs=helix_bubble(found)))
         op, bound, source = short[name]
         for model in models:
             found = compare(model, profile, 32768, pp=8, tp=8, microbatches=16,
@@ -289,8 +305,20 @@ def helixpipe() -> list[dict]:
             rows.append(bound_row("HelixPipe", f"helix / best of 1F1B, ZB1P, {model.name}, "
                                   f"{cluster}, 32K, 64 GPUs ({source})", (op, bound),
                                   found["speedup"], profile.name, "schedule differs", **found,
-                                  differs=differs))
+                                  differs=helix_bubble(found)))
     return rows
+
+
+def helix_bubble(found: dict) -> str:
+    """Helix's simulated idle time beside Table 2's, and the transfers that stay exposed."""
+    parts = found["parts_s"]
+    exposed = found["helix_idle_s"] - found["table2_idle_s"]
+    return (f"helix idles {found['helix_idle_s']:.2f} s an iteration, Table 2's 8(p-1)(t_pre + "
+            f"t_post) {found['table2_idle_s']:.2f} s ({exposed:+.2f} s): a hop of "
+            f"{parts['hop'] * 1e3:.1f} ms a tensor, two or three a hop, against a boundary's "
+            f"t_post of {parts['post'] * 1e3:.1f} ms and an attention part of "
+            f"{(parts['qkv'] + parts['attention']) * 1e3:.1f} ms to hide behind; the "
+            f"baseline is {found['best_baseline']} (helix / 1F1B {found['speedup_1f1b']:.2f})")
 
 
 # -- SPPO ---------------------------------------------------------------------------------------
@@ -302,40 +330,53 @@ def sppo() -> list[dict]:
     profile = testbed("sppo-a100")
     rows = []
 
-    def speedup(model, gpus, tokens, layout):
-        config = SolverConfig(gpus=gpus, memory_gb=80.0, layout=layout)
+    def speedup(model, gpus, tokens, layouts=None, subsequences=None):
+        """SPPO over Megatron-LM, each at ``layouts[method]`` (``None``: searched) with SPPO's
+        ``subsequences``; and the plans' layouts."""
         plans = {}
         for method in (SPPO, MEGATRON):
+            config = SolverConfig(gpus=gpus, memory_gb=80.0,
+                                  layout=None if layouts is None else layouts[method],
+                                  subsequences=subsequences if method == SPPO else None)
             try:
                 plans[method] = solve(method, tokens, model, profile, config).to_dict()
             except ValueError as error:
                 plans[method] = {"error": str(error).splitlines()[0]}
         ok = all("tokens_per_s" in p for p in plans.values())
         ratio = plans[SPPO]["tokens_per_s"] / plans[MEGATRON]["tokens_per_s"] if ok else None
-        layouts = {m: {k: p.get(k) for k in ("sp", "pp", "dp", "num_subsequences")}
-                   for m, p in plans.items()}
-        return ratio, layouts
+        chosen = {m: {k: p.get(k) for k in ("sp", "pp", "dp", "num_subsequences", "error")
+                      if p.get(k) is not None} for m, p in plans.items()}
+        return ratio, chosen
 
+    # Table 4 (L247-268): (SPPO's SP, PP), the tuned Megatron-LM's (SP, PP), N per length.
+    table4 = {"gpt-7b": ({SPPO: (8, 4), MEGATRON: (32, 1)},
+                         {524288: 32, 655360: 64, 786432: 80, 917504: 128}),
+              "gpt-65b": ({SPPO: (16, 8), MEGATRON: (64, 2)}, {614400: 64, 655360: 80})}
     seven = sppo_model("gpt-7b")
     cells = []
-    for tokens in (524288, 655360, 786432, 917504):
-        ratio, layouts = speedup(seven, 32, tokens, None)
-        fixed, _ = speedup(seven, 32, tokens, (8, 4))
-        cells.append({"seq_length": tokens, "speedup": ratio, "layouts": layouts,
-                      "speedup_at_table4_layout": fixed})
+    layouts, counts = table4["gpt-7b"]
+    for tokens, n in counts.items():
+        ratio, chosen = speedup(seven, 32, tokens, layouts, n)
+        searched, searched_layouts = speedup(seven, 32, tokens)
+        cells.append({"seq_length": tokens, "speedup": ratio, "layouts": chosen,
+                      "speedup_at_searched_layouts": searched,
+                      "searched_layouts": searched_layouts})
     found = [c["speedup"] for c in cells if c["speedup"]]
     for label, published, value in (("lowest", 1.13, min(found, default=None)),
                                     ("highest", 1.29, max(found, default=None))):
-        rows.append(row("SPPO", f"SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the {label} "
-                        f"(Fig. 10, L272)", published, value, profile.name,
+        rows.append(row("SPPO", f"SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the {label}, "
+                        f"Table 4's layouts (Fig. 10, L272)", published, value, profile.name,
                         "setting unknown", cells=cells))
     sixty_five = sppo_model("gpt-65b")
+    layouts, counts = table4["gpt-65b"]
     for tokens, published in ((614400, 3.38), (655360, 3.12)):
-        ratio, layouts = speedup(sixty_five, 128, tokens, None)
-        fixed, _ = speedup(sixty_five, 128, tokens, (16, 8))
-        rows.append(row("SPPO", f"SPPO / Megatron-LM, 65B, 128 GPUs, {tokens // 1024}K "
-                        f"(Fig. 10, L276)", published, ratio, profile.name, "baseline stronger",
-                        layouts=layouts, speedup_at_table4_layout=fixed))
+        ratio, chosen = speedup(sixty_five, 128, tokens, layouts, counts[tokens])
+        searched, searched_layouts = speedup(sixty_five, 128, tokens)
+        rows.append(row("SPPO", f"SPPO / Megatron-LM, 65B, 128 GPUs, {tokens // 1024}K, "
+                        f"Table 4's layouts (Fig. 10, L276)", published, ratio, profile.name,
+                        "baseline stronger", layouts=chosen,
+                        speedup_at_searched_layouts=searched,
+                        searched_layouts=searched_layouts))
     for method, published in ((SPPO, 1024), (MEGATRON, 768)):
         tokens = largest_length(method, sixty_five, profile, SolverConfig(gpus=128,
                                                                           memory_gb=80.0), 65536)

@@ -18,8 +18,8 @@ activations and the sequence of each subsequence, so subsequence lengths are mul
 
 Layouts (the same for all methods, so a comparison isolates the schedule): ``sp`` divides the
 GPUs of a node or is a whole number of nodes (a group is a block of GPUs: a part of one node or
-whole nodes); an SP group that spans nodes pays for it, its collectives priced at the node's
-network share (``HardwareProfile.cross_node_gbps``), rather than being left out -- SPPO's
+whole nodes); an SP group that spans nodes pays for it, its collectives priced as rings that
+cross each node's NICs once (:mod:`longctx.collectives`), rather than being left out -- SPPO's
 tuned Megatron-LM baseline runs SP 32 and 64 across nodes; ``pp`` any divisor of ``G / sp``
 up to the layer count; ``dp = G / (sp pp)``.
 Pipeline stages span nodes only when ``sp x pp`` exceeds a node; among plans whose predicted

@@ -32,11 +32,12 @@ def test_node_nics_are_shared_by_the_node_gpus():
     assert profile().cross_node_gbps == 25.0  # no node figure: the GPU's own
     assert profile(node_nic_gbps=50.0).cross_node_gbps == 50.0 / 8  # 400 Gb/s a node
     assert profile(node_nic_gbps=400.0).cross_node_gbps == 25.0  # capped by the GPU's HCA
-    # Ulysses over 16 GPUs (two nodes): four all-to-alls per layer, each latency +
-    # tokens h e / sp (sp - 1) / sp / bandwidth.
+    # Ulysses over 16 GPUs (two nodes): four all-to-alls per layer, each latency + the
+    # cross-node share of tokens h e / sp, 8 of its 16 peers' (the other 7 go over NVLink at
+    # the same time and finish first: 7/16 / 100 GB/s < 8/16 / 6.25 GB/s).
     cost = CostModel(TINY, profile(node_nic_gbps=50.0), ParallelConfig(pp=1, sp=16))
     tokens = 4096
-    bytes_ = tokens * 64 * TINY.element_bytes / 16 * 15 / 16
+    bytes_ = tokens * 64 * TINY.element_bytes / 16 * 8 / 16
     expected = 4 * (2e-5 + bytes_ / (6.25 * GB))
     assert cost.layer_collectives(one_piece(tokens)) == pytest.approx(expected, rel=1e-12)
     inside = CostModel(TINY, profile(node_nic_gbps=50.0), ParallelConfig(pp=1, sp=8))
@@ -92,8 +93,9 @@ def test_host_memory_and_multiplexed_transfers_count_live_bytes():
 
 
 def test_the_planner_sets_the_largest_workspace_aside():
-    """Under TP 2 the elastic planner's checkpointing budget loses the largest chunk's
-    workspace (memory units, rounded up), and the plan's peak bytes add it back."""
+    """Under TP 2 the elastic planner's checkpointing budget of each stage loses its largest
+    workspace over the chunks (memory units, rounded up; the last stage's is the larger of the
+    layer's and the loss's), and the plan's peak bytes add it back."""
     from elastic_pipe import checkpointing
 
     cost = CostModel(TINY, profile(hbm_gb=1.0), ParallelConfig(pp=2, tp=2, memory_gb=1.0,
@@ -102,12 +104,12 @@ def test_the_planner_sets_the_largest_workspace_aside():
     events = [[(0, (0, 1)), (1, (1,))], [(0, (0,)), (1, (1,))]]
     problem = checkpointing.build_problem(cost, chunks, events)
     unit = problem.memory_unit
-    workspace = -(-cost.layer_workspace(chunks[0]) // unit)
-    assert problem.workspace == workspace > 0
-    assert problem.budget[0] == cost.activation_budget(0) // unit - workspace
+    workspace = [-(-cost.stage_workspace(p, chunks[0]) // unit) for p in (0, 1)]
+    assert problem.workspace == tuple(workspace) and min(workspace) > 0
+    assert problem.budget[0] == cost.activation_budget(0) // unit - workspace[0]
     peaks = checkpointing.memory_peaks(problem, checkpointing.full_table(problem))
     assert checkpointing.peak_bytes(cost, problem, peaks)[1] == pytest.approx(
-        cost.static_bytes(1) + (peaks[1] + workspace) * unit)
+        cost.static_bytes(1) + (peaks[1] + workspace[1]) * unit)
 
 
 def test_kernel_efficiency_interpolates_in_log_tokens():
@@ -154,13 +156,28 @@ def test_shipped_profiles_say_where_each_physical_term_comes_from():
         assert dataclasses.replace(hardware).cross_node_gbps <= hardware.inter_node_gbps
 
 
-def test_tensor_parallel_workspace_is_the_rest_of_the_gathered_input():
-    """TP 4 with sequence parallelism: a layer all-gathers its [s / sp, h] input; the GPU's own
-    quarter is in the stash, the other three quarters live while the layer runs."""
+def test_tensor_parallel_workspace_is_two_full_sequence_buffers():
+    """TP 4 with sequence parallelism: a column-parallel linear's backward holds its re-gathered
+    full-sequence input and its full-sequence input gradient, two [s / sp, h] buffers:
+    2 x 512 x 64 x 2 bytes = 131072 bytes for 1024 tokens over SP 2 in BF16; none without TP."""
     chunk = one_piece(1024)
     cost = CostModel(TINY, profile(), ParallelConfig(pp=1, sp=2, tp=4))
-    assert cost.layer_workspace(chunk) == 1024 / 2 * 64 * TINY.element_bytes * 3 / 4
+    assert cost.layer_workspace(chunk) == 2 * 1024 / 2 * 64 * TINY.element_bytes == 131072
     assert CostModel(TINY, profile(), ParallelConfig(pp=1, sp=2)).layer_workspace(chunk) == 0
+
+
+def test_the_loss_holds_the_logits_in_the_model_dtype_beside_their_fp32_copy():
+    """The last stage's loss: the BF16 logits beside the FP32 copy the cross entropy keeps,
+    V / (sp tp) x 2 bytes a token; in FP32 the copy is the logits themselves. The stage holds
+    the larger of that and a layer's buffers (they do not run at once)."""
+    chunk = one_piece(1024)
+    cost = CostModel(TINY, profile(), ParallelConfig(pp=2, sp=2, tp=2))
+    loss = 1024 * TINY.vocab_size / 4 * 2
+    assert cost.loss_workspace(chunk) == loss
+    assert cost.stage_workspace(1, chunk) == max(loss, cost.layer_workspace(chunk))
+    assert cost.stage_workspace(0, chunk) == cost.layer_workspace(chunk)
+    fp32 = dataclasses.replace(TINY, dtype="float32")
+    assert CostModel(fp32, profile(), ParallelConfig(pp=2, tp=2)).loss_workspace(chunk) == 0
 
 
 def test_ring_attention_is_exposed_only_beyond_the_attention_it_overlaps():

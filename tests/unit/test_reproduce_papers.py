@@ -22,7 +22,7 @@ def test_table3_and_helixpipe_rows(tmp_path):
     report = json.loads(out.read_text())
     assert report["simulated"] is True
     rows = report["rows"]
-    assert len(rows) == 3 + 12
+    assert len(rows) == 3 + 15 + 12  # Table 3's shares and seconds, helix's rows
     bounded = [row for row in rows if row["published"] is None]
     assert len(bounded) == 6  # helix at 32K: the paper's text gives bounds only
     for row in rows:

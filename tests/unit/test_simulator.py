@@ -133,3 +133,29 @@ def test_a_running_action_holds_its_workspace_on_top_of_the_stash():
     result = simulate(planned(2, 2), UniformCosts(workspace=5.0))
     assert result.peak_memory == [7.0, 6.0]
     assert max(m for _, m in result.memory_timeline[0]) == 2.0
+
+
+def test_an_eager_receive_that_names_a_part_is_waited_for_at_its_consumer():
+    """Rank 1 posts the receive of unit 0's part, then runs unit 1 and waits for the data only
+    before unit 0's part: rank 0 sends at 1.0, the data lands at 2.5 while F1 ran (0-1), and
+    F0.l1 runs 2.5-3.5. Without a part the receive is waited for at its batch: F1 runs 2.5-3.5,
+    F0 3.5-4.5."""
+    costs = UniformCosts(transfer=1.5)
+    ahead = parse_schedule("0: 0F0.l0 0SEND_F0.l1>1:x\n1: 1RECV_F0.l1<0:x 1F1 1F0.l1")
+    result = simulate(ahead, costs, eager_sends=True)
+    assert result.iteration_time == pytest.approx(3.5)
+    assert result.idle[1] == pytest.approx(1.5)
+    blocking = parse_schedule("0: 0F0 0SEND_F0>1\n1: 1RECV_F0<0 1F1 1F0")
+    assert simulate(blocking, costs, eager_sends=True).iteration_time == pytest.approx(4.5)
+
+
+def test_a_recomputation_does_not_wait_for_the_receive_of_its_backward():
+    """The consumer of a received gradient is the backward, not the recomputation before it:
+    rank 1 recomputes (1.0) while the gradient (sent at 0, 1.5 long) crosses."""
+    costs = UniformCosts(transfer=1.5)
+    schedule = parse_schedule("0: 0B0.l2 0SEND_B0.l1>1:g\n"
+                              "1: 1F0.l1 1RECV_B0.l1<0:g 1R0.l1 1B0.l1")
+    result = simulate(schedule, costs, eager_sends=True)
+    # B0.l2 runs 0-2 on rank 0 and sends at 2; F0.l1 0-1, R 1-2, the gradient lands at 3.5.
+    assert result.iteration_time == pytest.approx(3.5 + 2.0)
+    assert result.idle[1] == pytest.approx(1.5)

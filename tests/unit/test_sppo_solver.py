@@ -27,9 +27,11 @@ def test_layouts_are_blocks_of_a_node_or_of_whole_nodes():
     assert not {l.sp for l in found} & {3, 6, 12, 24}
     wide = next(l for l in found if (l.sp, l.pp) == (32, 1))
     cost = CostModel(GPT7B, HW, ParallelConfig(pp=1, tp=wide.sp))
-    # Four TP collectives a layer over 32 GPUs, each gathering (or scattering) the whole
-    # [tokens, h] activation, at the node's network share per GPU.
-    expected = 4 * 2 * 4096 * 31 / 32 / (HW.cross_node_gbps * GB)
+    # Four TP collectives a layer over 32 GPUs, each a ring gathering (or scattering) the
+    # whole [tokens, h] activation; the ring crosses each node's NICs once, at the node's
+    # whole network (8 GPUs' shares), slower than NVLink.
+    assert 8 * HW.cross_node_gbps < HW.intra_node_gbps
+    expected = 4 * 2 * 4096 * 31 / 32 / (8 * HW.cross_node_gbps * GB)
     assert cost.comm_per_token == pytest.approx(expected, rel=1e-12)
     for l in found:
         assert (HW.gpus_per_node % l.sp == 0 or l.sp % HW.gpus_per_node == 0) and \

@@ -17,7 +17,12 @@ deadlock on NCCL or gloo.
 With ``eager_sends`` (schedules whose hops run against the pipeline's direction, helix) a rank
 posts its sends and goes on at once: only the batch's receiving groups are waited for, and the
 sends complete in the background, in order on their link's stream (the executor waits for them
-at the end of the schedule).
+at the end of the schedule). A receive that names a part (what a part program's executor
+extension carries, :mod:`~megatron.plugin.pipeline.parts`) is not waited for at its batch
+either: its group is waited for right before its *consumer*, the first later compute action of
+the rank with the receive's unit and part other than a recomputation (which rebuilds from what
+the forward kept), as that extension waits. A schedule can so post a receive ahead of other
+compute and have its data cross meanwhile.
 
 Memory model: a ``FORWARD`` or ``RECOMPUTE`` adds ``costs.activation_bytes(action)`` to the
 stash of its ``(stage, unit, part)`` when it ends; the ``BACKWARD`` of that key releases the
@@ -201,9 +206,14 @@ class _Rank:
     """Heap of the copy stream's ``(time, order, slot, bytes)`` memory changes to come."""
     awaited: list[_Group] = field(default_factory=list)
     """Groups of the batch the rank waits for."""
+    arriving: dict[int, list[_Group]] = field(default_factory=dict)
+    """Position of a consumer -> the posted receiving groups it waits for (eager sends)."""
+    consumer: dict[int, int] = field(init=False)
+    """Position of a receive that names a part -> the position of its consumer."""
 
     def __post_init__(self):
         self.batch_end = dict(transfer_batches(self.actions))
+        self.consumer = consumers(self.actions)
         self.weights = {_slot(a): a for a in self.actions if a.kind is Kind.WEIGHT}
         self.peak = self.memory
         self.timeline = [(0.0, self.memory)]
@@ -216,6 +226,19 @@ class _Rank:
             self.memory += delta
             self.peak = max(self.peak, self.memory)
             self.timeline.append((at, self.memory))
+
+
+def consumers(actions: list[Action]) -> dict[int, int]:
+    """Position of each receive that names a part -> the position of the first later compute
+    action with its unit and part that is not a recomputation."""
+    found, waiting = {}, defaultdict(list)
+    for i, action in enumerate(actions):
+        if action.kind in (Kind.RECV_F, Kind.RECV_B) and action.part is not None:
+            waiting[(action.unit, action.part)].append(i)
+        elif not action.is_communication() and action.kind is not Kind.RECOMPUTE:
+            for j in waiting.pop((action.unit, action.part), ()):
+                found[j] = i
+    return found
 
 
 def _slot(action: Action) -> tuple:
@@ -246,6 +269,9 @@ class _Replay:
             rank.parked = False
             while rank.position < len(rank.actions):
                 action = rank.actions[rank.position]
+                if rank.position in rank.arriving and not self.arrived(rank):
+                    rank.parked = True
+                    break
                 following = HANDLERS[action.kind](self, rank, action)
                 if following is None:
                     rank.parked = True
@@ -255,15 +281,34 @@ class _Replay:
     def post(self, rank: _Rank, stop: int) -> None:
         """Queue the batch ``[rank.position, stop)`` as one group per link; the rank awaits
         them all, or only its receiving groups with ``eager_sends``."""
-        per_link: dict[tuple, list[Action]] = {}
-        for op in rank.actions[rank.position:stop]:
-            per_link.setdefault(op.link(), []).append(op)
+        per_link: dict[tuple, list[int]] = {}
+        for i in range(rank.position, stop):
+            per_link.setdefault(rank.actions[i].link(), []).append(i)
         for link in sorted(per_link):
-            group = _Group(rank.number, link, rank.position, per_link[link], rank.clock)
+            group = _Group(rank.number, link, rank.position,
+                           [rank.actions[i] for i in per_link[link]], rank.clock)
             self.queue[(rank.number, link)].append(group)
-            if not self.eager_sends or group.ops[0].is_recv():
+            if not self.eager_sends:
                 rank.awaited.append(group)
+            elif group.ops[0].is_recv():
+                deferred = {rank.consumer.get(i) for i in per_link[link]}
+                if None in deferred:
+                    rank.awaited.append(group)
+                for position in deferred - {None}:
+                    rank.arriving.setdefault(position, []).append(group)
             self.advance((rank.number, link))
+
+    def arrived(self, rank: _Rank) -> bool:
+        """Whether the receiving groups the action at the rank's position consumes have
+        completed; then the rank's clock moves past the last of them."""
+        groups = rank.arriving[rank.position]
+        if any(group.open for group in groups):
+            rank.awaited = groups
+            return False
+        rank.clock = max([rank.clock, *(group.finish for group in groups)])
+        del rank.arriving[rank.position]
+        rank.awaited = []
+        return True
 
     def advance(self, first: tuple) -> None:
         """Launch queued batches on every stream that has become free, matching transfers

@@ -24,7 +24,12 @@
    deadlock under NCCL's rules: transfers posted in batches, one group per link, each link an
    in-order stream on each of its two ranks (a group starts when the previous one on that
    stream has completed and completes when both sides have posted); a rank waits for every
-   group of its batch (or, when the flow has ``eager_sends``, for its receiving groups only).
+   group of its batch (or, when the flow has ``eager_sends``, for its receiving groups only,
+   and for those of a receive that names a part right before its consumer);
+7. with ``eager_sends``, the compute the simulator waits at for a receive that names a part
+   (the first later compute of its unit and part that is not a recomputation) is the one
+   ``flow.consumer`` names, the one the executor waits at
+   (:mod:`~megatron.plugin.pipeline.parts`).
 
 A failure raises :class:`ScheduleError` (a ``ValueError``) whose message holds the
 per-rank grid around the failing step, the failing cells marked ``<-- ERROR HERE``.
@@ -37,7 +42,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
-from megatron.plugin.pipeline.simulator import Deadlock, dry_run
+from megatron.plugin.pipeline.simulator import Deadlock, consumers, dry_run
 
 
 #: Steps shown before and after the failing one.
@@ -95,6 +100,19 @@ def validate(schedule: Schedule, shape_of: Callable[[Action], tuple] | None = No
         raise ScheduleError("deadlock: every unfinished rank waits for a receive whose send "
                             "never comes (marked)", schedule,
                             sorted(err.blocked.items())) from None
+    if getattr(flow, "eager_sends", False):
+        for rank, actions in enumerate(schedule):
+            _check_waits(schedule, rank, actions, flow)
+
+
+def _check_waits(schedule: Schedule, rank: int, actions: list[Action], flow) -> None:
+    for step, waits_at in consumers(actions).items():
+        a, at = actions[step], actions[waits_at]
+        if flow.consumer(a) != (at.kind, at.unit, at.part):
+            kind = flow.consumer(a)[0].name.lower()
+            raise ScheduleError(f"{a} is posted before {at}, which would wait for it; its "
+                                f"consumer is the {kind} of its unit and part: post it after "
+                                f"{at}", schedule, [(rank, step), (rank, waits_at)])
 
 
 def _check_placement(schedule: Schedule) -> None:
