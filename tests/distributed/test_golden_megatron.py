@@ -7,9 +7,9 @@ single-process reference, and ``1f1b-ir`` equals Megatron's native 1F1B.
 Loss and every parameter gradient of one training step over a fixed set of documents
 (packed into micro-batches for the pipeline; one document at a time for the reference).
 
-The module fixture runs every layout in a few torchrun launches: the initial weights of every
-model variant in one single-process launch, the layouts of one variant with the same number of
-ranks in one launch (one after another, Megatron-LM initialised afresh for each:
+The module fixture runs every layout in four torchrun launches: the initial weights of every
+model variant in one single-process launch, every layout on two ranks in one launch and every
+layout on four in another (one after another, Megatron-LM initialised afresh for each:
 ``golden_run.py``), and every variant's reference in one single-process launch.
 ``test_golden_sharing.py`` checks that a layout run after another equals the layout run alone.
 
@@ -31,8 +31,8 @@ from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 
 WORKER = "tests/distributed/golden_worker.py"
 
-# The module fixture runs every layout (a dozen torchrun launches, each under a limit of 300 s
-# plus 120 s per layout) during the setup of the first test; that setup gets more than the
+# The module fixture runs every layout (four torchrun launches, each under a limit of 300 s plus
+# 120 s per command line) during the setup of the first test; that setup gets more than the
 # default 600 s.
 pytestmark = pytest.mark.timeout(2400)
 
@@ -269,7 +269,8 @@ def need(*tags: str) -> None:
     """Skip the calling test when this run leaves out one of ``tags`` (smoke or targeted)."""
     missing = sorted(set(tags) - {tag for _, tag in CASES})
     if missing:
-        pytest.skip(f"layouts left out of this run: {', '.join(missing)}")
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        pytest.skip(f"{len(missing)} layout(s) left out of this run: {shown}")
 
 
 #: Every launch registers ``gpipe`` from ``tests/schedules/gpipe.py`` through the schedule
@@ -279,21 +280,21 @@ OUTSIDE_SCHEDULES = {"LONGCTX_SCHEDULES": "tests.schedules.gpipe:SPEC"}
 
 def golden_launches(root, run: dict) -> list[tuple[int, str, list[list[str]]]]:
     """``(ranks, name, command lines)`` of each launch, in order: every variant's initial
-    weights (one process), then per variant and number of ranks its layouts, then every
-    variant's reference (one process)."""
-    inits, runs, references = [], [], []
+    weights (one process), then per number of ranks every layout of that size (all variants),
+    then every variant's reference (one process)."""
+    inits, runs, references = [], {}, []
     for variant, (model_flags, layouts) in run.items():
         common = [*TINY_MODEL, *model_flags, "--golden-dir", str(root / variant)]
         init = str(root / variant / "init")
         inits.append([*common, "--golden-mode", "init", "--save", init, "--save-interval", "1"])
         # Megatron-LM's loader reads the initial weights into each layout.
         common += ["--load", init, "--no-load-optim", "--no-load-rng"]
-        for nprocs in sorted({nprocs for nprocs, _ in layouts.values()}):
-            runs.append((nprocs, f"{variant}_{nprocs}", [
-                [*common, *flags, "--golden-mode", "run", "--golden-tag", tag]
-                for tag, (ranks, flags) in layouts.items() if ranks == nprocs]))
+        for tag, (nprocs, flags) in layouts.items():
+            runs.setdefault(nprocs, []).append(
+                [*common, *flags, "--golden-mode", "run", "--golden-tag", tag])
         references.append([*common, "--golden-mode", "reference", "--golden-tags", *layouts])
-    return [(1, "init", inits), *runs, (1, "reference", references)]
+    return [(1, "init", inits), *((n, f"run_{n}", runs[n]) for n in sorted(runs)),
+            (1, "reference", references)]
 
 
 @pytest.fixture(scope="module")
