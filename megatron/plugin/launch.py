@@ -214,8 +214,10 @@ def reset() -> None:
     when one exists; under torchrun a new one would meet the old one's keys in the agent's
     store), what :func:`initialize` installs once and idempotently (the CPU compatibility layer,
     the dataset helpers), the registered schedules, and the schedules' caches of plans (pure
-    functions of their arguments). The random generators and Megatron's RNG tracker need no
-    reset: :func:`initialize` seeds them again (``model_parallel_cuda_manual_seed`` resets the
+    functions of their arguments). The process groups of the run stay alive, unused (Megatron's
+    teardown forgets them without destroying them; on gloo each holds two threads and its
+    connections). The random generators and Megatron's RNG tracker need no reset:
+    :func:`initialize` seeds them again (``model_parallel_cuda_manual_seed`` resets the
     tracker's states)."""
     import torch.distributed as dist
     from megatron.training import checkpointing
