@@ -146,7 +146,8 @@ def command_lines(argv: list[str]) -> list[list[str]]:
     if known.golden_layouts is None:
         return [argv]
     if rest:
-        raise SystemExit(f"--golden-layouts takes no other arguments; got {rest}")
+        raise SystemExit(f"--golden-layouts FILE takes no other arguments (put them in FILE's "
+                         f"command lines); got {rest}")
     with open(known.golden_layouts) as f:
         return json.load(f)
 

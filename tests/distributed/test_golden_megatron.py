@@ -14,8 +14,8 @@ layout on four in another (one after another, Megatron-LM initialised afresh for
 ``test_golden_sharing.py`` checks that a layout run after another equals the layout run alone.
 
 Environment: ``LONGCTX_GOLDEN_SMOKE=1`` runs one layout per schedule (:data:`SMOKE`);
-``LONGCTX_GOLDEN_TAGS=tag1,tag2`` runs the named layouts only (a targeted run; the tests about
-layouts left out are skipped).
+``LONGCTX_GOLDEN_TAGS=tag1,tag2`` runs the named layouts only (a targeted run; with both, the
+named smoke layouts). Tests about layouts left out are skipped.
 """
 import glob
 import json
@@ -255,11 +255,15 @@ def selected_tags() -> set[str]:
             raise pytest.UsageError(f"LONGCTX_GOLDEN_TAGS names no layout {unknown}; "
                                     f"layouts: {', '.join(sorted(ALL_TAGS))}")
         tags = tags & chosen
+        if not tags:
+            raise pytest.UsageError("LONGCTX_GOLDEN_TAGS names none of the smoke layouts "
+                                    f"({', '.join(sorted(SMOKE))}) that LONGCTX_GOLDEN_SMOKE=1 "
+                                    "runs: name one of those, or unset LONGCTX_GOLDEN_SMOKE")
     return tags
 
 
-RUN = {variant: (model_flags, {tag: layout for tag, layout in layouts.items()
-                               if tag in selected_tags()})
+SELECTED = selected_tags()
+RUN = {variant: (model_flags, {tag: layout for tag, layout in layouts.items() if tag in SELECTED})
        for variant, (model_flags, layouts) in VARIANTS.items()}
 RUN = {variant: entry for variant, entry in RUN.items() if entry[1]}
 CASES = [(variant, tag) for variant, (_, layouts) in RUN.items() for tag in layouts]
