@@ -1,4 +1,5 @@
 """Launch multi-process gloo runs with torchrun, with a timeout, from tests."""
+import json
 import os
 import socket
 import subprocess
@@ -64,3 +65,16 @@ def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, che
         pytest.fail(f"{script} on {nprocs} ranks failed ({result.returncode}):\n"
                     f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
     return result
+
+
+def torchrun_each(nprocs: int, script: str, command_lines, list_path: str,
+                  timeout_per_line: float = 120, env=None):
+    """Run ``script`` on ``nprocs`` local ranks once for several command lines: they are
+    written to ``list_path`` (a JSON list of argument lists) and the script gets
+    ``--golden-layouts list_path``; it runs them one after another in the same processes. The
+    limit is 300 s plus ``timeout_per_line`` per command line."""
+    command_lines = [[str(arg) for arg in line] for line in command_lines]
+    with open(list_path, "w") as f:
+        json.dump(command_lines, f, indent=1)
+    return torchrun(nprocs, script, ["--golden-layouts", list_path],
+                    timeout=300 + timeout_per_line * len(command_lines), env=env)

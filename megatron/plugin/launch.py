@@ -31,7 +31,7 @@ from megatron.plugin import arguments, checkpoint_errors, cpu_compat, hang_repor
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
-from megatron.plugin.pipeline import run_settings
+from megatron.plugin.pipeline import p2p, run_settings
 
 MODEL_TYPE = ModelType.encoder_or_decoder
 
@@ -189,6 +189,48 @@ def train_step(model, optimizer, scheduler, config, data_iterator, iteration: in
                                           scheduler, config, schedule, iteration=iteration)
     _, skipped, _, _, _, grad_norm = result[:6]
     return dict(schedule.reporter.last, update_successful=not skipped, grad_norm=grad_norm)
+
+
+def reset() -> None:
+    """Undo :func:`initialize` and what a run built on it, on every rank, keeping the default
+    process group: the next :func:`initialize` in this process then starts from the state a
+    fresh process has (tests run several layouts in one launch this way).
+
+    Reset, after a barrier (no rank tears down while a peer still works):
+
+    * Megatron-LM's global state, with its own teardown (``destroy_global_state``, what its
+      in-process restart calls): the parsed arguments, tokenizer, timers and other global
+      variables, the micro-batch calculator, the global memory buffer, the model-parallel
+      groups and the rerun state machine;
+    * the checkpoint version and loaded iteration that Megatron's loader records;
+    * the pipeline links of the IR schedules (two-rank groups cached by this rank's pipeline;
+      a cache hit on some ranks but not on others would stall the group creation the others
+      enter);
+    * Megatron's own ``get_forward_backward_func`` everywhere (:func:`initialize` selects the
+      schedule again);
+    * the CPU-compatibility counters (:data:`cpu_compat.HITS`): they count the next run only.
+
+    Kept: the default process group (Megatron's initialisation skips ``init_process_group``
+    when one exists; under torchrun a new one would meet the old one's keys in the agent's
+    store), what :func:`initialize` installs once and idempotently (the CPU compatibility layer,
+    the dataset helpers), the registered schedules, and the schedules' caches of plans (pure
+    functions of their arguments). The process groups of the run stay alive, unused (Megatron's
+    teardown forgets them without destroying them; on gloo each holds two threads and its
+    connections). The random generators and Megatron's RNG tracker need no reset:
+    :func:`initialize` seeds them again (``model_parallel_cuda_manual_seed`` resets the
+    tracker's states)."""
+    import torch.distributed as dist
+    from megatron.training import checkpointing
+    from megatron.training.training import destroy_global_state
+
+    if dist.is_initialized():
+        dist.barrier()
+    destroy_global_state()
+    checkpointing._CHECKPOINT_VERSION = None
+    checkpointing.set_loaded_iteration(None)
+    p2p.pipeline_links.cache_clear()
+    registry.restore_megatron()
+    cpu_compat.HITS.clear()
 
 
 def shutdown() -> None:

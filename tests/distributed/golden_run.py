@@ -20,7 +20,15 @@ Modes:
   alone (no packing): per-token loss and gradients; then, for every tag given, load that run's
   gradient checkpoint into the single-process layout. Everything is written with ``torch.save``
   for the test to compare.
+
+One launch runs one command line, or, with ``--golden-layouts FILE`` as its only arguments,
+every command line of ``FILE`` (a JSON list of argument lists, all for the launch's number of
+ranks) one after another in the same processes: each is initialised afresh by Megatron-LM
+(:func:`launch.initialize`) after :func:`launch.reset` undid the previous one, so a launch
+pays the interpreter's start and the imports once.
 """
+import argparse
+import contextlib
 import json
 import os
 import sys
@@ -106,10 +114,11 @@ def grads_as_weights(model, captured: dict):
             param.data.copy_(captured[param])
 
 
-def record_call_order(order: list):
-    """Wrap megatron-core's ``forward_step``/``backward_step`` (as its schedules call them) to
-    append ``"F<microbatch>"`` / ``"B<k>"`` to ``order``. 1F1B runs backwards first-in first-out,
-    so the k-th backward is micro-batch k."""
+@contextlib.contextmanager
+def recording_call_order(order: list):
+    """For the duration, wrap megatron-core's ``forward_step``/``backward_step`` (as its
+    schedules call them) to append ``"F<microbatch>"`` / ``"B<k>"`` to ``order``. 1F1B runs
+    backwards first-in first-out, so the k-th backward is micro-batch k."""
     from megatron.core.pipeline_parallel import schedules
 
     forward, backward = schedules.forward_step, schedules.backward_step
@@ -123,11 +132,35 @@ def record_call_order(order: list):
         return backward(*args, **kwargs)
 
     schedules.forward_step, schedules.backward_step = forward_step, backward_step
+    try:
+        yield
+    finally:
+        schedules.forward_step, schedules.backward_step = forward, backward
+
+
+def command_lines(argv: list[str]) -> list[list[str]]:
+    """The command lines this launch runs: ``argv`` itself, or those of ``--golden-layouts``."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    parser.add_argument("--golden-layouts")
+    known, rest = parser.parse_known_args(argv)
+    if known.golden_layouts is None:
+        return [argv]
+    if rest:
+        raise SystemExit(f"--golden-layouts FILE takes no other arguments (put them in FILE's "
+                         f"command lines); got {rest}")
+    with open(known.golden_layouts) as f:
+        return json.load(f)
 
 
 def main():
-    args = launch.initialize(sys.argv[1:], golden_arguments)
-    run(args)
+    for argv in command_lines(sys.argv[1:]):
+        args = launch.initialize(argv, golden_arguments)
+        try:
+            run(args)
+        except Exception as error:
+            raise RuntimeError(f"golden {args.golden_mode} {args.golden_tag!r} in "
+                               f"{args.golden_dir} failed") from error
+        launch.reset()
     launch.shutdown()
 
 
@@ -145,12 +178,13 @@ def run(args):
         batch = GlobalBatch(docs, lambda: docs)
         data_iterator = [iter([batch]) for _ in model] if len(model) > 1 else iter([batch])
         order: list[str] = []
-        if args.pipeline_schedule == "1f1b":
-            record_call_order(order)
+        recording = recording_call_order(order) if args.pipeline_schedule == "1f1b" \
+            else contextlib.nullcontext()
         # Megatron's train_step: the schedule, then the optimizer step (grad norm and
         # clipping), which sees the gradients after they are captured.
         captured = capture_grads_before_step(model, optimizer)
-        record = launch.train_step(model, optimizer, scheduler, config, data_iterator)
+        with recording:
+            record = launch.train_step(model, optimizer, scheduler, config, data_iterator)
         tokens = record["num_tokens"]
         loss_sum = record["lm_loss"] * tokens
         num_microbatches = record["num_microbatches"]

@@ -6,6 +6,16 @@ single-process reference, and ``1f1b-ir`` equals Megatron's native 1F1B.
 
 Loss and every parameter gradient of one training step over a fixed set of documents
 (packed into micro-batches for the pipeline; one document at a time for the reference).
+
+The module fixture runs every layout in four torchrun launches: the initial weights of every
+model variant in one single-process launch, every layout on two ranks in one launch and every
+layout on four in another (one after another, Megatron-LM initialised afresh for each:
+``golden_run.py``), and every variant's reference in one single-process launch.
+``test_golden_sharing.py`` checks that a layout run after another equals the layout run alone.
+
+Environment: ``LONGCTX_GOLDEN_SMOKE=1`` runs one layout per schedule (:data:`SMOKE`);
+``LONGCTX_GOLDEN_TAGS=tag1,tag2`` runs the named layouts only (a targeted run; with both, the
+named smoke layouts). Tests about layouts left out are skipped.
 """
 import glob
 import json
@@ -14,15 +24,16 @@ import os
 import pytest
 import torch
 
-from harness import TINY_MODEL, torchrun
+from harness import TINY_MODEL, torchrun_each
 
 from megatron.plugin import cpu_compat
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 
 WORKER = "tests/distributed/golden_worker.py"
 
-# The module fixture runs every layout (about 40 torchrun launches, each under its own 300 s
-# limit) during the setup of the first test; that setup gets more than the default 600 s.
+# The module fixture runs every layout (four torchrun launches, each under a limit of 300 s plus
+# 120 s per command line) during the setup of the first test; that setup gets more than the
+# default 600 s.
 pytestmark = pytest.mark.timeout(2400)
 
 ELASTIC = ["--pipeline-schedule", "elastic", "--elastic-slices", "3"]
@@ -228,11 +239,42 @@ VARIANTS = {
 #: newest; that pass selects ``test_loss_and_gradients_match_reference`` alone.
 SMOKE = {"pp2", "pp2_vp2_interleaved", "pp2_ir", "pp2_elastic", "pp2_seq1f1b_uniform",
          "pp2_helix", "pp2_sppo_n4", "pp2_gpipe_outside"}
-RUN = VARIANTS
-if os.environ.get("LONGCTX_GOLDEN_SMOKE") == "1":
-    RUN = {"learned": ([], {tag: layout for tag, layout in VARIANTS["learned"][1].items()
-                            if tag in SMOKE})}
+ALL_TAGS = {tag for _, layouts in VARIANTS.values() for tag in layouts}
+
+
+def selected_tags() -> set[str]:
+    """The layouts this run covers: all, :data:`SMOKE`'s, or ``LONGCTX_GOLDEN_TAGS``'s."""
+    tags = ALL_TAGS
+    if os.environ.get("LONGCTX_GOLDEN_SMOKE") == "1":
+        tags = SMOKE
+    named = os.environ.get("LONGCTX_GOLDEN_TAGS")
+    if named:
+        chosen = {tag.strip() for tag in named.split(",") if tag.strip()}
+        unknown = sorted(chosen - ALL_TAGS)
+        if unknown:
+            raise pytest.UsageError(f"LONGCTX_GOLDEN_TAGS names no layout {unknown}; "
+                                    f"layouts: {', '.join(sorted(ALL_TAGS))}")
+        tags = tags & chosen
+        if not tags:
+            raise pytest.UsageError("LONGCTX_GOLDEN_TAGS names none of the smoke layouts "
+                                    f"({', '.join(sorted(SMOKE))}) that LONGCTX_GOLDEN_SMOKE=1 "
+                                    "runs: name one of those, or unset LONGCTX_GOLDEN_SMOKE")
+    return tags
+
+
+SELECTED = selected_tags()
+RUN = {variant: (model_flags, {tag: layout for tag, layout in layouts.items() if tag in SELECTED})
+       for variant, (model_flags, layouts) in VARIANTS.items()}
+RUN = {variant: entry for variant, entry in RUN.items() if entry[1]}
 CASES = [(variant, tag) for variant, (_, layouts) in RUN.items() for tag in layouts]
+
+
+def need(*tags: str) -> None:
+    """Skip the calling test when this run leaves out one of ``tags`` (smoke or targeted)."""
+    missing = sorted(set(tags) - {tag for _, tag in CASES})
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        pytest.skip(f"{len(missing)} layout(s) left out of this run: {shown}")
 
 
 #: Every launch registers ``gpipe`` from ``tests/schedules/gpipe.py`` through the schedule
@@ -240,21 +282,31 @@ CASES = [(variant, tag) for variant, (_, layouts) in RUN.items() for tag in layo
 OUTSIDE_SCHEDULES = {"LONGCTX_SCHEDULES": "tests.schedules.gpipe:SPEC"}
 
 
-@pytest.fixture(scope="module")
-def golden(tmp_path_factory):
-    root = tmp_path_factory.mktemp("golden")
-    for variant, (model_flags, layouts) in RUN.items():
+def golden_launches(root, run: dict) -> list[tuple[int, str, list[list[str]]]]:
+    """``(ranks, name, command lines)`` of each launch, in order: every variant's initial
+    weights (one process), then per number of ranks every layout of that size (all variants),
+    then every variant's reference (one process)."""
+    inits, runs, references = [], {}, []
+    for variant, (model_flags, layouts) in run.items():
         common = [*TINY_MODEL, *model_flags, "--golden-dir", str(root / variant)]
         init = str(root / variant / "init")
-        torchrun(1, WORKER, [*common, "--golden-mode", "init", "--save", init,
-                             "--save-interval", "1"], env=OUTSIDE_SCHEDULES)
+        inits.append([*common, "--golden-mode", "init", "--save", init, "--save-interval", "1"])
         # Megatron-LM's loader reads the initial weights into each layout.
         common += ["--load", init, "--no-load-optim", "--no-load-rng"]
         for tag, (nprocs, flags) in layouts.items():
-            torchrun(nprocs, WORKER, [*common, *flags, "--golden-mode", "run", "--golden-tag", tag],
-                     env=OUTSIDE_SCHEDULES)
-        torchrun(1, WORKER, [*common, "--golden-mode", "reference", "--golden-tags", *layouts],
-                 env=OUTSIDE_SCHEDULES)
+            runs.setdefault(nprocs, []).append(
+                [*common, *flags, "--golden-mode", "run", "--golden-tag", tag])
+        references.append([*common, "--golden-mode", "reference", "--golden-tags", *layouts])
+    return [(1, "init", inits), *((n, f"run_{n}", runs[n]) for n in sorted(runs)),
+            (1, "reference", references)]
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    root = tmp_path_factory.mktemp("golden")
+    for nprocs, name, lines in golden_launches(root, RUN):
+        torchrun_each(nprocs, WORKER, lines, str(root / f"launch_{name}.json"),
+                      env=OUTSIDE_SCHEDULES)
     return root
 
 
@@ -297,6 +349,7 @@ def assert_gradient_close(got: torch.Tensor, expected: torch.Tensor, name: str) 
                                        ("pp2_tp2_sp", "pp2_tp2_sp_ir")])
 def test_executor_1f1b_equals_megatron_1f1b(golden, native, ir):
     """Same per-rank order and the same megatron-core step functions: the same numbers."""
+    need(native, ir)
     root = golden / "learned"
     with open(root / f"loss_{native}.json") as f, open(root / f"loss_{ir}.json") as g:
         assert json.load(f) == json.load(g)
@@ -309,6 +362,9 @@ def test_executor_1f1b_equals_megatron_1f1b(golden, native, ir):
 def test_1f1b_generator_orders_like_megatron(golden):
     """The IR generator's per-rank compute order is the order in which Megatron's own 1F1B
     loop called forward_step / backward_step (recorded in the native runs)."""
+    need(*(tag for _, layouts in VARIANTS.values() for tag, (_, flags) in layouts.items()
+           if "--pipeline-schedule" in flags
+           and flags[flags.index("--pipeline-schedule") + 1] == "1f1b"))
     paths = glob.glob(str(golden / "*" / "order_*.json"))
     assert len(paths) >= 2 + 4 + 4 + 2 + 4, paths
     for path in paths:
@@ -322,6 +378,7 @@ def test_1f1b_generator_orders_like_megatron(golden):
 def test_every_cpu_compat_patch_is_exercised(golden):
     """Each patched megatron-core module (and replaced function / wrapped method) redirected at
     least one CUDA request to the CPU during the golden runs: no patch is dead weight."""
+    need(*ALL_TAGS)
     hits = {}
     for path in glob.glob(str(golden / "*" / "hits_*.json")):
         with open(path) as f:
@@ -339,6 +396,7 @@ def test_every_cpu_compat_patch_is_exercised(golden):
 def test_document_chunk_runs_exercise_what_they_claim(golden, tag):
     """The elastic / seq1f1b golden runs really mixed the chunk kinds and checkpointed as named
     (so the gradient checks above cover slicing, packing and recomputation)."""
+    need(tag)
     variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
     with open(golden / variant / f"plan_{tag}.json") as f:
         plan = json.load(f)
@@ -358,6 +416,7 @@ def test_helix_runs_needed_padding(golden):
     """Helix completes the micro-batch count to a multiple of p x folds with empty
     micro-batches: 4 micro-batches at p x folds = 8, 2 per data-parallel rank at 4, and 1, 3
     and 5 at 4."""
+    need("pp4_helix_recompute", "pp2_dp2_helix", "pp2_helix_m1", "pp2_helix_m3", "pp2_helix_m5")
     for variant, tag, count in [("learned", "pp4_helix_recompute", 4),
                                 ("rope_swiglu_rmsnorm", "pp2_dp2_helix", 2),
                                 ("one_microbatch", "pp2_helix_m1", 1),
@@ -372,6 +431,7 @@ def test_helix_runs_needed_padding(golden):
 def test_helix_mlp_ran_in_chunks(golden):
     """The chunked-MLP runs really chunked: 24 positions a chunk over a 64-position sequence
     (32 rows per rank with TP=2 and SP), so three chunks per MLP block."""
+    need("pp2_helix_mlp_chunk", "pp2_tp2_sp_helix_recompute_mlp_chunk")
     for tag, rows in [("pp2_helix_mlp_chunk", 24), ("pp2_tp2_sp_helix_recompute_mlp_chunk", 12)]:
         with open(golden / "learned" / f"helix_{tag}.json") as f:
             assert json.load(f)["mlp_rows"] == rows
@@ -383,6 +443,7 @@ def test_sppo_runs_exercise_what_they_claim(golden, tag):
     rank (tensor-, context- and data-parallel peers included) every subsequence but a
     document's last moved part of its offloadable saved bytes to the host tier and back, the
     asked share of them over the run (within 10%); runs with offloading off moved nothing."""
+    need(tag)
     n, ratio = SPPO_EXPECTED[tag]
     variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
     paths = sorted(glob.glob(str(golden / variant / f"sppo_{tag}_*.json")))
@@ -412,6 +473,7 @@ def test_sppo_multiplexed_runs_ran_the_shares(golden, tag):
     """The multiplexed runs (golden above) executed the first subsequence as shares: stage
     ``h`` ran the forwards of blocks ``0..h`` and their backwards in reverse; the steady
     subsequences but the last offloaded at the asked ratio, the shares never."""
+    need(tag)
     pp, n, ratio = MUX_EXPECTED[tag]
     paths = sorted(glob.glob(str(golden / "one_microbatch" / f"sppo_{tag}_*.json")))
     assert len(paths) == pp, paths
