@@ -246,7 +246,7 @@ INERT = _names("""
     ckpt_fully_parallel_save ckpt_fully_parallel_save_deprecated
     ckpt_fully_parallel_save_process_group ckpt_load_validate_sharding_integrity ckpt_step
     clip_grad config_logger_dir create_all_gather_group data_cache_path
-    data_parallel_random_init seed data_path dataloader_defer_npy_index_mmap
+    create_attention_mask_in_dataloader data_parallel_random_init seed train_samples data_path dataloader_defer_npy_index_mmap
     dataloader_fast_cache_load decoupled_lr decoupled_min_lr deprecated_use_mcore_models
     disable_jit_fuser disable_msc_deprecated disable_straggler_on_startup
     disable_symmetric_registration dist_ckpt_format_deprecated
@@ -510,18 +510,19 @@ REFUSED: dict[str, str] = {
         use_torch_fsdp2 use_torch_optimizer_for_cpu_offload use_tp_pp_dp_mapping
     """, _FSDP),
     **_each("""
-        allow_ambiguous_pad_tokens batch_size create_attention_mask_in_dataloader
+        allow_ambiguous_pad_tokens batch_size 
         data_args_path dataloader_inter_document_masking decrease_batch_size_if_needed
         eod_mask_loss eval_global_batch_size eval_micro_batch_size fim_data fim_eod_token
         fim_fragment_rate fim_middle_token fim_no_prefix fim_pad_token fim_prefix_token
         fim_rate fim_split_sample fim_spm_rate fim_suffix_token full_validation
         mid_level_dataset_surplus multiple_validation_sets object_storage_cache_path
-        per_split_data_args_path rampup_batch_size step_batch_size_schedule test_data_path
-        train_data_path train_samples valid_data_path validation_set_names
+        per_split_data_args_path  step_batch_size_schedule test_data_path
+        train_data_path  valid_data_path validation_set_names
     """, _DATA),
     **_each("""
         log_throughput
     """, _THROUGHPUT),
+    "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
 }
 
 

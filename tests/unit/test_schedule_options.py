@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from megatron.plugin import arguments, registry
+from megatron.plugin import arguments, option_classes, registry
 
 OPTIONS = {
     "full-uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -113,7 +113,8 @@ DOCUMENT_SCHEDULES = [name for name in registry.schedule_names() if not registry
 @pytest.mark.parametrize("dest", sorted(DOCUMENT_REFUSED))
 def test_document_schedules_refuse_what_their_executors_do_not_run(schedule, dest, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert dest in arguments.DOCUMENT_SCHEDULE_REFUSALS
+    honoured = option_classes.HONOURED.get(dest)
+    assert dest in option_classes.REFUSED or schedule not in honoured.proofs
     flag = arguments.megatron_defaults()[dest][0]
     argv = [*BASE, "--pipeline-schedule", schedule, *DOCUMENT_REFUSED[dest]]
     if schedule in ("helix", "sppo") and dest == "num_layers_per_virtual_pipeline_stage":
@@ -174,16 +175,15 @@ def test_model_options_the_model_would_not_honour_are_refused(flags, schedule, n
         arguments.parse([*BASE, "--pipeline-schedule", schedule, *flags])
 
 
-def test_helix_refuses_an_fp32_residual(monkeypatch):
-    """Megatron-LM takes ``--fp32-residual-connection`` with bf16 or fp16 only (CUDA), so the
-    helix check is called directly on otherwise valid arguments."""
-    from helix.flags import check_args
-
+def test_an_fp32_residual_is_refused_before_megatrons_validation(monkeypatch):
+    """Megatron-LM takes ``--fp32-residual-connection`` with bf16 or fp16 only (CUDA): the
+    project's refusal comes first (no schedule proves it; helix's parts and SPPO's multiplexed
+    helpers would hand the residual on in the model's dtype)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    args = arguments.parse([*BASE, "--pipeline-schedule", "helix"])
-    args.fp32_residual_connection = True
-    with pytest.raises(ValueError, match="--fp32-residual-connection is not supported by helix"):
-        check_args(args)
+    for schedule in ("helix", "sppo", "1f1b"):
+        with pytest.raises(ValueError, match="--fp32-residual-connection is not supported"):
+            arguments.check_command_line([*BASE, "--pipeline-schedule", schedule,
+                                          "--fp32-residual-connection"])
 
 
 def test_a_timeout_change_that_needs_cuda_is_refused_without_it(monkeypatch):
