@@ -164,6 +164,26 @@ MODEL_REFUSED = [
     (["--qk-l2-norm"], "helix", "--qk-l2-norm"),
     (["--attention-output-gate"], "helix", "--attention-output-gate"),
     (["--use-mup"], "helix", "--use-mup"),
+    # SPPO's multiplexed helpers build their own embedding, without MuP's multiplier.
+    (["--sppo-multiplex", "--use-mup", "--mup-embedding-mult", "10"], "sppo",
+     "--use-mup, --mup-embedding-mult are not supported"),
+    # The document attention picks its kernel itself and calls it without determinism.
+    (["--deterministic-mode"], "1f1b-ir", "--deterministic-mode"),
+    (["--attention-backend", "flash"], "elastic", "--attention-backend"),
+    (["--use-flash-attn"], "1f1b", "--use-flash-attn"),
+    # Context parallelism is Ulysses all-to-all, never Megatron's ring or hierarchy.
+    (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "1f1b-ir",
+     "--cp-comm-type"),
+    (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1"],
+     "elastic", "--hierarchical-context-parallel-sizes"),
+    # No golden layout recomputes other modules or distributes the saved activations.
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm"],
+     "1f1b-ir", "--recompute-modules"),
+    (["--tensor-model-parallel-size", "2", "--recompute-granularity", "full",
+      "--recompute-method", "uniform", "--distribute-saved-activations"], "1f1b-ir",
+     "--distribute-saved-activations"),
+    # Megatron-LM's FLOP count takes every sample as --seq-length tokens long.
+    (["--log-throughput"], "sppo", "--log-throughput"),
 ]
 
 
