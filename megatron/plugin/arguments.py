@@ -2,11 +2,13 @@
 
 Megatron-LM parses and validates every one of its flags (``megatron.training.arguments``);
 :func:`add_arguments` is the extra-args hook that adds ``--pipeline-schedule``, the runtime's
-flags and each registered schedule's group. :func:`check_args` then refuses, by name and with
-what to use instead, every setting this script would not honour with Megatron-LM's meaning:
-flags read only by the code this script replaces (Megatron-LM's GPT model builder and GPT
-dataset), options a schedule cannot run, and ``--tensorboard-dir`` without the ``tensorboard``
-package (Megatron-LM would warn and write nothing). It runs before any process does work.
+flags and each registered schedule's group. Before Megatron-LM's validation,
+:func:`check_command_line` refuses, all at once and by name with what to use instead, every
+option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
+selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
+options: a missing ``--calculate-per-token-loss``, Ulysses' head divisibility, the schedule's
+own ``check_args``, what needs CUDA, ``--tensorboard-dir`` without ``tensorboard``);
+:func:`check_args` runs the rules again on the validated arguments.
 
 Defaults that differ from Megatron-LM's, and why:
 
