@@ -6,10 +6,11 @@ destination is named here once, explicitly (no prefix patterns: an option a new 
 release adds is in no class, and :func:`megatron.plugin.arguments.check_command_line` refuses it
 at start-up when given until it is classified here):
 
-* :data:`INERT`: neither the project nor megatron-core's model, attention or schedule code
-  reads it (paths, logging, timers, checkpoint formats, optimizer and learning-rate
-  hyper-parameters, tokenizers, initialization): Megatron-LM's loop honours it the same way
-  under every schedule.
+* :data:`INERT`: neither the project's schedules and model nor megatron-core's model,
+  attention or schedule code reads it (paths, data sources, logging, timers, checkpoint
+  formats, optimizer and learning-rate hyper-parameters, tokenizers, initial weights and
+  seeds): Megatron-LM's loop (or the project's data loader) honours it the same way under
+  every schedule.
 * :data:`HONOURED`: read by the model or a schedule; accepted under a schedule only where a
   test proves it there with a value other than the default (:class:`Honoured`). Under any
   other schedule it is refused, naming what to use instead.
@@ -246,7 +247,8 @@ INERT = _names("""
     ckpt_fully_parallel_save ckpt_fully_parallel_save_deprecated
     ckpt_fully_parallel_save_process_group ckpt_load_validate_sharding_integrity ckpt_step
     clip_grad config_logger_dir create_all_gather_group data_cache_path
-    create_attention_mask_in_dataloader data_parallel_random_init seed train_samples data_path dataloader_defer_npy_index_mmap
+    create_attention_mask_in_dataloader data_parallel_random_init mock_data seed train_samples
+    data_path dataloader_defer_npy_index_mmap
     dataloader_fast_cache_load decoupled_lr decoupled_min_lr deprecated_use_mcore_models
     disable_jit_fuser disable_msc_deprecated disable_straggler_on_startup
     disable_symmetric_registration dist_ckpt_format_deprecated
@@ -362,7 +364,7 @@ REFUSED: dict[str, str] = {
         logits_load_msc_prefetch_depth logits_load_prefetch_factor logits_save_dir
         logits_save_dtype logits_save_top_k logits_save_top_p logits_save_top_p_min_k
         mamba_inference_conv_states_dtype mamba_inference_ssm_states_dtype mask_factor
-        mask_prob mask_type max_tokens_to_oom mock_data num_channels num_classes
+        mask_prob mask_type max_tokens_to_oom  num_channels num_classes
         num_speculative_tokens offset_sampling_seed_by_dp_rank output_bert_embeddings
         patch_dim per_dataset_sequences_path perform_rl_step phase_transition_iterations
         query_in_block_prob refit_method relative_attention_max_distance
