@@ -41,10 +41,6 @@ def check_args(args: argparse.Namespace) -> None:
     graph. Each chunk is one packed row of the plan's length, so a micro-batch size other than
     1 has nothing to count.
     """
-    if args.recompute_granularity is not None:
-        raise ValueError(f"{args.pipeline_schedule} checkpoints layers per chunk itself (chosen "
-                         "within --elastic-memory-gb): drop --recompute-granularity, and lower "
-                         "--elastic-memory-gb to make it recompute more")
     if args.micro_batch_size != 1:
         raise ValueError(f"{args.pipeline_schedule} runs each chunk as one packed row: set "
                          f"--micro-batch-size 1 (got {args.micro_batch_size}); "

@@ -38,25 +38,6 @@ def check_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` for settings helix cannot run (called by the training script's
     ``check_args``)."""
     check_layout(args.num_layers, args.pipeline_model_parallel_size)
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        raise ValueError("helix interleaves layer parts itself: drop "
-                         "--num-layers-per-virtual-pipeline-stage")
-    if args.context_parallel_size > 1:
-        raise ValueError("helix runs each attention on one stage; --context-parallel-size > 1 "
-                         "is not supported with it (use elastic for Ulysses)")
-    if args.recompute_granularity is not None:
-        raise ValueError("helix recomputes its own layer parts: drop --recompute-granularity "
-                         "and pass --helix-recompute-without-attention (pre/post-attention "
-                         "parts recomputed, attention never)")
-    for flag, dest, why in (
-            ("--attention-output-gate", "attention_output_gate",
-             "the shipped QKV weight has no gate rows"),
-            ("--use-mup", "use_mup", "the head in the last part does not scale the logits"),
-            ("--fp32-residual-connection", "fp32_residual_connection",
-             "the parts hand their residual on in the model's dtype")):
-        if getattr(args, dest):
-            raise ValueError(f"{flag} is not supported by helix ({why}): drop it, or use "
-                             f"another schedule")
     if args.helix_folds < 1:
         raise ValueError(f"--helix-folds must be >= 1, got {args.helix_folds}")
     chunk = args.helix_mlp_chunk_size

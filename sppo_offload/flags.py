@@ -64,16 +64,10 @@ def add_draw_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse what ``sppo`` cannot run, naming the flag to change."""
     pp = args.pipeline_model_parallel_size
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        raise ValueError("sppo runs one model chunk per rank: drop "
-                         "--num-layers-per-virtual-pipeline-stage")
     if args.sppo_subsequences != AUTO and args.sppo_subsequences < pp:
         raise ValueError(f"--sppo-subsequences {args.sppo_subsequences} is smaller than "
                          f"--pipeline-model-parallel-size {pp}: the subsequence pipeline needs "
                          f"N >= PP; use at least {pp} subsequences, or auto")
-    if args.recompute_granularity is not None:
-        raise ValueError("sppo keeps activations by offloading them, not by recomputation: drop "
-                         "--recompute-granularity (elastic and seq1f1b checkpoint per chunk)")
     if args.micro_batch_size != 1:
         raise ValueError(f"sppo runs each subsequence as one row: set --micro-batch-size 1 "
                          f"(got {args.micro_batch_size}); --global-batch-size sets the "

@@ -2,11 +2,13 @@
 
 Megatron-LM parses and validates every one of its flags (``megatron.training.arguments``);
 :func:`add_arguments` is the extra-args hook that adds ``--pipeline-schedule``, the runtime's
-flags and each registered schedule's group. :func:`check_args` then refuses, by name and with
-what to use instead, every setting this script would not honour with Megatron-LM's meaning:
-flags read only by the code this script replaces (Megatron-LM's GPT model builder and GPT
-dataset), options a schedule cannot run, and ``--tensorboard-dir`` without the ``tensorboard``
-package (Megatron-LM would warn and write nothing). It runs before any process does work.
+flags and each registered schedule's group. Before Megatron-LM's validation,
+:func:`check_command_line` refuses, all at once and by name with what to use instead, every
+option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
+selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
+options: a missing ``--calculate-per-token-loss``, Ulysses' head divisibility, the schedule's
+own ``check_args``, what needs CUDA, ``--tensorboard-dir`` without ``tensorboard``);
+:func:`check_args` runs the rules again on the validated arguments.
 
 Defaults that differ from Megatron-LM's, and why:
 
@@ -30,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from megatron.plugin import cpu_compat, registry
+from megatron.plugin import cpu_compat, option_classes, registry
 
 #: ``args_defaults`` for Megatron's parser (applied where a flag was not given).
 DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"}
@@ -38,90 +40,6 @@ DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"}
 _CPU_DEFAULTS = dict(distributed_backend="gloo", use_cpu_initialization=True,
                      gradient_accumulation_fusion=False, masked_softmax_fusion=False,
                      bias_gelu_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False)
-
-#: Flags read only by the model builder and dataset this script replaces, refused when set
-#: away from Megatron's default: ``dest -> what to do instead``.
-NOT_IMPLEMENTED = {
-    "spec": "the layer spec is the local spec with document attention; drop --spec",
-    "use_legacy_models": "only megatron-core models are built; drop --use-legacy-models",
-    "heterogeneous_layers_config_path": "heterogeneous layers are not built; drop the flag",
-    "num_experts": "mixture-of-experts layers are not built by this script; drop --num-experts",
-    "multi_latent_attention": "multi-latent attention is not built; drop the flag",
-    "mtp_num_layers": "multi-token prediction is not built; drop --mtp-num-layers",
-    "qk_layernorm": "the document attention has no Q/K layer norm; drop --qk-layernorm",
-    "fp8": "FP8 needs Transformer Engine layers, which this script does not build; drop "
-           "--fp8-format",
-    "sft": "supervised fine-tuning data is not read; drop --sft",
-    "fim_data": "fill-in-the-middle data is not read; drop --fim-data",
-    "eod_mask_loss": "every label of a document counts in the loss; drop --eod-mask-loss",
-    "train_data_path": "give the data with --data-path (and --split)",
-    "valid_data_path": "give the data with --data-path (and --split)",
-    "test_data_path": "give the data with --data-path (and --split)",
-    "data_args_path": "give the data with --data-path (and --split)",
-    "per_split_data_args_path": "give the data with --data-path (and --split)",
-    "multiple_validation_sets": "one validation split is read; drop the flag",
-    "full_validation": "validation runs --eval-iters batches; drop --full-validation",
-    "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
-    # Options of Megatron's attention and rotary embedding the document attention does not
-    # implement (megatron/plugin/layers/attention.py).
-    "use_rope_scaling": "the document attention's RoPE has no frequency scaling; drop "
-                        "--use-rope-scaling",
-    "rotary_seq_len_interpolation_factor": "the document attention's RoPE does not interpolate "
-                                           "positions; drop the flag",
-    "no_rope_freq": "the document attention applies RoPE in every layer; drop --no-rope-freq",
-    "window_size": "the document attention is causal over the whole document, without a "
-                   "sliding window; drop --window-size",
-    "window_attn_skip_freq": "the document attention has no sliding window; drop the flag",
-    "softmax_type": "the document attention uses the plain softmax; drop --softmax-type",
-    "experimental_attention_variant": "the layer spec has softmax attention only; drop the flag",
-    "linear_attention_freq": "the layer spec has softmax attention only; drop the flag",
-    "qk_l2_norm": "the local layer spec has no Q/K L2 norm (Transformer Engine's has); drop "
-                  "--qk-l2-norm",
-}
-
-#: Position embeddings the model builds (``--position-embedding-type``).
-POSITION_EMBEDDINGS = ("learned_absolute", "rope")
-
-
-#: Megatron-LM options that change how a pipeline schedule runs, refused for the schedules that
-#: are not Megatron's own (their executors do not implement them); Megatron's own schedules run
-#: them with Megatron's code: ``dest -> why and what to do instead``.
-DOCUMENT_SCHEDULE_REFUSALS = {
-    "overlap_param_gather": "the document schedules do not gather parameters in the forward; "
-                            "drop --overlap-param-gather",
-    "overlap_grad_reduce": "the document schedules reduce gradients after the last backward; "
-                           "drop --overlap-grad-reduce",
-    "tp_comm_overlap": "tensor-parallel communication overlap needs Transformer Engine; drop "
-                       "--tp-comm-overlap",
-    "decoder_first_pipeline_num_layers": "the document schedules place num-layers / PP layers "
-                                         "on every stage; drop the flag",
-    "decoder_last_pipeline_num_layers": "the document schedules place num-layers / PP layers "
-                                        "on every stage; drop the flag",
-    "account_for_embedding_in_pipeline_split": "the document schedules place num-layers / PP "
-                                               "layers on every stage; drop the flag",
-    "account_for_loss_in_pipeline_split": "the document schedules place num-layers / PP layers "
-                                          "on every stage; drop the flag",
-    "pipeline_model_parallel_layout": "the document schedules place num-layers / PP layers on "
-                                      "every stage; drop --pipeline-model-parallel-layout",
-    "enable_cuda_graph": "the document schedules' shapes change every step; drop the flag",
-    "cuda_graph_impl": "the document schedules' shapes change every step; drop --cuda-graph-impl",
-    "defer_embedding_wgrad_compute": "the document schedules compute every weight gradient in "
-                                     "its backward; drop the flag",
-    "delay_wgrad_compute": "the document schedules compute every weight gradient in its "
-                           "backward; drop --delay-wgrad-compute",
-    "fine_grained_activation_offloading": "use sppo's --sppo-offload (or elastic's per-chunk "
-                                          "checkpointing) instead",
-    "num_layers_per_virtual_pipeline_stage": "the document schedules run one model chunk per "
-                                             "rank; drop the flag, or use 'interleaved'",
-    "num_virtual_stages_per_pipeline_rank": "the document schedules run one model chunk per "
-                                            "rank; drop the flag, or use 'interleaved'",
-}
-
-
-#: Each schedule argument group -> ``(flag, dest, default)`` of the flags it added (filled by
-#: :func:`add_arguments`; :func:`check_args` refuses those of groups the schedule lacks).
-_GROUP_FLAGS: dict = {}
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: the project's flags and the schedules' groups."""
@@ -136,14 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write one JSON object per iteration to this file (last rank)")
     g.add_argument("--trace-dir", default=None,
                    help="write Chrome-trace JSON of the executor's actions per rank")
-    _GROUP_FLAGS.clear()
+    added = set()
     for spec in registry.specs():
         for add in spec.argument_groups:
-            if add not in _GROUP_FLAGS:  # schedules may share a group
-                before = len(parser._actions)
+            if add not in added:  # schedules may share a group
+                added.add(add)
                 add(parser)
-                _GROUP_FLAGS[add] = [(action.option_strings[0], action.dest, action.default)
-                                     for action in parser._actions[before:]]
     parser.set_defaults(transformer_impl="local", reset_position_ids=True,
                         reset_attention_mask=True)
     if not torch.cuda.is_available():
@@ -153,7 +69,96 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         # without it Megatron-LM's default (on) stops at model construction. Off computes the
         # same gradients unfused.
         parser.set_defaults(gradient_accumulation_fusion=False)
+    for action in parser._actions:
+        # argparse formats help strings with %: a stray one in Megatron-LM's own (0.19's
+        # --moe-paged-stash-buffer-size-factor-cuda) stops --help.
+        if action.help and "%" in action.help and not _formats(action.help):
+            action.help = action.help.replace("%", "%%")
     return parser
+
+
+def _formats(text: str) -> bool:
+    """Whether ``text`` is a valid argparse help format (its ``%`` escaped or ``%(name)s``)."""
+    try:
+        text % {"default": None, "prog": "", "dest": "", "type": None, "choices": None,
+                "metavar": None, "required": False, "help": "", "option_strings": [],
+                "nargs": None, "const": None, "deprecated": False}
+    except (KeyError, ValueError, TypeError):
+        return False
+    return True
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser Megatron-LM's ``parse_args`` builds, with the project's flags."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    return add_arguments(add_megatron_arguments(parser))
+
+
+def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]):
+    """``(namespace, given)``: ``argv`` parsed, and ``dest -> (flag, value)`` of each option
+    it sets to a value other than its default. argparse exits 2 on a malformed command line
+    (unknown flag, bad value) as it does inside Megatron-LM's parser."""
+    namespace = parser.parse_args(argv)
+    saved = parser._defaults, [(action, action.default) for action in parser._actions]
+    parser._defaults = {}
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    try:
+        named = vars(parser.parse_args(argv))
+    finally:
+        parser._defaults = saved[0]
+        for action, default in saved[1]:
+            action.default = default
+    flags = {}
+    for action in parser._actions:
+        if action.dest in named and action.option_strings:
+            flags.setdefault(action.dest, action.option_strings[0])
+    defaults = {action.dest: parser.get_default(action.dest) for action in parser._actions}
+    given = {dest: (flags[dest], getattr(namespace, dest)) for dest in named
+             if dest in flags and getattr(namespace, dest) != defaults.get(dest)}
+    return namespace, given
+
+
+class Refusals(ValueError):
+    """Every refusal of one command line, one per line."""
+
+    def __init__(self, messages: Sequence[str]):
+        self.messages = list(dict.fromkeys(messages))
+        super().__init__("\n".join(self.messages) if len(self.messages) == 1 else
+                         f"{len(self.messages)} settings to change:\n- "
+                         + "\n- ".join(self.messages))
+
+
+def check_command_line(argv: Sequence[str], training: bool = False,
+                       extra_args_provider=None) -> argparse.Namespace:
+    """Refuse, all at once and before anything slow (Megatron-LM's validation, tokenizers,
+    process groups), what ``argv`` asks that this script would not honour: an unknown
+    ``--pipeline-schedule``, every option given that :mod:`megatron.plugin.option_classes`
+    refuses or does not classify, and the rules of :data:`RULES` (``training``: also what
+    Megatron-LM's training loop needs). ``--help`` prints and exits here. The flags of
+    ``extra_args_provider`` (a tool's or test's own) are its business. Returns the parsed flags
+    (Megatron-LM's validation has not run on them)."""
+    parser = build_parser()
+    known = {action.dest for action in parser._actions}
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser) or parser
+    args, given = given_options(parser, argv)
+    given = {dest: value for dest, value in given.items() if dest in known}
+    messages = []
+    try:
+        registry.check_name(args.pipeline_schedule)
+    except ValueError as err:
+        messages.append(str(err))
+    else:
+        messages += option_classes.refusals(given, args.pipeline_schedule)
+        messages += rule_refusals(args)
+    if training:
+        messages += training_refusals(args)
+    if messages:
+        raise Refusals(messages)
+    return args
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:
@@ -166,6 +171,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     if not torch.cuda.is_available():
         cpu_compat.install()
 
+    check_command_line(argv)
     with command_line(argv):
         args = parse_args(add_arguments)
     validate_args(args, DEFAULTS)
@@ -194,103 +200,115 @@ def megatron_defaults() -> dict:
             if a.option_strings}
 
 
-def check_training_args(args: argparse.Namespace) -> None:
+def training_refusals(args: argparse.Namespace) -> list[str]:
     """What Megatron-LM's training loop needs beyond its validation (the training script)."""
     if args.eval_interval is None:
-        raise ValueError("--eval-interval is not set (megatron-core 0.18 and later have no "
-                         "default and Megatron-LM's loop divides by it): pass --eval-interval N, "
-                         "with --eval-iters 0 to skip evaluation")
+        return ["--eval-interval is not set (megatron-core 0.18 and later have no default and "
+                "Megatron-LM's loop divides by it): pass --eval-interval N, with --eval-iters 0 "
+                "to skip evaluation"]
+    return []
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Raise ``ValueError`` naming the flag for a setting this script would not honour."""
-    spec = registry.spec(args.pipeline_schedule)
-    megatron_schedule = registry.is_megatron(args.pipeline_schedule)
-    defaults = megatron_defaults()
-    for dest, instead in NOT_IMPLEMENTED.items():
-        if dest in defaults and getattr(args, dest, None) != defaults[dest][1]:
-            raise ValueError(f"{defaults[dest][0]} is not supported by pretrain_gpt_elastic.py: "
-                             f"{instead}")
-    if args.position_embedding_type not in POSITION_EMBEDDINGS:
-        raise ValueError(f"--position-embedding-type {args.position_embedding_type} is not "
-                         f"supported by pretrain_gpt_elastic.py (the document attention "
-                         f"implements {' and '.join(POSITION_EMBEDDINGS)}): use one of them")
-    if args.transformer_impl != "local":
-        raise ValueError("--transformer-impl transformer_engine is not supported by "
-                         "pretrain_gpt_elastic.py (its layer spec is the local one with "
-                         "document attention): pass --transformer-impl local")
-    if args.dataloader_type != "external":
-        raise ValueError(f"--dataloader-type {args.dataloader_type}: pretrain_gpt_elastic.py "
-                         "reads whole documents per global batch itself; drop the flag")
-    if args.pipeline_timeout_s <= 0:
-        raise ValueError("--pipeline-timeout-s must be > 0 seconds")
-    if not megatron_schedule and not args.calculate_per_token_loss:
-        raise ValueError(f"{args.pipeline_schedule} computes the per-token mean loss over the "
-                         "global batch, however it cuts the documents: add "
-                         "--calculate-per-token-loss")
-    if args.context_parallel_size > 1 and megatron_schedule:
-        raise ValueError("--context-parallel-size > 1 is not supported with Megatron's own "
-                         "schedules here (ring attention needs Transformer Engine); use 1, or "
-                         "an IR schedule (elastic, seq1f1b, 1f1b-ir, sppo), where it is Ulysses")
+def check_training_args(args: argparse.Namespace) -> None:
+    """Raise :class:`Refusals` with :func:`training_refusals`, if any."""
+    messages = training_refusals(args)
+    if messages:
+        raise Refusals(messages)
+
+
+def _per_token_loss(args):
+    if not registry.is_megatron(args.pipeline_schedule) and not args.calculate_per_token_loss:
+        return (f"{args.pipeline_schedule} computes the per-token mean loss over the global "
+                "batch, however it cuts the documents: add --calculate-per-token-loss")
+    return None
+
+
+def _pipeline_timeout(args):
+    return "--pipeline-timeout-s must be > 0 seconds" if args.pipeline_timeout_s <= 0 else None
+
+
+def _ulysses_heads(args):
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
-    if cp > 1:
-        heads = args.num_attention_heads // tp
-        groups = (args.num_query_groups if args.group_query_attention
-                  else args.num_attention_heads) // tp
-        if heads % cp or groups % cp:
-            raise ValueError(f"Ulysses sequence parallelism splits the attention heads: "
-                             f"{heads} heads and {groups} query groups per tensor-parallel "
-                             f"rank are not divisible by --context-parallel-size {cp}; "
-                             f"choose a degree that divides them")
-        if args.seq_length % (cp * tp):
-            raise ValueError(f"--seq-length {args.seq_length} must be divisible by "
-                             f"--context-parallel-size x --tensor-model-parallel-size "
-                             f"({cp} x {tp})")
-    _check_foreign_flags(args, spec)
-    if spec is not None and spec.check_args is not None:
-        spec.check_args(args)
-    if not megatron_schedule:
-        for dest, instead in DOCUMENT_SCHEDULE_REFUSALS.items():
-            if dest in defaults and getattr(args, dest, None) != defaults[dest][1]:
-                raise ValueError(f"{defaults[dest][0]} is not supported by --pipeline-schedule "
-                                 f"{args.pipeline_schedule}: {instead}")
+    if cp <= 1:
+        return None
+    heads = args.num_attention_heads // tp
+    groups = ((args.num_query_groups or args.num_attention_heads) if args.group_query_attention
+              else args.num_attention_heads) // tp
+    if heads % cp or groups % cp:
+        return (f"Ulysses sequence parallelism splits the attention heads: {heads} heads and "
+                f"{groups} query groups per tensor-parallel rank are not divisible by "
+                f"--context-parallel-size {cp}; choose a degree that divides them")
+    if args.seq_length % (cp * tp):
+        return (f"--seq-length {args.seq_length} must be divisible by --context-parallel-size x "
+                f"--tensor-model-parallel-size ({cp} x {tp})")
+    return None
+
+
+def _cpu_half_precision(args):
     if not torch.cuda.is_available() and (args.bf16 or args.fp16
                                            or args.use_distributed_optimizer):
-        raise ValueError("--bf16, --fp16 and --use-distributed-optimizer need CUDA "
-                         "(megatron-core's mixed-precision and distributed optimizers only wrap CUDA tensors): "
-                         "drop them on a machine without a GPU")
+        return ("--bf16, --fp16 and --use-distributed-optimizer need CUDA (megatron-core's "
+                "mixed-precision and distributed optimizers only wrap CUDA tensors): drop them "
+                "on a machine without a GPU")
+    return None
+
+
+def _cpu_timeout_after_init(args):
     if not torch.cuda.is_available() and \
             getattr(args, "distributed_timeout_seconds_after_init", None) is not None:
-        raise ValueError("--distributed-timeout-seconds-after-init needs CUDA (Megatron-LM "
-                         "synchronizes the device before it changes the process groups' "
-                         "timeouts): use --distributed-timeout-minutes on a machine without a "
-                         "GPU")
+        return ("--distributed-timeout-seconds-after-init needs CUDA (Megatron-LM synchronizes "
+                "the device before it changes the process groups' timeouts): use "
+                "--distributed-timeout-minutes on a machine without a GPU")
+    return None
+
+
+def _cpu_profile(args):
     if not torch.cuda.is_available() and args.profile and not args.use_pytorch_profiler:
-        raise ValueError("--profile starts and stops CUDA's profiler (for nsys) unless "
-                         "--use-pytorch-profiler is given: add --use-pytorch-profiler, or drop "
-                         "--profile on a machine without a GPU")
+        return ("--profile starts and stops CUDA's profiler (for nsys) unless "
+                "--use-pytorch-profiler is given: add --use-pytorch-profiler, or drop --profile "
+                "on a machine without a GPU")
+    return None
+
+
+def _tensorboard(args):
     if args.tensorboard_dir:
         error = _tensorboard_import_error()
         if error is not None:
-            raise ValueError(f"--tensorboard-dir {args.tensorboard_dir}: torch.utils.tensorboard "
-                             f"cannot be imported ({error}), and without it Megatron-LM writes "
-                             "no TensorBoard log: pip install tensorboard, or drop "
-                             "--tensorboard-dir")
+            return (f"--tensorboard-dir {args.tensorboard_dir}: torch.utils.tensorboard cannot "
+                    f"be imported ({error}), and without it Megatron-LM writes no TensorBoard "
+                    "log: pip install tensorboard, or drop --tensorboard-dir")
+    return None
 
 
-def _check_foreign_flags(args: argparse.Namespace, spec) -> None:
-    """Refuse a flag of another schedule's group set away from its default: the selected
-    schedule would ignore it."""
-    mine = set(spec.argument_groups) if spec is not None else set()
-    for add, flags in _GROUP_FLAGS.items():
-        if add in mine:
-            continue
-        for flag, dest, default in flags:
-            if getattr(args, dest, default) != default:
-                owners = [s.name for s in registry.specs() if add in s.argument_groups]
-                raise ValueError(f"{flag} is a flag of --pipeline-schedule "
-                                 f"{' / '.join(owners)} and would do nothing under "
-                                 f"--pipeline-schedule {args.pipeline_schedule}: drop it")
+def _schedule_checks(args):
+    spec = registry.spec(args.pipeline_schedule)
+    if spec is None or spec.check_args is None:
+        return None
+    try:
+        spec.check_args(args)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+#: The checks across options (what one option's class cannot say): each returns what to
+#: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
+RULES = (_per_token_loss, _pipeline_timeout, _ulysses_heads, _schedule_checks,
+         _cpu_half_precision, _cpu_timeout_after_init, _cpu_profile, _tensorboard)
+
+
+def rule_refusals(args: argparse.Namespace) -> list[str]:
+    """The messages of the :data:`RULES` that refuse ``args``."""
+    return [message for rule in RULES if (message := rule(args)) is not None]
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Raise :class:`Refusals` with every rule of :data:`RULES` that refuses the validated
+    arguments (the options themselves were checked on the command line:
+    :func:`check_command_line`)."""
+    messages = rule_refusals(args)
+    if messages:
+        raise Refusals(messages)
 
 
 def _tensorboard_import_error() -> ImportError | None:

@@ -21,6 +21,7 @@ import contextlib
 import datetime
 import inspect
 import os
+import sys
 import traceback
 from typing import Callable, Sequence
 
@@ -39,6 +40,9 @@ MODEL_TYPE = ModelType.encoder_or_decoder
 def run_pretrain() -> None:
     """Parse the command line with Megatron-LM's parser and train with its ``pretrain``."""
     _prepare()
+    # The project's refusals, all at once, before Megatron-LM's validation (which may build a
+    # tokenizer, and download its vocabulary) and before any process group.
+    arguments.check_command_line(sys.argv[1:], training=True)
     from megatron.training import training as megatron_training
 
     store = _restart_store()
@@ -88,7 +92,8 @@ def _pretrain(store) -> None:
     arguments.check_training_args(args)
     _after_parsing(args)
     # No model config in the container: Megatron then builds the model with model_provider.
-    container = pretrain_cfg_container_from_args(args, None)
+    with _refusals():
+        container = pretrain_cfg_container_from_args(args, None)
     pretrain(container, train_valid_test_dataset_provider=train_valid_test_datasets_provider,
              model_provider=model_provider, model_type=MODEL_TYPE,
              forward_step_func=forward_step, store=store)
@@ -133,6 +138,7 @@ def initialize(argv: Sequence[str], extra_args_provider: Callable | None = None)
         arguments.add_arguments(parser)
         return extra_args_provider(parser) if extra_args_provider else parser
 
+    arguments.check_command_line(argv, extra_args_provider=extra_args_provider)
     with arguments.command_line(argv), _refusals():
         if _parses_in_initialize():
             initialize_megatron(extra_args_provider=extra, args_defaults=arguments.DEFAULTS,

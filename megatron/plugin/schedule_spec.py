@@ -6,10 +6,13 @@ the name and one way to run is optional):
 
 1. ``argument_groups``: functions ``add(parser)`` that add its flags, each one group of
    Megatron-LM's parser; schedules may share a group (``--hardware-profile`` of
-   :mod:`longctx.job_costs`), which is added once. A flag of a group that the selected
-   schedule does not have is refused when set (it would do nothing).
-2. ``check_args(args)``: raise ``ValueError`` naming every option it cannot honour, with what
-   to use instead (before any process does work).
+   :mod:`longctx.job_costs`), which is added once. Each flag is classified in
+   :mod:`megatron.plugin.option_classes` (an unclassified one is refused when set); one of a
+   group that the selected schedule does not have is refused when set (it would do nothing).
+2. ``check_args(args)``: raise ``ValueError`` naming a setting of its flags it cannot run,
+   with what to use instead (before any process does work; once on the command line, once on
+   Megatron-LM's validated arguments). Megatron-LM options it does not run are refused by
+   :mod:`megatron.plugin.option_classes`.
 3. ``build_model(args, config, vocab_size, layer_spec, **gpt_kwargs)``: this rank's model
    chunk, for a schedule that does not run ``GPTModel`` stages (helix places layer parts).
 4. ``prepare_input(documents, args, model) -> (input, units)``: its input for one global batch

@@ -17,7 +17,11 @@ dropped: half precision and the distributed optimizer (CUDA-only in megatron-cor
 without ``--use-pytorch-profiler`` (nsys). What ``elastic`` cannot take is refused for it alone:
 ``--overlap-grad-reduce``; GPT-3's example averages per micro-batch, which a document schedule
 does not have, so ``elastic`` asks for ``--calculate-per-token-loss``. ``--rampup-batch-size``
-is refused for every schedule (the document batches are of a fixed size).
+is refused for every schedule (the document batches are of a fixed size), and so are Llama-3's
+``--attention-backend fused`` (the document attention picks its own kernel) and
+``--log-throughput`` (Megatron-LM's FLOP count assumes full ``--seq-length`` samples).
+``elastic`` also refuses ``--grad-reduce-in-bf16`` and the distributed optimizer (no test
+proves them under it).
 Both schedules then train the same documents from the same seed. GPT-3's example leaves
 dropout at Megatron's default (0.1): two schedules that pack the same documents into different
 rows draw different masks, so the test sets ``--hidden-dropout 0 --attention-dropout 0`` for it
@@ -120,6 +124,15 @@ DROPS = {
                                       "--pipeline-schedule elastic", False), ("elastic",)),
         ("--overlap-param-gather", 0, ("--overlap-param-gather only supported with distributed "
                                        "optimizer", torch.cuda.is_available()), ("1f1b",)),
+        ("--use-distributed-optimizer", 0, ("--use-distributed-optimizer is not supported by "
+                                            "--pipeline-schedule elastic",
+                                            not torch.cuda.is_available()), ("elastic",)),
+        ("--grad-reduce-in-bf16", 0, ("--grad-reduce-in-bf16 is not supported by "
+                                      "--pipeline-schedule elastic", False), ("elastic",)),
+        ("--attention-backend", 1, ("--attention-backend is not supported", False),
+         ("1f1b", "elastic")),
+        ("--log-throughput", 0, ("--log-throughput is not supported", False),
+         ("1f1b", "elastic")),
     ],
 }
 #: ``(example, schedule or "cpu") -> (flags added, the refusal asking for them)``.

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from megatron.plugin import arguments, registry
+from megatron.plugin import arguments, option_classes, registry
 
 OPTIONS = {
     "full-uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -113,7 +113,8 @@ DOCUMENT_SCHEDULES = [name for name in registry.schedule_names() if not registry
 @pytest.mark.parametrize("dest", sorted(DOCUMENT_REFUSED))
 def test_document_schedules_refuse_what_their_executors_do_not_run(schedule, dest, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert dest in arguments.DOCUMENT_SCHEDULE_REFUSALS
+    honoured = option_classes.HONOURED.get(dest)
+    assert dest in option_classes.REFUSED or schedule not in honoured.proofs
     flag = arguments.megatron_defaults()[dest][0]
     argv = [*BASE, "--pipeline-schedule", schedule, *DOCUMENT_REFUSED[dest]]
     if schedule in ("helix", "sppo") and dest == "num_layers_per_virtual_pipeline_stage":
@@ -163,6 +164,26 @@ MODEL_REFUSED = [
     (["--qk-l2-norm"], "helix", "--qk-l2-norm"),
     (["--attention-output-gate"], "helix", "--attention-output-gate"),
     (["--use-mup"], "helix", "--use-mup"),
+    # SPPO's multiplexed helpers build their own embedding, without MuP's multiplier.
+    (["--sppo-multiplex", "--use-mup", "--mup-embedding-mult", "10"], "sppo",
+     "--use-mup, --mup-embedding-mult are not supported"),
+    # The document attention picks its kernel itself and calls it without determinism.
+    (["--deterministic-mode"], "1f1b-ir", "--deterministic-mode"),
+    (["--attention-backend", "flash"], "elastic", "--attention-backend"),
+    (["--use-flash-attn"], "1f1b", "--use-flash-attn"),
+    # Context parallelism is Ulysses all-to-all, never Megatron's ring or hierarchy.
+    (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "1f1b-ir",
+     "--cp-comm-type"),
+    (["--context-parallel-size", "2", "--hierarchical-context-parallel-sizes", "2", "1"],
+     "elastic", "--hierarchical-context-parallel-sizes"),
+    # No golden layout recomputes other modules or distributes the saved activations.
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm"],
+     "1f1b-ir", "--recompute-modules"),
+    (["--tensor-model-parallel-size", "2", "--recompute-granularity", "full",
+      "--recompute-method", "uniform", "--distribute-saved-activations"], "1f1b-ir",
+     "--distribute-saved-activations"),
+    # Megatron-LM's FLOP count takes every sample as --seq-length tokens long.
+    (["--log-throughput"], "sppo", "--log-throughput"),
 ]
 
 
@@ -174,16 +195,15 @@ def test_model_options_the_model_would_not_honour_are_refused(flags, schedule, n
         arguments.parse([*BASE, "--pipeline-schedule", schedule, *flags])
 
 
-def test_helix_refuses_an_fp32_residual(monkeypatch):
-    """Megatron-LM takes ``--fp32-residual-connection`` with bf16 or fp16 only (CUDA), so the
-    helix check is called directly on otherwise valid arguments."""
-    from helix.flags import check_args
-
+def test_an_fp32_residual_is_refused_before_megatrons_validation(monkeypatch):
+    """Megatron-LM takes ``--fp32-residual-connection`` with bf16 or fp16 only (CUDA): the
+    project's refusal comes first (no schedule proves it; helix's parts and SPPO's multiplexed
+    helpers would hand the residual on in the model's dtype)."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    args = arguments.parse([*BASE, "--pipeline-schedule", "helix"])
-    args.fp32_residual_connection = True
-    with pytest.raises(ValueError, match="--fp32-residual-connection is not supported by helix"):
-        check_args(args)
+    for schedule in ("helix", "sppo", "1f1b"):
+        with pytest.raises(ValueError, match="--fp32-residual-connection is not supported"):
+            arguments.check_command_line([*BASE, "--pipeline-schedule", schedule,
+                                          "--fp32-residual-connection"])
 
 
 def test_a_timeout_change_that_needs_cuda_is_refused_without_it(monkeypatch):

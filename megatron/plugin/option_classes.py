@@ -1,0 +1,578 @@
+"""Every option of ``pretrain_gpt_elastic.py``'s parser, in exactly one class.
+
+The parser is Megatron-LM's (``megatron.training.arguments``, every supported megatron-core
+release) plus the project's group and each registered schedule's group. Each option's
+destination is named here once, explicitly (no prefix patterns: an option a new megatron-core
+release adds is in no class, and :func:`megatron.plugin.arguments.check_command_line` refuses it
+at start-up when given until it is classified here):
+
+* :data:`INERT`: neither the project's schedules and model nor megatron-core's model,
+  attention or schedule code reads it (paths, data sources, logging, timers, checkpoint
+  formats, optimizer and learning-rate hyper-parameters, tokenizers, initial weights and
+  seeds): Megatron-LM's loop (or the project's data loader) honours it the same way under
+  every schedule.
+* :data:`HONOURED`: read by the model or a schedule; accepted under a schedule only where a
+  test proves it there with a value other than the default (:class:`Honoured`). Under any
+  other schedule it is refused, naming what to use instead.
+* :data:`REFUSED`: refused under every schedule when given with a value other than Megatron's
+  default, with what to do instead.
+
+A proof is ``golden:TAG`` (a layout of ``tests/distributed/test_golden_megatron.py``: loss and
+every gradient against the single-process reference), or ``PATH::TEST`` (a test function), or
+``PATH`` (a script the GPU check runs). ``tests/unit/test_option_classes.py`` builds the real
+parser and checks the classes cover it, and that each proof exists and passes its option with a
+value other than the default under the schedule it is named for (``default`` is proved by
+Megatron's ``1f1b`` or, with virtual stages, ``interleaved``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+
+def _names(text: str) -> frozenset:
+    return frozenset(text.split())
+
+
+def _each(text: str, message: str) -> dict:
+    return {name: message for name in text.split()}
+
+
+@dataclass(frozen=True)
+class Honoured:
+    """``proofs``: schedule (``*``: every schedule) -> the test proving the option there.
+    ``values``: the values honoured, ``None`` for any (others are refused with ``refusal``).
+    Under a schedule without a proof the option is refused: with that schedule's message of
+    ``refusals`` when it has one (a whole sentence), else with ``refusal``, what to do instead."""
+
+    proofs: Mapping[str, str]
+    refusal: str
+    refusals: Mapping[str, str] = field(default_factory=dict)
+    values: tuple | None = None
+
+
+# Proofs shared by many options: the golden layouts of each schedule with the tiny model
+# (tests/harness.py TINY_MODEL), with tensor and sequence parallelism, with Ulysses context
+# parallelism, and with the rope/SwiGLU/RMSNorm model.
+BASE = {"default": "golden:pp2", "1f1b": "golden:pp2", "interleaved": "golden:pp2_vp2_interleaved",
+        "1f1b-ir": "golden:pp2_ir", "elastic": "golden:pp2_elastic",
+        "seq1f1b": "golden:pp2_seq1f1b_uniform", "helix": "golden:pp2_helix",
+        "sppo": "golden:pp2_sppo_n4", "gpipe": "golden:pp2_gpipe_outside"}
+TP_SP = {"default": "golden:pp2_tp2_sp", "1f1b": "golden:pp2_tp2_sp",
+         "1f1b-ir": "golden:pp2_tp2_sp_ir", "elastic": "golden:pp2_tp2_sp_elastic",
+         "seq1f1b": "golden:pp2_tp2_sp_seq1f1b", "helix": "golden:pp2_tp2_sp_helix",
+         "sppo": "golden:pp2_tp2_sp_sppo_n4_offload"}
+CP = {"1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic",
+      "seq1f1b": "golden:pp2_ulysses2_seq1f1b", "sppo": "golden:pp2_ulysses2_sppo_n6_offload"}
+ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
+               "elastic": "golden:pp2_dp2_elastic", "helix": "golden:pp2_dp2_helix",
+               "sppo": "golden:pp2_dp2_sppo_n5_offload"}
+GQA = {"elastic": "golden:pp2_gqa_elastic"}
+#: Megatron-LM's example launch scripts trained under 1f1b and elastic (finite losses and
+#: gradient norms; the first loss agrees between the schedules).
+EXAMPLES = ("tests/e2e/test_megatron_examples.py::"
+            "test_megatron_example_trains_under_1f1b_and_elastic")
+EXAMPLE_SCHEDULES = {"default": EXAMPLES, "1f1b": EXAMPLES, "elastic": EXAMPLES}
+#: Each schedule's short training run in fp32, bf16 and fp16 on the GPU machine.
+GPU_CHECK = "scripts/gpu_check.sh"
+PRECISION = {name: GPU_CHECK for name in
+             ("default", "1f1b", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo")}
+OPTIONS = "tests/unit/test_schedule_options.py::test_option_is_honoured_or_refused_by_name"
+RECOMPUTE = {"default": "golden:pp2_full_recompute", "1f1b": "golden:pp2_full_recompute",
+             "interleaved": "golden:pp2_vp2_interleaved_block_recompute",
+             "1f1b-ir": "golden:pp2_ir_block_recompute"}
+SELECTIVE = {"default": "golden:pp2_selective_recompute",
+             "1f1b": "golden:pp2_selective_recompute",
+             "interleaved": "golden:pp2_vp2_interleaved_selective_recompute",
+             "1f1b-ir": "golden:pp2_ir_selective_recompute"}
+
+#: ``Honoured.refusal`` of a schedule's own flag: under a schedule without it, it does nothing.
+FOREIGN = "foreign"
+PLANNER_KNOBS = "tests/unit/test_option_classes.py::test_planner_flags_reach_the_planner"
+_NO_TEST = ("no test proves it under this schedule yet: drop it, or use a schedule that has "
+            "one")
+_RECOMPUTE_REFUSALS = {
+    "elastic": "elastic checkpoints layers per chunk itself (chosen within --elastic-memory-gb): "
+               "drop --recompute-granularity, and lower --elastic-memory-gb to make it recompute "
+               "more",
+    "seq1f1b": "seq1f1b checkpoints layers per chunk itself (chosen within --elastic-memory-gb): "
+               "drop --recompute-granularity, and lower --elastic-memory-gb to make it recompute "
+               "more",
+    "sppo": "sppo keeps activations by offloading them, not by recomputation: drop "
+            "--recompute-granularity (elastic and seq1f1b checkpoint per chunk)",
+    "helix": "helix recomputes its own layer parts: drop --recompute-granularity and pass "
+             "--helix-recompute-without-attention (pre/post-attention parts recomputed, "
+             "attention never)",
+}
+
+HONOURED: dict[str, Honoured] = {
+    # The model's shape and the batch, under every schedule (the golden model).
+    **{name: Honoured(BASE, _NO_TEST) for name in (
+        "num_layers", "hidden_size", "num_attention_heads", "seq_length",
+        "max_position_embeddings", "global_batch_size", "hidden_dropout", "attention_dropout",
+        "calculate_per_token_loss", "vocab_size", "pipeline_model_parallel_size")},
+    "micro_batch_size": Honoured(BASE, _NO_TEST),
+    "tensor_model_parallel_size": Honoured(TP_SP, _NO_TEST),
+    "sequence_parallel": Honoured(TP_SP, _NO_TEST),
+    "context_parallel_size": Honoured(CP, _NO_TEST, refusals={
+        **{name: "--context-parallel-size > 1 is not supported with Megatron's own schedules "
+                 "here (ring attention needs Transformer Engine); use 1, or an IR schedule "
+                 "(elastic, seq1f1b, 1f1b-ir, sppo), where it is Ulysses"
+           for name in ("default", "1f1b", "interleaved")},
+        "helix": "helix runs each attention on one stage; --context-parallel-size > 1 is not "
+                 "supported with it (use elastic for Ulysses)"}),
+    # The rope / SwiGLU / RMSNorm model (Llama's).
+    "position_embedding_type": Honoured(
+        ROPE_SWIGLU, _NO_TEST, values=("learned_absolute", "rope")),
+    **{name: Honoured(ROPE_SWIGLU, _NO_TEST) for name in (
+        "swiglu", "layernorm_zero_centered_gamma", "add_bias_linear",
+        "untie_embeddings_and_output_weights")},
+    "normalization": Honoured(ROPE_SWIGLU, _NO_TEST, values=("LayerNorm", "RMSNorm")),
+    "group_query_attention": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
+    "num_query_groups": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
+    **{name: Honoured(EXAMPLE_SCHEDULES, _NO_TEST) for name in (
+        "ffn_hidden_size", "kv_channels", "rotary_base", "rotary_percent",
+        "cross_entropy_loss_fusion", "empty_unused_memory_level")},
+    # Megatron's recomputation (tests/unit/test_schedule_options.py names each cell's layout).
+    "recompute_granularity": Honoured(RECOMPUTE, _NO_TEST, refusals=_RECOMPUTE_REFUSALS),
+    "recompute_method": Honoured(RECOMPUTE, _NO_TEST, refusals=_RECOMPUTE_REFUSALS),
+    "recompute_num_layers": Honoured(RECOMPUTE, _NO_TEST, refusals=_RECOMPUTE_REFUSALS),
+    "num_layers_per_virtual_pipeline_stage": Honoured(
+        {"default": "golden:pp2_vp2_interleaved", "interleaved": "golden:pp2_vp2_interleaved"},
+        "the document schedules run one model chunk per rank; drop the flag, or use "
+        "'interleaved'", refusals={
+            "helix": "helix interleaves layer parts itself: drop "
+                     "--num-layers-per-virtual-pipeline-stage",
+            "sppo": "sppo runs one model chunk per rank: drop "
+                    "--num-layers-per-virtual-pipeline-stage"}),
+    # Megatron's data-parallel gradient reduction, run by Megatron's own schedules only.
+    **{name: Honoured(
+        {"default": EXAMPLES, "1f1b": EXAMPLES}, message) for name, message in (
+        ("overlap_grad_reduce", "the document schedules reduce gradients after the last "
+                                "backward; drop --overlap-grad-reduce"),
+        ("overlap_param_gather", "the document schedules do not gather parameters in the "
+                                 "forward; drop --overlap-param-gather"),
+        ("use_distributed_optimizer", "no test proves the distributed optimizer under this "
+                                      "schedule yet: drop --use-distributed-optimizer"),
+        ("grad_reduce_in_bf16", "no test proves it under this schedule yet: drop it"))},
+    "bf16": Honoured(PRECISION, _NO_TEST),
+    "fp16": Honoured(PRECISION, _NO_TEST),
+    # Always Megatron-LM's default, or the project's: ``--transformer-impl local`` (the local
+    # layer spec with the document attention), ``--dataloader-type external`` (whole documents
+    # per global batch), positions and attention reset at every document.
+    "transformer_impl": Honoured({}, "its layer spec is the local one with document attention: "
+                                     "pass --transformer-impl local", values=("local",)),
+    "dataloader_type": Honoured({}, "pretrain_gpt_elastic.py reads whole documents per global "
+                                    "batch itself; drop the flag", values=("external",)),
+    "reset_position_ids": Honoured({}, "positions restart at every document", values=(True,)),
+    "reset_attention_mask": Honoured({}, "no token attends across a document boundary",
+                                     values=(True,)),
+    # The project's own options, and each schedule's group (refused under the schedules
+    # without it: :data:`FOREIGN`).
+    "helix_folds": Honoured({"helix": "golden:pp2_helix_one_fold"}, FOREIGN),
+    "helix_recompute_without_attention": Honoured({"helix": "golden:pp2_helix_recompute"},
+                                                  FOREIGN),
+    "helix_mlp_chunk_size": Honoured({"helix": "golden:pp2_helix_mlp_chunk"}, FOREIGN),
+    "elastic_slices": Honoured({"elastic": "golden:pp2_elastic",
+                                "seq1f1b": "golden:pp2_seq1f1b_uniform"}, FOREIGN),
+    "elastic_memory_gb": Honoured({"elastic": "golden:pp2_elastic_adaptive",
+                                   "seq1f1b": "golden:pp2_seq1f1b_uniform"}, FOREIGN),
+    **{name: Honoured({schedule: PLANNER_KNOBS for schedule in ("elastic", "seq1f1b")}, FOREIGN)
+       for name in ("elastic_reserved_gb", "elastic_solver_time_limit")},
+    "elastic_min_slice_tokens": Honoured(
+        {schedule: "tests/e2e/test_pretrain.py::"
+                   "test_elastic_plans_predict_the_measured_activation_peaks"
+         for schedule in ("elastic", "seq1f1b")}, FOREIGN),
+    "elastic_refit_interval": Honoured(
+        {schedule: "tests/e2e/test_pretrain.py::test_elastic_trains_like_1f1b_and_leaks_nothing"
+         for schedule in ("elastic", "seq1f1b")}, FOREIGN),
+    "hardware_profile": Honoured(
+        {schedule: "tests/unit/test_schedule_options.py::"
+                   "test_flags_of_another_schedule_are_refused"
+         for schedule in ("elastic", "seq1f1b", "sppo")}, FOREIGN),
+    "sppo_subsequences": Honoured({"sppo": "golden:pp2_sppo_n4"}, FOREIGN),
+    "sppo_offload": Honoured({"sppo": "golden:pp2_sppo_n6_offload"}, FOREIGN),
+    "sppo_multiplex": Honoured({"sppo": "golden:pp2_sppo_mux_n4"}, FOREIGN),
+    **{name: Honoured({"sppo": "tests/e2e/test_pretrain.py::"
+                               "test_bad_input_fails_on_every_rank_without_a_checkpoint"}, FOREIGN)
+       for name in ("sppo_host_memory_gb", "sppo_memory_gb")},
+    # The project's own options.
+    "pipeline_schedule": Honoured({"*": "golden:pp2"}, ""),
+    "pipeline_timeout_s": Honoured(
+        {"*": "tests/e2e/test_hangs.py::test_a_stopped_rank_under_the_executor_is_named"}, ""),
+    "metrics_jsonl": Honoured(
+        {"*": "tests/e2e/test_pretrain.py::test_training_logs_megatron_lines_and_metrics"}, ""),
+    "trace_dir": Honoured(
+        {"*": "tests/e2e/test_pretrain.py::"
+              "test_ir_schedule_prints_the_same_losses_and_writes_measured_traces"}, ""),
+}
+_OTHER_MODELS = ("it configures a model or task other than GPT pretraining, which this script does "
+                 "not run; drop it")
+_MLA = "multi-latent attention is not built; drop the flag"
+_MOE = "mixture-of-experts layers are not built by this script; drop the flag"
+_TE = ("it needs Transformer Engine layers, which this script does not build (its layer "
+       "spec is the local one with the document attention); drop the flag")
+_HYBRID = ("only the GPT layer spec with the document attention is built (no Mamba, linear, "
+           "sparse or heterogeneous layers); drop the flag")
+_ATTENTION = ("the document attention does not implement it "
+              "(megatron/plugin/layers/attention.py); drop the flag")
+_CP_KIND = ("context parallelism here is Ulysses all-to-all over the document attention's "
+            "heads; drop the flag")
+_UNPROVEN_MODEL = ("no test proves it under any schedule yet (the model's layers read it); drop it")
+_PIPELINE_LAYOUT = ("no test proves an uneven or explicit pipeline layout yet: place "
+                    "num-layers / PP "
+                    "layers on every stage and drop the flag")
+_GRAPHS = ("the document batches change shape every step; drop the flag (CUDA graphs, "
+           "deferred weight gradients and activation offloading of Megatron are not run "
+           "here: use sppo's --sppo-offload)")
+_FSDP = ("no test proves fully sharded data parallelism or custom data-parallel layouts "
+         "yet; drop the flag")
+_DATA = ("the document batches read --data-path with --split, whole documents, "
+         "--global-batch-size of them per step; drop the flag")
+_THROUGHPUT = ("Megatron-LM counts FLOPs as if every sample were --seq-length tokens long, which "
+               "overstates a batch of documents; drop --log-throughput")
+
+#: Read by none of the model, attention or schedule code: Megatron-LM's loop honours them the
+#: same way under every schedule.
+INERT = _names("""
+    adam_beta1 adam_beta2 adam_eps adlr_autoresume adlr_autoresume_interval app_tag_run_name
+    app_tag_run_version apply_rope_fusion async_ckpt_cpu_priority async_ckpt_io_priority
+    async_ckpt_use_cpu_shm async_save async_strategy auto_detect_ckpt_format
+    barrier_with_L1_time bias_dropout_fusion bias_gelu_fusion bias_swiglu_fusion
+    calc_ft_timeouts chat_template check_for_large_grads check_for_nan_in_loss_and_grad
+    check_for_spiky_loss check_weight_hash_across_dp_replicas_interval
+    ckpt_assume_constant_structure ckpt_convert_format ckpt_convert_save
+    ckpt_convert_update_legacy_dist_opt_format ckpt_format ckpt_fully_parallel_load
+    ckpt_fully_parallel_load_exchange_algo ckpt_fully_parallel_load_process_group
+    ckpt_fully_parallel_save ckpt_fully_parallel_save_deprecated
+    ckpt_fully_parallel_save_process_group ckpt_load_validate_sharding_integrity ckpt_step
+    clip_grad config_logger_dir create_all_gather_group data_cache_path
+    create_attention_mask_in_dataloader data_parallel_random_init mock_data seed train_samples
+    data_path dataloader_defer_npy_index_mmap
+    dataloader_fast_cache_load decoupled_lr decoupled_min_lr deprecated_use_mcore_models
+    disable_jit_fuser disable_msc_deprecated disable_straggler_on_startup
+    disable_symmetric_registration dist_ckpt_format_deprecated
+    dist_ckpt_optim_fully_reshardable dist_ckpt_save_pre_mcore_014 dist_ckpt_strictness
+    dist_ckpt_workers distrib_optim_fully_reshardable_mem_efficient distributed_backend
+    distributed_timeout_minutes distributed_timeout_seconds_after_init
+    dump_param_to_param_group_map enable_ft_package enable_msc enable_one_logger
+    end_weight_decay error_injection_rate error_injection_type eval_interval eval_iters
+    exit_duration_in_mins exit_interval exit_on_missing_checkpoint exit_signal
+    exit_signal_handler exit_signal_handler_for_dataloader exit_signal_handler_for_training
+    fault_injector_delay_start_iteration fault_injector_fault_delay
+    fault_injector_fault_probabilities fault_injector_fault_types
+    fault_injector_mtti_seconds fault_injector_num_ranks fault_injector_offset_seconds
+    fault_injector_ranks fault_injector_seed finetune flight_recorder_dump_on_timeout
+    flight_recorder_dump_path flight_recorder_extra_dump_on_exec
+    flight_recorder_include_only_active flight_recorder_include_stack_trace
+    flight_recorder_trace_buffer_size freeze_all_layers ft_num_warmup_iters
+    gpu_sniff_test_interval gradient_accumulation_fusion help high_priority_stream_groups
+    hysteresis inference_disable_triton_nvls_kernels inference_fuse_tp_communication
+    inference_grouped_gemm_backend inference_moe_disable_fused_quant_kernels
+    inference_moe_token_dispatcher_type inference_rng_tracker init_method_std
+    init_method_xavier_uniform initial_loss_scale inprocess_active_world_size
+    inprocess_barrier_timeout inprocess_completion_timeout inprocess_empty_cuda_cache
+    inprocess_granularity inprocess_hard_timeout inprocess_heartbeat_interval
+    inprocess_heartbeat_timeout inprocess_last_call_wait inprocess_max_iterations
+    inprocess_monitor_process_interval inprocess_monitor_thread_interval
+    inprocess_progress_watchdog_interval inprocess_restart inprocess_soft_timeout
+    inprocess_termination_grace_time iterations_to_skip lazy_mpu_init lion_beta1 lion_beta2
+    load load_main_params_from_ckpt local_rank log_device_memory_used log_energy
+    log_interval log_loss_scale_to_tensorboard log_max_attention_logit log_memory_interval
+    log_memory_to_tensorboard log_num_zeros_in_grad log_params_norm log_progress
+    log_straggler log_timers_to_tensorboard log_validation_ppl_to_tensorboard
+    log_world_size_to_tensorboard logging_level loss_scale loss_scale_window lr
+    lr_decay_iters lr_decay_samples lr_decay_style lr_warmup_fraction lr_warmup_init
+    lr_warmup_iters lr_warmup_samples lr_wsd_decay_iters lr_wsd_decay_samples
+    lr_wsd_decay_style manual_gc manual_gc_eval manual_gc_interval masked_softmax_fusion
+    memory_snapshot_path merge_file metadata_path min_loss_scale min_lr mmap_bin_files
+    moe_routing_trace_capture_logits moe_routing_trace_dump_weights
+    moe_routing_trace_max_training_iters moe_routing_trace_path muon_coefficient_type
+    muon_extra_scale_factor muon_fp32_matmul_prec muon_momentum muon_nesterov
+    muon_num_ns_steps muon_scalar_optimizer muon_scale_mode muon_split_qkv muon_tp_mode
+    muon_use_nesterov nccl_all_reduce_for_prefill nccl_communicator_config_path
+    no_load_optim no_load_rng no_save_optim no_save_rng no_weight_decay_cond_type
+    non_persistent_ckpt_type non_persistent_global_ckpt_dir non_persistent_local_ckpt_algo
+    non_persistent_local_ckpt_dir non_persistent_save_interval null_tokenizer_eod_id
+    null_tokenizer_pad_id num_dataset_builder_threads num_workers nvtx_ranges
+    one_logger_async one_logger_project one_logger_run_name optimizer
+    override_ckpt_iteration override_opt_param_scheduler pad_vocab_size padded_vocab_size
+    perform_initialization pretrained_checkpoint profile profile_ranks profile_step_end
+    profile_step_start pytorch_profiler_collect_callstack pytorch_profiler_collect_chakra
+    pytorch_profiler_collect_shapes record_memory_history record_shapes replication
+    replication_factor replication_jump rerun_mode result_rejected_tracker_filename
+    run_workload_inspector_server save save_activations_interval save_dgrads_interval
+    save_interval save_params_interval save_retain_interval save_tokens_per_expert_interval
+    save_wgrads_interval sgd_momentum sharp_enabled_group skip_train special_tokens split
+    start_eval_at_iter start_weight_decay straggler_ctrlr_port straggler_minmax_count
+    stream_ckpt_dequant strict_fsdp_dtensor_load suggested_communication_unit_size
+    tensorboard_dir tensorboard_log_interval tensorboard_queue_size test_mode
+    tiktoken_num_special_tokens tiktoken_pattern tiktoken_special_tokens timing_log_level
+    timing_log_option tokenizer_hf_include_special_tokens
+    tokenizer_hf_no_include_special_tokens tokenizer_hf_no_use_fast tokenizer_hf_use_fast
+    tokenizer_metadata tokenizer_model tokenizer_sentencepiece_ignore_extra_whitespaces
+    tokenizer_sentencepiece_legacy tokenizer_special_tokens tokenizer_type train_iters
+    train_sync_interval trust_remote_code use_checkpoint_args
+    use_checkpoint_opt_param_scheduler use_cpu_initialization use_dist_ckpt_deprecated
+    use_gloo_process_groups use_mp_args_from_checkpoint_args use_persistent_ckpt_worker
+    use_pytorch_profiler use_sharp use_tokenizer_model_from_checkpoint_args verify_integrity
+    vocab_extra_ids vocab_file wandb_entity wandb_exp_name wandb_project wandb_save_dir
+    warmup weight_decay weight_decay_incr_style
+""")
+
+
+#: Refused under every schedule when given with a value other than the default.
+REFUSED: dict[str, str] = {
+    **_each("""
+        bert_binary_head bert_embedder_type bert_load biencoder_projection_dim
+        biencoder_shared_query_context_model block_data_path classes_fraction
+        cuda_graph_modules cuda_graph_scope cuda_graph_scope_deprecated
+        data_per_class_fraction data_sharding decode_only_cuda_graphs decoder_num_layers
+        decoder_seq_length dino_bottleneck_size dino_freeze_last_layer dino_head_hidden_size
+        dino_local_crops_number dino_local_img_size dino_norm_last_layer dino_teacher_temp
+        dino_warmup_teacher_temp dino_warmup_teacher_temp_epochs embedding_path
+        enable_chunked_prefill encoder_num_layers encoder_seq_length evidence_data_path
+        grpo_clamp_eps_lower grpo_clamp_eps_upper grpo_entropy_term_weight
+        grpo_filter_groups_with_same_reward grpo_group_size grpo_iterations grpo_kl_beta
+        grpo_prompts_per_step head_lr_mult ict_head_size ict_load img_h img_w
+        indexer_batch_size indexer_log_interval inference_batch_times_seqlen_threshold
+        inference_coordinator_port inference_cuda_graph_all_prefills
+        inference_cuda_graph_max_tokens inference_disable_ep_consensus
+        inference_dynamic_batching inference_dynamic_batching_async_sched_mode
+        inference_dynamic_batching_block_size inference_dynamic_batching_buffer_size_gb
+        inference_dynamic_batching_cuda_graph_max_tokens
+        inference_dynamic_batching_cuda_graph_mixed_prefill_count
+        inference_dynamic_batching_cuda_graph_sizing_distribution
+        inference_dynamic_batching_enable_prefix_caching
+        inference_dynamic_batching_logprobs_mode
+        inference_dynamic_batching_mamba_memory_ratio
+        inference_dynamic_batching_max_requests inference_dynamic_batching_max_tokens
+        inference_dynamic_batching_num_cuda_graphs
+        inference_dynamic_batching_paused_buffer_size_gb
+        inference_dynamic_batching_prefix_caching_coordinator_policy
+        inference_dynamic_batching_prefix_caching_eviction_policy
+        inference_dynamic_batching_prefix_caching_mamba_gb
+        inference_dynamic_batching_prefix_caching_routing_alpha
+        inference_dynamic_batching_sampling_backend
+        inference_dynamic_batching_track_generated_token_events
+        inference_dynamic_batching_track_paused_request_events
+        inference_dynamic_batching_unified_memory_level inference_logging_step_interval
+        inference_max_requests inference_max_seq_length inference_shards
+        inference_text_gen_server_logging inference_use_synchronous_zmq_collectives
+        inference_wandb_logging iter_per_epoch langrl_env_config logits_load_decode_threads
+        logits_load_dir logits_load_ignore_errors logits_load_kd_loss_alpha
+        logits_load_msc_prefetch_depth logits_load_prefetch_factor logits_save_dir
+        logits_save_dtype logits_save_top_k logits_save_top_p logits_save_top_p_min_k
+        mamba_inference_conv_states_dtype mamba_inference_ssm_states_dtype mask_factor
+        mask_prob mask_type max_tokens_to_oom  num_channels num_classes
+        num_speculative_tokens offset_sampling_seed_by_dp_rank output_bert_embeddings
+        patch_dim per_dataset_sequences_path perform_rl_step phase_transition_iterations
+        query_in_block_prob refit_method relative_attention_max_distance
+        relative_attention_num_buckets retriever_report_topk_accuracies
+        retriever_score_scaling rl_consumption_granularity rl_default_temperature
+        rl_default_top_k rl_default_top_p rl_generation_batch_size rl_generation_lag
+        rl_importance_sampling_truncation_coef rl_inference_expert_model_parallel_size
+        rl_inference_expert_tensor_model_parallel_size rl_inference_logprobs_is_correction
+        rl_inference_model_unified_memory_level rl_inference_parsers
+        rl_inference_pipeline_model_parallel_size rl_inference_tensor_model_parallel_size
+        rl_kv_cache_management_mode rl_num_parallel_generation_batches
+        rl_num_parallel_generations rl_offload_inference_model_weights_when_idle
+        rl_offload_optimizer_during_inference rl_parallel_generation_tasks
+        rl_partial_rollouts rl_persist_cuda_graphs rl_profile rl_profile_dir
+        rl_prompts_per_eval rl_sequence_packing_algo
+        rl_sequence_packing_max_sequences_per_bin rl_skip_bos_token
+        rl_submission_granularity rl_training_cuda_graphs rl_use_sequence_packing
+        rl_verify_model_weights_swap sample_rate sft sft_tokenizer_prompt_format
+        short_seq_prob swin_backbone_type titles_data_path use_legacy_static_engine
+        use_one_sent_docs vision_backbone_type vision_pretraining vision_pretraining_type
+    """, _OTHER_MODELS),
+    **_each("""
+        cache_mla_latents kv_lora_rank mla_down_proj_fusion mscale mscale_all_dim
+        q_lora_rank qk_head_dim qk_pos_emb_head_dim rotary_scaling_factor v_head_dim
+    """, _MLA),
+    **_each("""
+        ep_overlap_early_attn_memory_release expert_model_parallel_size
+        expert_tensor_parallel_num_weight_shards expert_tensor_parallel_size
+        high_priority_a2a_comm_stream moe_apply_probs_on_input moe_aux_loss_coeff
+        moe_deepep_num_sms moe_enable_deepep moe_enable_routing_replay
+        moe_expert_capacity_factor moe_expert_rank_capacity_factor moe_ffn_hidden_size
+        moe_flex_dispatcher_backend moe_flex_dispatcher_num_sms moe_grouped_gemm
+        moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
+        moe_hybridep_num_sms moe_hybridep_num_sms_preprocessing
+        moe_hybridep_pad_uneven_dispatch_inputs moe_input_jitter_eps moe_latent_size
+        moe_layer_freq moe_layer_recompute moe_mlp_glu_interleave_size
+        moe_ncclep_static_shape moe_ncclep_zero_copy moe_pad_expert_input_to_capacity
+        moe_pad_experts_for_cuda_graph_inference moe_paged_stash
+        moe_paged_stash_buffer_size_factor_cpu moe_paged_stash_buffer_size_factor_cuda
+        moe_paged_stash_page_size moe_per_layer_logging moe_permute_fusion
+        moe_permute_fusion_into_hybridep moe_router_bias_update_rate moe_router_dtype
+        moe_router_enable_expert_bias moe_router_force_biased
+        moe_router_force_load_balancing moe_router_fusion moe_router_group_topk
+        moe_router_load_balancing_type moe_router_num_groups moe_router_padding_for_fp8
+        moe_router_padding_for_quantization moe_router_pre_softmax
+        moe_router_quantile_balancing_ema moe_router_score_function moe_router_topk
+        moe_router_topk_scaling_factor moe_routing_trace_capture_hidden_states
+        moe_shared_expert_gate moe_shared_expert_glu_interleave_size
+        moe_shared_expert_intermediate_size moe_shared_expert_overlap
+        moe_single_grouped_bias moe_single_grouped_weight moe_token_dispatcher_type
+        moe_token_drop_policy moe_upcycling_granularity moe_use_upcycling moe_z_loss_coeff
+        num_experts overlap_dispatch_backward_with_experts_wgrad
+        overlap_moe_expert_parallel_comm use_grouped_gemm_for_dense_mlp
+        use_grouped_gemm_for_shared_expert
+    """, _MOE),
+    **_each("""
+        first_last_layers_bf16 fp4 fp4_param fp4_param_gather fp4_quantizer_factory
+        fp4_recipe fp8 fp8_amax_compute_algo fp8_amax_history_len fp8_interval fp8_margin
+        fp8_output_proj fp8_param_gather fp8_quantizer_factory fp8_recipe fp8_wgrad
+        fused_residual_rmsnorm keep_fp8_transpose_cache kitchen_attention_backend nccl_ub
+        num_layers_at_end_in_bf16 num_layers_at_start_in_bf16
+        reuse_grad_buf_for_mxfp8_param_ag symmetric_ar_type te_precision_config_file
+        te_rng_tracker tp_comm_bootstrap_backend tp_comm_bulk_dgrad tp_comm_bulk_wgrad
+        tp_comm_overlap tp_comm_overlap_ag tp_comm_overlap_cfg tp_comm_overlap_rs
+        tp_comm_overlap_rs_dgrad tp_comm_split_ag tp_comm_split_rs use_kitchen_attention
+        use_te_activation_func use_transformer_engine_op_fuser
+    """, _TE),
+    **_each("""
+        dsa_indexer_head_dim dsa_indexer_k_norm_epsilon dsa_indexer_k_norm_fp32
+        dsa_indexer_loss_coeff dsa_indexer_n_heads dsa_indexer_rope_interleaved
+        dsa_indexer_rotate_activation dsa_indexer_scoring_relu dsa_indexer_skip_topk_offset
+        dsa_indexer_topk dsa_indexer_topk_freq dsa_indexer_use_sparse_loss
+        dsa_kernel_backend enable_experimental experimental_attention_variant
+        heterogeneous_layers_config_encoded_json heterogeneous_layers_config_path
+        hybrid_layer_pattern hybrid_override_pattern is_hybrid_model linear_attention_freq
+        linear_conv_kernel_dim linear_key_head_dim linear_num_key_heads
+        linear_num_value_heads linear_value_head_dim mamba_head_dim mamba_num_groups
+        mamba_num_heads mamba_state_dim mamba_training_ssm_states_dtype mtp_detach_heads
+        mtp_hybrid_override_pattern mtp_loss_scaling_factor mtp_num_layers mtp_standalone
+        mtp_use_repeated_layer multi_latent_attention spec use_legacy_models
+        use_mamba_mem_eff_path yaml_cfg
+    """, _HYBRID),
+    **_each("""
+        add_qkv_bias apply_query_key_layer_scaling apply_wd_to_qk_layernorm
+        attention_backend attention_output_gate attention_softmax_in_fp32
+        batch_invariant_mode deterministic_mode flash_attention_version flash_decode
+        mrope_section no_rope_freq qk_clip qk_clip_alpha qk_clip_threshold qk_l2_norm
+        qk_layernorm rope_scaling_factor rope_type rotary_interleaved
+        rotary_seq_len_interpolation_factor softmax_type use_flash_attn use_rope_scaling
+        use_rotary_position_embeddings window_attn_skip_freq window_size yarn_beta_fast
+        yarn_beta_slow yarn_correction_range_round_to_int
+        yarn_original_max_position_embeddings
+    """, _ATTENTION),
+    **_each("""
+        cp_comm_type hierarchical_context_parallel_sizes hybrid_context_parallel
+        max_seqlen_per_dp_cp_rank
+    """, _CP_KIND),
+    **_each("""
+        accumulate_allreduce_grads_in_fp32 activation_func_clamp_value
+        add_position_embedding apply_residual_connection_post_layernorm
+        checkpoint_activations clone_scatter_output_in_embedding cross_entropy_fusion_impl
+        disable_bf16_reduced_precision_matmul distribute_saved_activations
+        embedding_init_method_std fp16_lm_cross_entropy fp32_residual_connection
+        glu_linear_offset layernorm_epsilon
+        make_vocab_size_divisible_by mlp_chunks_for_prefill mlp_chunks_for_training
+        mup_attn_scale_power mup_base_head_dim mup_base_hidden_size mup_embedding_mult
+        mup_output_mult mup_width_mult no_persist_layer_norm onnx_safe openai_gelu
+        quick_geglu recompute_activations recompute_modules squared_relu
+        use_fused_weighted_squared_relu use_mup
+    """, _UNPROVEN_MODEL),
+    **_each("""
+        account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split
+        decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers
+        microbatch_group_size_per_vp_stage num_virtual_stages_per_pipeline_rank
+        overlap_p2p_comm overlap_p2p_comm_warmup_flush pipeline_model_parallel_comm_backend
+        pipeline_model_parallel_layout scatter_gather_tensors_in_pipeline
+        use_ring_exchange_p2p variable_seq_lengths
+    """, _PIPELINE_LAYOUT),
+    **_each("""
+        activation_offload_fraction cpu_offloading_num_layers
+        cpu_offloading_retain_pinned_cpu_buffers cuda_graph_impl cuda_graph_warmup_steps
+        defer_embedding_wgrad_compute delay_offload_until_cuda_graph delay_wgrad_compute
+        delta_offload_bytes_across_pp_ranks enable_cuda_graph external_cuda_graph
+        fine_grained_activation_offloading fine_grained_offloading_max_inflight_offloads
+        inference_cuda_graph_scope min_offloaded_tensor_size offload_modules
+        optimizer_cuda_graph wgrad_deferral_limit
+    """, _GRAPHS),
+    **_each("""
+        align_grad_reduce align_param_gather data_parallel_sharding_strategy
+        ddp_average_in_collective ddp_bucket_size ddp_num_buckets
+        ddp_pad_buckets_for_high_nccl_busbw
+        ddp_param_name_patterns_for_fp32_local_accumulation
+        ddp_reduce_scatter_with_fp32_accumulation enable_full_sharding_in_hsdp exp_avg_dtype
+        exp_avg_sq_dtype fake_process_group fsdp_db_use_persist_buf_on_alloc_fail
+        fsdp_double_buffer fsdp_manual_registration gradient_reduce_div_fusion
+        init_model_with_meta_device main_grads_dtype main_params_dtype
+        megatron_fsdp_enable_fine_grained_param_gather megatron_fsdp_grad_comm_dtype
+        megatron_fsdp_main_grads_dtype megatron_fsdp_main_params_dtype
+        megatron_fsdp_max_pool_double_buffer model_parallel_size
+        num_distributed_optimizer_instances optimizer_cpu_offload optimizer_offload_fraction
+        outer_dp_sharding_strategy overlap_cpu_optimizer_d2h_h2d
+        overlap_param_gather_with_optimizer_step pin_cpu_grads pin_cpu_params
+        tensor_parallel_num_weight_shards torch_fsdp2_reshard_after_forward
+        use_layer_wise_param_layout use_megatron_fsdp use_precision_aware_optimizer
+        use_torch_fsdp2 use_torch_optimizer_for_cpu_offload use_tp_pp_dp_mapping
+    """, _FSDP),
+    **_each("""
+        allow_ambiguous_pad_tokens batch_size 
+        data_args_path dataloader_inter_document_masking decrease_batch_size_if_needed
+        eod_mask_loss eval_global_batch_size eval_micro_batch_size fim_data fim_eod_token
+        fim_fragment_rate fim_middle_token fim_no_prefix fim_pad_token fim_prefix_token
+        fim_rate fim_split_sample fim_spm_rate fim_suffix_token full_validation
+        mid_level_dataset_surplus multiple_validation_sets object_storage_cache_path
+        per_split_data_args_path  step_batch_size_schedule test_data_path
+        train_data_path  valid_data_path validation_set_names
+    """, _DATA),
+    **_each("""
+        log_throughput
+    """, _THROUGHPUT),
+    "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
+}
+
+
+def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
+    """What to refuse of ``given`` (``dest -> (flag, value)`` of each option on the command line
+    with a value other than its default) under ``schedule``: one message per reason, naming
+    together the flags refused for the same reason."""
+    reasons: dict[str, list[str]] = {}
+    for dest, (flag, value) in given.items():
+        if dest in INERT:
+            continue
+        if dest in REFUSED:
+            reasons.setdefault("{} not supported by pretrain_gpt_elastic.py: "
+                               + REFUSED[dest], []).append(flag)
+            continue
+        honoured = HONOURED.get(dest)
+        if honoured is None:
+            reasons.setdefault("{} not classified by pretrain_gpt_elastic.py (it is a new "
+                               "option of this megatron-core release: "
+                               "megatron/plugin/option_classes.py must name it inert, honoured "
+                               "or refused before it is accepted): drop it", []).append(flag)
+        elif honoured.values is not None and value not in honoured.values:
+            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+            reasons.setdefault(f"{flag} {shown} is not supported by pretrain_gpt_elastic.py "
+                               f"(it honours {' and '.join(map(str, honoured.values))}): "
+                               f"{honoured.refusal}", [])
+        elif schedule not in honoured.proofs and "*" not in honoured.proofs:
+            reasons.setdefault(_schedule_refusal(honoured, flag, schedule), []).append(flag)
+    return [reason.format(_together(flags)) if "{}" in reason else reason
+            for reason, flags in reasons.items()]
+
+
+def _schedule_refusal(honoured: Honoured, flag: str, schedule: str) -> str:
+    if schedule in honoured.refusals:
+        return honoured.refusals[schedule].replace("{flag}", flag)
+    if honoured.refusal == FOREIGN:
+        return (f"{flag} is a flag of --pipeline-schedule {' / '.join(sorted(honoured.proofs))} "
+                f"and would do nothing under --pipeline-schedule {schedule}: drop it")
+    return f"{flag} is not supported by --pipeline-schedule {schedule}: {honoured.refusal}"
+
+
+def _together(flags: list[str]) -> str:
+    return f"{flags[0]} is" if len(flags) == 1 else f"{', '.join(flags)} are"
+
+
+def classes() -> dict[str, str]:
+    """``dest -> class`` (``inert``, ``honoured``, ``refused``) of every classified option."""
+    found = {dest: "inert" for dest in INERT}
+    found.update((dest, "honoured") for dest in HONOURED)
+    found.update((dest, "refused") for dest in REFUSED)
+    return found

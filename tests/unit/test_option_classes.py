@@ -1,0 +1,204 @@
+"""Every option of the installed megatron-core's parser (and the project's) is in exactly one
+class of :mod:`megatron.plugin.option_classes`, each honoured cell's proof passes its option,
+and the start-up refuses all at once, before anything slow, with a working ``--help``."""
+import functools
+import importlib.util
+import inspect
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from harness import REPO, TINY_MODEL, python_path
+from megatron.plugin import arguments, option_classes, registry
+
+SCRIPT = "pretrain_gpt_elastic.py"
+
+
+def _options(parser):
+    return {action.dest: action.option_strings[0] for action in parser._actions
+            if action.option_strings}
+
+
+def test_every_option_of_the_parser_is_in_exactly_one_class():
+    classes = [option_classes.INERT, set(option_classes.HONOURED), set(option_classes.REFUSED)]
+    options = _options(arguments.build_parser())
+    unclassified = sorted(flag for dest, flag in options.items()
+                          if not any(dest in names for names in classes))
+    assert not unclassified, f"options in no class: {unclassified}"
+    twice = sorted(dest for dest in options if sum(dest in names for names in classes) > 1)
+    assert not twice, f"options in more than one class: {twice}"
+
+
+def test_an_option_in_no_class_is_refused_naming_it(monkeypatch):
+    from megatron.training import arguments as megatron_arguments
+
+    original = megatron_arguments.add_megatron_arguments
+
+    def with_a_new_option(parser):
+        parser = original(parser)
+        parser.add_argument("--option-of-a-new-release", type=int, default=0)
+        return parser
+
+    monkeypatch.setattr(megatron_arguments, "add_megatron_arguments", with_a_new_option)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]
+    arguments.check_command_line(argv)  # not given: nothing to refuse
+    with pytest.raises(ValueError, match="--option-of-a-new-release is not classified"):
+        arguments.check_command_line([*argv, "--option-of-a-new-release", "3"])
+
+
+def _golden_module():
+    path = os.path.join(REPO, "tests", "distributed", "test_golden_megatron.py")
+    spec = importlib.util.spec_from_file_location("golden_layouts", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.lru_cache(maxsize=1)
+def _golden_argv():
+    """tag -> the golden run's command line (the tiny model, the variant's flags, the
+    layout's)."""
+    return {tag: [*TINY_MODEL, *model_flags, *flags]
+            for model_flags, layouts in _golden_module().VARIANTS.values()
+            for tag, (_, flags) in layouts.items()}
+
+
+def _test_source(proof):
+    path, _, name = proof.partition("::")
+    with open(os.path.join(REPO, path)) as f:
+        text = f.read()
+    if name:
+        assert f"def {name}(" in text, f"{proof}: no such test"
+    return text
+
+
+CELLS = [(dest, schedule, proof) for dest, honoured in sorted(option_classes.HONOURED.items())
+         for schedule, proof in sorted(honoured.proofs.items())]
+
+
+@functools.lru_cache(maxsize=1)
+def _golden_parser():
+    """The parser with the golden worker's own flag that the layouts use."""
+    parser = arguments.build_parser()
+    parser.add_argument("--golden-docs")
+    return parser
+
+
+@pytest.mark.parametrize("dest,schedule,proof", CELLS)
+def test_each_honoured_cell_names_a_test_that_passes_the_option(dest, schedule, proof):
+    parser = _golden_parser()
+    flag = _options(parser)[dest]
+    if not proof.startswith("golden:"):
+        assert flag in _test_source(proof), f"{proof} does not pass {flag}"
+        return
+    tag = proof.removeprefix("golden:")
+    argv = _golden_argv()[tag]
+    _, given = arguments.given_options(parser, argv)
+    assert dest in given, f"{tag} does not pass {flag} with a value other than its default"
+    ran = argv[argv.index("--pipeline-schedule") + 1]
+    if schedule == "default":
+        assert ran in ("1f1b", "interleaved"), tag
+    elif schedule != "*":
+        assert ran == schedule, (tag, ran)
+
+
+def test_only_defaults_are_honoured_without_a_proof():
+    parser = arguments.build_parser()
+    for dest, honoured in option_classes.HONOURED.items():
+        if not honoured.proofs:
+            default = arguments.DEFAULTS.get(dest, parser.get_default(dest))
+            assert honoured.values == (default,), dest
+
+
+def test_planner_flags_reach_the_planner(monkeypatch):
+    from elastic_pipe.flags import scheduler_config
+    from longctx.job_costs import cost_model_from_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = arguments.parse([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                            "--pipeline-schedule", "elastic", "--elastic-solver-time-limit",
+                            "0.5", "--elastic-reserved-gb", "0.25", "--elastic-memory-gb", "8"])
+    assert scheduler_config(args).solver_time_limit == 0.5
+    cost = cost_model_from_args(args, 256, args.elastic_memory_gb, args.elastic_reserved_gb)
+    assert cost.parallel.reserved_gb == 0.25
+
+
+def _run(*argv, env=None, timeout=120):
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, SCRIPT, *argv], cwd=REPO, capture_output=True,
+                            text=True, timeout=timeout,
+                            env=dict(os.environ, PYTHONPATH=python_path(), WORLD_SIZE="2",
+                                     **(env or {})))
+    return result, time.monotonic() - start
+
+
+def test_every_refusal_comes_in_one_start_up_without_a_traceback(tmp_path):
+    """Three refused options for three reasons, a schedule's own flag under another schedule
+    and a missing flag: one exit 2 naming them all."""
+    result, _ = _run(*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--eval-interval", "1",
+                     "--pipeline-schedule", "elastic", "--num-experts", "8", "--qk-layernorm",
+                     "--overlap-grad-reduce", "--sppo-offload", "1", "--log-throughput",
+                     "--calculate-per-token-loss")
+    assert result.returncode == 2, result.stderr[-3000:]
+    for named in ("--num-experts is not supported", "--qk-layernorm is not supported",
+                  "--overlap-grad-reduce is not supported by --pipeline-schedule elastic",
+                  "--sppo-offload is a flag of --pipeline-schedule sppo",
+                  "--log-throughput is not supported"):
+        assert named in result.stderr, (named, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr
+
+
+def test_flags_refused_for_one_reason_are_named_together():
+    messages = option_classes.refusals({"num_experts": ("--num-experts", 8),
+                                        "moe_router_topk": ("--moe-router-topk", 4)}, "1f1b")
+    assert len(messages) == 1 and "--num-experts, --moe-router-topk are not supported" \
+        in messages[0], messages
+
+
+def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [arg for arg in TINY_MODEL if arg != "--calculate-per-token-loss"]
+    with pytest.raises(ValueError) as refused:
+        arguments.check_command_line([*argv, "--pipeline-model-parallel-size", "2",
+                                      "--pipeline-schedule", "sppo", "--num-experts", "8"],
+                                     training=True)
+    text = str(refused.value)
+    for named in ("add --calculate-per-token-loss", "--num-experts is not supported",
+                  "--eval-interval is not set"):
+        assert named in text, text
+
+
+def test_an_unknown_schedule_is_refused_before_tokenizers_and_the_network():
+    """No tokenizer flags: Megatron-LM's default GPT-2 tokenizer would download its vocabulary
+    (and fail offline) before the schedule name was looked at."""
+    result, seconds = _run("--num-layers", "2", "--hidden-size", "32", "--num-attention-heads",
+                           "4", "--seq-length", "64", "--max-position-embeddings", "64",
+                           "--micro-batch-size", "1", "--global-batch-size", "2",
+                           "--train-iters", "1", "--lr", "1e-3", "--pipeline-schedule", "zigzag",
+                           env={"HF_HUB_OFFLINE": "1", "http_proxy": "http://127.0.0.1:9",
+                                "https_proxy": "http://127.0.0.1:9"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "unknown pipeline schedule 'zigzag'" in result.stderr
+    assert "wget" not in result.stderr and "vocab" not in result.stderr.lower()
+    assert "Traceback" not in result.stderr
+    assert seconds < 60, seconds
+
+
+def test_help_prints_with_the_projects_group():
+    result, _ = _run("--help")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "long-context pipeline schedules:" in result.stdout
+    assert "--pipeline-schedule" in result.stdout
+    assert "--moe-router-topk" in result.stdout  # Megatron-LM's own options too
+
+
+def test_the_classes_name_only_schedules_that_exist_or_the_tests_register():
+    named = {schedule for honoured in option_classes.HONOURED.values()
+             for schedule in (*honoured.proofs, *honoured.refusals)}
+    known = set(registry.schedule_names()) | {"*", "gpipe"}
+    assert named <= known, named - known
+    assert inspect.isfunction(option_classes.refusals)
