@@ -38,17 +38,14 @@ def check_args(args: argparse.Namespace) -> None:
     Recomputation is the plan's own (the first ``ckpt(stage, chunk)`` layers of each chunk,
     chosen by CP-SAT within ``--elastic-memory-gb``); Megatron's ``--recompute-granularity``
     would run the forward without autograd and leave the K/V that later slices read without a
-    graph. Each chunk is one packed row of the plan's length, so a micro-batch size other than
-    1 has nothing to count.
+    graph. Each chunk is one packed row of the plan's length; ``--micro-batch-size`` keeps
+    Megatron's meaning for the loss (the micro-batches whose token means Megatron's default loss
+    averages, :mod:`megatron.plugin.default_loss`).
     """
     if args.recompute_granularity is not None:
         raise ValueError(f"{args.pipeline_schedule} checkpoints layers per chunk itself (chosen "
                          "within --elastic-memory-gb): drop --recompute-granularity, and lower "
                          "--elastic-memory-gb to make it recompute more")
-    if args.micro_batch_size != 1:
-        raise ValueError(f"{args.pipeline_schedule} runs each chunk as one packed row: set "
-                         f"--micro-batch-size 1 (got {args.micro_batch_size}); "
-                         "--global-batch-size sets the documents per iteration")
 
 
 def interval_flag(value: str) -> int:

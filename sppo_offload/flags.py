@@ -62,7 +62,9 @@ def add_draw_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse what ``sppo`` cannot run, naming the flag to change."""
+    """Refuse what ``sppo`` cannot run, naming the flag to change. Each subsequence is one
+    row; ``--micro-batch-size`` keeps Megatron's meaning for the loss (the micro-batches whose
+    token means Megatron's default loss averages, :mod:`megatron.plugin.default_loss`)."""
     pp = args.pipeline_model_parallel_size
     if args.num_layers_per_virtual_pipeline_stage is not None:
         raise ValueError("sppo runs one model chunk per rank: drop "
@@ -74,10 +76,6 @@ def check_args(args: argparse.Namespace) -> None:
     if args.recompute_granularity is not None:
         raise ValueError("sppo keeps activations by offloading them, not by recomputation: drop "
                          "--recompute-granularity (elastic and seq1f1b checkpoint per chunk)")
-    if args.micro_batch_size != 1:
-        raise ValueError(f"sppo runs each subsequence as one row: set --micro-batch-size 1 "
-                         f"(got {args.micro_batch_size}); --global-batch-size sets the "
-                         "documents per iteration")
     if args.sppo_multiplex:
         if pp < 2:
             raise ValueError("--sppo-multiplex fills pipeline bubbles: it needs "

@@ -224,10 +224,14 @@ def check_args(args: argparse.Namespace) -> None:
                          "reads whole documents per global batch itself; drop the flag")
     if args.pipeline_timeout_s <= 0:
         raise ValueError("--pipeline-timeout-s must be > 0 seconds")
-    if not megatron_schedule and not args.calculate_per_token_loss:
-        raise ValueError(f"{args.pipeline_schedule} computes the per-token mean loss over the "
-                         "global batch, however it cuts the documents: add "
-                         "--calculate-per-token-loss")
+    if (not megatron_schedule and spec.prepare_input is None and args.context_parallel_size > 1
+            and not args.calculate_per_token_loss):
+        raise ValueError(f"--pipeline-schedule {args.pipeline_schedule} with "
+                         "--context-parallel-size > 1 runs Megatron's micro-batches, whose "
+                         "default loss divides each context-parallel rank's share by that "
+                         "share's own token count (a different loss at every degree): add "
+                         "--calculate-per-token-loss, or use elastic, seq1f1b or sppo, which "
+                         "weight every token as at one context-parallel rank")
     if args.context_parallel_size > 1 and megatron_schedule:
         raise ValueError("--context-parallel-size > 1 is not supported with Megatron's own "
                          "schedules here (ring attention needs Transformer Engine); use 1, or "
