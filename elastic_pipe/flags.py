@@ -31,22 +31,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "forward and backward times (0: never)")
 
 
-
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse the Megatron options ``elastic`` and ``seq1f1b`` would not honour, naming them.
-
-    Recomputation is the plan's own (the first ``ckpt(stage, chunk)`` layers of each chunk,
-    chosen by CP-SAT within ``--elastic-memory-gb``); Megatron's ``--recompute-granularity``
-    would run the forward without autograd and leave the K/V that later slices read without a
-    graph. Each chunk is one packed row of the plan's length, so a micro-batch size other than
-    1 has nothing to count.
-    """
-    if args.micro_batch_size != 1:
-        raise ValueError(f"{args.pipeline_schedule} runs each chunk as one packed row: set "
-                         f"--micro-batch-size 1 (got {args.micro_batch_size}); "
-                         "--global-batch-size sets the documents per iteration")
-
-
 def interval_flag(value: str) -> int:
     """``--elastic-refit-interval``: a number of iterations, ``0`` for never."""
     if not value.isdigit():

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron.plugin.batches import micro_batch
+from megatron.plugin.default_loss import unit_weights
 
-from longctx.chunk_rows import ChunkRows, chunk_row, is_split
+from longctx.chunk_rows import ChunkRows, chunk_batch, is_split
 from longctx.cost_model import CostModel
 from longctx.replicas import replica_share
 
@@ -46,7 +46,8 @@ def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming,
     cp = args.context_parallel_size
     multiple = args.tensor_model_parallel_size * cp
     chunks = plan.chunks()
-    batches = [micro_batch([chunk_row(chunk, documents, doc_ids, multiple)]) for chunk in chunks]
+    weights = unit_weights(args, documents, len(chunks))
+    batches = [chunk_batch(chunk, documents, doc_ids, multiple, weights) for chunk in chunks]
     slices = [tuple((doc_ids[p.doc], p.slice) for p in chunk.pieces if is_split(p))
               for chunk in chunks]
     schedule = lower(plan, args.pipeline_model_parallel_size)

@@ -42,7 +42,7 @@ from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 from longctx import job_costs
 
 from elastic_pipe.drawing import DRAW_ARGUMENTS, plan_builder
-from elastic_pipe.flags import add_arguments, check_args
+from elastic_pipe.flags import add_arguments
 from elastic_pipe.planned_batch import PlannedBatch, input_functions
 from elastic_pipe.run_costs import MEASURED
 
@@ -74,7 +74,6 @@ def _spec(name: str) -> ScheduleSpec:
     prepare_input, prefetch_input = input_functions(name)
     return ScheduleSpec(name, run=_run, input_type=PlannedBatch,
                         argument_groups=(job_costs.add_arguments, add_arguments),
-                        check_args=check_args,
                         prepare_input=prepare_input, prefetch_input=prefetch_input,
                         report=_report, build_ir=plan_builder(name),
                         draw_arguments=DRAW_ARGUMENTS, draw_units=False)

@@ -2,10 +2,14 @@
 sppo), whose split pieces carry their document key and slice index for the K/V context."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from megatron.plugin.batches import MicroBatch, pack_row
+import numpy as np
+import torch
+
+from megatron.plugin.batches import MicroBatch, micro_batch, pack_row
 from megatron.plugin.pipeline.ir import Action, Schedule
 
 from longctx.chunks import Chunk, Piece
@@ -43,3 +47,19 @@ def chunk_row(chunk: Chunk, documents, doc_ids, multiple: int) -> tuple:
         docs.append(documents[doc][piece.start:piece.end + 1])
         slices.append((doc, piece.slice, piece.start) if is_split(piece) else (None, 0, 0))
     return pack_row(docs, pad_to=math.ceil(chunk.tokens / multiple) * multiple, slices=slices)
+
+
+def chunk_batch(chunk: Chunk, documents, doc_ids, multiple: int,
+                weights=None) -> MicroBatch:
+    """The micro-batch of one chunk's row (:func:`chunk_row`); with ``weights`` (per document
+    of ``documents``: :func:`~megatron.plugin.default_loss.unit_weights`) every token carries
+    its document's as its loss weight, padding none."""
+    batch = micro_batch([chunk_row(chunk, documents, doc_ids, multiple)])
+    if weights is None:
+        return batch
+    row = np.zeros((1, batch.seq_length), dtype=np.float32)
+    start = 0
+    for piece in chunk.pieces:
+        row[0, start:start + piece.tokens] = weights[doc_ids[piece.doc]]
+        start += piece.tokens
+    return dataclasses.replace(batch, loss_weights=torch.from_numpy(row))

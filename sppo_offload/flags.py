@@ -62,16 +62,14 @@ def add_draw_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Refuse what ``sppo`` cannot run, naming the flag to change."""
+    """Refuse what ``sppo`` cannot run, naming the flag to change. Each subsequence is one
+    row; ``--micro-batch-size`` keeps Megatron's meaning for the loss (the micro-batches whose
+    token means Megatron's default loss averages, :mod:`megatron.plugin.default_loss`)."""
     pp = args.pipeline_model_parallel_size
     if args.sppo_subsequences != AUTO and args.sppo_subsequences < pp:
         raise ValueError(f"--sppo-subsequences {args.sppo_subsequences} is smaller than "
                          f"--pipeline-model-parallel-size {pp}: the subsequence pipeline needs "
                          f"N >= PP; use at least {pp} subsequences, or auto")
-    if args.micro_batch_size != 1:
-        raise ValueError(f"sppo runs each subsequence as one row: set --micro-batch-size 1 "
-                         f"(got {args.micro_batch_size}); --global-batch-size sets the "
-                         "documents per iteration")
     if args.sppo_multiplex:
         if pp < 2:
             raise ValueError("--sppo-multiplex fills pipeline bubbles: it needs "

@@ -146,8 +146,10 @@ class MultiplexProgram:
                                self.chunks.kv_store if self.stage == k else None, self.doc_key)
             u0 = self.u0
             cut = slice(start, stop)
+            weights = None if u0.loss_weights is None else u0.loss_weights[:, cut]
             batch = MicroBatch(u0.tokens[:, cut], u0.labels[:, cut], u0.loss_mask[:, cut],
-                               u0.position_ids[:, cut], ((Segment(0, stop - start),),), share)
+                               u0.position_ids[:, cut], ((Segment(0, stop - start),),), share,
+                               weights)
         borrowed = None if share is None else self._share_weights(k)
         grad = contextlib.nullcontext() if self.training else torch.no_grad()
         with grad:

@@ -10,11 +10,11 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from megatron.plugin.batches import micro_batch
+from megatron.plugin.default_loss import unit_weights
 from megatron.plugin.pipeline.ir import Action
 from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
 
-from longctx.chunk_rows import ChunkRows, chunk_row
+from longctx.chunk_rows import ChunkRows, chunk_batch
 from longctx.cost_model import GB, CostModel
 from longctx.job_costs import job_cost_model
 from longctx.replicas import replica_share
@@ -69,8 +69,8 @@ def prepare_input(documents, args, model):
             parallel_state.get_pipeline_model_parallel_group())))
     else:
         schedule = build_schedule(cost.pp, plan.counts, offloaded)
-    batches = [micro_batch([chunk_row(chunk, documents, share, tp * cp)])
-               for chunk in plan.chunks]
+    weights = unit_weights(args, documents, len(plan.chunks))
+    batches = [chunk_batch(chunk, documents, share, tp * cp, weights) for chunk in plan.chunks]
     slices = [((share[p.doc], p.slice),) if plan.counts[p.doc] > 1 else ()
               for p in (chunk.pieces[0] for chunk in plan.chunks)]
     chunk = model[0] if isinstance(model, list) else model

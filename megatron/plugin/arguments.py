@@ -217,9 +217,15 @@ def check_training_args(args: argparse.Namespace) -> None:
 
 
 def _per_token_loss(args):
-    if not registry.is_megatron(args.pipeline_schedule) and not args.calculate_per_token_loss:
-        return (f"{args.pipeline_schedule} computes the per-token mean loss over the global "
-                "batch, however it cuts the documents: add --calculate-per-token-loss")
+    spec = registry.spec(args.pipeline_schedule)
+    if (spec is not None and not registry.is_megatron(args.pipeline_schedule)
+            and spec.prepare_input is None and args.context_parallel_size > 1
+            and not args.calculate_per_token_loss):
+        return (f"--pipeline-schedule {args.pipeline_schedule} with --context-parallel-size > 1 "
+                "runs Megatron's micro-batches, whose default loss divides each "
+                "context-parallel rank's share by that share's own token count (a different "
+                "loss at every degree): add --calculate-per-token-loss, or use elastic, seq1f1b "
+                "or sppo, which weight every token as at one context-parallel rank")
     return None
 
 

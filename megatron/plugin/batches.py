@@ -1,4 +1,4 @@
-"""Micro-batches of packed documents, Megatron's ``forward_step`` and the per-token loss.
+"""Micro-batches of packed documents, Megatron's ``forward_step`` and its loss function.
 
 Convention: a document of ``n + 1`` tokens gives ``n`` inputs (``tokens[:-1]``) and ``n``
 labels (``tokens[1:]``); positions restart at 0 for every document (or start at the slice's
@@ -29,6 +29,10 @@ class MicroBatch:
     segments: tuple[tuple[Segment, ...], ...]
     share: object = None
     """A sequence-parallel group's range of a slice (see ``PackedDocuments.share``)."""
+    loss_weights: torch.Tensor | None = None
+    """Per-token weights of the loss under Megatron's default loss when the tokens come from
+    several of Megatron's micro-batches (:mod:`megatron.plugin.default_loss`); ``None``: every
+    token counts once, as in Megatron's own micro-batches."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -39,9 +43,10 @@ class MicroBatch:
         return int(self.tokens.shape[1])
 
     def to(self, device) -> "MicroBatch":
+        weights = None if self.loss_weights is None else self.loss_weights.to(device)
         return MicroBatch(self.tokens.to(device), self.labels.to(device),
                           self.loss_mask.to(device), self.position_ids.to(device), self.segments,
-                          self.share)
+                          self.share, weights)
 
     def context_share(self, rank: int, size: int) -> "MicroBatch":
         """This context-parallel rank's contiguous ``1/size`` of the tokens (Ulysses); the
@@ -51,8 +56,9 @@ class MicroBatch:
             raise ValueError(f"a {seq}-token row cannot be split over {size} context-parallel "
                              f"ranks")
         part = slice(rank * seq // size, (rank + 1) * seq // size)
+        weights = None if self.loss_weights is None else self.loss_weights[:, part]
         return MicroBatch(self.tokens[:, part], self.labels[:, part], self.loss_mask[:, part],
-                          self.position_ids[:, part], self.segments, self.share)
+                          self.position_ids[:, part], self.segments, self.share, weights)
 
     def layout(self, kv_store=None, record_kv=False) -> PackedDocuments:
         return PackedDocuments(segments=self.segments, position_ids=self.position_ids,
@@ -103,40 +109,51 @@ def micro_batch(rows) -> MicroBatch:
                       as_tensor(positions), tuple(segments))
 
 
-def pack_micro_batches(docs: Sequence[np.ndarray], seq_length: int,
-                       micro_batch_size: int = 1, multiple_of: int = 1) -> list[MicroBatch]:
-    """Megatron-style batches: documents packed best-fit decreasing into rows of at most
-    ``seq_length`` inputs, padded to ``seq_length``, ``micro_batch_size`` rows per micro-batch.
+def pack_rows(lengths: Sequence[int], seq_length: int) -> list[list[int]]:
+    """Document indices per row: documents of ``lengths`` inputs packed best-fit decreasing
+    into rows of at most ``seq_length`` inputs.
 
     Best-fit decreasing (longest document first, each into the row it leaves the least room
     in) pads the fewest tokens of the simple packers; padding is work a schedule does for
     nothing, so a baseline packed first-fit in arrival order would look slower than it is.
-    The number of micro-batches is rounded up to ``multiple_of`` (data-parallel size) with
-    all-padding micro-batches, which carry no loss tokens.
     """
-    rows: list[list[np.ndarray]] = []
+    rows: list[list[int]] = []
     fill: list[int] = []
-    for doc in sorted(docs, key=len, reverse=True):
-        n = len(doc) - 1
+    for index in sorted(range(len(lengths)), key=lambda i: lengths[i], reverse=True):
+        n = lengths[index]
         if n > seq_length:
             raise ValueError(f"a document of {n} inputs exceeds --seq-length {seq_length}")
         fits = [i for i, used in enumerate(fill) if used + n <= seq_length]
         if fits:
             i = max(fits, key=lambda i: fill[i])
-            rows[i].append(doc)
+            rows[i].append(index)
             fill[i] += n
         else:
-            rows.append([doc])
+            rows.append([index])
             fill.append(n)
-    packed = [pack_row(row, pad_to=seq_length) for row in rows]
-    empty = pack_row([], pad_to=seq_length)
-    while len(packed) % micro_batch_size:
-        packed.append(empty)
-    batches = [micro_batch(packed[i:i + micro_batch_size])
-               for i in range(0, len(packed), micro_batch_size)]
-    while len(batches) % multiple_of:
-        batches.append(micro_batch([empty] * micro_batch_size))
+    return rows
+
+
+def micro_batch_rows(lengths: Sequence[int], seq_length: int, micro_batch_size: int = 1,
+                     multiple_of: int = 1) -> list[list[list[int]]]:
+    """Megatron-style micro-batches as document indices: :func:`pack_rows`, then
+    ``micro_batch_size`` rows per micro-batch, the last completed with empty rows, and the
+    number of micro-batches rounded up to ``multiple_of`` (data-parallel size) with empty
+    micro-batches, which carry no loss tokens."""
+    rows = pack_rows(lengths, seq_length)
+    rows += [[] for _ in range(-len(rows) % micro_batch_size)]
+    batches = [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+    batches += [[[] for _ in range(micro_batch_size)] for _ in range(-len(batches) % multiple_of)]
     return batches
+
+
+def pack_micro_batches(docs: Sequence[np.ndarray], seq_length: int,
+                       micro_batch_size: int = 1, multiple_of: int = 1) -> list[MicroBatch]:
+    """The micro-batches of :func:`micro_batch_rows`, each row padded to ``seq_length``."""
+    layout = micro_batch_rows([len(doc) - 1 for doc in docs], seq_length, micro_batch_size,
+                              multiple_of)
+    return [micro_batch([pack_row([docs[i] for i in row], pad_to=seq_length) for row in rows])
+            for rows in layout]
 
 
 def padding_fraction(batches: Sequence[MicroBatch]) -> float:
@@ -160,15 +177,26 @@ class MicroBatches:
         return next(self._batches)
 
 
-def loss_func(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Per-token loss in Megatron's 3-tuple form: ``(sum, tokens, {"lm loss": [sum, tokens]})``,
-    checked as Megatron's ``pretrain_gpt.py`` checks it (:mod:`megatron.plugin.loss_checks`)."""
-    losses = output.float()
-    loss_sum = torch.sum(losses.view(-1) * loss_mask.view(-1).to(losses.dtype))
+def loss_func(loss_mask: torch.Tensor, output: torch.Tensor,
+              loss_weights: torch.Tensor | None = None):
+    """Megatron's 3-tuple ``(loss, tokens, {"lm loss": [sum, tokens]})`` of the per-token
+    losses ``output``, the sum checked as Megatron's ``pretrain_gpt.py`` checks it
+    (:mod:`megatron.plugin.loss_checks`).
+
+    The loss is the sum over ``loss_mask``, or with ``loss_weights`` (Megatron's default loss
+    over units that are not its micro-batches, :mod:`megatron.plugin.default_loss`) the
+    weighted sum times the token count, which Megatron's ``forward_step`` divides by again.
+    The reported sum is always the plain one: the logged ``lm loss`` is the per-token mean."""
+    losses = output.float().view(-1)
+    loss_sum = torch.sum(losses * loss_mask.view(-1).to(losses.dtype))
     num_tokens = loss_mask.sum().to(torch.int)
     validate_loss(loss_sum)
     report = torch.stack([loss_sum.detach().clone(), num_tokens.detach().to(torch.float)])
-    return loss_sum, num_tokens, {"lm loss": report}
+    loss = loss_sum
+    if loss_weights is not None:
+        loss = torch.sum(losses * loss_weights.view(-1).to(losses.dtype)) \
+            * torch.clamp(num_tokens, min=1).to(losses.dtype)
+    return loss, num_tokens, {"lm loss": report}
 
 
 def forward_step(data_iterator, model, kv_store=None, record_kv=False):
@@ -183,4 +211,4 @@ def forward_step(data_iterator, model, kv_store=None, record_kv=False):
         batch = batch.context_share(parallel_state.get_context_parallel_rank(), cp)
     output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
                    packed_seq_params=layout)
-    return output, partial(loss_func, batch.loss_mask)
+    return output, partial(loss_func, batch.loss_mask, loss_weights=batch.loss_weights)

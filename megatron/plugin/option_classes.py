@@ -68,6 +68,14 @@ ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
                "elastic": "golden:pp2_dp2_elastic", "helix": "golden:pp2_dp2_helix",
                "sppo": "golden:pp2_dp2_sppo_n5_offload"}
 GQA = {"elastic": "golden:pp2_gqa_elastic"}
+#: Micro-batches of two rows: Megatron's recomputation layouts, and Megatron's default loss
+#: (each micro-batch's token mean) under the document schedules.
+MBS = {"default": "golden:pp2_block_recompute_mbs2", "1f1b": "golden:pp2_default_loss_mbs2",
+       "interleaved": "golden:pp2_vp2_interleaved_uniform_recompute_mbs2",
+       "1f1b-ir": "golden:pp2_ir_uniform_recompute_mbs2",
+       "elastic": "golden:pp2_elastic_default_loss_mbs2",
+       "seq1f1b": "golden:pp2_seq1f1b_default_loss_mbs2",
+       "sppo": "golden:pp2_ulysses2_sppo_default_loss_mbs2", "helix": "golden:pp2_helix_mbs2"}
 #: Megatron-LM's example launch scripts trained under 1f1b and elastic (finite losses and
 #: gradient norms; the first loss agrees between the schedules).
 EXAMPLES = ("tests/e2e/test_megatron_examples.py::"
@@ -111,7 +119,7 @@ HONOURED: dict[str, Honoured] = {
         "num_layers", "hidden_size", "num_attention_heads", "seq_length",
         "max_position_embeddings", "global_batch_size", "hidden_dropout", "attention_dropout",
         "calculate_per_token_loss", "vocab_size", "pipeline_model_parallel_size")},
-    "micro_batch_size": Honoured(BASE, _NO_TEST),
+    "micro_batch_size": Honoured(MBS, _NO_TEST),
     "tensor_model_parallel_size": Honoured(TP_SP, _NO_TEST),
     "sequence_parallel": Honoured(TP_SP, _NO_TEST),
     "context_parallel_size": Honoured(CP, _NO_TEST, refusals={

@@ -18,8 +18,11 @@ the name and one way to run is optional):
 4. ``prepare_input(documents, args, model) -> (input, units)``: its input for one global batch
    of documents, and the number of units (micro-batches, chunks) in it. Without it the
    schedule gets this data-parallel replica's documents packed into ``--seq-length``
-   micro-batches, as Megatron's schedules do. ``prefetch_input(documents, args, model)``
-   starts preparing the next batch (background planning) while this one trains.
+   micro-batches, as Megatron's schedules do. Under Megatron's default loss (no
+   ``--calculate-per-token-loss``), units that are not those micro-batches carry the weights
+   of :mod:`megatron.plugin.default_loss` (``MicroBatch.loss_weights``).
+   ``prefetch_input(documents, args, model)`` starts preparing the next batch (background
+   planning) while this one trains.
 5. ``run(call)``: this rank's part of one forward-backward over a :class:`RankCall`, returning
    Megatron's list of loss dicts; ``input_type`` is the type ``prepare_input`` makes (checked
    before ``run``). The registry wraps ``run`` into Megatron's forward-backward signature once

@@ -17,9 +17,11 @@ Modes:
   each rank is recorded too (``order_<tag>_<rank>.json``), an independent oracle for the IR
   generator of 1F1B.
 * ``reference`` (1 process): the single-process reference over whole documents, each document
-  alone (no packing): per-token loss and gradients; then, for every tag given, load that run's
-  gradient checkpoint into the single-process layout. Everything is written with ``torch.save``
-  for the test to compare.
+  alone (no packing): per-token loss and gradients (``reference.pt``), and the gradients of
+  Megatron's default loss (``reference_default_mbs<N>.pt`` for micro-batch sizes
+  :data:`DEFAULT_LOSS_MICRO_BATCH_SIZES`; see :func:`default_loss_gradients`); then, for every
+  tag given, load that run's gradient checkpoint into the single-process layout. Everything is
+  written with ``torch.save`` for the test to compare.
 
 One launch runs one command line, or, with ``--golden-layouts FILE`` as its only arguments,
 every command line of ``FILE`` (a JSON list of argument lists, all for the launch's number of
@@ -39,7 +41,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.plugin import cpu_compat, launch
-from megatron.plugin.batches import forward_step, micro_batch, pack_row
+from megatron.plugin.batches import forward_step, micro_batch, micro_batch_rows, pack_row
 from megatron.plugin.document_data import GlobalBatch
 
 
@@ -53,6 +55,11 @@ def golden_documents(count: int, seq_length: int, vocab: int, seed: int):
         else:
             lengths.append(int(rng.integers(2, seq_length // 4)))
     return [rng.integers(0, vocab, size=n + 1).astype(np.int64) for n in lengths]
+
+
+#: Micro-batch sizes of the default-loss references (the layouts trained without
+#: ``--calculate-per-token-loss`` name one of them).
+DEFAULT_LOSS_MICRO_BATCH_SIZES = (1, 2)
 
 
 def golden_arguments(parser):
@@ -230,23 +237,51 @@ def run(args):
             json.dump(hits, f)
         return
     # reference: whole documents, one at a time, on a plain single-process model.
-    # Megatron DDP's hooks accumulate gradients into ``main_grad``; no sync in one process.
-    model[0].zero_grad_buffer()
     module = model[0].module
-    loss_sum, tokens = 0.0, 0
-    for doc in docs:
-        batch = micro_batch([pack_row([doc])])
-        output, loss_fn = forward_step(iter([batch]), module)
-        doc_loss, doc_tokens, _ = loss_fn(output)
-        doc_loss.backward()
-        loss_sum += float(doc_loss)
-        tokens += int(doc_tokens)
-    reference = {name: p.main_grad.detach().clone().view_as(p) / tokens
-                 for name, p in module.named_parameters()}
+    weights = [1.0] * len(docs)
+    loss_sum, tokens, grads = weighted_gradients(model, docs, weights)
+    reference = {name: grad / tokens for name, grad in grads.items()}
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": reference},
                os.path.join(args.golden_dir, "reference.pt"))
+    for size in DEFAULT_LOSS_MICRO_BATCH_SIZES:
+        torch.save({"loss_sum": loss_sum, "tokens": tokens,
+                    "grads": default_loss_gradients(model, docs, args.seq_length, size)},
+                   os.path.join(args.golden_dir, f"reference_default_mbs{size}.pt"))
     for tag in args.golden_tags:
         load_model(os.path.join(args.golden_dir, f"grads_{tag}"), model)
         grads = {name: p.detach().clone() for name, p in module.named_parameters()}
         torch.save(grads, os.path.join(args.golden_dir, f"grads_{tag}.pt"))
 
+
+
+def weighted_gradients(model, docs, weights):
+    """``(loss sum, tokens, gradients of the sum of each document's loss sum times its
+    weight)``, every document alone through the single-process model (Megatron DDP's hooks
+    accumulate into ``main_grad``; no sync in one process)."""
+    model[0].zero_grad_buffer()
+    module = model[0].module
+    loss_sum, tokens = 0.0, 0
+    for doc, weight in zip(docs, weights):
+        output, loss_fn = forward_step(iter([micro_batch([pack_row([doc])])]), module)
+        doc_loss, doc_tokens, _ = loss_fn(output)
+        (doc_loss * weight).backward()
+        loss_sum += float(doc_loss)
+        tokens += int(doc_tokens)
+    grads = {name: p.main_grad.detach().clone().view_as(p)
+             for name, p in module.named_parameters()}
+    return loss_sum, tokens, grads
+
+
+def default_loss_gradients(model, docs, seq_length: int, micro_batch_size: int) -> dict:
+    """Gradients of Megatron's default loss at one data-parallel rank: the documents grouped
+    into the micro-batches Megatron's schedules receive (the project's packing,
+    ``micro_batch_rows``), the mean over those micro-batches of each one's token mean,
+    computed here from per-document loss sums (each document alone)."""
+    lengths = [len(doc) - 1 for doc in docs]
+    batches = micro_batch_rows(lengths, seq_length, micro_batch_size)
+    weights = [0.0] * len(docs)
+    for rows in batches:
+        members = [index for row in rows for index in row]
+        for index in members:
+            weights[index] = 1.0 / (sum(lengths[i] for i in members) * len(batches))
+    return weighted_gradients(model, docs, weights)[2]

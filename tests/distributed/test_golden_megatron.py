@@ -5,7 +5,10 @@ K/V context, saved activations offloaded to the host tier and reloaded) on CPU (
 single-process reference, and ``1f1b-ir`` equals Megatron's native 1F1B.
 
 Loss and every parameter gradient of one training step over a fixed set of documents
-(packed into micro-batches for the pipeline; one document at a time for the reference).
+(packed into micro-batches for the pipeline; one document at a time for the reference), under
+the per-token loss, and for the layouts of ``DEFAULT_LOSS`` under Megatron's default loss (the
+mean over Megatron's micro-batches of their token means; the logged loss is the per-token mean
+under both).
 
 The module fixture runs every layout in four torchrun launches: the initial weights of every
 model variant in one single-process launch, every layout on two ranks in one launch and every
@@ -54,6 +57,8 @@ ELASTIC_EXPECTED = {
     "pp2_ulysses2_seq1f1b": ({"split", "hybrid"}, "none"),
     "pp2_gqa_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_ulysses2_gqa_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_elastic_default_loss_mbs2": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_seq1f1b_default_loss_mbs2": ({"split", "hybrid"}, "none"),
 }
 
 HELIX = ["--pipeline-schedule", "helix"]
@@ -193,6 +198,19 @@ VARIANTS = {
         "pp2_ulysses2_sppo_n6_offload": (4, ["--pipeline-model-parallel-size", "2",
                                              "--context-parallel-size", "2", *SPPO,
                                              "--sppo-subsequences", "6", "--sppo-offload", "1"]),
+        # Megatron's default loss (DEFAULT_LOSS): Megatron's own 1F1B, then the schedules that
+        # weight each token as Megatron's packing does (context parallelism included).
+        "pp2_default_loss_mbs2": (2, ["--pipeline-model-parallel-size", "2",
+                                      "--pipeline-schedule", "1f1b", *MBS2]),
+        "pp2_elastic_default_loss_mbs2": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC,
+                                              *MBS2]),
+        "pp2_seq1f1b_default_loss_mbs2": (2, ["--pipeline-model-parallel-size", "2", *SEQ1F1B,
+                                              *MBS2]),
+        "pp2_ulysses2_sppo_default_loss_mbs2": (4, ["--pipeline-model-parallel-size", "2",
+                                                    "--context-parallel-size", "2", *SPPO,
+                                                    "--sppo-subsequences", "4",
+                                                    "--sppo-offload", "off", *MBS2]),
+        "pp2_helix_default_loss": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
     }),
     # Grouped-query attention: 4 heads share 2 K/V groups, also in the K/V context of a split
     # document's later slices (masked attention over context + slice) and under Ulysses.
@@ -234,6 +252,28 @@ VARIANTS = {
         "pp2_helix_m5": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
     }),
 }
+PER_TOKEN_LOSS = "--calculate-per-token-loss"
+#: Layouts trained with Megatron's default loss: the fixture leaves ``PER_TOKEN_LOSS`` off their
+#: command line, and they are compared with the reference of that loss at the micro-batch size
+#: they name (``reference_default_mbs<N>.pt``, golden_run.py).
+DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
+                "pp2_seq1f1b_default_loss_mbs2", "pp2_ulysses2_sppo_default_loss_mbs2",
+                "pp2_helix_default_loss"}
+
+
+def loss_flags(common: list, tag: str) -> list:
+    """``common`` without ``PER_TOKEN_LOSS`` for a layout of ``DEFAULT_LOSS``."""
+    return [flag for flag in common if flag != PER_TOKEN_LOSS] if tag in DEFAULT_LOSS else common
+
+
+def reference_file(tag: str, flags: list) -> str:
+    """The reference a layout is compared with."""
+    if tag not in DEFAULT_LOSS:
+        return "reference.pt"
+    size = flags[flags.index("--micro-batch-size") + 1] if "--micro-batch-size" in flags else "1"
+    return f"reference_default_mbs{size}.pt"
+
+
 #: One golden case per schedule. With ``LONGCTX_GOLDEN_SMOKE=1`` only these run: CI's pass
 #: against the oldest supported megatron-core (``.ci/run``), beside the whole suite against the
 #: newest; that pass selects ``test_loss_and_gradients_match_reference`` alone.
@@ -295,7 +335,7 @@ def golden_launches(root, run: dict) -> list[tuple[int, str, list[list[str]]]]:
         common += ["--load", init, "--no-load-optim", "--no-load-rng"]
         for tag, (nprocs, flags) in layouts.items():
             runs.setdefault(nprocs, []).append(
-                [*common, *flags, "--golden-mode", "run", "--golden-tag", tag])
+                [*loss_flags(common, tag), *flags, "--golden-mode", "run", "--golden-tag", tag])
         references.append([*common, "--golden-mode", "reference", "--golden-tags", *layouts])
     return [(1, "init", inits), *((n, f"run_{n}", runs[n]) for n in sorted(runs)),
             (1, "reference", references)]
@@ -313,7 +353,7 @@ def golden(tmp_path_factory):
 @pytest.mark.parametrize("variant,tag", CASES)
 def test_loss_and_gradients_match_reference(golden, variant, tag):
     golden = str(golden / variant)
-    reference = torch.load(os.path.join(golden, "reference.pt"))
+    reference = torch.load(os.path.join(golden, reference_file(tag, RUN[variant][1][tag][1])))
     with open(os.path.join(golden, f"loss_{tag}.json")) as f:
         loss = json.load(f)
     assert loss["tokens"] == reference["tokens"]

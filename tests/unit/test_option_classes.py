@@ -160,11 +160,14 @@ def test_flags_refused_for_one_reason_are_named_together():
 
 
 def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    # 1f1b-ir runs Megatron's micro-batches: under context parallelism only the per-token
+    # loss is the same at every degree.
+    monkeypatch.setenv("WORLD_SIZE", "4")
     argv = [arg for arg in TINY_MODEL if arg != "--calculate-per-token-loss"]
     with pytest.raises(ValueError) as refused:
         arguments.check_command_line([*argv, "--pipeline-model-parallel-size", "2",
-                                      "--pipeline-schedule", "sppo", "--num-experts", "8"],
+                                      "--context-parallel-size", "2",
+                                      "--pipeline-schedule", "1f1b-ir", "--num-experts", "8"],
                                      training=True)
     text = str(refused.value)
     for named in ("add --calculate-per-token-loss", "--num-experts is not supported",

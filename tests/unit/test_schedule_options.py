@@ -1,7 +1,9 @@
 """Every registered schedule x every Megatron option that changes what a schedule must do
 (recomputation, micro-batch size): either accepted, with the golden layout that proves it is
 honoured with Megatron's meaning, or refused at start-up naming the flag. A schedule registered
-later falls into the refusal column until a golden layout is named for it here."""
+later falls into the refusal column until a golden layout is named for it here. Megatron's
+default loss (no ``--calculate-per-token-loss``): accepted by every schedule, with the golden
+layout of each schedule that forms its loss from units of its own."""
 import importlib.util
 import os
 
@@ -38,6 +40,9 @@ HONOURED = {
     ("1f1b-ir", "selective"): "pp2_ir_selective_recompute",
     ("1f1b-ir", "micro-batch-size-2"): "pp2_ir_uniform_recompute_mbs2",
     ("helix", "micro-batch-size-2"): "pp2_helix_mbs2",
+    ("elastic", "micro-batch-size-2"): "pp2_elastic_default_loss_mbs2",
+    ("seq1f1b", "micro-batch-size-2"): "pp2_seq1f1b_default_loss_mbs2",
+    ("sppo", "micro-batch-size-2"): "pp2_ulysses2_sppo_default_loss_mbs2",
 }
 
 #: The flag a refusal must name, per option.
@@ -57,13 +62,17 @@ def _layout_flags(schedule):
     return []
 
 
-def _golden_layouts():
+def _golden_module():
     path = os.path.join(os.path.dirname(__file__), "..", "distributed",
                         "test_golden_megatron.py")
     spec = importlib.util.spec_from_file_location("golden_layouts", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return {tag: flags for _, layouts in module.VARIANTS.values()
+    return module
+
+
+def _golden_layouts():
+    return {tag: flags for _, layouts in _golden_module().VARIANTS.values()
             for tag, (_, flags) in layouts.items()}
 
 
@@ -91,6 +100,52 @@ def test_every_honoured_pair_has_its_golden_layout():
         assert schedule_flag == ("1f1b" if schedule == "default" else schedule), tag
         text = " ".join(flags)
         assert " ".join(OPTIONS[option]) in text, (tag, option)
+
+
+PER_TOKEN_LOSS = "--calculate-per-token-loss"
+#: Megatron's default loss: schedule -> the golden layout trained without
+#: ``--calculate-per-token-loss`` (``default`` picks Megatron's 1F1B). ``interleaved`` is
+#: Megatron's own code and ``1f1b-ir`` Megatron's micro-batches through Megatron's
+#: ``forward_step`` (equal to 1F1B under the per-token loss, golden); ``helix`` runs
+#: Megatron's micro-batches too, the others weight tokens themselves.
+DEFAULT_LOSS_LAYOUTS = {
+    "default": "pp2_default_loss_mbs2",
+    "1f1b": "pp2_default_loss_mbs2",
+    "elastic": "pp2_elastic_default_loss_mbs2",
+    "seq1f1b": "pp2_seq1f1b_default_loss_mbs2",
+    "sppo": "pp2_ulysses2_sppo_default_loss_mbs2",
+    "helix": "pp2_helix_default_loss",
+}
+DEFAULT_LOSS_UNGOLDEN = {"interleaved", "1f1b-ir"}
+
+
+@pytest.mark.parametrize("schedule", registry.schedule_names())
+def test_megatron_default_loss_is_accepted_with_its_golden_layout(schedule, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [flag for flag in BASE if flag != PER_TOKEN_LOSS]
+    args = arguments.parse([*argv, *_layout_flags(schedule), "--pipeline-schedule", schedule])
+    assert not args.calculate_per_token_loss
+    if schedule in DEFAULT_LOSS_UNGOLDEN:
+        return
+    golden = _golden_module()
+    tag = DEFAULT_LOSS_LAYOUTS[schedule]
+    assert tag in golden.DEFAULT_LOSS
+    flags = _golden_layouts()[tag]
+    assert flags[flags.index("--pipeline-schedule") + 1] == \
+        ("1f1b" if schedule == "default" else schedule), tag
+
+
+def test_context_parallel_1f1b_ir_needs_the_per_token_loss(monkeypatch):
+    """Megatron's micro-batches under Ulysses: the default loss would divide each
+    context-parallel rank's share by that share's token count, so it is refused by name."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = [flag for flag in BASE if flag != PER_TOKEN_LOSS]
+    with pytest.raises(ValueError, match="add --calculate-per-token-loss"):
+        arguments.parse([*argv, "--context-parallel-size", "2", "--pipeline-schedule",
+                         "1f1b-ir"])
+    args = arguments.parse([*argv, "--context-parallel-size", "2", "--pipeline-schedule",
+                            "elastic"])
+    assert args.context_parallel_size == 2
 
 
 #: Options the document schedules refuse (Megatron's own schedules run them with Megatron's

@@ -1,0 +1,120 @@
+"""Megatron's default loss as per-token weights (megatron/plugin/default_loss.py): documents cut
+into units of a schedule's own, each unit's loss divided as Megatron's ``forward_step`` divides
+it and the context-parallel shares averaged as Megatron's DDP averages them, give Megatron's
+mean over its micro-batches of their token means."""
+from argparse import Namespace
+
+import numpy as np
+import pytest
+import torch
+
+from megatron.plugin import default_loss
+from megatron.plugin.batches import loss_func, micro_batch_rows
+from longctx.chunk_rows import chunk_batch
+from longctx.chunks import Chunk, Piece
+
+SEQ = 16
+
+
+def _documents(rng, count):
+    lengths = rng.integers(2, SEQ + 2, size=count)
+    return [rng.integers(0, 50, size=n).astype(np.int64) for n in lengths]
+
+
+def _megatron_loss(token_losses, lengths, micro_batch_size, dp):
+    """Megatron's default loss over its packing, averaged over the replicas."""
+    batches = micro_batch_rows(lengths, SEQ, micro_batch_size, dp)
+    total = 0.0
+    for rows in batches:
+        members = [i for row in rows for i in row]
+        tokens = sum(lengths[i] for i in members)
+        if tokens:
+            total += sum(float(token_losses[i].sum()) for i in members) / tokens
+    return total / len(batches)
+
+
+def _units(lengths, rng):
+    """Documents cut at random points into slices, each slice its own unit, and the whole
+    documents packed three to a unit, with a document's last slice when there is one."""
+    split, whole = [], []
+    for doc, n in enumerate(lengths):
+        cuts = sorted(set(rng.integers(1, n, size=2).tolist())) if n > 2 and doc % 2 else []
+        bounds = [0, *cuts, n]
+        pieces = [Piece(doc, j, bounds[j], bounds[j + 1], j == len(bounds) - 2)
+                  for j in range(len(bounds) - 1)]
+        (split if len(pieces) > 1 else whole).append(pieces)
+    units = [Chunk((piece,)) for pieces in split for piece in pieces[:-1]]
+    tails = [pieces[-1] for pieces in split]
+    for i in range(0, len(whole), 3):
+        group = tuple(pieces[0] for pieces in whole[i:i + 3])
+        units.append(Chunk(((tails.pop(),) if tails else ()) + group))
+    units += [Chunk((tail,)) for tail in tails]
+    return units
+
+
+@pytest.mark.parametrize("micro_batch_size,dp,cp", [(1, 1, 1), (2, 1, 1), (1, 2, 1),
+                                                    (2, 2, 2), (3, 1, 2)])
+def test_weighted_units_give_megatrons_default_loss(micro_batch_size, dp, cp, monkeypatch):
+    rng = np.random.default_rng(7 + micro_batch_size + dp + cp)
+    documents = _documents(rng, 11)
+    lengths = [len(doc) - 1 for doc in documents]
+    token_losses = [rng.random(n) for n in lengths]
+    monkeypatch.setattr(default_loss.parallel_state, "get_data_parallel_world_size", lambda: dp)
+    monkeypatch.setattr(default_loss.parallel_state, "get_context_parallel_world_size",
+                        lambda: cp)
+    args = Namespace(calculate_per_token_loss=False, seq_length=SEQ,
+                     micro_batch_size=micro_batch_size)
+    # The documents dealt to the replicas round-robin: the weights do not depend on where a
+    # document trains.
+    total = 0.0
+    for replica in range(dp):
+        ids = list(range(replica, len(documents), dp))
+        units = _units([lengths[i] for i in ids], rng)
+        weights = default_loss.unit_weights(args, documents, len(units))
+        for unit in units:
+            batch = chunk_batch(unit, documents, ids, multiple=cp, weights=weights)
+            losses = np.zeros(batch.seq_length)
+            start = 0
+            for piece in unit.pieces:
+                losses[start:start + piece.tokens] = \
+                    token_losses[ids[piece.doc]][piece.start:piece.end]
+                start += piece.tokens
+            for rank in range(cp):  # Ulysses shares; DDP divides by DP x CP
+                share = batch.context_share(rank, cp)
+                part = slice(rank * batch.seq_length // cp, (rank + 1) * batch.seq_length // cp)
+                loss, tokens, _ = loss_func(share.loss_mask, torch.tensor(losses[part]),
+                                            share.loss_weights)
+                # Megatron's forward_step without --calculate-per-token-loss.
+                total += float(loss) / max(int(tokens), 1) / len(units) / (dp * cp)
+    expected = _megatron_loss(token_losses, lengths, micro_batch_size, dp)
+    assert total == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_reported_loss_stays_the_plain_sum():
+    """The logged ``lm loss`` is the per-token mean under either loss (Megatron's train_step
+    divides the reported sums by the reported tokens)."""
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    losses = torch.tensor([[2.0, 4.0, 9.0]])
+    loss, tokens, report = loss_func(mask, losses, torch.tensor([[0.5, 0.25, 0.0]]))
+    assert int(tokens) == 2
+    assert report["lm loss"].tolist() == [6.0, 2.0]
+    assert float(loss) == (2.0 * 0.5 + 4.0 * 0.25) * 2
+
+
+def test_per_token_loss_carries_no_weights():
+    args = Namespace(calculate_per_token_loss=True, seq_length=SEQ, micro_batch_size=2)
+    assert default_loss.unit_weights(args, [np.arange(5)], 3) is None
+
+
+def test_each_micro_batch_weighs_one_over_the_micro_batches():
+    """On a replica, a micro-batch's tokens weigh 1 / M in all; padding micro-batches none."""
+    lengths = [15, 3, 9, 2, 12, 7, 1]
+    for micro_batch_size, dp in [(1, 1), (2, 1), (2, 2), (1, 4)]:
+        weights = default_loss.document_weights(lengths, SEQ, micro_batch_size, dp)
+        batches = micro_batch_rows(lengths, SEQ, micro_batch_size, dp)
+        per_replica = len(batches) // dp
+        for rows in batches:
+            members = [i for row in rows for i in row]
+            if members:
+                assert sum(weights[i] * lengths[i] for i in members) == \
+                    pytest.approx(1 / per_replica)
