@@ -75,7 +75,8 @@ MBS = {"default": "golden:pp2_block_recompute_mbs2", "1f1b": "golden:pp2_default
        "1f1b-ir": "golden:pp2_ir_uniform_recompute_mbs2",
        "elastic": "golden:pp2_elastic_default_loss_mbs2",
        "seq1f1b": "golden:pp2_seq1f1b_default_loss_mbs2",
-       "sppo": "golden:pp2_ulysses2_sppo_default_loss_mbs2", "helix": "golden:pp2_helix_mbs2"}
+       "sppo": "golden:pp2_ulysses2_sppo_default_loss_mbs2", "helix": "golden:pp2_helix_mbs2",
+       "gpipe": "golden:pp2_gpipe_outside"}
 #: Megatron-LM's example launch scripts trained under 1f1b and elastic (finite losses and
 #: gradient norms; the first loss agrees between the schedules).
 EXAMPLES = ("tests/e2e/test_megatron_examples.py::"
