@@ -59,15 +59,19 @@ BASE = {"default": "golden:pp2", "1f1b": "golden:pp2", "interleaved": "golden:pp
         "seq1f1b": "golden:pp2_seq1f1b_uniform", "helix": "golden:pp2_helix",
         "sppo": "golden:pp2_sppo_n4", "gpipe": "golden:pp2_gpipe_outside"}
 TP_SP = {"default": "golden:pp2_tp2_sp", "1f1b": "golden:pp2_tp2_sp",
+         "interleaved": "golden:pp2_vp2_tp2_sp_interleaved",
          "1f1b-ir": "golden:pp2_tp2_sp_ir", "elastic": "golden:pp2_tp2_sp_elastic",
          "seq1f1b": "golden:pp2_tp2_sp_seq1f1b", "helix": "golden:pp2_tp2_sp_helix",
          "sppo": "golden:pp2_tp2_sp_sppo_n4_offload"}
 CP = {"1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic",
       "seq1f1b": "golden:pp2_ulysses2_seq1f1b", "sppo": "golden:pp2_ulysses2_sppo_n6_offload"}
 ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
+               "interleaved": "golden:pp2_vp2_rope_interleaved",
+               "1f1b-ir": "golden:pp2_rope_ir", "seq1f1b": "golden:pp2_rope_seq1f1b",
                "elastic": "golden:pp2_dp2_elastic", "helix": "golden:pp2_dp2_helix",
                "sppo": "golden:pp2_dp2_sppo_n5_offload"}
-GQA = {"elastic": "golden:pp2_gqa_elastic"}
+GQA = {"elastic": "golden:pp2_gqa_elastic", "seq1f1b": "golden:pp2_gqa_seq1f1b",
+       "1f1b-ir": "golden:pp2_gqa_ir", "interleaved": "golden:pp2_vp2_gqa_interleaved"}
 #: Micro-batches of two rows: Megatron's recomputation layouts, and Megatron's default loss
 #: (each micro-batch's token mean) under the document schedules.
 MBS = {"default": "golden:pp2_block_recompute_mbs2", "1f1b": "golden:pp2_default_loss_mbs2",

@@ -112,6 +112,11 @@ VARIANTS = {
         "pp2_vp2_interleaved": (2, ["--pipeline-model-parallel-size", "2",
                                     "--num-layers-per-virtual-pipeline-stage", "1",
                                     "--pipeline-schedule", "interleaved"]),
+        "pp2_vp2_tp2_sp_interleaved": (4, ["--pipeline-model-parallel-size", "2",
+                                           "--tensor-model-parallel-size", "2",
+                                           "--sequence-parallel",
+                                           "--num-layers-per-virtual-pipeline-stage", "1",
+                                           "--pipeline-schedule", "interleaved"]),
         # Megatron's recompute options and micro-batch sizes, where a schedule accepts them
         # (tests/unit/test_schedule_options.py names the layout of each accepted pair).
         "pp2_block_recompute_mbs2": (2, ["--pipeline-model-parallel-size", "2",
@@ -216,6 +221,12 @@ VARIANTS = {
     # document's later slices (masked attention over context + slice) and under Ulysses.
     "gqa": (["--group-query-attention", "--num-query-groups", "2"], {
         "pp2_gqa_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
+        "pp2_gqa_seq1f1b": (2, ["--pipeline-model-parallel-size", "2", *SEQ1F1B]),
+        "pp2_gqa_ir": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                           "1f1b-ir"]),
+        "pp2_vp2_gqa_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                        "--num-layers-per-virtual-pipeline-stage", "1",
+                                        "--pipeline-schedule", "interleaved"]),
         "pp2_ulysses2_gqa_elastic": (4, ["--pipeline-model-parallel-size", "2",
                                          "--context-parallel-size", "2", *ELASTIC]),
     }),
@@ -225,6 +236,12 @@ VARIANTS = {
                              "--untie-embeddings-and-output-weights"], {
         "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
         "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
+        "pp2_rope_seq1f1b": (2, ["--pipeline-model-parallel-size", "2", *SEQ1F1B]),
+        "pp2_rope_ir": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                            "1f1b-ir"]),
+        "pp2_vp2_rope_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                         "--num-layers-per-virtual-pipeline-stage", "1",
+                                         "--pipeline-schedule", "interleaved"]),
         "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_dp2_sppo_n5_offload": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "5", "--sppo-offload", "0.5"]),
