@@ -58,10 +58,19 @@ class ElasticCosts(ChunkCosts):
         super().__init__(cost, plan.chunks(), lambda stage, unit: table[stage][unit])
 
 
+class _SavedOnly(ElasticCosts):
+    """The plan's costs without a running action's workspace: the bytes kept for backward,
+    which the training loop's meter counts."""
+
+    def workspace_bytes(self, action) -> float:
+        return 0.0
+
+
 def activation_peaks(schedule: Schedule, plan: Plan, cost: CostModel) -> list[float]:
     """Per stage, the activation bytes ``plan`` is predicted to hold at its peak: the simulator's
-    memory peak of the lowered ``schedule`` less the stage's model state and reserve."""
-    result = simulate(schedule, ElasticCosts(cost, plan))
+    memory peak of the lowered ``schedule`` less the stage's model state and reserve, without
+    the workspace of the running action (set aside by the planner, not kept for backward)."""
+    result = simulate(schedule, _SavedOnly(cost, plan))
     return [peak - cost.static_bytes(rank) for rank, peak in enumerate(result.peak_memory)]
 
 
