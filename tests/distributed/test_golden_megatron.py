@@ -93,6 +93,16 @@ MUX_EXPECTED = {
     "pp4_sppo_mux_n5": (4, 5, None),
 }
 
+def more_schedules(name: str) -> dict:
+    """A model variant's layouts under ``seq1f1b``, ``1f1b-ir`` and ``interleaved`` (PP=2, two
+    ranks): the proofs ``megatron.plugin.option_classes`` names for its options there."""
+    pp2 = ["--pipeline-model-parallel-size", "2"]
+    return {f"pp2_{name}_seq1f1b": (2, [*pp2, *SEQ1F1B]),
+            f"pp2_{name}_ir": (2, [*pp2, "--pipeline-schedule", "1f1b-ir"]),
+            f"pp2_vp2_{name}_interleaved": (2, [*pp2, "--num-layers-per-virtual-pipeline-stage",
+                                                "1", "--pipeline-schedule", "interleaved"])}
+
+
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
 #: own initial weights and its own single-process reference.
 VARIANTS = {
@@ -221,12 +231,7 @@ VARIANTS = {
     # document's later slices (masked attention over context + slice) and under Ulysses.
     "gqa": (["--group-query-attention", "--num-query-groups", "2"], {
         "pp2_gqa_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
-        "pp2_gqa_seq1f1b": (2, ["--pipeline-model-parallel-size", "2", *SEQ1F1B]),
-        "pp2_gqa_ir": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                           "1f1b-ir"]),
-        "pp2_vp2_gqa_interleaved": (2, ["--pipeline-model-parallel-size", "2",
-                                        "--num-layers-per-virtual-pipeline-stage", "1",
-                                        "--pipeline-schedule", "interleaved"]),
+        **more_schedules("gqa"),
         "pp2_ulysses2_gqa_elastic": (4, ["--pipeline-model-parallel-size", "2",
                                          "--context-parallel-size", "2", *ELASTIC]),
     }),
@@ -236,12 +241,7 @@ VARIANTS = {
                              "--untie-embeddings-and-output-weights"], {
         "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
         "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
-        "pp2_rope_seq1f1b": (2, ["--pipeline-model-parallel-size", "2", *SEQ1F1B]),
-        "pp2_rope_ir": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                            "1f1b-ir"]),
-        "pp2_vp2_rope_interleaved": (2, ["--pipeline-model-parallel-size", "2",
-                                         "--num-layers-per-virtual-pipeline-stage", "1",
-                                         "--pipeline-schedule", "interleaved"]),
+        **more_schedules("rope"),
         "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_dp2_sppo_n5_offload": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "5", "--sppo-offload", "0.5"]),
