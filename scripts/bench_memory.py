@@ -35,8 +35,8 @@ from profiler_trace import PROFILE_FLAGS, device_busy
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, the batch and the run's limits (shared with ``trace_offload.py``)."""
     parser.add_argument("--pp", type=int, default=1, help="pipeline stages (ranks)")
     parser.add_argument("--seq-length", type=int, default=32768)
     parser.add_argument("--global-batch-size", type=int, default=4)
@@ -45,10 +45,15 @@ def parse_args(argv=None):
     parser.add_argument("--num-attention-heads", type=int, default=16)
     parser.add_argument("--slices", type=int, default=8,
                         help="--elastic-slices and --sppo-subsequences")
-    parser.add_argument("--schedules", default="default,elastic,seq1f1b,sppo")
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=240, help="seconds per schedule")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
     parser.add_argument("--json", default=None)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser)
+    parser.add_argument("--schedules", default="default,elastic,seq1f1b,sppo")
     parser.add_argument("--trace-dir", default=None,
                         help="keep a profiler trace of each run here (CUDA)")
     return parser.parse_args(argv)

@@ -2,7 +2,8 @@
 
     python scripts/trace_offload.py [--seq-length 32768] [--json OUT] [--trace OUT.json.gz]
 
-Runs ``sppo`` on one GPU (PP = 1, bf16, Megatron-LM's default dropout) with
+Runs ``sppo`` on one GPU (``--pp 1`` by default; with more, the first stage is traced; bf16,
+Megatron-LM's default dropout) with
 ``--sppo-offload 1`` (every subsequence but a document's last moves its saved activations to
 pinned host memory and back) under Megatron-LM's ``--profile --use-pytorch-profiler``, which
 writes a Chrome trace of the third iteration. Then reads that trace: every copy between device
@@ -26,14 +27,7 @@ from profiler_trace import COPY_NAMES, copy_overlap
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-length", type=int, default=32768)
-    parser.add_argument("--global-batch-size", type=int, default=4)
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=1024)
-    parser.add_argument("--num-attention-heads", type=int, default=16)
-    parser.add_argument("--slices", type=int, default=8, help="--sppo-subsequences")
-    parser.add_argument("--timeout", type=float, default=240, help="seconds for the run")
-    parser.add_argument("--json", default=None)
+    bench_memory.add_run_arguments(parser)
     parser.add_argument("--trace", default=None, help="where to keep the trace (.json.gz)")
     return parser.parse_args(argv)
 
@@ -44,14 +38,8 @@ def main(argv=None):
         print("error: no CUDA device visible: the offload copies run on a GPU's copy stream; "
               "run this on a GPU machine", file=sys.stderr)
         return 2
-    bench = bench_memory.parse_args(["--seq-length", str(args.seq_length),
-                                     "--global-batch-size", str(args.global_batch_size),
-                                     "--num-layers", str(args.num_layers),
-                                     "--hidden-size", str(args.hidden_size),
-                                     "--num-attention-heads", str(args.num_attention_heads),
-                                     "--slices", str(args.slices), "--iters", "4"])
     with tempfile.TemporaryDirectory() as workdir:
-        result = bench_memory.run_schedule(bench, "sppo", workdir, ["--sppo-offload", "1"],
+        result = bench_memory.run_schedule(args, "sppo", workdir, ["--sppo-offload", "1"],
                                            trace=True)
         if "error" in result:
             print(f"error: {result['error']}\n{result.get('tail', '')}", file=sys.stderr)
