@@ -107,18 +107,18 @@ def design_matrix(tokens, contexts) -> np.ndarray:
 
 
 def fit_coefficients(tokens, contexts, forward_s) -> tuple[float, float, float]:
-    """``(alpha1, alpha2, beta) >= 0`` of eq. 1 minimising the relative residuals; a fit whose
-    per-token term is 0 (times that do not grow with the tokens) is refused."""
+    """``(alpha1, alpha2, beta) >= 0`` of eq. 1 minimising the relative residuals; a fit in which
+    no term grows with the tokens (times of a busy machine) is refused."""
     y = np.asarray(forward_s, dtype=np.float64)
     if np.any(y <= 0):
         raise ValueError("forward times must be positive")
     a = design_matrix(tokens, contexts) / y[:, None]
     alpha1, alpha2, beta = nnls(a, np.ones_like(y))
-    if alpha2 <= 0:
+    if alpha1 <= 0 and alpha2 <= 0:
         raise ValueError(
-            "the measured forward times do not grow with the tokens (the per-token coefficient "
-            "alpha2 fits to 0): the machine was busy while profiling or the grid is too small; "
-            "profile on an idle machine, with more --repeats or larger --tokens")
+            "the measured forward times do not grow with the tokens (alpha1 and alpha2 both fit "
+            "to 0): the machine was busy while profiling or the grid is too small; profile on "
+            "an idle machine, with more --repeats or larger --tokens")
     return float(alpha1), float(alpha2), float(beta)
 
 
