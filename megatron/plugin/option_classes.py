@@ -174,7 +174,9 @@ HONOURED: dict[str, Honoured] = {
     # Megatron's own schedules only.
     "overlap_grad_reduce": Honoured({**OVERLAP, "default": EXAMPLES, "1f1b": EXAMPLES},
                                     _NO_TEST, refusals={"helix": _HELIX_OVERLAP}),
-    "ddp_bucket_size": Honoured(OVERLAP, _NO_TEST, refusals={"helix": _HELIX_OVERLAP}),
+    "ddp_bucket_size": Honoured(OVERLAP, _NO_TEST, refusals={
+        "helix": "--ddp-bucket-size sizes the buckets that --overlap-grad-reduce reduces during "
+                 "the backward, which helix does not run: drop it"}),
     **{name: Honoured(
         {"default": EXAMPLES, "1f1b": EXAMPLES}, message) for name, message in (
         ("overlap_param_gather", "the document schedules do not gather parameters in the "
