@@ -105,10 +105,10 @@ SELECTIVE = {"default": "golden:pp2_selective_recompute",
 OVERLAP = {"1f1b-ir": "golden:pp2_dp2_overlap_ir", "elastic": "golden:pp2_dp2_overlap_elastic",
            "seq1f1b": "golden:pp2_dp2_overlap_seq1f1b", "sppo": "golden:pp2_dp2_overlap_sppo"}
 _HELIX_OVERLAP = (
-    "helix runs each layer part's backward apart, so a rank's last backward holds one part's "
-    "parameters and Megatron's DDP, which counts a bucket ready only in the backward after "
-    "no_sync ends, would never start the other parts' buckets: drop {flag} (helix reduces "
-    "the gradients after its last backward)")
+    "{flag} is not supported by --pipeline-schedule helix: it runs each layer part's backward "
+    "apart, so a rank's last backward holds one part's parameters, and Megatron's DDP, which "
+    "counts a bucket ready only in the backward after no_sync ends, would never start the other "
+    "parts' buckets; drop {flag} (helix reduces the gradients after its last backward)")
 
 #: ``Honoured.refusal`` of a schedule's own flag: under a schedule without it, it does nothing.
 FOREIGN = "foreign"
