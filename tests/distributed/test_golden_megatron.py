@@ -273,6 +273,10 @@ VARIANTS = {
         "pp4_sppo_mux_n5": (4, ["--pipeline-model-parallel-size", "4", *SPPO,
                                 "--sppo-subsequences", "5", "--sppo-offload", "off",
                                 "--sppo-multiplex"]),
+        # The owner's last backward also takes its helpers' weight gradients (OVERLAP_TAGS).
+        "pp2_sppo_mux_n4_overlap": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                        "--sppo-subsequences", "4", "--sppo-offload", "off",
+                                        "--sppo-multiplex", *OVERLAP]),
     }),
     "three_microbatches": (["--golden-docs", "5"], {
         "pp2_helix_m3": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
@@ -283,7 +287,7 @@ VARIANTS = {
     }),
 }
 OVERLAP_TAGS = ["pp2_dp2_overlap_ir", "pp2_dp2_overlap_elastic", "pp2_dp2_overlap_seq1f1b",
-                "pp2_dp2_overlap_sppo"]
+                "pp2_dp2_overlap_sppo", "pp2_sppo_mux_n4_overlap"]
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Layouts trained with Megatron's default loss: the fixture leaves ``PER_TOKEN_LOSS`` off their
 #: command line, and they are compared with the reference of that loss at the micro-batch size
@@ -566,12 +570,14 @@ def test_sppo_multiplexed_runs_ran_the_shares(golden, tag):
 def test_overlapped_reduction_starts_inside_the_last_backward(golden, tag):
     """With --overlap-grad-reduce (Megatron's default --align-grad-reduce), the first stage's
     buckets (several) each start their reduction once, all of them inside the rank's last
-    backward action, from the backward hooks: the first bucket's reduction runs while the
+    backward action (under SPPO's multiplexing, the owner's share of the first subsequence,
+    which also takes its helper's weight gradients), from the backward hooks: the first bucket's reduction runs while the
     backward still computes the others' gradients. The later stage has one bucket (Megatron
     buckets the first stage only), started once, after its last backward."""
     need(tag)
-    paths = sorted(glob.glob(str(golden / "learned" / f"overlap_{tag}_*.json")))
-    assert len(paths) == 4, paths
+    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
+    paths = sorted(glob.glob(str(golden / variant / f"overlap_{tag}_*.json")))
+    assert len(paths) == VARIANTS[variant][1][tag][0], paths
     for path in paths:
         with open(path) as f:
             record = json.load(f)
