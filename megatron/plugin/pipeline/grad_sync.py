@@ -19,7 +19,9 @@ bucket starts after the second. Helix refuses the overlap (its last backward hol
 part's parameters: :mod:`megatron.plugin.option_classes`).
 
 A step whose counts differ from the first step's would have started a bucket's reduction
-before its last gradient was in (or never): :meth:`GradSync.check_ready_counts` refuses it.
+before its last gradient was in, or never: :meth:`GradSync.check_ready_counts` refuses it
+(unless the reduction did not start and the end of the step starts it: a rank without a
+backward in this step).
 """
 from __future__ import annotations
 
@@ -47,16 +49,18 @@ class GradSync:
             self.context.__exit__(None, None, None)
             self.context = None
 
-    def check_ready_counts(self, rank: int) -> None:
-        """After the last backward: every bucket whose reduction the hooks start (a step after
-        the first that counted its parameters) counted each parameter as often as the first
-        step did, so its reduction started after the last gradient and exactly once."""
+    def check_ready_counts(self, rank: int, started_at_end: bool) -> None:
+        """After the last backward, before the end of the step (which starts every bucket's
+        reduction when ``started_at_end``): refuse a step after the first in which a bucket's
+        grad-ready counts differ from the first step's and either its reduction started from
+        the hooks (then before a gradient the counts do not expect) or nothing would start it."""
         for index, group in enumerate(self.bucket_groups):
-            if group.is_first_batch or \
-                    group.per_param_grad_ready_counts == group.golden_per_param_grad_ready_counts:
+            counts, golden = group.per_param_grad_ready_counts, \
+                group.golden_per_param_grad_ready_counts
+            if group.is_first_batch or counts == golden or \
+                    (group.grad_reduce_handle is None and started_at_end):
                 continue
-            off = sum(1 for p in group.params if group.per_param_grad_ready_counts.get(p, 0)
-                      != group.golden_per_param_grad_ready_counts.get(p, 0))
+            off = sum(1 for p in group.params if counts.get(p, 0) != golden.get(p, 0))
             raise RuntimeError(
                 f"pipeline rank {rank}: {off} of the {len(group.params)} parameters of gradient "
                 f"bucket group {index} took their gradients in this step's last backward a "

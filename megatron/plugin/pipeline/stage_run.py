@@ -109,7 +109,8 @@ class StageRun:
 
     def _end_of_step(self) -> None:
         ctx, config = self.ctx, self.config
-        self.sync.check_ready_counts(self.rank)
+        self.sync.check_ready_counts(self.rank, self.sync.context is not None
+                                     and config.grad_sync_func is not None)
         if self.sync.context is not None:
             self.sync.enable()
             if config.grad_sync_func is not None:
