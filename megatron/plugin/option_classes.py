@@ -100,8 +100,8 @@ SELECTIVE = {"default": "golden:pp2_selective_recompute",
              "1f1b-ir": "golden:pp2_ir_selective_recompute"}
 
 #: Overlapped data-parallel gradient reduction with buckets small enough that the first stage
-#: has several (two data-parallel replicas of PP=2; the golden worker also checks that the
-#: buckets' reductions started inside the last backward).
+#: has several (two data-parallel replicas of PP=2; the golden test also checks that the
+#: first stage's buckets started their reductions inside its last backward).
 OVERLAP = {"1f1b-ir": "golden:pp2_dp2_overlap_ir", "elastic": "golden:pp2_dp2_overlap_elastic",
            "seq1f1b": "golden:pp2_dp2_overlap_seq1f1b", "sppo": "golden:pp2_dp2_overlap_sppo"}
 _HELIX_OVERLAP = (
