@@ -72,6 +72,12 @@ ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
                "sppo": "golden:pp2_dp2_sppo_n5_offload"}
 GQA = {"elastic": "golden:pp2_gqa_elastic", "seq1f1b": "golden:pp2_gqa_seq1f1b",
        "1f1b-ir": "golden:pp2_gqa_ir", "interleaved": "golden:pp2_vp2_gqa_interleaved"}
+#: The Q and K norms (``--qk-layernorm``), shipped to helix's attention stage with the QKV
+#: weight.
+QK_NORM = {"default": "golden:pp2_qk_1f1b", "1f1b": "golden:pp2_qk_1f1b",
+           "interleaved": "golden:pp2_vp2_qk_interleaved", "1f1b-ir": "golden:pp2_qk_ir",
+           "elastic": "golden:pp2_qk_elastic", "seq1f1b": "golden:pp2_qk_seq1f1b",
+           "helix": "golden:pp2_qk_helix", "sppo": "golden:pp2_qk_sppo_n4_offload"}
 #: Micro-batches of two rows: Megatron's recomputation layouts, and Megatron's default loss
 #: (each micro-batch's token mean) under the document schedules.
 MBS = {"default": "golden:pp2_block_recompute_mbs2", "1f1b": "golden:pp2_default_loss_mbs2",
@@ -141,6 +147,7 @@ HONOURED: dict[str, Honoured] = {
         "swiglu", "layernorm_zero_centered_gamma", "add_bias_linear",
         "untie_embeddings_and_output_weights")},
     "normalization": Honoured(ROPE_SWIGLU, _NO_TEST, values=("LayerNorm", "RMSNorm")),
+    "qk_layernorm": Honoured(QK_NORM, _NO_TEST),
     "group_query_attention": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     "num_query_groups": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     **{name: Honoured(EXAMPLE_SCHEDULES, _NO_TEST) for name in (
@@ -472,7 +479,7 @@ REFUSED: dict[str, str] = {
         attention_backend attention_output_gate attention_softmax_in_fp32
         batch_invariant_mode deterministic_mode flash_attention_version flash_decode
         mrope_section no_rope_freq qk_clip qk_clip_alpha qk_clip_threshold qk_l2_norm
-        qk_layernorm rope_scaling_factor rope_type rotary_interleaved
+        rope_scaling_factor rope_type rotary_interleaved
         rotary_seq_len_interpolation_factor softmax_type use_flash_attn use_rope_scaling
         use_rotary_position_embeddings window_attn_skip_freq window_size yarn_beta_fast
         yarn_beta_slow yarn_correction_range_round_to_int

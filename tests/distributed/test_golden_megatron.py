@@ -235,6 +235,22 @@ VARIANTS = {
         "pp2_ulysses2_gqa_elastic": (4, ["--pipeline-model-parallel-size", "2",
                                          "--context-parallel-size", "2", *ELASTIC]),
     }),
+    # QK-norm: RMSNorms of every head's query and key (as Qwen3's; a LayerNorm's key bias
+    # shifts every score of a query alike and has no gradient to compare), which helix ships
+    # with the QKV weight to the attention stage and gets the gradients of back.
+    "qk_norm": (["--qk-layernorm", "--normalization", "RMSNorm"], {
+        "pp2_qk_1f1b": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                            "1f1b"]),
+        "pp2_qk_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
+        **more_schedules("qk"),
+        "pp2_qk_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_qk_helix_recompute": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
+                                       "--helix-recompute-without-attention"]),
+        "pp2_qk_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                       "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
+        "pp2_tp2_qk_helix": (4, ["--pipeline-model-parallel-size", "2",
+                                 "--tensor-model-parallel-size", "2", *HELIX]),
+    }),
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--apply-layernorm-1p",
                              "--disable-bias-linear",
