@@ -72,12 +72,18 @@ ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
                "sppo": "golden:pp2_dp2_sppo_n5_offload"}
 GQA = {"elastic": "golden:pp2_gqa_elastic", "seq1f1b": "golden:pp2_gqa_seq1f1b",
        "1f1b-ir": "golden:pp2_gqa_ir", "interleaved": "golden:pp2_vp2_gqa_interleaved"}
-#: The Q and K norms (``--qk-layernorm``), shipped to helix's attention stage with the QKV
-#: weight.
-QK_NORM = {"default": "golden:pp2_qk_1f1b", "1f1b": "golden:pp2_qk_1f1b",
-           "interleaved": "golden:pp2_vp2_qk_interleaved", "1f1b-ir": "golden:pp2_qk_ir",
-           "elastic": "golden:pp2_qk_elastic", "seq1f1b": "golden:pp2_qk_seq1f1b",
-           "helix": "golden:pp2_qk_helix", "sppo": "golden:pp2_qk_sppo_n4_offload"}
+#: The Q and K norms (``--qk-layernorm``, shipped to helix's attention stage with the QKV
+#: weight) and ``--eod-mask-loss``: one model variant proves both.
+QK_NORM_EOD = {"default": "golden:pp2_qk_eod_1f1b", "1f1b": "golden:pp2_qk_eod_1f1b",
+               "interleaved": "golden:pp2_vp2_qk_eod_interleaved",
+               "1f1b-ir": "golden:pp2_qk_eod_ir", "elastic": "golden:pp2_qk_eod_elastic",
+               "seq1f1b": "golden:pp2_qk_eod_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
+               "sppo": "golden:pp2_qk_eod_sppo_n4_offload"}
+#: Dropless mixture of experts (Megatron's MoE layer, no auxiliary loss).
+MOE = {"default": "golden:pp2_moe_1f1b", "1f1b": "golden:pp2_moe_1f1b",
+       "interleaved": "golden:pp2_vp2_moe_interleaved", "1f1b-ir": "golden:pp2_moe_ir",
+       "elastic": "golden:pp2_moe_elastic", "seq1f1b": "golden:pp2_moe_seq1f1b",
+       "helix": "golden:pp2_moe_helix", "sppo": "golden:pp2_moe_sppo_n4_offload"}
 #: Micro-batches of two rows: Megatron's recomputation layouts, and Megatron's default loss
 #: (each micro-batch's token mean) under the document schedules.
 MBS = {"default": "golden:pp2_block_recompute_mbs2", "1f1b": "golden:pp2_default_loss_mbs2",
@@ -147,7 +153,10 @@ HONOURED: dict[str, Honoured] = {
         "swiglu", "layernorm_zero_centered_gamma", "add_bias_linear",
         "untie_embeddings_and_output_weights")},
     "normalization": Honoured(ROPE_SWIGLU, _NO_TEST, values=("LayerNorm", "RMSNorm")),
-    "qk_layernorm": Honoured(QK_NORM, _NO_TEST),
+    "qk_layernorm": Honoured(QK_NORM_EOD, _NO_TEST),
+    "eod_mask_loss": Honoured(QK_NORM_EOD, _NO_TEST),
+    **{name: Honoured(MOE, _NO_TEST) for name in (
+        "num_experts", "moe_router_topk", "moe_ffn_hidden_size")},
     "group_query_attention": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     "num_query_groups": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     **{name: Honoured(EXAMPLE_SCHEDULES, _NO_TEST) for name in (
@@ -236,7 +245,8 @@ HONOURED: dict[str, Honoured] = {
 _OTHER_MODELS = ("it configures a model or task other than GPT pretraining, which this script does "
                  "not run; drop it")
 _MLA = "multi-latent attention is not built; drop the flag"
-_MOE = "mixture-of-experts layers are not built by this script; drop the flag"
+_MOE = ("no test proves this mixture-of-experts option yet (dropless routing with Megatron's "
+        "MoE layer is: --num-experts, --moe-router-topk, --moe-ffn-hidden-size); drop the flag")
 _TE = ("it needs Transformer Engine layers, which this script does not build (its layer "
        "spec is the local one with the document attention); drop the flag")
 _HYBRID = ("only the GPT layer spec with the document attention is built (no Mamba, linear, "
@@ -418,32 +428,32 @@ REFUSED: dict[str, str] = {
         q_lora_rank qk_head_dim qk_pos_emb_head_dim rotary_scaling_factor v_head_dim
     """, _MLA),
     **_each("""
-        ep_overlap_early_attn_memory_release expert_model_parallel_size
+        ep_overlap_early_attn_memory_release 
         expert_tensor_parallel_num_weight_shards expert_tensor_parallel_size
-        high_priority_a2a_comm_stream moe_apply_probs_on_input moe_aux_loss_coeff
+        high_priority_a2a_comm_stream moe_apply_probs_on_input 
         moe_deepep_num_sms moe_enable_deepep moe_enable_routing_replay
-        moe_expert_capacity_factor moe_expert_rank_capacity_factor moe_ffn_hidden_size
+        
         moe_flex_dispatcher_backend moe_flex_dispatcher_num_sms moe_grouped_gemm
         moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
         moe_hybridep_num_sms moe_hybridep_num_sms_preprocessing
         moe_hybridep_pad_uneven_dispatch_inputs moe_input_jitter_eps moe_latent_size
         moe_layer_freq moe_layer_recompute moe_mlp_glu_interleave_size
-        moe_ncclep_static_shape moe_ncclep_zero_copy moe_pad_expert_input_to_capacity
+        moe_ncclep_static_shape moe_ncclep_zero_copy 
         moe_pad_experts_for_cuda_graph_inference moe_paged_stash
         moe_paged_stash_buffer_size_factor_cpu moe_paged_stash_buffer_size_factor_cuda
         moe_paged_stash_page_size moe_per_layer_logging moe_permute_fusion
         moe_permute_fusion_into_hybridep moe_router_bias_update_rate moe_router_dtype
-        moe_router_enable_expert_bias moe_router_force_biased
+        moe_router_force_biased
         moe_router_force_load_balancing moe_router_fusion moe_router_group_topk
         moe_router_load_balancing_type moe_router_num_groups moe_router_padding_for_fp8
         moe_router_padding_for_quantization moe_router_pre_softmax
-        moe_router_quantile_balancing_ema moe_router_score_function moe_router_topk
+        moe_router_quantile_balancing_ema moe_router_score_function 
         moe_router_topk_scaling_factor moe_routing_trace_capture_hidden_states
         moe_shared_expert_gate moe_shared_expert_glu_interleave_size
         moe_shared_expert_intermediate_size moe_shared_expert_overlap
         moe_single_grouped_bias moe_single_grouped_weight moe_token_dispatcher_type
-        moe_token_drop_policy moe_upcycling_granularity moe_use_upcycling moe_z_loss_coeff
-        num_experts overlap_dispatch_backward_with_experts_wgrad
+        moe_upcycling_granularity moe_use_upcycling moe_z_loss_coeff
+        overlap_dispatch_backward_with_experts_wgrad
         overlap_moe_expert_parallel_comm use_grouped_gemm_for_dense_mlp
         use_grouped_gemm_for_shared_expert
     """, _MOE),
@@ -541,7 +551,7 @@ REFUSED: dict[str, str] = {
     **_each("""
         allow_ambiguous_pad_tokens batch_size 
         data_args_path dataloader_inter_document_masking decrease_batch_size_if_needed
-        eod_mask_loss eval_global_batch_size eval_micro_batch_size fim_data fim_eod_token
+        eval_global_batch_size eval_micro_batch_size fim_data fim_eod_token
         fim_fragment_rate fim_middle_token fim_no_prefix fim_pad_token fim_prefix_token
         fim_rate fim_split_sample fim_spm_rate fim_suffix_token full_validation
         mid_level_dataset_surplus multiple_validation_sets object_storage_cache_path
@@ -552,6 +562,23 @@ REFUSED: dict[str, str] = {
         log_throughput
     """, _THROUGHPUT),
     "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
+    **_each("""
+        moe_expert_capacity_factor moe_expert_rank_capacity_factor
+        moe_pad_expert_input_to_capacity moe_token_drop_policy
+    """, "an expert's capacity counts the tokens of one forward call, and the document "
+         "schedules cut the batch into other calls (slices, packed chunks, subsequences), so "
+         "which tokens are dropped would depend on the schedule: drop the flag (dropless "
+         "routing, exact under every schedule)"),
+    "moe_aux_loss_coeff": "Megatron's auxiliary load-balancing loss is computed per "
+                          "micro-batch, and the document schedules run other units; leave "
+                          "--moe-aux-loss-coeff at 0 (dropless routing without it is exact "
+                          "under every schedule)",
+    "moe_router_enable_expert_bias": "the expert bias is updated from the tokens routed in the "
+                                     "step, padding included, and each schedule pads "
+                                     "differently; drop --moe-router-enable-expert-bias",
+    "expert_model_parallel_size": "no test proves expert parallelism yet (its token "
+                                  "all-to-all is untested under gloo); use "
+                                  "--expert-model-parallel-size 1",
 }
 
 

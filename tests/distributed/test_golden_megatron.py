@@ -59,6 +59,8 @@ ELASTIC_EXPECTED = {
     "pp2_ulysses2_gqa_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_elastic_default_loss_mbs2": ({"split", "hybrid", "batched"}, "none"),
     "pp2_seq1f1b_default_loss_mbs2": ({"split", "hybrid"}, "none"),
+    "pp2_qk_eod_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_moe_elastic": ({"split", "hybrid", "batched"}, "none"),
 }
 
 HELIX = ["--pipeline-schedule", "helix"]
@@ -235,21 +237,39 @@ VARIANTS = {
         "pp2_ulysses2_gqa_elastic": (4, ["--pipeline-model-parallel-size", "2",
                                          "--context-parallel-size", "2", *ELASTIC]),
     }),
-    # QK-norm: RMSNorms of every head's query and key (as Qwen3's; a LayerNorm's key bias
-    # shifts every score of a query alike and has no gradient to compare), which helix ships
-    # with the QKV weight to the attention stage and gets the gradients of back.
-    "qk_norm": (["--qk-layernorm", "--normalization", "RMSNorm"], {
-        "pp2_qk_1f1b": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                            "1f1b"]),
-        "pp2_qk_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
-        **more_schedules("qk"),
-        "pp2_qk_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
-        "pp2_qk_helix_recompute": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
-                                       "--helix-recompute-without-attention"]),
-        "pp2_qk_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
-                                       "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
-        "pp2_tp2_qk_helix": (4, ["--pipeline-model-parallel-size", "2",
-                                 "--tensor-model-parallel-size", "2", *HELIX]),
+    # QK-norm and --eod-mask-loss: RMSNorms of every head's query and key (as Qwen3's; a
+    # LayerNorm's key bias shifts every score of a query alike and has no gradient to compare),
+    # which helix ships with the QKV weight to the attention stage and gets the gradients of
+    # back; the end-of-document token at every fifth input of each document, masked out of
+    # the loss (under Megatron's default loss too, where it changes each micro-batch's count).
+    "qk_norm_eod": (["--qk-layernorm", "--normalization", "RMSNorm", "--eod-mask-loss",
+                     "--golden-eod-every", "5"], {
+        "pp2_qk_eod_1f1b": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                                "1f1b"]),
+        "pp2_qk_eod_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
+        **more_schedules("qk_eod"),
+        "pp2_qk_eod_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_qk_eod_helix_recompute": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
+                                           "--helix-recompute-without-attention"]),
+        "pp2_qk_eod_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                           "--sppo-subsequences", "4", "--sppo-offload",
+                                           "0.5"]),
+        "pp2_tp2_qk_eod_helix": (4, ["--pipeline-model-parallel-size", "2",
+                                     "--tensor-model-parallel-size", "2", *HELIX]),
+        "pp2_qk_eod_elastic_default_loss_mbs2": (2, ["--pipeline-model-parallel-size", "2",
+                                                     *ELASTIC, *MBS2]),
+    }),
+    # Dropless mixture of experts: Megatron's MoE layer (4 local experts, top-3 routing, no
+    # auxiliary loss) in every layer. Routing is per token, so cutting and packing documents
+    # keeps every token's experts.
+    "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48"], {
+        "pp2_moe_1f1b": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
+                             "1f1b"]),
+        "pp2_moe_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
+        **more_schedules("moe"),
+        "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_moe_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                        "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
     }),
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--apply-layernorm-1p",
@@ -291,7 +311,7 @@ PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: they name (``reference_default_mbs<N>.pt``, golden_run.py).
 DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_seq1f1b_default_loss_mbs2", "pp2_ulysses2_sppo_default_loss_mbs2",
-                "pp2_helix_default_loss"}
+                "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2"}
 
 
 def loss_flags(common: list, tag: str) -> list:

@@ -85,6 +85,7 @@ def _golden_parser():
     """The parser with the golden worker's own flag that the layouts use."""
     parser = arguments.build_parser()
     parser.add_argument("--golden-docs")
+    parser.add_argument("--golden-eod-every")
     return parser
 
 
