@@ -84,6 +84,20 @@ MOE = {"default": "golden:pp2_moe_1f1b", "1f1b": "golden:pp2_moe_1f1b",
        "interleaved": "golden:pp2_vp2_moe_interleaved", "1f1b-ir": "golden:pp2_moe_ir",
        "elastic": "golden:pp2_moe_elastic", "seq1f1b": "golden:pp2_moe_seq1f1b",
        "helix": "golden:pp2_moe_helix", "sppo": "golden:pp2_moe_sppo_n4_offload"}
+#: Uneven pipeline splits (Megatron's layer map, ``get_num_layers_to_build``): a first stage
+#: of 2 and a last of 3 of 5 layers; the embedding and the loss each counted as a layer.
+UNEVEN = {"default": "golden:pp2_uneven_1f1b", "1f1b": "golden:pp2_uneven_1f1b",
+          "1f1b-ir": "golden:pp2_uneven_ir", "elastic": "golden:pp2_uneven_elastic",
+          "seq1f1b": "golden:pp2_uneven_seq1f1b"}
+ACCOUNTED = {"default": "golden:pp2_accounted_1f1b", "1f1b": "golden:pp2_accounted_1f1b",
+             "1f1b-ir": "golden:pp2_accounted_ir", "elastic": "golden:pp2_accounted_elastic",
+             "seq1f1b": "golden:pp2_accounted_seq1f1b"}
+_UNEVEN_REFUSALS = {
+    "helix": "helix places its layer parts by its own mapping (boundary b on stage b mod PP, "
+             "equal stages): drop {flag}",
+    "sppo": "sppo's partition and its multiplexed helpers (which run another stage's layers "
+            "on their own modules) need equal stages: drop {flag}, or use elastic",
+}
 #: Micro-batches of two rows: Megatron's recomputation layouts, and Megatron's default loss
 #: (each micro-batch's token mean) under the document schedules.
 MBS = {"default": "golden:pp2_block_recompute_mbs2", "1f1b": "golden:pp2_default_loss_mbs2",
@@ -154,6 +168,10 @@ HONOURED: dict[str, Honoured] = {
         "untie_embeddings_and_output_weights")},
     "normalization": Honoured(ROPE_SWIGLU, _NO_TEST, values=("LayerNorm", "RMSNorm")),
     "qk_layernorm": Honoured(QK_NORM_EOD, _NO_TEST),
+    **{name: Honoured(UNEVEN, _NO_TEST, refusals=_UNEVEN_REFUSALS) for name in (
+        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")},
+    **{name: Honoured(ACCOUNTED, _NO_TEST, refusals=_UNEVEN_REFUSALS) for name in (
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")},
     "eod_mask_loss": Honoured(QK_NORM_EOD, _NO_TEST),
     **{name: Honoured(MOE, _NO_TEST) for name in (
         "num_experts", "moe_router_topk", "moe_ffn_hidden_size")},
@@ -256,9 +274,11 @@ _ATTENTION = ("the document attention does not implement it "
 _CP_KIND = ("context parallelism here is Ulysses all-to-all over the document attention's "
             "heads; drop the flag")
 _UNPROVEN_MODEL = ("no test proves it under any schedule yet (the model's layers read it); drop it")
-_PIPELINE_LAYOUT = ("no test proves an uneven or explicit pipeline layout yet: place "
-                    "num-layers / PP "
-                    "layers on every stage and drop the flag")
+_PIPELINE_LAYOUT = ("no test proves an explicit pipeline layout yet: place the layers with "
+                    "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
+                    "or --account-for-embedding-in-pipeline-split / "
+                    "--account-for-loss-in-pipeline-split, or num-layers / PP on every stage, "
+                    "and drop the flag")
 _GRAPHS = ("the document batches change shape every step; drop the flag (CUDA graphs, "
            "deferred weight gradients and activation offloading of Megatron are not run "
            "here: use sppo's --sppo-offload)")
@@ -513,8 +533,8 @@ REFUSED: dict[str, str] = {
         use_fused_weighted_squared_relu use_mup
     """, _UNPROVEN_MODEL),
     **_each("""
-        account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split
-        decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers
+        
+        
         microbatch_group_size_per_vp_stage num_virtual_stages_per_pipeline_rank
         overlap_p2p_comm overlap_p2p_comm_warmup_flush pipeline_model_parallel_comm_backend
         pipeline_model_parallel_layout scatter_gather_tensors_in_pipeline

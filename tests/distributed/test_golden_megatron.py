@@ -177,6 +177,14 @@ VARIANTS = {
                                      "--context-parallel-size", "2", *SEQ1F1B]),
         "pp2_ulysses2_ir": (4, ["--pipeline-model-parallel-size", "2",
                                 "--context-parallel-size", "2", "--pipeline-schedule", "1f1b-ir"]),
+        # The embedding and the loss each counted as a layer of Megatron's split: 4 + 2
+        # "layers" over 2 stages, each stage building 2 transformer layers.
+        **{f"pp2_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2",
+                                         "--account-for-embedding-in-pipeline-split",
+                                         "--account-for-loss-in-pipeline-split", *flags])
+           for name, flags in (("1f1b", ["--pipeline-schedule", "1f1b"]),
+                               ("ir", ["--pipeline-schedule", "1f1b-ir"]),
+                               ("elastic", ELASTIC), ("seq1f1b", SEQ1F1B))},
         # A schedule registered from outside the source tree (OUTSIDE_SCHEDULES).
         "pp2_gpipe_outside": (2, ["--pipeline-model-parallel-size", "2",
                                   "--pipeline-schedule", "gpipe"]),
@@ -260,9 +268,10 @@ VARIANTS = {
                                                      *ELASTIC, *MBS2]),
     }),
     # Dropless mixture of experts: Megatron's MoE layer (4 local experts, top-3 routing, no
-    # auxiliary loss) in every layer. Routing is per token, so cutting and packing documents
-    # keeps every token's experts.
-    "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48"], {
+    # auxiliary loss, no biases, as Megatron-LM's MoE configurations) in every layer. Routing
+    # is per token, so cutting and packing documents keeps every token's experts.
+    "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
+             "--disable-bias-linear"], {
         "pp2_moe_1f1b": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
                              "1f1b"]),
         "pp2_moe_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
@@ -281,6 +290,16 @@ VARIANTS = {
         "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_dp2_sppo_n5_offload": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "5", "--sppo-offload", "0.5"]),
+    }),
+    # Uneven pipeline splits by Megatron's layer map: 5 layers as 2 + 3. (The embedding and
+    # the loss counted as layers: see "accounted" layouts of the learned variant.)
+    "five_layers": (["--num-layers", "5"], {
+        **{f"pp2_uneven_{name}": (2, ["--pipeline-model-parallel-size", "2",
+                                      "--decoder-first-pipeline-num-layers", "2",
+                                      "--decoder-last-pipeline-num-layers", "3", *flags])
+           for name, flags in (("1f1b", ["--pipeline-schedule", "1f1b"]),
+                               ("ir", ["--pipeline-schedule", "1f1b-ir"]),
+                               ("elastic", ELASTIC), ("seq1f1b", SEQ1F1B))},
     }),
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
     # are not a multiple of p x folds = 4 train with empty slots. One document is also the

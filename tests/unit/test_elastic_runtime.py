@@ -67,7 +67,9 @@ def job_args(**over) -> argparse.Namespace:
         num_attention_heads=4, hidden_dropout=0.0,
         ffn_hidden_size=256, params_dtype=torch.float32, swiglu=False,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=2, context_parallel_size=1,
-        use_distributed_optimizer=False)
+        use_distributed_optimizer=False, decoder_first_pipeline_num_layers=None,
+        decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False)
     values.update(over)
     return argparse.Namespace(**values)
 

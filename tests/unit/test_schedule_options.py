@@ -6,6 +6,7 @@ default loss (no ``--calculate-per-token-loss``): accepted by every schedule, wi
 layout of each schedule that forms its loss from units of its own."""
 import importlib.util
 import os
+import re
 
 import pytest
 
@@ -154,9 +155,6 @@ DOCUMENT_REFUSED = {
     "overlap_grad_reduce": ["--overlap-grad-reduce"],
     "overlap_param_gather": ["--overlap-grad-reduce", "--overlap-param-gather",
                              "--use-distributed-optimizer"],
-    "decoder_first_pipeline_num_layers": ["--decoder-first-pipeline-num-layers", "2"],
-    "account_for_embedding_in_pipeline_split": ["--account-for-embedding-in-pipeline-split",
-                                                "--account-for-loss-in-pipeline-split"],
     "defer_embedding_wgrad_compute": ["--defer-embedding-wgrad-compute"],
     "num_layers_per_virtual_pipeline_stage": ["--num-layers-per-virtual-pipeline-stage", "1"],
 }
@@ -176,6 +174,28 @@ def test_document_schedules_refuse_what_their_executors_do_not_run(schedule, des
         flag = "drop --num-layers-per-virtual-pipeline-stage"  # their own, earlier refusal
     with pytest.raises(ValueError, match=flag):
         arguments.parse(argv)
+
+
+#: Megatron's uneven pipeline splits: honoured where the schedule runs Megatron's layer map
+#: (golden layouts), refused where the schedule places layers itself or needs equal stages.
+UNEVEN_SPLITS = [
+    ("helix", ["--decoder-first-pipeline-num-layers", "1"],
+     "helix places its layer parts by its own mapping"),
+    ("sppo", ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"],
+     "sppo's partition and its multiplexed helpers"),
+    ("sppo", ["--decoder-last-pipeline-num-layers", "3"], "drop --decoder-last-pipeline-num-layers"),
+    ("interleaved", ["--decoder-first-pipeline-num-layers", "1",
+                     "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--decoder-first-pipeline-num-layers is not supported by --pipeline-schedule interleaved"),
+]
+
+
+@pytest.mark.parametrize("schedule,flags,refusal", UNEVEN_SPLITS)
+def test_uneven_splits_are_refused_where_stages_must_be_equal(schedule, flags, refusal,
+                                                              monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        arguments.parse([*BASE, "--pipeline-schedule", schedule, *flags])
 
 
 #: A flag of one schedule's group under a schedule without that group would do nothing:
