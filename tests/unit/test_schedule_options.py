@@ -198,6 +198,29 @@ def test_uneven_splits_are_refused_where_stages_must_be_equal(schedule, flags, r
         arguments.parse([*BASE, "--pipeline-schedule", schedule, *flags])
 
 
+#: Mixture-of-experts options that depend on how many tokens one call holds, or that no test
+#: proves, refused by name under a document schedule (dropless routing is honoured: golden).
+MOE_REFUSED = [
+    (["--moe-expert-capacity-factor", "1.0"], "an expert's capacity counts the tokens of one "
+                                              "forward call"),
+    (["--moe-pad-expert-input-to-capacity"], "drop the flag (dropless routing"),
+    (["--moe-aux-loss-coeff", "0.01"], "leave --moe-aux-loss-coeff at 0"),
+    (["--moe-router-enable-expert-bias"], "each schedule pads differently"),
+    (["--expert-model-parallel-size", "2"], "use --expert-model-parallel-size 1"),
+    ([], "add --disable-bias-linear"),
+]
+
+
+@pytest.mark.parametrize("flags,refusal", MOE_REFUSED)
+def test_moe_options_outside_dropless_routing_are_refused_by_name(flags, refusal, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*BASE, "--pipeline-schedule", "elastic", "--num-experts", "4", *flags]
+    if refusal != "add --disable-bias-linear":
+        argv.append("--disable-bias-linear")
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        arguments.check_command_line(argv)
+
+
 #: A flag of one schedule's group under a schedule without that group would do nothing:
 #: ``(schedule, flags, the refusal or None where the group is the schedule's own)``.
 FOREIGN_FLAGS = [
