@@ -73,25 +73,29 @@ ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
 GQA = {"elastic": "golden:pp2_gqa_elastic", "seq1f1b": "golden:pp2_gqa_seq1f1b",
        "1f1b-ir": "golden:pp2_gqa_ir", "interleaved": "golden:pp2_vp2_gqa_interleaved"}
 #: The Q and K norms (``--qk-layernorm``, shipped to helix's attention stage with the QKV
-#: weight) and ``--eod-mask-loss``: one model variant proves both.
-QK_NORM_EOD = {"default": "golden:pp2_qk_eod_1f1b", "1f1b": "golden:pp2_qk_eod_1f1b",
+#: weight) and ``--eod-mask-loss``: one model variant proves both; under the schedules that
+#: run Megatron's layer map its layouts split the layers unevenly too (:data:`UNEVEN`).
+QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
+               "1f1b": "golden:pp2_qk_eod_uneven_1f1b",
                "interleaved": "golden:pp2_vp2_qk_eod_interleaved",
-               "1f1b-ir": "golden:pp2_qk_eod_ir", "elastic": "golden:pp2_qk_eod_elastic",
-               "seq1f1b": "golden:pp2_qk_eod_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
+               "1f1b-ir": "golden:pp2_qk_eod_uneven_ir",
+               "elastic": "golden:pp2_qk_eod_uneven_elastic",
+               "seq1f1b": "golden:pp2_qk_eod_uneven_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
                "sppo": "golden:pp2_qk_eod_sppo_n4_offload"}
-#: Dropless mixture of experts (Megatron's MoE layer, no auxiliary loss).
-MOE = {"default": "golden:pp2_moe_1f1b", "1f1b": "golden:pp2_moe_1f1b",
-       "interleaved": "golden:pp2_vp2_moe_interleaved", "1f1b-ir": "golden:pp2_moe_ir",
-       "elastic": "golden:pp2_moe_elastic", "seq1f1b": "golden:pp2_moe_seq1f1b",
-       "helix": "golden:pp2_moe_helix", "sppo": "golden:pp2_moe_sppo_n4_offload"}
-#: Uneven pipeline splits (Megatron's layer map, ``get_num_layers_to_build``): a first stage
-#: of 2 and a last of 3 of 5 layers; the embedding and the loss each counted as a layer.
-UNEVEN = {"default": "golden:pp2_uneven_1f1b", "1f1b": "golden:pp2_uneven_1f1b",
-          "1f1b-ir": "golden:pp2_uneven_ir", "elastic": "golden:pp2_uneven_elastic",
-          "seq1f1b": "golden:pp2_uneven_seq1f1b"}
-ACCOUNTED = {"default": "golden:pp2_accounted_1f1b", "1f1b": "golden:pp2_accounted_1f1b",
-             "1f1b-ir": "golden:pp2_accounted_ir", "elastic": "golden:pp2_accounted_elastic",
-             "seq1f1b": "golden:pp2_accounted_seq1f1b"}
+#: Dropless mixture of experts (Megatron's MoE layer, no auxiliary loss); under the schedules
+#: that run Megatron's layer map its layouts count the embedding and the loss as layers of
+#: the split (:data:`ACCOUNTED`).
+MOE = {"default": "golden:pp2_moe_accounted_1f1b", "1f1b": "golden:pp2_moe_accounted_1f1b",
+       "interleaved": "golden:pp2_vp2_moe_interleaved", "1f1b-ir": "golden:pp2_moe_accounted_ir",
+       "elastic": "golden:pp2_moe_accounted_elastic",
+       "seq1f1b": "golden:pp2_moe_accounted_seq1f1b", "helix": "golden:pp2_moe_helix",
+       "sppo": "golden:pp2_moe_sppo_n4_offload"}
+#: Megatron's uneven pipeline splits (its layer map, ``get_num_layers_to_build``), where the
+#: schedule runs that map: a first stage of 1 and a last of 3 layers; the embedding and the
+#: loss each counted as a layer.
+UNEVEN = {name: QK_NORM_EOD[name] for name in ("default", "1f1b", "1f1b-ir", "elastic",
+                                               "seq1f1b")}
+ACCOUNTED = {name: MOE[name] for name in ("default", "1f1b", "1f1b-ir", "elastic", "seq1f1b")}
 _UNEVEN_REFUSALS = {
     "helix": "helix places its layer parts by its own mapping (boundary b on stage b mod PP, "
              "equal stages): drop {flag}",

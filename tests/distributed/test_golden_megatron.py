@@ -59,8 +59,8 @@ ELASTIC_EXPECTED = {
     "pp2_ulysses2_gqa_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_elastic_default_loss_mbs2": ({"split", "hybrid", "batched"}, "none"),
     "pp2_seq1f1b_default_loss_mbs2": ({"split", "hybrid"}, "none"),
-    "pp2_qk_eod_elastic": ({"split", "hybrid", "batched"}, "none"),
-    "pp2_moe_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_qk_eod_uneven_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_moe_accounted_elastic": ({"split", "hybrid", "batched"}, "none"),
 }
 
 HELIX = ["--pipeline-schedule", "helix"]
@@ -94,6 +94,16 @@ MUX_EXPECTED = {
     "pp2_sppo_mux_n6_offload": (2, 6, 0.5),
     "pp4_sppo_mux_n5": (4, 5, None),
 }
+
+#: Megatron's uneven pipeline splits: a first stage of 1 and a last of 3 of 4 layers; the
+#: embedding and the loss each counted as a layer (each stage builds 2 of 4).
+UNEVEN = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
+ACCOUNTED = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+#: The schedules that run Megatron's layer map (``name`` of a layout tag, flags).
+FOUR_SCHEDULES = (("1f1b", ["--pipeline-schedule", "1f1b"]),
+                  ("ir", ["--pipeline-schedule", "1f1b-ir"]), ("elastic", ELASTIC),
+                  ("seq1f1b", SEQ1F1B))
+
 
 def more_schedules(name: str) -> dict:
     """A model variant's layouts under ``seq1f1b``, ``1f1b-ir`` and ``interleaved`` (PP=2, two
@@ -177,14 +187,6 @@ VARIANTS = {
                                      "--context-parallel-size", "2", *SEQ1F1B]),
         "pp2_ulysses2_ir": (4, ["--pipeline-model-parallel-size", "2",
                                 "--context-parallel-size", "2", "--pipeline-schedule", "1f1b-ir"]),
-        # The embedding and the loss each counted as a layer of Megatron's split: 4 + 2
-        # "layers" over 2 stages, each stage building 2 transformer layers.
-        **{f"pp2_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2",
-                                         "--account-for-embedding-in-pipeline-split",
-                                         "--account-for-loss-in-pipeline-split", *flags])
-           for name, flags in (("1f1b", ["--pipeline-schedule", "1f1b"]),
-                               ("ir", ["--pipeline-schedule", "1f1b-ir"]),
-                               ("elastic", ELASTIC), ("seq1f1b", SEQ1F1B))},
         # A schedule registered from outside the source tree (OUTSIDE_SCHEDULES).
         "pp2_gpipe_outside": (2, ["--pipeline-model-parallel-size", "2",
                                   "--pipeline-schedule", "gpipe"]),
@@ -250,32 +252,35 @@ VARIANTS = {
     # which helix ships with the QKV weight to the attention stage and gets the gradients of
     # back; the end-of-document token at every fifth input of each document, masked out of
     # the loss (under Megatron's default loss too, where it changes each micro-batch's count).
+    # Under the schedules that run Megatron's layer map, the split is uneven too: 1 + 3 layers.
     "qk_norm_eod": (["--qk-layernorm", "--normalization", "RMSNorm", "--eod-mask-loss",
                      "--golden-eod-every", "5"], {
-        "pp2_qk_eod_1f1b": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                                "1f1b"]),
-        "pp2_qk_eod_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
-        **more_schedules("qk_eod"),
+        **{f"pp2_qk_eod_uneven_{name}": (2, ["--pipeline-model-parallel-size", "2", *UNEVEN,
+                                             *flags]) for name, flags in FOUR_SCHEDULES},
+        "pp2_vp2_qk_eod_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                           "--num-layers-per-virtual-pipeline-stage", "1",
+                                           "--pipeline-schedule", "interleaved"]),
         "pp2_qk_eod_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_qk_eod_helix_recompute": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
                                            "--helix-recompute-without-attention"]),
         "pp2_qk_eod_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                            "--sppo-subsequences", "4", "--sppo-offload",
                                            "0.5"]),
-        "pp2_tp2_qk_eod_helix": (4, ["--pipeline-model-parallel-size", "2",
-                                     "--tensor-model-parallel-size", "2", *HELIX]),
         "pp2_qk_eod_elastic_default_loss_mbs2": (2, ["--pipeline-model-parallel-size", "2",
                                                      *ELASTIC, *MBS2]),
     }),
     # Dropless mixture of experts: Megatron's MoE layer (4 local experts, top-3 routing, no
     # auxiliary loss, no biases, as Megatron-LM's MoE configurations) in every layer. Routing
-    # is per token, so cutting and packing documents keeps every token's experts.
+    # is per token, so cutting and packing documents keeps every token's experts. Under the
+    # schedules that run Megatron's layer map, the embedding and the loss count as layers of
+    # the split (4 + 2 over 2 stages: 2 transformer layers each).
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
              "--disable-bias-linear"], {
-        "pp2_moe_1f1b": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
-                             "1f1b"]),
-        "pp2_moe_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
-        **more_schedules("moe"),
+        **{f"pp2_moe_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
+                                             *flags]) for name, flags in FOUR_SCHEDULES},
+        "pp2_vp2_moe_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                        "--num-layers-per-virtual-pipeline-stage", "1",
+                                        "--pipeline-schedule", "interleaved"]),
         "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_moe_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
@@ -290,16 +295,6 @@ VARIANTS = {
         "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_dp2_sppo_n5_offload": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "5", "--sppo-offload", "0.5"]),
-    }),
-    # Uneven pipeline splits by Megatron's layer map: 5 layers as 2 + 3. (The embedding and
-    # the loss counted as layers: see "accounted" layouts of the learned variant.)
-    "five_layers": (["--num-layers", "5"], {
-        **{f"pp2_uneven_{name}": (2, ["--pipeline-model-parallel-size", "2",
-                                      "--decoder-first-pipeline-num-layers", "2",
-                                      "--decoder-last-pipeline-num-layers", "3", *flags])
-           for name, flags in (("1f1b", ["--pipeline-schedule", "1f1b"]),
-                               ("ir", ["--pipeline-schedule", "1f1b-ir"]),
-                               ("elastic", ELASTIC), ("seq1f1b", SEQ1F1B))},
     }),
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
     # are not a multiple of p x folds = 4 train with empty slots. One document is also the
