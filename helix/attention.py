@@ -3,13 +3,14 @@
 Helix's attention parts run :func:`megatron.plugin.layers.packed_attention.packed_attention`
 (one block-kernel call per document into one output buffer, which is all it saves besides
 ``q``, ``k``, ``v``), on every device and with dropout. Under
-``--helix-recompute-without-attention`` they run :func:`recomputed_attention` (``x`` and the shipped
-weights -> ``o``) instead: the QKV projection and the Q/K norms (part of the pre-attention, so
-recomputed like the rest of it) run without autograd in the forward, and the part saves only
-``x``, the shipped weights, the output, the log-sum-exp and each document's dropout state (about ``2 bsh`` instead of
-``5 bsh``). Its backward projects again with autograd, runs the attention's backward from the
-saved output and log-sum-exp -- the attention itself is never recomputed, and its dropout masks
-are drawn again from their state -- and back-propagates through the projection.
+``--helix-recompute-without-attention`` they run :func:`recomputed_attention` (``x`` and the
+shipped weights -> ``o``) instead: the QKV projection and the Q/K norms (part of the
+pre-attention, so recomputed like the rest of it) run without autograd in the forward, and the
+part saves only ``x``, the shipped weights, the output, the log-sum-exp and each document's
+dropout state (about ``2 bsh`` instead of ``5 bsh``). Its backward projects again with
+autograd, runs the attention's backward from the saved output and log-sum-exp -- the attention
+itself is never recomputed, and its dropout masks are drawn again from their state -- and
+back-propagates through the projection.
 """
 from __future__ import annotations
 
