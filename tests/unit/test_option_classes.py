@@ -154,10 +154,13 @@ def test_every_refusal_comes_in_one_start_up_without_a_traceback(tmp_path):
 
 
 def test_flags_refused_for_one_reason_are_named_together():
-    messages = option_classes.refusals({"num_experts": ("--num-experts", 8),
-                                        "moe_router_topk": ("--moe-router-topk", 4)}, "1f1b")
-    assert len(messages) == 1 and "--num-experts, --moe-router-topk are not supported" \
-        in messages[0], messages
+    messages = option_classes.refusals(
+        {"moe_expert_capacity_factor": ("--moe-expert-capacity-factor", 1.0),
+         "moe_pad_expert_input_to_capacity": ("--moe-pad-expert-input-to-capacity", True)},
+        "1f1b")
+    assert len(messages) == 1 and ("--moe-expert-capacity-factor, "
+                                   "--moe-pad-expert-input-to-capacity are not supported"
+                                   in messages[0]), messages
 
 
 def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
