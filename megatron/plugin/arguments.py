@@ -259,6 +259,15 @@ def _moe_expert_biases(args):
     return None
 
 
+def _moe_model_parallel(args):
+    if args.num_experts and (args.tensor_model_parallel_size > 1
+                             or args.context_parallel_size > 1):
+        return ("no test proves --num-experts with tensor or context parallelism yet (the "
+                "experts' token exchange over those groups): use --tensor-model-parallel-size "
+                "1 and --context-parallel-size 1 with MoE layers")
+    return None
+
+
 def _cpu_half_precision(args):
     if not torch.cuda.is_available() and (args.bf16 or args.fp16
                                            or args.use_distributed_optimizer):
@@ -309,7 +318,8 @@ def _schedule_checks(args):
 #: The checks across options (what one option's class cannot say): each returns what to
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_per_token_loss, _pipeline_timeout, _ulysses_heads, _schedule_checks,
-         _moe_expert_biases, _cpu_half_precision, _cpu_timeout_after_init, _cpu_profile, _tensorboard)
+         _moe_expert_biases, _moe_model_parallel, _cpu_half_precision, _cpu_timeout_after_init,
+         _cpu_profile, _tensorboard)
 
 
 def rule_refusals(args: argparse.Namespace) -> list[str]:

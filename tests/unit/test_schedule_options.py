@@ -209,6 +209,8 @@ MOE_REFUSED = [
     (["--moe-router-enable-expert-bias"], "each schedule pads differently"),
     (["--expert-model-parallel-size", "2"], "use --expert-model-parallel-size 1"),
     ([], "add --disable-bias-linear"),
+    (["--context-parallel-size", "2"], "use --tensor-model-parallel-size 1 and "
+                                       "--context-parallel-size 1 with MoE layers"),
 ]
 
 
