@@ -297,7 +297,8 @@ _THROUGHPUT = ("Megatron-LM counts FLOPs as if every sample were --seq-length to
 #: same way under every schedule.
 INERT = _names("""
     adam_beta1 adam_beta2 adam_eps adlr_autoresume adlr_autoresume_interval app_tag_run_name
-    app_tag_run_version apply_rope_fusion async_ckpt_cpu_priority async_ckpt_io_priority
+    app_tag_run_version apply_rope_fusion apply_wd_to_qk_layernorm async_ckpt_cpu_priority
+    async_ckpt_io_priority
     async_ckpt_use_cpu_shm async_save async_strategy auto_detect_ckpt_format
     barrier_with_L1_time bias_dropout_fusion bias_gelu_fusion bias_swiglu_fusion
     calc_ft_timeouts chat_template check_for_large_grads check_for_nan_in_loss_and_grad
@@ -509,7 +510,7 @@ REFUSED: dict[str, str] = {
         use_mamba_mem_eff_path yaml_cfg
     """, _HYBRID),
     **_each("""
-        add_qkv_bias apply_query_key_layer_scaling apply_wd_to_qk_layernorm
+        add_qkv_bias apply_query_key_layer_scaling
         attention_backend attention_output_gate attention_softmax_in_fp32
         batch_invariant_mode deterministic_mode flash_attention_version flash_decode
         mrope_section no_rope_freq qk_clip qk_clip_alpha qk_clip_threshold qk_l2_norm
