@@ -298,8 +298,9 @@ VARIANTS = {
     }),
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
     # are not a multiple of p x folds = 4 train with empty slots. One document is also the
-    # case of SPPO's multiplexed partitioning (see MUX_EXPECTED).
-    "one_microbatch": (["--golden-docs", "1"], {
+    # case of SPPO's multiplexed partitioning (see MUX_EXPECTED), whose helpers borrow the
+    # owner's layer weights, the Q/K norms' too (the model has them: --qk-layernorm, RMSNorm).
+    "one_microbatch": (["--golden-docs", "1", "--qk-layernorm", "--normalization", "RMSNorm"], {
         "pp2_helix_m1": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_sppo_mux_n4": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                 "--sppo-subsequences", "4", "--sppo-offload", "off",
