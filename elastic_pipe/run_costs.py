@@ -66,6 +66,7 @@ def refit_cost_model(name: str, args, model) -> str:
     if dist.get_rank() == 0:
         refit_log.info("%s: %s", name, summary)
     if profile is not None:
-        replace_job_cost_model(args, model, CostModel(cost.model, profile, cost.parallel),
+        layers = tuple(cost.layers(stage) for stage in range(cost.pp))
+        replace_job_cost_model(args, model, CostModel(cost.model, profile, cost.parallel, layers),
                                args.elastic_memory_gb, args.elastic_reserved_gb)
     return summary

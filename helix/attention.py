@@ -3,13 +3,14 @@
 Helix's attention parts run :func:`megatron.plugin.layers.packed_attention.packed_attention`
 (one block-kernel call per document into one output buffer, which is all it saves besides
 ``q``, ``k``, ``v``), on every device and with dropout. Under
-``--helix-recompute-without-attention`` they run :func:`recomputed_attention` (``x``, weight,
-bias -> ``o``) instead: the QKV projection (part of the pre-attention, so recomputed like the
-rest of it) runs without autograd in the forward, and the part saves only ``x``, the weight,
-the output, the log-sum-exp and each document's dropout state (about ``2 bsh`` instead of
-``5 bsh``). Its backward projects again with autograd, runs the attention's backward from the
-saved output and log-sum-exp -- the attention itself is never recomputed, and its dropout masks
-are drawn again from their state -- and back-propagates through the projection.
+``--helix-recompute-without-attention`` they run :func:`recomputed_attention` (``x`` and the
+shipped weights -> ``o``) instead: the QKV projection and the Q/K norms (part of the
+pre-attention, so recomputed like the rest of it) run without autograd in the forward, and the
+part saves only ``x``, the shipped weights, the output, the log-sum-exp and each document's
+dropout state (about ``2 bsh`` instead of ``5 bsh``). Its backward projects again with
+autograd, runs the attention's backward from the saved output and log-sum-exp -- the attention
+itself is never recomputed, and its dropout masks are drawn again from their state -- and
+back-propagates through the projection.
 """
 from __future__ import annotations
 
@@ -23,19 +24,19 @@ from megatron.plugin.layers.packed_attention import Segments, attend, attend_bac
 
 class _RecomputedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, project, segments, kernel, x, weight, bias):
+    def forward(ctx, project, segments, kernel, x, *weights):
         with torch.no_grad():
-            q, k, v = project(x, weight, bias)
+            q, k, v = project(x, *weights)
             out, lse, states = attend(q, k, v, segments, kernel)
         ctx.project, ctx.segments, ctx.kernel, ctx.states = project, segments, kernel, states
-        ctx.save_for_backward(x, weight, bias, out, lse)
+        ctx.save_for_backward(out, lse, x, *weights)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight, bias, out, lse = ctx.saved_tensors
+        out, lse, *inputs = ctx.saved_tensors
         leaves = [None if t is None else t.detach().requires_grad_(needs)
-                  for t, needs in zip((x, weight, bias), ctx.needs_input_grad[3:])]
+                  for t, needs in zip(inputs, ctx.needs_input_grad[3:])]
         with torch.enable_grad():
             q, k, v = ctx.project(*leaves)
         *grads, _ = attend_backward(grad, q.detach(), k.detach(), v.detach(), out, lse,
@@ -45,11 +46,12 @@ class _RecomputedAttention(torch.autograd.Function):
         return None, None, None, *(None if t is None else t.grad for t in leaves)
 
 
-def recomputed_attention(project: Callable, x, weight, bias, segments: Segments,
+def recomputed_attention(project: Callable, x, weights: tuple, segments: Segments,
                          scale: float | None, dropout: float = 0.0) -> torch.Tensor:
-    """:func:`~megatron.plugin.layers.packed_attention.packed_attention` of ``project(x, weight,
-    bias) -> (q, k, v)``, keeping ``x``, ``weight``, ``bias``, the output and the log-sum-exp,
-    and projecting again in the backward (``project`` must be deterministic and
+    """:func:`~megatron.plugin.layers.packed_attention.packed_attention` of ``project(x,
+    *weights) -> (q, k, v)``, keeping ``x``, ``weights`` (the QKV weight, its bias, the Q/K
+    norms' weights: ``None`` for one that is absent), the output and the log-sum-exp, and
+    projecting again in the backward (``project`` must be deterministic and
     differentiable)."""
     kernel = block_kernel(x, dropout, scale)
-    return _RecomputedAttention.apply(project, segments, kernel, x, weight, bias)
+    return _RecomputedAttention.apply(project, segments, kernel, x, *weights)

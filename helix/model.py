@@ -15,9 +15,11 @@ LM head and the loss. Stage 0 therefore holds the embedding and the output layer
 (tied weights stay one parameter; no embedding group is needed).
 
 Weight shipping: ``pre(b)`` does not project Q/K/V itself. It sends the normed input ``x``,
-the residual ``r`` and the QKV weight (and bias) to the stage that runs ``attn(b)``, which
-projects and attends there (:class:`ShippedQKV`); the weight gradient flows back to the owner
-and is accumulated into its parameter by autograd (Megatron DDP's hooks see it as usual).
+the residual ``r``, the QKV weight (and bias) and, with ``--qk-layernorm``, the Q and K norms'
+weights (and biases) to the stage that runs ``attn(b)``, which projects, normalises and attends
+there (:class:`ShippedQKV`, :class:`ShippedNorm`; :func:`shipped_weights` names them); the
+weight gradients flow back to the owner and are accumulated into its parameters by autograd
+(Megatron DDP's hooks see them as usual).
 
 Checkpoints: each stage's layers are the halves of Megatron ``TransformerLayer`` objects with
 their *global* layer numbers, and :meth:`HelixGPTModel.sharded_state_dict` writes them under
@@ -69,6 +71,55 @@ class ShippedQKV(torch.nn.Module):
         return out, None
 
 
+class ShippedNorm(torch.nn.Module):
+    """Stand-in for ``q_layernorm`` / ``k_layernorm`` on the stage that runs a foreign
+    attention: the layer's own norm (:class:`SequenceParallelNorm`, same kind, epsilon and
+    zero-centred gamma) run with the weight and bias that came with the input (:meth:`use`).
+    It holds no parameter: the norm it runs is kept outside the module tree."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__()
+        del unused
+        self._norm = (SequenceParallelNorm(config, hidden_size, eps).requires_grad_(False),)
+        self.weights = None
+
+    def use(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weights = {"weight": weight} if bias is None else {"weight": weight, "bias": bias}
+
+    def forward(self, x):
+        out = torch.func.functional_call(self._norm[0], self.weights, (x,))
+        self.weights = None
+        return out
+
+
+#: The tensors of a layer's attention that ``pre(l)`` ships, by transfer name:
+#: ``(submodule of SelfAttention, parameter)``.
+SHIPPED = {"w": ("linear_qkv", "weight"), "wb": ("linear_qkv", "bias"),
+           "qn": ("q_layernorm", "weight"), "qnb": ("q_layernorm", "bias"),
+           "kn": ("k_layernorm", "weight"), "knb": ("k_layernorm", "bias")}
+
+
+def shipped_weights(self_attention) -> dict:
+    """The parameters ``pre(l)`` ships with its attention (:data:`SHIPPED`), absent ones
+    left out."""
+    found = {}
+    for name, (module, param) in SHIPPED.items():
+        owner = getattr(self_attention, module, None)
+        tensor = getattr(owner, param, None) if owner is not None else None
+        if tensor is not None:
+            found[name] = tensor
+    return found
+
+
+def use_shipped(attention, shipped: dict) -> None:
+    """Hand the foreign ``attention``'s stand-ins the weights ``shipped`` (by transfer
+    name)."""
+    attention.linear_qkv.use(shipped["w"], shipped.get("wb"))
+    if attention.q_layernorm is not None:
+        attention.q_layernorm.use(shipped["qn"], shipped.get("qnb"))
+        attention.k_layernorm.use(shipped["kn"], shipped.get("knb"))
+
+
 class PassThrough(torch.nn.Module):
     """Stand-in for ``linear_proj`` on the attention stage: the projection belongs to the
     post-attention part, which runs on the next boundary's stage."""
@@ -95,9 +146,6 @@ class HelixGPTModel(GPTModel):
                  share_embeddings_and_output_weights: bool, position_embedding_type: str):
         num_stages, num_layers = config.pipeline_model_parallel_size, config.num_layers
         check_layout(num_layers, num_stages)
-        if config.qk_layernorm:
-            raise ValueError("helix ships the QKV weight to the attention stage; "
-                             "--qk-layernorm would need its norms shipped too: drop it")
         first = stage == 0
         super().__init__(
             config=config,
@@ -135,7 +183,9 @@ class HelixGPTModel(GPTModel):
             submodules=type(attention_spec.submodules)(
                 linear_qkv=ShippedQKV,
                 core_attention=attention_spec.submodules.core_attention,
-                linear_proj=PassThrough))
+                linear_proj=PassThrough,
+                q_layernorm=ShippedNorm if config.qk_layernorm else None,
+                k_layernorm=ShippedNorm if config.qk_layernorm else None))
         self.foreign_attention = build_module(attention_spec, config=config, layer_number=1,
                                               pg_collection=pg_collection)
 
@@ -170,7 +220,10 @@ def _keep_pre_attention(layer) -> None:
 
 
 def _keep_post_attention(layer) -> None:
-    """Drop what ``pre(l)`` owns from layer ``l``: the input norm and the QKV projection."""
+    """Drop what ``pre(l)`` owns from layer ``l``: the input norm, the QKV projection and the
+    Q/K norms."""
     layer.input_layernorm = None
     layer.self_attention.linear_qkv = None
+    layer.self_attention.q_layernorm = None
+    layer.self_attention.k_layernorm = None
     layer.self_attention.core_attention = None

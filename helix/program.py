@@ -13,7 +13,7 @@ from helix import attention as helix_attention
 from helix.batches import HelixBatches
 from helix.chunked_loss import chunked_loss
 from helix.chunked_mlp import chunked_mlp
-from helix.model import HelixGPTModel
+from helix.model import HelixGPTModel, shipped_weights, use_shipped
 from helix.schedule import HelixFlow, part, part_index
 from megatron.plugin.layers import packed_attention
 from megatron.plugin.layers.memory import keep
@@ -150,20 +150,18 @@ class HelixProgram(PartProgram):
         if index == self.num_layers:
             return {"hidden": module.decoder.final_layernorm(hidden)}
         layer = module.pre_layers[index]
-        qkv = layer.self_attention.linear_qkv
-        out = {"x": layer.input_layernorm(hidden), "r": hidden, "w": qkv.weight}
-        if "wb" in self.pre_tensors:
-            out["wb"] = qkv.bias
-        return out
+        return {"x": layer.input_layernorm(hidden), "r": hidden,
+                **shipped_weights(layer.self_attention)}
 
     def _attention_forward(self, action: Action, inputs: dict):
         # The residual only passes through: relayed at once, never stashed here (its gradient
         # comes back as the gradient of "res" and goes on unchanged).
         relayed = inputs.pop("r")
         leaves = self._leaves(inputs)
+        shipped = {n: t for n, t in leaves.items() if n != "x"}
         layout = self.batches.batches[action.unit].layout()
         with contextlib.nullcontext() if self.training else torch.no_grad(), self._layer_rng():
-            o = self._attend(leaves["x"], leaves["w"], leaves.get("wb"), layout)
+            o = self._attend(leaves["x"], shipped, layout)
         if self.training:
             self.stash[(True, action.unit, action.part)] = {"in": _kept(leaves),
                                                             "out": _kept({"o": o})}
@@ -179,33 +177,35 @@ class HelixProgram(PartProgram):
             return get_cuda_rng_tracker().fork()
         return contextlib.nullcontext()
 
-    def _attend(self, x, weight, bias, layout) -> torch.Tensor:
-        """``attn(l)`` with the shipped weights: through the packed attention (the QKV
-        projection recomputed in the backward under recomputation without attention; dropout
-        drawing where the core attention draws), or through Megatron's ``SelfAttention`` for
-        an attention output gate."""
+    def _attend(self, x, shipped: dict, layout) -> torch.Tensor:
+        """``attn(l)`` with the ``shipped`` weights (by transfer name): through the packed
+        attention (the QKV projection and the Q/K norms recomputed in the backward under
+        recomputation without attention; dropout drawing where the core attention draws), or
+        through Megatron's ``SelfAttention`` for an attention output gate."""
         attention = self.module.foreign_attention
         core = attention.core_attention
         if self.config.attention_output_gate:
-            attention.linear_qkv.use(weight, bias)
+            use_shipped(attention, shipped)
             return attention(x, attention_mask=None, packed_seq_params=layout)[0]
         with core.dropout_rng():
-            return self._attend_packed(attention, x, weight, bias, layout)
+            return self._attend_packed(attention, x, shipped, layout)
 
-    def _attend_packed(self, attention, x, weight, bias, layout) -> torch.Tensor:
+    def _attend_packed(self, attention, x, shipped: dict, layout) -> torch.Tensor:
         core = attention.core_attention
         dropout = core.dropout if self.training else 0.0
+        names = tuple(shipped)
 
-        def project(x, weight, bias):
-            attention.linear_qkv.use(weight, bias)
+        def project(x, *weights):
+            use_shipped(attention, dict(zip(names, weights)))
             query, key, value = attention.get_query_key_value_tensors(x)
             return (*core.rotate(query, key, layout), value)
 
         segments = packed_attention.row_segments(layout, x.shape[1])
+        weights = tuple(shipped.values())
         if self.recompute_boundaries:
-            return helix_attention.recomputed_attention(project, x, weight, bias, segments,
+            return helix_attention.recomputed_attention(project, x, weights, segments,
                                                         core.softmax_scale, dropout)
-        return packed_attention.packed_attention(*project(x, weight, bias), segments,
+        return packed_attention.packed_attention(*project(x, *weights), segments,
                                                  core.softmax_scale, dropout)
 
     def _read_batch(self, unit: int) -> None:

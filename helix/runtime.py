@@ -15,9 +15,10 @@ Execution (:class:`~helix.program.HelixProgram`, a
 :class:`~megatron.plugin.pipeline.parts.PartProgram`): every part starts from leaves
 (``detach().requires_grad_()`` of what it receives, or of what this stage handed itself), so
 each forward has its own graph and each backward is one multi-root autograd call over the part's
-outputs; gradients of the shipped QKV weight and bias come back as the gradients of the
-``w``/``wb`` outputs, whose roots are the owner's parameters, so autograd accumulates them (and
-Megatron DDP's hooks fire) on the owner.
+outputs; gradients of the shipped QKV weight and bias (and, with ``--qk-layernorm``, of the
+Q/K norms' weights and biases) come back as the gradients of the ``w``/``wb`` (``qn``/``qnb``/
+``kn``/``knb``) outputs, whose roots are the owner's parameters, so autograd accumulates them
+(and Megatron DDP's hooks fire) on the owner.
 
 LM head and loss in backward: the forward of boundary ``L`` stops at the final norm; its
 backward computes the logits, the per-token loss (Megatron's ``forward_step`` applies
@@ -50,7 +51,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from helix.batches import HelixBatches, prepare_input
 from helix.flags import add_arguments, add_draw_arguments, check_args
-from helix.model import HelixGPTModel
+from helix.model import HelixGPTModel, shipped_weights
 from helix.program import HelixProgram
 from helix.schedule import PRE_TENSORS, HelixFlow, helix_ir, planned_helix
 from helix.stage_model import build_model, helix_process_groups
@@ -68,8 +69,10 @@ def _transfer_shapes(config, seq_length: int, micro_batch_size: int, tp: int):
     heads_dim = config.kv_channels * config.num_attention_heads // tp
     groups_dim = config.kv_channels * config.num_query_groups // tp
     qkv = heads_dim + 2 * groups_dim
+    head = (config.kv_channels,)
     return {"x": (seq, micro_batch_size, hidden), "r": (seq, micro_batch_size, hidden),
             "res": (seq, micro_batch_size, hidden), "w": (qkv, hidden), "wb": (qkv,),
+            "qn": head, "qnb": head, "kn": head, "knb": head,
             "o": (seq_length, micro_batch_size, heads_dim)}
 
 
@@ -80,7 +83,7 @@ def run(call: RankCall) -> list:
     config = get_model_config(call.model)
     groups = helix_process_groups()
     pp, tp = groups.pp.size(), groups.tp.size()
-    pre_tensors = PRE_TENSORS + (("wb",) if _has_qkv_bias(module) else ())
+    pre_tensors = PRE_TENSORS[:2] + _shipped_names(module)
     schedule = _planned(pp, config.num_layers, call.num_microbatches, batches.folds,
                         batches.recompute, pre_tensors)
     shapes = _transfer_shapes(config, call.seq_length, call.micro_batch_size, tp)
@@ -98,9 +101,10 @@ def run(call: RankCall) -> list:
     return store + result
 
 
-def _has_qkv_bias(module: HelixGPTModel) -> bool:
-    return any(layer.self_attention.linear_qkv.bias is not None
-               for layer in module.pre_layers.values())
+def _shipped_names(module: HelixGPTModel) -> tuple:
+    """The weights a pre-attention part ships (every layer's attention has the same)."""
+    layer = next(iter(module.pre_layers.values()))
+    return tuple(shipped_weights(layer.self_attention))
 
 
 @functools.lru_cache(maxsize=64)

@@ -8,6 +8,7 @@ import functools
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from helix.model import HelixGPTModel
 from megatron.plugin.executor_call import megatron_process_groups
@@ -28,8 +29,13 @@ def _own_rank_group():
 
 def helix_process_groups(for_model: bool = False) -> ProcessGroupCollection:
     """Megatron's groups with no cross-stage embedding group (``None`` for the model, a
-    one-rank group for ``finalize_model_grads``)."""
+    one-rank group for ``finalize_model_grads``), and the expert groups Megatron's MoE layer
+    builds with (its ``get_default_pg_collection``)."""
     groups = megatron_process_groups()
+    experts = get_default_pg_collection()
+    for name in ("ep", "expt_tp", "expt_dp", "expt_dp_gtp_remat", "tp_ep", "tp_cp",
+                 "tp_dp_cp"):
+        setattr(groups, name, getattr(experts, name))
     alone = None if for_model else _own_rank_group()
     groups.embd = alone
     groups.pos_embd = alone

@@ -161,7 +161,10 @@ class ParallelConfig:
 class CostModel:
     """Time and memory of chunks on stages for one model, profile and layout."""
 
-    def __init__(self, model: ModelConfig, hardware: HardwareProfile, parallel: ParallelConfig):
+    def __init__(self, model: ModelConfig, hardware: HardwareProfile, parallel: ParallelConfig,
+                 layers: tuple[int, ...] | None = None):
+        """``layers``: transformer layers per stage (the job's layer map, Megatron's uneven
+        splits included); by default :func:`stage_layers`."""
         if model.num_heads % (parallel.sp * parallel.tp):
             raise ValueError(f"{model.name}: {model.num_heads} heads are not divisible by "
                              f"sp x tp = {parallel.sp * parallel.tp}; choose sp and tp whose "
@@ -250,7 +253,11 @@ class CostModel:
                               * collectives.ring_step_per_byte(hardware, parallel.cp, span))
         self.linear_per_token = self.alpha2 + self.comm_per_token
         self.chunk_constant = self.beta + self.comm_latency
-        self._layers = stage_layers(model.num_layers, parallel.pp)
+        self._layers = stage_layers(model.num_layers, parallel.pp) if layers is None \
+            else tuple(layers)
+        if len(self._layers) != parallel.pp or sum(self._layers) != model.num_layers:
+            raise ValueError(f"layers per stage {self._layers} do not place {model.num_layers} "
+                             f"layers on pp={parallel.pp} stages")
         self.signature_cache = lru_cache(maxsize=SIGNATURE_CACHE_SIZE)(self._chunk_costs)
 
     # -- layout -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import types
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,25 @@ def device_memory_gb() -> float:
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory / 1e9
     return CPU_MEMORY_GB
+
+
+def megatron_stage_layers(args: argparse.Namespace) -> tuple[int, ...]:
+    """Transformer layers per pipeline stage as Megatron builds them: its
+    ``get_num_layers_to_build`` for each rank (even, or uneven with
+    ``--decoder-first/last-pipeline-num-layers`` or ``--account-for-embedding/loss-in-pipeline-
+    split``), given the fields of the ``TransformerConfig`` it reads (one model chunk per
+    rank: the schedules that plan with this model run no virtual stages)."""
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    config = types.SimpleNamespace(
+        pipeline_model_parallel_layout=None, virtual_pipeline_model_parallel_size=None,
+        num_layers=args.num_layers, pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split)
+    return tuple(get_num_layers_to_build(config, pp_rank=rank)
+                 for rank in range(args.pipeline_model_parallel_size))
 
 
 def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
@@ -68,7 +88,7 @@ def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
     parallel = ParallelConfig(pp=pp, sp=cp, tp=tp, dp=max(1, world // (tp * pp * cp)),
                               memory_gb=memory_gb, reserved_gb=reserved_gb,
                               distributed_optimizer=args.use_distributed_optimizer)
-    cost = CostModel(model, load_profile(profile), parallel)
+    cost = CostModel(model, load_profile(profile), parallel, megatron_stage_layers(args))
     if not dist.is_initialized() or dist.get_rank() == 0:
         counted = "measured in" if cost.hardware.activation_coefficients else "derived for"
         log.info("%s planner: hardware profile %s (%s, %s), activation bytes %s %s",

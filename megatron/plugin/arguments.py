@@ -250,6 +250,24 @@ def _ulysses_heads(args):
     return None
 
 
+def _moe_expert_biases(args):
+    if args.num_experts and args.add_bias_linear:
+        return ("--num-experts with biased linear layers: megatron-core's local experts add "
+                "their output bias in place to a tensor that autograd does not let change, and "
+                "the first step fails: add --disable-bias-linear (as Megatron-LM's MoE "
+                "configurations do)")
+    return None
+
+
+def _moe_model_parallel(args):
+    if args.num_experts and (args.tensor_model_parallel_size > 1
+                             or args.context_parallel_size > 1):
+        return ("no test proves --num-experts with tensor or context parallelism yet (the "
+                "experts' token exchange over those groups): use --tensor-model-parallel-size "
+                "1 and --context-parallel-size 1 with MoE layers")
+    return None
+
+
 def _cpu_half_precision(args):
     if not torch.cuda.is_available() and (args.bf16 or args.fp16
                                            or args.use_distributed_optimizer):
@@ -300,7 +318,8 @@ def _schedule_checks(args):
 #: The checks across options (what one option's class cannot say): each returns what to
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_per_token_loss, _pipeline_timeout, _ulysses_heads, _schedule_checks,
-         _cpu_half_precision, _cpu_timeout_after_init, _cpu_profile, _tensorboard)
+         _moe_expert_biases, _moe_model_parallel, _cpu_half_precision, _cpu_timeout_after_init,
+         _cpu_profile, _tensorboard)
 
 
 def rule_refusals(args: argparse.Namespace) -> list[str]:

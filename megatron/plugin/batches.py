@@ -3,6 +3,14 @@
 Convention: a document of ``n + 1`` tokens gives ``n`` inputs (``tokens[:-1]``) and ``n``
 labels (``tokens[1:]``); positions restart at 0 for every document (or start at the slice's
 context length for a slice of a longer document).
+
+``--eod-mask-loss`` keeps Megatron's meaning (its ``GPTDataset`` zeroes the loss mask wherever
+the *input* token is the tokenizer's end-of-document token): :func:`forward_step` masks those
+positions of every micro-batch, whatever schedule cut it, and :func:`loss_tokens` counts a
+document's loss tokens the same way. Megatron's samples run across documents, so there the
+masked positions are mostly the boundaries (the EOD predicting the next document's first
+token); here every document is its own sequence, a document's closing EOD is only ever a label,
+and what the flag masks is the EOD tokens inside a document.
 """
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 from megatron.core import parallel_state
+from megatron.training import get_args, get_tokenizer
 
 from megatron.plugin.layers.layout import PackedDocuments, Segment
 from megatron.plugin.loss_checks import validate_loss
@@ -194,14 +203,35 @@ def loss_func(loss_mask: torch.Tensor, output: torch.Tensor,
     report = torch.stack([loss_sum.detach().clone(), num_tokens.detach().to(torch.float)])
     loss = loss_sum
     if loss_weights is not None:
-        loss = torch.sum(losses * loss_weights.view(-1).to(losses.dtype)) \
+        loss = torch.sum(losses * loss_mask.view(-1).to(losses.dtype)
+                         * loss_weights.view(-1).to(losses.dtype)) \
             * torch.clamp(num_tokens, min=1).to(losses.dtype)
     return loss, num_tokens, {"lm loss": report}
 
 
+def eod_mask_token() -> int | None:
+    """The input token whose positions carry no loss: the tokenizer's end-of-document token
+    under ``--eod-mask-loss``; ``None`` without the flag, or outside a Megatron run (no parsed
+    arguments: a loss computed by hand)."""
+    try:
+        args = get_args()
+    except AssertionError:
+        return None
+    return get_tokenizer().eod if args.eod_mask_loss else None
+
+
+def loss_tokens(doc: np.ndarray) -> int:
+    """The loss tokens of a document of ``n + 1`` tokens: its ``n`` inputs, less those
+    ``--eod-mask-loss`` masks."""
+    eod = eod_mask_token()
+    inputs = np.asarray(doc)[:-1]
+    return len(inputs) - (0 if eod is None else int(np.count_nonzero(inputs == eod)))
+
+
 def forward_step(data_iterator, model, kv_store=None, record_kv=False):
     """Megatron ``forward_step_func``: next micro-batch through ``model`` (this rank's share of
-    its tokens under Ulysses sequence parallelism; the layout stays whole)."""
+    its tokens under Ulysses sequence parallelism; the layout stays whole), its loss masked at
+    end-of-document inputs under ``--eod-mask-loss``."""
     batch: MicroBatch = next(data_iterator)
     device = next(model.parameters()).device
     batch = batch.to(device)
@@ -211,4 +241,8 @@ def forward_step(data_iterator, model, kv_store=None, record_kv=False):
         batch = batch.context_share(parallel_state.get_context_parallel_rank(), cp)
     output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
                    packed_seq_params=layout)
-    return output, partial(loss_func, batch.loss_mask, loss_weights=batch.loss_weights)
+    loss_mask = batch.loss_mask
+    eod = eod_mask_token()
+    if eod is not None:
+        loss_mask = loss_mask * (batch.tokens != eod).to(loss_mask.dtype)
+    return output, partial(loss_func, loss_mask, loss_weights=batch.loss_weights)

@@ -63,6 +63,7 @@ PATCHED_MODULES = {
     "megatron.core.dist_checkpointing.strategies.filesystem_async": "synchronize before save",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "consistency-check tensors",
     "megatron.core.tensor_parallel.random": "RNG tracker seeding (device generator states)",
+    "megatron.core.transformer.moe.router": "MoE router weights moved to the device",
     "megatron.core.timers": "synchronize around timed spans",
     "megatron.core.rerun_state_machine": "RNG states saved for a rerun",
     "megatron.training.initialize": "device count and selection, seeds",

@@ -35,20 +35,23 @@ from typing import Sequence
 
 from megatron.core import parallel_state
 
-from megatron.plugin.batches import micro_batch_rows
+from megatron.plugin.batches import loss_tokens, micro_batch_rows
 
 
 def document_weights(lengths: Sequence[int], seq_length: int, micro_batch_size: int,
-                     data_parallel: int) -> list[float]:
+                     data_parallel: int, loss_tokens: Sequence[int] | None = None) -> list[float]:
     """Per document of ``lengths`` inputs (the global batch in its order), the weight of each of
     its tokens in a replica's loss under Megatron's default loss: ``1 / (n x M)``, with ``n``
-    the loss tokens of its micro-batch and ``M`` the micro-batches per replica."""
+    the loss tokens of its micro-batch (the documents' ``loss_tokens``, their inputs less what
+    ``--eod-mask-loss`` masks; by default all their inputs) and ``M`` the micro-batches per
+    replica."""
+    loss_tokens = lengths if loss_tokens is None else loss_tokens
     batches = micro_batch_rows(lengths, seq_length, micro_batch_size, data_parallel)
     per_replica = len(batches) // data_parallel
     weights = [0.0] * len(lengths)
     for rows in batches:
         members = [index for row in rows for index in row]
-        tokens = sum(lengths[index] for index in members)
+        tokens = max(sum(loss_tokens[index] for index in members), 1)
         for index in members:
             weights[index] = 1.0 / (tokens * per_replica)
     return weights
@@ -64,5 +67,6 @@ def unit_weights(args, documents, units: int) -> list[float] | None:
     scale = units * parallel_state.get_context_parallel_world_size()
     weights = document_weights([len(doc) - 1 for doc in documents], args.seq_length,
                                args.micro_batch_size,
-                               parallel_state.get_data_parallel_world_size())
+                               parallel_state.get_data_parallel_world_size(),
+                               [loss_tokens(doc) for doc in documents])
     return [scale * weight for weight in weights]

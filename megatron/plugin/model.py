@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -57,14 +58,15 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         # RoPE is applied by DocumentAttention at true positions (see attention.py).
         position_embedding_type="none" if rope else "learned_absolute")
+    layers = functools.partial(document_layer_spec, normalization=args.normalization, rope=rope,
+                               qk_layernorm=args.qk_layernorm, num_experts=args.num_experts)
     spec = registry.spec(args.pipeline_schedule)
     if spec is not None and spec.build_model is not None:
-        return spec.build_model(args, config, args.padded_vocab_size,
-                     document_layer_spec(1, args.normalization, rope).layer_specs[0],
-                     **gpt_kwargs)
+        return spec.build_model(args, config, args.padded_vocab_size, layers(1).layer_specs[0],
+                                **gpt_kwargs)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return GPTModel(
         config=config,
-        transformer_layer_spec=document_layer_spec(num_layers, args.normalization, rope),
+        transformer_layer_spec=layers(num_layers),
         vocab_size=args.padded_vocab_size, pre_process=pre_process, post_process=post_process,
         vp_stage=vp_stage, **gpt_kwargs)

@@ -72,6 +72,36 @@ ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
                "sppo": "golden:pp2_dp2_sppo_n5_offload"}
 GQA = {"elastic": "golden:pp2_gqa_elastic", "seq1f1b": "golden:pp2_gqa_seq1f1b",
        "1f1b-ir": "golden:pp2_gqa_ir", "interleaved": "golden:pp2_vp2_gqa_interleaved"}
+#: The Q and K norms (``--qk-layernorm``, shipped to helix's attention stage with the QKV
+#: weight) and ``--eod-mask-loss``: one model variant proves both; under the schedules that
+#: run Megatron's layer map its layouts split the layers unevenly too (:data:`UNEVEN`).
+QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
+               "1f1b": "golden:pp2_qk_eod_uneven_1f1b",
+               "interleaved": "golden:pp2_vp2_qk_eod_interleaved",
+               "1f1b-ir": "golden:pp2_qk_eod_uneven_ir",
+               "elastic": "golden:pp2_qk_eod_uneven_elastic",
+               "seq1f1b": "golden:pp2_qk_eod_uneven_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
+               "sppo": "golden:pp2_qk_eod_sppo_n4_offload"}
+#: Dropless mixture of experts (Megatron's MoE layer, no auxiliary loss); under the schedules
+#: that run Megatron's layer map its layouts count the embedding and the loss as layers of
+#: the split (:data:`ACCOUNTED`).
+MOE = {"default": "golden:pp2_moe_accounted_1f1b", "1f1b": "golden:pp2_moe_accounted_1f1b",
+       "interleaved": "golden:pp2_vp2_moe_interleaved", "1f1b-ir": "golden:pp2_moe_accounted_ir",
+       "elastic": "golden:pp2_moe_accounted_elastic",
+       "seq1f1b": "golden:pp2_moe_accounted_seq1f1b", "helix": "golden:pp2_moe_helix",
+       "sppo": "golden:pp2_moe_sppo_n4_offload"}
+#: Megatron's uneven pipeline splits (its layer map, ``get_num_layers_to_build``), where the
+#: schedule runs that map: a first stage of 1 and a last of 3 layers; the embedding and the
+#: loss each counted as a layer.
+UNEVEN = {name: QK_NORM_EOD[name] for name in ("default", "1f1b", "1f1b-ir", "elastic",
+                                               "seq1f1b")}
+ACCOUNTED = {name: MOE[name] for name in ("default", "1f1b", "1f1b-ir", "elastic", "seq1f1b")}
+_UNEVEN_REFUSALS = {
+    "helix": "helix places its layer parts by its own mapping (boundary b on stage b mod PP, "
+             "equal stages): drop {flag}",
+    "sppo": "sppo's partition and its multiplexed helpers (which run another stage's layers "
+            "on their own modules) need equal stages: drop {flag}, or use elastic",
+}
 #: Micro-batches of two rows: Megatron's recomputation layouts, and Megatron's default loss
 #: (each micro-batch's token mean) under the document schedules.
 MBS = {"default": "golden:pp2_block_recompute_mbs2", "1f1b": "golden:pp2_default_loss_mbs2",
@@ -152,6 +182,14 @@ HONOURED: dict[str, Honoured] = {
         "swiglu", "layernorm_zero_centered_gamma", "add_bias_linear",
         "untie_embeddings_and_output_weights")},
     "normalization": Honoured(ROPE_SWIGLU, _NO_TEST, values=("LayerNorm", "RMSNorm")),
+    "qk_layernorm": Honoured(QK_NORM_EOD, _NO_TEST),
+    **{name: Honoured(UNEVEN, _NO_TEST, refusals=_UNEVEN_REFUSALS) for name in (
+        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")},
+    **{name: Honoured(ACCOUNTED, _NO_TEST, refusals=_UNEVEN_REFUSALS) for name in (
+        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")},
+    "eod_mask_loss": Honoured(QK_NORM_EOD, _NO_TEST),
+    **{name: Honoured(MOE, _NO_TEST) for name in (
+        "num_experts", "moe_router_topk", "moe_ffn_hidden_size")},
     "group_query_attention": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     "num_query_groups": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     **{name: Honoured(EXAMPLE_SCHEDULES, _NO_TEST) for name in (
@@ -245,7 +283,8 @@ HONOURED: dict[str, Honoured] = {
 _OTHER_MODELS = ("it configures a model or task other than GPT pretraining, which this script does "
                  "not run; drop it")
 _MLA = "multi-latent attention is not built; drop the flag"
-_MOE = "mixture-of-experts layers are not built by this script; drop the flag"
+_MOE = ("no test proves this mixture-of-experts option yet (dropless routing with Megatron's "
+        "MoE layer is: --num-experts, --moe-router-topk, --moe-ffn-hidden-size); drop the flag")
 _TE = ("it needs Transformer Engine layers, which this script does not build (its layer "
        "spec is the local one with the document attention); drop the flag")
 _HYBRID = ("only the GPT layer spec with the document attention is built (no Mamba, linear, "
@@ -255,9 +294,11 @@ _ATTENTION = ("the document attention does not implement it "
 _CP_KIND = ("context parallelism here is Ulysses all-to-all over the document attention's "
             "heads; drop the flag")
 _UNPROVEN_MODEL = ("no test proves it under any schedule yet (the model's layers read it); drop it")
-_PIPELINE_LAYOUT = ("no test proves an uneven or explicit pipeline layout yet: place "
-                    "num-layers / PP "
-                    "layers on every stage and drop the flag")
+_PIPELINE_LAYOUT = ("no test proves an explicit pipeline layout yet: place the layers with "
+                    "--decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers "
+                    "or --account-for-embedding-in-pipeline-split / "
+                    "--account-for-loss-in-pipeline-split, or num-layers / PP on every stage, "
+                    "and drop the flag")
 _GRAPHS = ("the document batches change shape every step; drop the flag (CUDA graphs, "
            "deferred weight gradients and activation offloading of Megatron are not run "
            "here: use sppo's --sppo-offload)")
@@ -272,7 +313,8 @@ _THROUGHPUT = ("Megatron-LM counts FLOPs as if every sample were --seq-length to
 #: same way under every schedule.
 INERT = _names("""
     adam_beta1 adam_beta2 adam_eps adlr_autoresume adlr_autoresume_interval app_tag_run_name
-    app_tag_run_version apply_rope_fusion async_ckpt_cpu_priority async_ckpt_io_priority
+    app_tag_run_version apply_rope_fusion apply_wd_to_qk_layernorm async_ckpt_cpu_priority
+    async_ckpt_io_priority
     async_ckpt_use_cpu_shm async_save async_strategy auto_detect_ckpt_format
     barrier_with_L1_time bias_dropout_fusion bias_gelu_fusion bias_swiglu_fusion
     calc_ft_timeouts chat_template check_for_large_grads check_for_nan_in_loss_and_grad
@@ -427,32 +469,32 @@ REFUSED: dict[str, str] = {
         q_lora_rank qk_head_dim qk_pos_emb_head_dim rotary_scaling_factor v_head_dim
     """, _MLA),
     **_each("""
-        ep_overlap_early_attn_memory_release expert_model_parallel_size
+        ep_overlap_early_attn_memory_release 
         expert_tensor_parallel_num_weight_shards expert_tensor_parallel_size
-        high_priority_a2a_comm_stream moe_apply_probs_on_input moe_aux_loss_coeff
+        high_priority_a2a_comm_stream moe_apply_probs_on_input 
         moe_deepep_num_sms moe_enable_deepep moe_enable_routing_replay
-        moe_expert_capacity_factor moe_expert_rank_capacity_factor moe_ffn_hidden_size
+        
         moe_flex_dispatcher_backend moe_flex_dispatcher_num_sms moe_grouped_gemm
         moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
         moe_hybridep_num_sms moe_hybridep_num_sms_preprocessing
         moe_hybridep_pad_uneven_dispatch_inputs moe_input_jitter_eps moe_latent_size
         moe_layer_freq moe_layer_recompute moe_mlp_glu_interleave_size
-        moe_ncclep_static_shape moe_ncclep_zero_copy moe_pad_expert_input_to_capacity
+        moe_ncclep_static_shape moe_ncclep_zero_copy 
         moe_pad_experts_for_cuda_graph_inference moe_paged_stash
         moe_paged_stash_buffer_size_factor_cpu moe_paged_stash_buffer_size_factor_cuda
         moe_paged_stash_page_size moe_per_layer_logging moe_permute_fusion
         moe_permute_fusion_into_hybridep moe_router_bias_update_rate moe_router_dtype
-        moe_router_enable_expert_bias moe_router_force_biased
+        moe_router_force_biased
         moe_router_force_load_balancing moe_router_fusion moe_router_group_topk
         moe_router_load_balancing_type moe_router_num_groups moe_router_padding_for_fp8
         moe_router_padding_for_quantization moe_router_pre_softmax
-        moe_router_quantile_balancing_ema moe_router_score_function moe_router_topk
+        moe_router_quantile_balancing_ema moe_router_score_function 
         moe_router_topk_scaling_factor moe_routing_trace_capture_hidden_states
         moe_shared_expert_gate moe_shared_expert_glu_interleave_size
         moe_shared_expert_intermediate_size moe_shared_expert_overlap
         moe_single_grouped_bias moe_single_grouped_weight moe_token_dispatcher_type
-        moe_token_drop_policy moe_upcycling_granularity moe_use_upcycling moe_z_loss_coeff
-        num_experts overlap_dispatch_backward_with_experts_wgrad
+        moe_upcycling_granularity moe_use_upcycling moe_z_loss_coeff
+        overlap_dispatch_backward_with_experts_wgrad
         overlap_moe_expert_parallel_comm use_grouped_gemm_for_dense_mlp
         use_grouped_gemm_for_shared_expert
     """, _MOE),
@@ -484,11 +526,11 @@ REFUSED: dict[str, str] = {
         use_mamba_mem_eff_path yaml_cfg
     """, _HYBRID),
     **_each("""
-        add_qkv_bias apply_query_key_layer_scaling apply_wd_to_qk_layernorm
+        add_qkv_bias apply_query_key_layer_scaling
         attention_backend attention_output_gate attention_softmax_in_fp32
         batch_invariant_mode deterministic_mode flash_attention_version flash_decode
         mrope_section no_rope_freq qk_clip qk_clip_alpha qk_clip_threshold qk_l2_norm
-        qk_layernorm rope_scaling_factor rope_type rotary_interleaved
+        rope_scaling_factor rope_type rotary_interleaved
         rotary_seq_len_interpolation_factor softmax_type use_flash_attn use_rope_scaling
         use_rotary_position_embeddings window_attn_skip_freq window_size yarn_beta_fast
         yarn_beta_slow yarn_correction_range_round_to_int
@@ -512,8 +554,8 @@ REFUSED: dict[str, str] = {
         use_fused_weighted_squared_relu use_mup
     """, _UNPROVEN_MODEL),
     **_each("""
-        account_for_embedding_in_pipeline_split account_for_loss_in_pipeline_split
-        decoder_first_pipeline_num_layers decoder_last_pipeline_num_layers
+        
+        
         microbatch_group_size_per_vp_stage num_virtual_stages_per_pipeline_rank
         overlap_p2p_comm overlap_p2p_comm_warmup_flush pipeline_model_parallel_comm_backend
         pipeline_model_parallel_layout scatter_gather_tensors_in_pipeline
@@ -550,7 +592,7 @@ REFUSED: dict[str, str] = {
     **_each("""
         allow_ambiguous_pad_tokens batch_size 
         data_args_path dataloader_inter_document_masking decrease_batch_size_if_needed
-        eod_mask_loss eval_global_batch_size eval_micro_batch_size fim_data fim_eod_token
+        eval_global_batch_size eval_micro_batch_size fim_data fim_eod_token
         fim_fragment_rate fim_middle_token fim_no_prefix fim_pad_token fim_prefix_token
         fim_rate fim_split_sample fim_spm_rate fim_suffix_token full_validation
         mid_level_dataset_surplus multiple_validation_sets object_storage_cache_path
@@ -561,6 +603,23 @@ REFUSED: dict[str, str] = {
         log_throughput
     """, _THROUGHPUT),
     "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
+    **_each("""
+        moe_expert_capacity_factor moe_expert_rank_capacity_factor
+        moe_pad_expert_input_to_capacity moe_token_drop_policy
+    """, "an expert's capacity counts the tokens of one forward call, and the document "
+         "schedules cut the batch into other calls (slices, packed chunks, subsequences), so "
+         "which tokens are dropped would depend on the schedule: drop the flag (dropless "
+         "routing, exact under every schedule)"),
+    "moe_aux_loss_coeff": "Megatron's auxiliary load-balancing loss is computed per "
+                          "micro-batch, and the document schedules run other units; leave "
+                          "--moe-aux-loss-coeff at 0 (dropless routing without it is exact "
+                          "under every schedule)",
+    "moe_router_enable_expert_bias": "the expert bias is updated from the tokens routed in the "
+                                     "step, padding included, and each schedule pads "
+                                     "differently; drop --moe-router-enable-expert-bias",
+    "expert_model_parallel_size": "no test proves expert parallelism yet (its token "
+                                  "all-to-all is untested under gloo); use "
+                                  "--expert-model-parallel-size 1",
 }
 
 

@@ -46,7 +46,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.plugin import cpu_compat, launch
-from megatron.plugin.batches import forward_step, micro_batch, micro_batch_rows, pack_row
+from megatron.plugin.batches import (forward_step, loss_tokens, micro_batch, micro_batch_rows,
+                                     pack_row)
 from megatron.plugin.document_data import GlobalBatch
 
 
@@ -74,7 +75,21 @@ def golden_arguments(parser):
     group.add_argument("--golden-tag", default="")
     group.add_argument("--golden-tags", nargs="*", default=[])
     group.add_argument("--golden-docs", type=int, default=12)
+    group.add_argument("--golden-eod-every", type=int, default=0,
+                       help="put the tokenizer's end-of-document token at every K-th input of "
+                            "each document (from the third on; 0: nowhere)")
     return parser
+
+
+def with_eod_tokens(docs, every: int, eod: int):
+    """``docs`` with ``eod`` at inputs ``2, 2 + every, ...`` of each (what ``--eod-mask-loss``
+    masks); the last token, a label only, is left alone."""
+    planted = []
+    for doc in docs:
+        doc = doc.copy()
+        doc[2:len(doc) - 1:every] = eod
+        planted.append(doc)
+    return planted
 
 
 def _sharded_state(model) -> dict:
@@ -243,6 +258,10 @@ def run(args):
     vocab = 256
     model, optimizer, scheduler, config = launch.setup_model_and_optimizer()
     docs = golden_documents(args.golden_docs, args.seq_length, vocab, args.seed)
+    if args.golden_eod_every:
+        from megatron.training import get_tokenizer
+
+        docs = with_eod_tokens(docs, args.golden_eod_every, get_tokenizer().eod)
     if args.golden_mode == "init":
         from megatron.training.checkpointing import save_checkpoint
 
@@ -353,12 +372,14 @@ def default_loss_gradients(model, docs, seq_length: int, micro_batch_size: int) 
     """Gradients of Megatron's default loss at one data-parallel rank: the documents grouped
     into the micro-batches Megatron's schedules receive (the project's packing,
     ``micro_batch_rows``), the mean over those micro-batches of each one's token mean,
-    computed here from per-document loss sums (each document alone)."""
+    computed here from per-document loss sums (each document alone); a micro-batch's tokens are
+    its loss tokens (``--eod-mask-loss`` masks the end-of-document inputs)."""
     lengths = [len(doc) - 1 for doc in docs]
+    counted = [loss_tokens(doc) for doc in docs]
     batches = micro_batch_rows(lengths, seq_length, micro_batch_size)
     weights = [0.0] * len(docs)
     for rows in batches:
         members = [index for row in rows for index in row]
         for index in members:
-            weights[index] = 1.0 / (sum(lengths[i] for i in members) * len(batches))
+            weights[index] = 1.0 / (sum(counted[i] for i in members) * len(batches))
     return weighted_gradients(model, docs, weights)[2]

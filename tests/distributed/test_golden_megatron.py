@@ -59,6 +59,8 @@ ELASTIC_EXPECTED = {
     "pp2_ulysses2_gqa_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_elastic_default_loss_mbs2": ({"split", "hybrid", "batched"}, "none"),
     "pp2_seq1f1b_default_loss_mbs2": ({"split", "hybrid"}, "none"),
+    "pp2_qk_eod_uneven_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_moe_accounted_elastic": ({"split", "hybrid", "batched"}, "none"),
 }
 
 HELIX = ["--pipeline-schedule", "helix"]
@@ -95,6 +97,16 @@ MUX_EXPECTED = {
     "pp2_sppo_mux_n6_offload": (2, 6, 0.5),
     "pp4_sppo_mux_n5": (4, 5, None),
 }
+
+#: Megatron's uneven pipeline splits: a first stage of 1 and a last of 3 of 4 layers; the
+#: embedding and the loss each counted as a layer (each stage builds 2 of 4).
+UNEVEN = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
+ACCOUNTED = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+#: The schedules that run Megatron's layer map (``name`` of a layout tag, flags).
+FOUR_SCHEDULES = (("1f1b", ["--pipeline-schedule", "1f1b"]),
+                  ("ir", ["--pipeline-schedule", "1f1b-ir"]), ("elastic", ELASTIC),
+                  ("seq1f1b", SEQ1F1B))
+
 
 def more_schedules(name: str) -> dict:
     """A model variant's layouts under ``seq1f1b``, ``1f1b-ir`` and ``interleaved`` (PP=2, two
@@ -248,6 +260,44 @@ VARIANTS = {
         "pp2_ulysses2_gqa_elastic": (4, ["--pipeline-model-parallel-size", "2",
                                          "--context-parallel-size", "2", *ELASTIC]),
     }),
+    # QK-norm and --eod-mask-loss: RMSNorms of every head's query and key (as Qwen3's; a
+    # LayerNorm's key bias shifts every score of a query alike and has no gradient to compare),
+    # which helix ships with the QKV weight to the attention stage and gets the gradients of
+    # back; the end-of-document token at every fifth input of each document, masked out of
+    # the loss (under Megatron's default loss too, where it changes each micro-batch's count).
+    # Under the schedules that run Megatron's layer map, the split is uneven too: 1 + 3 layers.
+    "qk_norm_eod": (["--qk-layernorm", "--normalization", "RMSNorm", "--eod-mask-loss",
+                     "--golden-eod-every", "5"], {
+        **{f"pp2_qk_eod_uneven_{name}": (2, ["--pipeline-model-parallel-size", "2", *UNEVEN,
+                                             *flags]) for name, flags in FOUR_SCHEDULES},
+        "pp2_vp2_qk_eod_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                           "--num-layers-per-virtual-pipeline-stage", "1",
+                                           "--pipeline-schedule", "interleaved"]),
+        "pp2_qk_eod_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_qk_eod_helix_recompute": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
+                                           "--helix-recompute-without-attention"]),
+        "pp2_qk_eod_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                           "--sppo-subsequences", "4", "--sppo-offload",
+                                           "0.5"]),
+        "pp2_qk_eod_elastic_default_loss_mbs2": (2, ["--pipeline-model-parallel-size", "2",
+                                                     *ELASTIC, *MBS2]),
+    }),
+    # Dropless mixture of experts: Megatron's MoE layer (4 local experts, top-3 routing, no
+    # auxiliary loss, no biases, as Megatron-LM's MoE configurations) in every layer. Routing
+    # is per token, so cutting and packing documents keeps every token's experts. Under the
+    # schedules that run Megatron's layer map, the embedding and the loss count as layers of
+    # the split (4 + 2 over 2 stages: 2 transformer layers each).
+    "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
+             "--disable-bias-linear"], {
+        **{f"pp2_moe_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
+                                             *flags]) for name, flags in FOUR_SCHEDULES},
+        "pp2_vp2_moe_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                        "--num-layers-per-virtual-pipeline-stage", "1",
+                                        "--pipeline-schedule", "interleaved"]),
+        "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_moe_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                        "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
+    }),
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--apply-layernorm-1p",
                              "--disable-bias-linear",
@@ -261,8 +311,9 @@ VARIANTS = {
     }),
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
     # are not a multiple of p x folds = 4 train with empty slots. One document is also the
-    # case of SPPO's multiplexed partitioning (see MUX_EXPECTED).
-    "one_microbatch": (["--golden-docs", "1"], {
+    # case of SPPO's multiplexed partitioning (see MUX_EXPECTED), whose helpers borrow the
+    # owner's layer weights, the Q/K norms' too (the model has them: --qk-layernorm, RMSNorm).
+    "one_microbatch": (["--golden-docs", "1", "--qk-layernorm", "--normalization", "RMSNorm"], {
         "pp2_helix_m1": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_sppo_mux_n4": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                 "--sppo-subsequences", "4", "--sppo-offload", "off",
@@ -294,7 +345,7 @@ PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: they name (``reference_default_mbs<N>.pt``, golden_run.py).
 DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_seq1f1b_default_loss_mbs2", "pp2_ulysses2_sppo_default_loss_mbs2",
-                "pp2_helix_default_loss"}
+                "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2"}
 
 
 def loss_flags(common: list, tag: str) -> list:

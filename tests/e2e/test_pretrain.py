@@ -165,7 +165,8 @@ def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, mes
                             "pipeline-model-parallel size"),
     (["--save-interval", "0", "--save-interval", None], "assert args.save_interval is not None"),
     # The project's checks:
-    (["--num-experts", "8"], "--num-experts is not supported by pretrain_gpt_elastic.py"),
+    (["--num-experts", "8", "--disable-bias-linear", "--moe-expert-capacity-factor", "1.0"],
+     "--moe-expert-capacity-factor is not supported by pretrain_gpt_elastic.py"),
     (["--pipeline-schedule", "zigzag"],
      "valid names: default, 1f1b, 1f1b-ir, elastic, helix, interleaved, seq1f1b, sppo"),
     (["--not-a-megatron-flag"], "unrecognized arguments: --not-a-megatron-flag"),

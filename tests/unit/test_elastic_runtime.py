@@ -67,7 +67,9 @@ def job_args(**over) -> argparse.Namespace:
         num_attention_heads=4, hidden_dropout=0.0,
         ffn_hidden_size=256, params_dtype=torch.float32, swiglu=False,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=2, context_parallel_size=1,
-        use_distributed_optimizer=False)
+        use_distributed_optimizer=False, decoder_first_pipeline_num_layers=None,
+        decoder_last_pipeline_num_layers=None, account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False)
     values.update(over)
     return argparse.Namespace(**values)
 
@@ -90,6 +92,28 @@ def test_the_default_profile_matches_the_cuda_device(monkeypatch, caplog, device
     assert cost.hardware.name == load_profile(profile).name
     why = "no shipped profile matches" if device == "NVIDIA L40S" else "matched from"
     assert f"hardware profile {profile} (spec-derived, {why} {device})" in caplog.text
+
+
+@pytest.mark.parametrize("num_layers,flags,layers", [
+    (4, {}, (2, 2)),
+    (5, {"decoder_first_pipeline_num_layers": 1}, (1, 4)),
+    (5, {"decoder_first_pipeline_num_layers": 2, "decoder_last_pipeline_num_layers": 3}, (2, 3)),
+    (5, {"account_for_embedding_in_pipeline_split": True}, (2, 3)),
+    (5, {"account_for_loss_in_pipeline_split": True}, (3, 2)),
+])
+def test_the_planner_prices_each_stage_with_megatrons_layer_map(num_layers, flags, layers):
+    """The stages' layer counts are those Megatron builds (``get_num_layers_to_build``): even,
+    uneven first or last stages, the embedding or the loss counted as a layer."""
+    args = job_args(num_layers=num_layers, **flags)
+    assert job_costs.megatron_stage_layers(args) == layers
+    cost = job_costs.cost_model_from_args(args, 512, memory_gb=80.0, reserved_gb=2.0)
+    assert tuple(cost.layers(stage) for stage in range(2)) == layers
+
+
+def test_a_layer_map_that_does_not_place_the_model_is_refused():
+    cost = job_costs.cost_model_from_args(job_args(), 512, memory_gb=80.0, reserved_gb=2.0)
+    with pytest.raises(ValueError, match=r"layers per stage \(1, 2\) do not place 4 layers"):
+        CostModel(cost.model, cost.hardware, cost.parallel, (1, 2))
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.float32, "float32"),

@@ -97,7 +97,7 @@ def test_matches_sdpa_per_document(rope, groups, recompute):
 
     segments = row_segments(layout, BATCH)
     if recompute:
-        out = recomputed_attention(project, x, weight, bias, segments, None)
+        out = recomputed_attention(project, x, (weight, bias), segments, None)
     else:
         out = packed_attention(*project(x, weight, bias), segments, None)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
@@ -154,7 +154,7 @@ def test_saves_only_what_the_backward_needs():
 
     _, saved = _saved_bytes(packed)
     assert saved == 3 * activation + activation + lse
-    _, saved = _saved_bytes(lambda: recomputed_attention(project, x, weight, bias, segments,
+    _, saved = _saved_bytes(lambda: recomputed_attention(project, x, (weight, bias), segments,
                                                          None))
     assert saved == activation + weight.numel() * item + bias.numel() * item + activation + lse
 
@@ -172,7 +172,7 @@ def test_dropout_masks_are_drawn_again_after_the_projection_is_recomputed():
         torch.manual_seed(7)
         if recompute:
             out, saved = _saved_bytes(lambda: recomputed_attention(
-                project, x, weight, bias, segments, None, dropout))
+                project, x, (weight, bias), segments, None, dropout))
         else:
             out = packed_attention(*project(x, weight, bias), segments, None, dropout)
             saved = None

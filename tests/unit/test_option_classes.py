@@ -85,6 +85,7 @@ def _golden_parser():
     """The parser with the golden worker's own flag that the layouts use."""
     parser = arguments.build_parser()
     parser.add_argument("--golden-docs")
+    parser.add_argument("--golden-eod-every")
     return parser
 
 
@@ -140,11 +141,11 @@ def test_every_refusal_comes_in_one_start_up_without_a_traceback(tmp_path):
     """Three refused options for three reasons, a schedule's own flag under another schedule
     and a missing flag: one exit 2 naming them all."""
     result, _ = _run(*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--eval-interval", "1",
-                     "--pipeline-schedule", "elastic", "--num-experts", "8", "--qk-layernorm",
+                     "--pipeline-schedule", "elastic", "--multi-latent-attention", "--qk-l2-norm",
                      "--grad-reduce-in-bf16", "--sppo-offload", "1", "--log-throughput",
                      "--calculate-per-token-loss")
     assert result.returncode == 2, result.stderr[-3000:]
-    for named in ("--num-experts is not supported", "--qk-layernorm is not supported",
+    for named in ("--multi-latent-attention is not supported", "--qk-l2-norm is not supported",
                   "--grad-reduce-in-bf16 is not supported by --pipeline-schedule elastic",
                   "--sppo-offload is a flag of --pipeline-schedule sppo",
                   "--log-throughput is not supported"):
@@ -153,10 +154,13 @@ def test_every_refusal_comes_in_one_start_up_without_a_traceback(tmp_path):
 
 
 def test_flags_refused_for_one_reason_are_named_together():
-    messages = option_classes.refusals({"num_experts": ("--num-experts", 8),
-                                        "moe_router_topk": ("--moe-router-topk", 4)}, "1f1b")
-    assert len(messages) == 1 and "--num-experts, --moe-router-topk are not supported" \
-        in messages[0], messages
+    messages = option_classes.refusals(
+        {"moe_expert_capacity_factor": ("--moe-expert-capacity-factor", 1.0),
+         "moe_pad_expert_input_to_capacity": ("--moe-pad-expert-input-to-capacity", True)},
+        "1f1b")
+    assert len(messages) == 1 and ("--moe-expert-capacity-factor, "
+                                   "--moe-pad-expert-input-to-capacity are not supported"
+                                   in messages[0]), messages
 
 
 def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
@@ -167,10 +171,11 @@ def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
     with pytest.raises(ValueError) as refused:
         arguments.check_command_line([*argv, "--pipeline-model-parallel-size", "2",
                                       "--context-parallel-size", "2",
-                                      "--pipeline-schedule", "1f1b-ir", "--num-experts", "8"],
+                                      "--pipeline-schedule", "1f1b-ir",
+                                      "--multi-latent-attention"],
                                      training=True)
     text = str(refused.value)
-    for named in ("add --calculate-per-token-loss", "--num-experts is not supported",
+    for named in ("add --calculate-per-token-loss", "--multi-latent-attention is not supported",
                   "--eval-interval is not set"):
         assert named in text, text
 

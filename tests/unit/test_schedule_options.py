@@ -6,6 +6,7 @@ default loss (no ``--calculate-per-token-loss``): accepted by every schedule, wi
 layout of each schedule that forms its loss from units of its own."""
 import importlib.util
 import os
+import re
 
 import pytest
 
@@ -153,9 +154,6 @@ def test_context_parallel_1f1b_ir_needs_the_per_token_loss(monkeypatch):
 DOCUMENT_REFUSED = {
     "overlap_param_gather": ["--overlap-grad-reduce", "--overlap-param-gather",
                              "--use-distributed-optimizer"],
-    "decoder_first_pipeline_num_layers": ["--decoder-first-pipeline-num-layers", "2"],
-    "account_for_embedding_in_pipeline_split": ["--account-for-embedding-in-pipeline-split",
-                                                "--account-for-loss-in-pipeline-split"],
     "defer_embedding_wgrad_compute": ["--defer-embedding-wgrad-compute"],
     "num_layers_per_virtual_pipeline_stage": ["--num-layers-per-virtual-pipeline-stage", "1"],
 }
@@ -199,6 +197,54 @@ def test_overlapped_gradient_reduction_is_honoured_or_refused_with_the_reason(sc
         assert "--ddp-bucket-size sizes the buckets" in message
     else:
         assert "--overlap-grad-reduce" in message
+
+
+#: Megatron's uneven pipeline splits: honoured where the schedule runs Megatron's layer map
+#: (golden layouts), refused where the schedule places layers itself or needs equal stages.
+UNEVEN_SPLITS = [
+    ("helix", ["--decoder-first-pipeline-num-layers", "1"],
+     "helix places its layer parts by its own mapping"),
+    ("sppo", ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"],
+     "sppo's partition and its multiplexed helpers"),
+    ("sppo", ["--decoder-last-pipeline-num-layers", "3"],
+     "drop --decoder-last-pipeline-num-layers"),
+    ("interleaved", ["--decoder-first-pipeline-num-layers", "1",
+                     "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--decoder-first-pipeline-num-layers is not supported by --pipeline-schedule interleaved"),
+]
+
+
+@pytest.mark.parametrize("schedule,flags,refusal", UNEVEN_SPLITS)
+def test_uneven_splits_are_refused_where_stages_must_be_equal(schedule, flags, refusal,
+                                                              monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        arguments.parse([*BASE, "--pipeline-schedule", schedule, *flags])
+
+
+#: Mixture-of-experts options that depend on how many tokens one call holds, or that no test
+#: proves, refused by name under a document schedule (dropless routing is honoured: golden).
+MOE_REFUSED = [
+    (["--moe-expert-capacity-factor", "1.0"], "an expert's capacity counts the tokens of one "
+                                              "forward call"),
+    (["--moe-pad-expert-input-to-capacity"], "drop the flag (dropless routing"),
+    (["--moe-aux-loss-coeff", "0.01"], "leave --moe-aux-loss-coeff at 0"),
+    (["--moe-router-enable-expert-bias"], "each schedule pads differently"),
+    (["--expert-model-parallel-size", "2"], "use --expert-model-parallel-size 1"),
+    ([], "add --disable-bias-linear"),
+    (["--context-parallel-size", "2"], "use --tensor-model-parallel-size 1 and "
+                                       "--context-parallel-size 1 with MoE layers"),
+]
+
+
+@pytest.mark.parametrize("flags,refusal", MOE_REFUSED)
+def test_moe_options_outside_dropless_routing_are_refused_by_name(flags, refusal, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*BASE, "--pipeline-schedule", "elastic", "--num-experts", "4", *flags]
+    if refusal != "add --disable-bias-linear":
+        argv.append("--disable-bias-linear")
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        arguments.check_command_line(argv)
 
 
 #: A flag of one schedule's group under a schedule without that group would do nothing:

@@ -256,9 +256,12 @@ def _sequence_to_heads(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def document_layer_spec(num_layers: int, normalization: str = "LayerNorm",
-                        rope: RopeSettings | None = None, qk_layernorm: bool = False):
+                        rope: RopeSettings | None = None, qk_layernorm: bool = False,
+                        num_experts: int | None = None):
     """Transformer-block spec: Megatron's local GPT layer with :class:`DocumentAttention` as
-    core attention and :class:`~megatron.plugin.layers.norm.SequenceParallelNorm` norms.
+    core attention and :class:`~megatron.plugin.layers.norm.SequenceParallelNorm` norms (the Q
+    and K norms too, with ``qk_layernorm``); with ``num_experts``, Megatron's MoE layer with its
+    local experts (``SequentialMLP``) in every layer.
 
     ``num_layers`` is the number of layers this pipeline stage builds (Megatron's
     ``get_num_layers_to_build``).
@@ -269,7 +272,8 @@ def document_layer_spec(num_layers: int, normalization: str = "LayerNorm",
 
     from megatron.plugin.layers.norm import SequenceParallelNorm
 
-    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization=normalization,
+                                    qk_layernorm=qk_layernorm)
     layer = spec.submodules
     layer.self_attention.submodules.core_attention = ModuleSpec(
         module=DocumentAttention, params={"rope": rope})
