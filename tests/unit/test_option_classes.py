@@ -127,6 +127,22 @@ def test_planner_flags_reach_the_planner(monkeypatch):
     assert cost.parallel.reserved_gb == 0.25
 
 
+def test_log_throughput_needs_megatrons_lengths(monkeypatch):
+    """--log-throughput is honoured where megatron-core counts FLOPs over recorded sequence
+    lengths (0.19, tests/e2e/test_flop_count.py), refused by name where it cannot (0.17)."""
+    from megatron.plugin import flop_count
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+            "--log-throughput"]
+    refusal = "--log-throughput: this megatron-core release counts FLOPs as if every sample"
+    if flop_count.counts_real_lengths():
+        arguments.check_command_line(argv)
+        monkeypatch.setattr(flop_count, "_recorder", lambda: None)
+    with pytest.raises(ValueError, match=refusal):
+        arguments.check_command_line(argv)
+
+
 def _run(*argv, env=None, timeout=120):
     start = time.monotonic()
     result = subprocess.run([sys.executable, SCRIPT, *argv], cwd=REPO, capture_output=True,
@@ -141,13 +157,12 @@ def test_every_refusal_comes_in_one_start_up_without_a_traceback(tmp_path):
     and a missing flag: one exit 2 naming them all."""
     result, _ = _run(*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--eval-interval", "1",
                      "--pipeline-schedule", "elastic", "--num-experts", "8", "--qk-layernorm",
-                     "--overlap-grad-reduce", "--sppo-offload", "1", "--log-throughput",
+                     "--overlap-grad-reduce", "--sppo-offload", "1",
                      "--calculate-per-token-loss")
     assert result.returncode == 2, result.stderr[-3000:]
     for named in ("--num-experts is not supported", "--qk-layernorm is not supported",
                   "--overlap-grad-reduce is not supported by --pipeline-schedule elastic",
-                  "--sppo-offload is a flag of --pipeline-schedule sppo",
-                  "--log-throughput is not supported"):
+                  "--sppo-offload is a flag of --pipeline-schedule sppo"):
         assert named in result.stderr, (named, result.stderr[-3000:])
     assert "Traceback" not in result.stderr
 
