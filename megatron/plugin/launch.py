@@ -30,7 +30,7 @@ from megatron.core.enums import ModelType
 
 from megatron.plugin import arguments, checkpoint_errors, cpu_compat, hang_report, registry
 from megatron.plugin.batches import forward_step
-from megatron.plugin.document_data import train_valid_test_datasets_provider
+from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
 from megatron.plugin.pipeline import p2p, run_settings
 
@@ -268,6 +268,8 @@ def _parses_in_initialize() -> bool:
 
 def _after_parsing(args) -> None:
     arguments.check_args(args)
+    if args.rank == 0:
+        print(sample_meaning(args), flush=True)
     run_settings.configure(args.pipeline_timeout_s, args.trace_dir)
     registry.use_schedule(args.pipeline_schedule)
 

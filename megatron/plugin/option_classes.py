@@ -548,6 +548,17 @@ REFUSED: dict[str, str] = {
 }
 
 
+#: The options that count samples. pretrain_gpt_elastic.py's sample is one whole document (its
+#: first ``--seq-length + 1`` tokens where longer) under every schedule, Megatron-LM's a
+#: sequence of ``--seq-length`` tokens: these options keep their role and count documents
+#: (start-up says so: :func:`megatron.plugin.document_data.sample_meaning`). Each is also in
+#: one class above (``--rampup-batch-size`` is refused: the batch of documents is fixed).
+COUNT_DOCUMENTS = _names("""
+    global_batch_size train_samples rampup_batch_size lr_decay_samples lr_warmup_samples
+    lr_wsd_decay_samples
+""")
+
+
 def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
     """What to refuse of ``given`` (``dest -> (flag, value)`` of each option on the command line
     with a value other than its default) under ``schedule``: one message per reason, naming

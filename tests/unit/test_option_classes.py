@@ -32,6 +32,27 @@ def test_every_option_of_the_parser_is_in_exactly_one_class():
     assert not twice, f"options in more than one class: {twice}"
 
 
+def test_every_option_that_counts_samples_is_named_as_counting_documents(monkeypatch):
+    """A sample is a document here (a sequence of --seq-length tokens in Megatron-LM): the
+    table names every option that counts samples, and start-up says what a sample is."""
+    from megatron.plugin.document_data import sample_meaning
+
+    options = _options(arguments.build_parser())
+    counting = {dest for dest in options if dest.endswith("_samples")}
+    assert counting | {"global_batch_size", "rampup_batch_size"} \
+        == option_classes.COUNT_DOCUMENTS
+    assert option_classes.COUNT_DOCUMENTS <= set(option_classes.classes())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = arguments.parse([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                            "--pipeline-schedule", "sppo"])
+    assert sample_meaning(args) == (
+        "pretrain_gpt_elastic.py: a sample is one document (its first 65 tokens where longer) "
+        "under --pipeline-schedule sppo, not a sequence of --seq-length tokens as in "
+        "Megatron-LM: --global-batch-size 12 is 12 documents per step, and --lr-decay-samples, "
+        "--lr-warmup-samples, --lr-wsd-decay-samples, --rampup-batch-size, --train-samples "
+        "count documents")
+
+
 def test_an_option_in_no_class_is_refused_naming_it(monkeypatch):
     from megatron.training import arguments as megatron_arguments
 
