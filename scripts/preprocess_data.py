@@ -48,10 +48,15 @@ def texts(paths, json_key):
 
 
 def build_tokenizer(args):
-    """Megatron-LM's tokenizer from its tokenizer flags (the rest at Megatron's defaults)."""
+    """Megatron-LM's tokenizer from its tokenizer flags (the rest at Megatron's defaults);
+    ``GPT2BPETokenizer`` from local ``--vocab-file``/``--merge-file`` needs no network
+    (:mod:`megatron.plugin.gpt2_bpe`)."""
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build
 
+    from megatron.plugin import gpt2_bpe
     from megatron.plugin.arguments import megatron_defaults
+
+    gpt2_bpe.install()
 
     full = argparse.Namespace(**{dest: default for dest, (_, default)
                                  in megatron_defaults().items()})

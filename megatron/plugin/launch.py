@@ -28,7 +28,8 @@ from typing import Callable, Sequence
 import torch
 from megatron.core.enums import ModelType
 
-from megatron.plugin import arguments, checkpoint_errors, cpu_compat, hang_report, registry
+from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, hang_report,
+                             registry)
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
@@ -256,6 +257,7 @@ def shutdown() -> None:
 def _prepare() -> None:
     if not torch.cuda.is_available():
         cpu_compat.install()
+    gpt2_bpe.install()
     _use_shipped_dataset_helpers()
 
 

@@ -6,9 +6,9 @@ launcher and FP8, on 2 CPU ranks under ``1f1b`` and ``elastic``.
 The tokenizers are built here (nothing is downloaded): a byte-level BPE trained on the
 project's own sources, saved as a HuggingFace tokenizer directory (Llama-3's
 ``HuggingFaceTokenizer --tokenizer-model``) and as GPT-2 ``vocab.json``/``merges.txt``
-(GPT-3's ``--vocab-file``/``--merge-file``; Megatron's ``GPT2BPETokenizer`` asks HuggingFace's
-``AutoTokenizer`` for ``gpt2`` with those files, so the test gives it an offline hub cache entry
-holding only the tokenizer class, as an air-gapped cluster would). The data is written by
+(GPT-3's ``--vocab-file``/``--merge-file``, enough for Megatron's ``GPT2BPETokenizer`` without
+the Hugging Face hub: :mod:`megatron.plugin.gpt2_bpe`). Everything runs offline, with an empty
+Hugging Face cache, as on an air-gapped cluster. The data is written by
 ``scripts/preprocess_data.py`` with the same tokenizer flags.
 
 What a CPU run cannot take is refused by name, and each refusal is checked before the flag is
@@ -147,8 +147,8 @@ def drop(argv, flag, values):
 
 
 def build_tokenizer(directory):
-    """Byte-level BPE over the project's sources: a HuggingFace tokenizer directory, GPT-2
-    vocab/merges files, and an offline hub cache entry for ``gpt2`` naming its class."""
+    """Byte-level BPE over the project's sources: a HuggingFace tokenizer directory and GPT-2
+    vocab/merges files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -164,26 +164,19 @@ def build_tokenizer(directory):
     gpt2 = directory / "gpt2"
     gpt2.mkdir()
     bpe.model.save(str(gpt2))
-    commit = "0" * 40
-    snapshot = directory / "hub" / "hub" / "models--gpt2" / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (directory / "hub" / "hub" / "models--gpt2" / "refs").mkdir()
-    (directory / "hub" / "hub" / "models--gpt2" / "refs" / "main").write_text(commit)
-    (snapshot / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "GPT2Tokenizer", "model_max_length": 1024}))
-    (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     # Documents of 100 to 1000 characters, enough for GPT-3's --split 949,50,1 to leave the
     # test split some.
     texts = [text[start:start + 100 + 37 * (start % 25)] for text in texts
              for start in range(0, len(text), 400)]
-    return hf, gpt2, directory / "hub", texts
+    return hf, gpt2, texts
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("examples")
-    hf, gpt2, hub, texts = build_tokenizer(root)
-    env = {"HF_HOME": str(hub), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    hf, gpt2, texts = build_tokenizer(root)
+    env = {"HF_HOME": str(root / "empty-hub-cache"), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
     with open(root / "docs.jsonl", "w") as f:
         for text in texts:
             f.write(json.dumps({"text": text}) + "\n")

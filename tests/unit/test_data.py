@@ -1,6 +1,7 @@
 """Data: preprocessing into Megatron .bin/.idx, document-level batches, embedded corpus."""
 import argparse
 import json
+import os
 
 import numpy as np
 import pytest
@@ -181,3 +182,77 @@ def test_damaged_or_mismatched_files_are_refused_naming_the_file(dataset, damage
                  "truncate_idx": data[:len(data) // 2], "foreign_idx": b"x" * len(data)}[damage])
     with pytest.raises(ValueError, match=message):
         sources.build_document_sources(data_args(data_path=[dataset]), VOCAB)
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte: printable Latin-1 bytes stand for themselves,
+    the others take the code points from 256 on, in byte order (the space is ``Ġ``)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = iter(range(256, 512))
+    return {byte: chr(byte) if byte in printable else chr(next(others)) for byte in range(256)}
+
+
+#: A tiny GPT-2 vocabulary: the 256 byte symbols (id = byte value), five merges, the
+#: end-of-document token.
+MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("hell", "o")]
+
+
+def _gpt2_files(directory):
+    vocab = {symbol: byte for byte, symbol in _byte_symbols().items()}
+    for first, second in MERGES:
+        vocab[first + second] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in MERGES))
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+            str(directory / "vocab.json"), "--merge-file", str(directory / "merges.txt")]
+
+
+_OFFLINE = """
+import json, sys
+from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+from megatron.plugin import arguments, launch
+from scripts import preprocess_data
+
+tokenizer_flags, text, prefix = json.loads(sys.argv[1])
+preprocess_data.main(["--input", text, "--output-prefix", prefix, "--append-eod",
+                      *tokenizer_flags])
+launch._prepare()  # what pretrain_gpt_elastic.py does before Megatron builds its tokenizer
+args = arguments.parse([*tokenizer_flags, "--num-layers", "2", "--hidden-size", "32",
+                        "--num-attention-heads", "4", "--seq-length", "64",
+                        "--max-position-embeddings", "64", "--micro-batch-size", "1",
+                        "--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"])
+tokenizer = build_tokenizer(args)
+print(json.dumps({"ids": tokenizer.tokenize("hello world"), "eod": tokenizer.eod,
+                  "vocab_size": tokenizer.vocab_size}))
+"""
+
+
+def test_gpt2_bpe_needs_only_the_local_vocab_and_merges(tmp_path):
+    """Megatron's GPT2BPETokenizer with --vocab-file/--merge-file, offline with no Hugging Face
+    cache, in scripts/preprocess_data.py and in training. GPT-2's byte-level BPE by hand:
+    "hello world" splits into "hello" and " world"; "hello" merges h+e, l+l, he+ll, hell+o
+    into one token (id 260); " world" merges Ġ+w (259), then o r l d are bytes 111 114 108
+    100; the end-of-document token is <|endoftext|> (261)."""
+    import subprocess
+    import sys
+
+    from harness import REPO, python_path
+
+    pytest.importorskip("transformers", reason="Megatron's GPT2BPETokenizer needs it")
+    flags = _gpt2_files(tmp_path)
+    (tmp_path / "hello.txt").write_text("hello world")
+    prefix = str(tmp_path / "hello")
+    offline = {"HF_HOME": str(tmp_path / "empty-cache"), "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "http_proxy": "http://127.0.0.1:9",
+               "https_proxy": "http://127.0.0.1:9", "PYTHONPATH": python_path(),
+               "WORLD_SIZE": "1"}
+    result = subprocess.run([sys.executable, "-c", _OFFLINE,
+                             json.dumps([flags, str(tmp_path / "hello.txt"), prefix])],
+                            cwd=REPO, env={**os.environ, **offline}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = json.loads(result.stdout.strip().splitlines()[-1])
+    assert trained == {"ids": [260, 259, 111, 114, 108, 100], "eod": 261, "vocab_size": 262}
+    assert list(IndexedDataset(prefix).get(0)) == [260, 259, 111, 114, 108, 100, 261]
