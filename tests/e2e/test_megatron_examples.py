@@ -18,8 +18,8 @@ without ``--use-pytorch-profiler`` (nsys). What ``elastic`` cannot take is refus
 ``--overlap-grad-reduce``. ``--rampup-batch-size`` is refused for every schedule (the document
 batches are of a fixed size), and so is Llama-3's ``--attention-backend fused`` (the document
 attention picks its own kernel); its ``--log-throughput`` is kept where megatron-core counts
-FLOPs over the documents' lengths (0.19) and refused where it cannot (0.17). ``elastic`` also refuses ``--grad-reduce-in-bf16`` and the
-distributed optimizer (no test proves them under it).
+FLOPs over the documents' lengths (0.19) and refused where it cannot (0.17). ``elastic`` also
+refuses ``--grad-reduce-in-bf16`` and the distributed optimizer (no test proves them under it).
 Both schedules then train the same documents from the same seed. GPT-3's example leaves
 dropout at Megatron's default (0.1): two schedules that pack the same documents into different
 rows draw different masks, so the test sets ``--hidden-dropout 0 --attention-dropout 0`` for it
