@@ -193,7 +193,7 @@ def workspace(tmp_path_factory):
              "--output-prefix", str(root / name), "--append-eod", *flags],
             cwd=REPO, env=dict(os.environ, **env), capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
-        data[name] = str(root / name)
+        data[name] = str(root / f"{name}_text_document")  # Megatron-LM's tool's name
     return root, hf, gpt2, env, data
 
 

@@ -31,10 +31,10 @@ def preprocess(tmp_path, *flags):
     lines = [{"text": " ".join([str(97 + i)] * n)} for i, n in enumerate(LENGTHS)]
     source = tmp_path / "docs.jsonl"
     source.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    prefix = str(tmp_path / "docs")
-    assert preprocess_data.main(["--input", str(source), "--output-prefix", prefix,
-                                 "--append-eod", *NULL, *flags]) == 0
-    return prefix
+    assert preprocess_data.main(["--input", str(source), "--output-prefix",
+                                 str(tmp_path / "docs"), "--append-eod", *NULL, *flags]) == 0
+    # Named as Megatron-LM's tools/preprocess_data.py names it.
+    return str(tmp_path / "docs_text_document")
 
 
 @pytest.fixture
@@ -119,6 +119,10 @@ def test_missing_data_path_names_the_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.bin, .*nope\.idx not found.*"
                                                  r"preprocess_data\.py"):
         sources.build_document_sources(data_args(data_path=[str(tmp_path / "nope")]), VOCAB)
+    # The prefix given to the tool, not the dataset's name: the message names the dataset.
+    written = preprocess(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"exist: pass --data-path {written}$"):
+        sources.build_document_sources(data_args(data_path=[str(tmp_path / "docs")]), VOCAB)
 
 
 def test_splits_weighted_zero_are_not_built_and_empty_evaluated_splits_are_refused(dataset):
@@ -166,12 +170,14 @@ def test_embedded_corpus_is_the_standard_library(tmp_path):
 
 
 @pytest.mark.parametrize("damage,message", [
-    ("truncate_bin", r"docs\.bin holds \d+ bytes where .*docs\.idx describes \d+: the \.bin is "
+    ("truncate_bin", r"docs_text_document\.bin holds \d+ bytes where "
+                     r".*docs_text_document\.idx describes \d+: the \.bin is "
                      r"truncated; write the dataset again with scripts/preprocess_data\.py"),
-    ("grow_bin", r"docs\.bin holds \d+ bytes .* not the one its index was written with"),
-    ("truncate_idx", r"docs\.idx cannot be read .*: it is damaged or not a Megatron-LM index; "
-                     r"write the dataset again"),
-    ("foreign_idx", r"docs\.idx cannot be read \(bad header"),
+    ("grow_bin", r"docs_text_document\.bin holds \d+ bytes .* not the one its index was "
+                 r"written with"),
+    ("truncate_idx", r"docs_text_document\.idx cannot be read .*: it is damaged or not a "
+                     r"Megatron-LM index; write the dataset again"),
+    ("foreign_idx", r"docs_text_document\.idx cannot be read \(bad header"),
 ])
 def test_damaged_or_mismatched_files_are_refused_naming_the_file(dataset, damage, message):
     path = dataset + (".bin" if damage.endswith("bin") else ".idx")
@@ -244,6 +250,7 @@ def test_gpt2_bpe_needs_only_the_local_vocab_and_merges(tmp_path):
     flags = _gpt2_files(tmp_path)
     (tmp_path / "hello.txt").write_text("hello world")
     prefix = str(tmp_path / "hello")
+    written = prefix + "_text_document"
     offline = {"HF_HOME": str(tmp_path / "empty-cache"), "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "http_proxy": "http://127.0.0.1:9",
                "https_proxy": "http://127.0.0.1:9", "PYTHONPATH": python_path(),
@@ -255,4 +262,4 @@ def test_gpt2_bpe_needs_only_the_local_vocab_and_merges(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     trained = json.loads(result.stdout.strip().splitlines()[-1])
     assert trained == {"ids": [260, 259, 111, 114, 108, 100], "eod": 261, "vocab_size": 262}
-    assert list(IndexedDataset(prefix).get(0)) == [260, 259, 111, 114, 108, 100, 261]
+    assert list(IndexedDataset(written).get(0)) == [260, 259, 111, 114, 108, 100, 261]
