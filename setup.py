@@ -16,8 +16,7 @@ setup(
                  "longctx", "longctx.*"]
     ),
     py_modules=["pretrain_gpt_elastic"],
-    package_data={"longctx": ["profiles/*.json"],
-                  "megatron.plugin": ["gpt2_tokenizer/*.json"]},
+    package_data={"longctx": ["profiles/*.json"]},
     # The schedules (megatron/plugin/schedule_spec.py), found by the registry through this group.
     entry_points={"megatron_longctx.schedules": [
         "1f1b-ir = ir_1f1b.schedule:SPEC",

@@ -58,7 +58,7 @@ def build_tokenizer(args):
     from megatron.plugin import gpt2_bpe
     from megatron.plugin.arguments import megatron_defaults
 
-    gpt2_bpe.install()
+    gpt2_bpe.install(args)
 
     full = argparse.Namespace(**{dest: default for dest, (_, default)
                                  in megatron_defaults().items()})

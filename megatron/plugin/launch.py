@@ -43,7 +43,7 @@ def run_pretrain() -> None:
     _prepare()
     # The project's refusals, all at once, before Megatron-LM's validation (which may build a
     # tokenizer, and download its vocabulary) and before any process group.
-    arguments.check_command_line(sys.argv[1:], training=True)
+    gpt2_bpe.install(arguments.check_command_line(sys.argv[1:], training=True))
     from megatron.training import training as megatron_training
 
     store = _restart_store()
@@ -139,7 +139,7 @@ def initialize(argv: Sequence[str], extra_args_provider: Callable | None = None)
         arguments.add_arguments(parser)
         return extra_args_provider(parser) if extra_args_provider else parser
 
-    arguments.check_command_line(argv, extra_args_provider=extra_args_provider)
+    gpt2_bpe.install(arguments.check_command_line(argv, extra_args_provider=extra_args_provider))
     with arguments.command_line(argv), _refusals():
         if _parses_in_initialize():
             initialize_megatron(extra_args_provider=extra, args_defaults=arguments.DEFAULTS,
@@ -257,7 +257,6 @@ def shutdown() -> None:
 def _prepare() -> None:
     if not torch.cuda.is_available():
         cpu_compat.install()
-    gpt2_bpe.install()
     _use_shipped_dataset_helpers()
 
 

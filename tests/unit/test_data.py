@@ -217,21 +217,22 @@ def _gpt2_files(directory):
 
 _OFFLINE = """
 import json, sys
-from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-from megatron.plugin import arguments, launch
+from megatron.plugin import launch
+from megatron.training import get_tokenizer
 from scripts import preprocess_data
 
 tokenizer_flags, text, prefix = json.loads(sys.argv[1])
 preprocess_data.main(["--input", text, "--output-prefix", prefix, "--append-eod",
                       *tokenizer_flags])
-launch._prepare()  # what pretrain_gpt_elastic.py does before Megatron builds its tokenizer
-args = arguments.parse([*tokenizer_flags, "--num-layers", "2", "--hidden-size", "32",
-                        "--num-attention-heads", "4", "--seq-length", "64",
-                        "--max-position-embeddings", "64", "--micro-batch-size", "1",
-                        "--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"])
-tokenizer = build_tokenizer(args)
+# Training's start-up: Megatron-LM's parsing, validation and global tokenizer.
+launch.initialize([*tokenizer_flags, "--num-layers", "2", "--hidden-size", "32",
+                   "--num-attention-heads", "4", "--seq-length", "64",
+                   "--max-position-embeddings", "64", "--micro-batch-size", "1",
+                   "--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"])
+tokenizer = get_tokenizer()
 print(json.dumps({"ids": tokenizer.tokenize("hello world"), "eod": tokenizer.eod,
                   "vocab_size": tokenizer.vocab_size}))
+launch.shutdown()
 """
 
 
@@ -244,7 +245,7 @@ def test_gpt2_bpe_needs_only_the_local_vocab_and_merges(tmp_path):
     import subprocess
     import sys
 
-    from harness import REPO, python_path
+    from harness import REPO, free_port, python_path
 
     pytest.importorskip("transformers", reason="Megatron's GPT2BPETokenizer needs it")
     flags = _gpt2_files(tmp_path)
@@ -254,7 +255,8 @@ def test_gpt2_bpe_needs_only_the_local_vocab_and_merges(tmp_path):
     offline = {"HF_HOME": str(tmp_path / "empty-cache"), "HF_HUB_OFFLINE": "1",
                "TRANSFORMERS_OFFLINE": "1", "http_proxy": "http://127.0.0.1:9",
                "https_proxy": "http://127.0.0.1:9", "PYTHONPATH": python_path(),
-               "WORLD_SIZE": "1"}
+               "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port())}
     result = subprocess.run([sys.executable, "-c", _OFFLINE,
                              json.dumps([flags, str(tmp_path / "hello.txt"), prefix])],
                             cwd=REPO, env={**os.environ, **offline}, capture_output=True,
