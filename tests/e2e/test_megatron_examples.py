@@ -264,6 +264,9 @@ def test_megatron_example_trains_under_1f1b_and_elastic(workspace, name):
         assert len(norms) == ITERATIONS and all(0 < n < float("inf") for n in norms), norms
         assert all(lr > 0 for lr in logged(result.stdout, "learning rate"))
         assert logged(result.stdout, "number of skipped iterations") == [0] * ITERATIONS
+        if "--log-throughput" in argv:  # kept where Megatron counts the documents' lengths
+            assert len(logged(result.stdout, r"throughput per GPU \(TFLOP/s/GPU\)")) \
+                == ITERATIONS
         checkpoint = argv[argv.index("--save") + 1]
         with open(os.path.join(checkpoint, "latest_checkpointed_iteration.txt")) as f:
             assert f.read().strip() == str(ITERATIONS)
