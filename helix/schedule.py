@@ -344,6 +344,10 @@ class HelixCosts:
         del action
         return 0.0
 
+    def gradient_sums(self, action: Action) -> tuple:
+        del action
+        return ()
+
     def static_bytes(self, rank: int) -> float:
         del rank
         return 0.0

@@ -9,7 +9,9 @@ from longctx.cost_model import CostModel
 
 class ChunkCosts:
     """The simulator's cost protocol for units that are chunks: forward, backward, transfers
-    and stash from the cost model; ``checkpointed(stage, unit)`` layers recomputed.
+    and stash from the cost model; ``checkpointed(stage, unit)`` layers recomputed. A forward
+    stashes all but the dK/dV sums of its non-final slices, which the first backward of a later
+    slice of the document creates (:meth:`gradient_sums`).
 
     A ``RECOMPUTE`` rematerialises all the unit's checkpointed layers at once, as this project's
     runtime does; ``per_layer_recompute`` prices Megatron's full recomputation instead, which
@@ -20,6 +22,14 @@ class ChunkCosts:
         self.chunks = chunks
         self.checkpointed = checkpointed
         self.per_layer_recompute = per_layer_recompute
+        # per unit, the units that hold earlier slices of its documents
+        holding: dict[tuple[int, int], int] = {}
+        for unit, chunk in enumerate(chunks):
+            for piece in chunk.pieces:
+                holding[piece.doc, piece.slice] = unit
+        self._earlier = [sorted({holding[piece.doc, index] for piece in chunk.pieces
+                                 for index in range(piece.slice)})
+                         for chunk in chunks]
 
     def duration(self, action: Action) -> float:
         chunk = self.chunks[action.unit]
@@ -40,8 +50,14 @@ class ChunkCosts:
             layers = 1 if self.per_layer_recompute else self.checkpointed(action.stage,
                                                                           action.unit)
             return layers * self.cost.layer_saving(chunk)
-        return self.cost.stash_bytes(action.stage, chunk,
-                                     self.checkpointed(action.stage, action.unit))
+        return self.cost.stash_bytes(action.stage, chunk, self.checkpointed(
+            action.stage, action.unit)) - self.cost.gradient_sum_bytes(action.stage, chunk)
+
+    def gradient_sums(self, action: Action) -> tuple:
+        """The dK/dV sums a backward creates: those of the earlier slices of its documents,
+        which its attention's context gradients flow into."""
+        return tuple((unit, self.cost.gradient_sum_bytes(action.stage, self.chunks[unit]))
+                     for unit in self._earlier[action.unit])
 
     def workspace_bytes(self, action: Action) -> float:
         """Bytes a running forward, backward or recomputation holds beyond the stash."""

@@ -375,6 +375,14 @@ class CostModel:
             full += self.logits_per_token * chunk.tokens
         return full - checkpointed * self.layer_saving(chunk)
 
+    def gradient_sum_bytes(self, stage: int, chunk: Chunk) -> float:
+        """Bytes of the dK/dV sums ``stage`` keeps for ``chunk``'s slices that are not their
+        document's last: created by the first backward of a later slice, freed by the chunk's
+        own backward. :meth:`stash_bytes` counts them from the forward on (the planners' bound);
+        the simulator places them where they are created (:meth:`longctx.chunk_costs.ChunkCosts.gradient_sums`)."""
+        return self.layers(stage) * self.dkv_per_token * sum(
+            piece.tokens for piece in chunk.pieces if not piece.final)
+
     def static_bytes(self, stage: int) -> float:
         """Model state of ``stage`` plus the reserved runtime overhead (eq. 10)."""
         p, m = self.parallel, self.model

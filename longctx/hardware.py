@@ -73,6 +73,10 @@ class LayerCoefficients:
     def __post_init__(self):
         if min(self.alpha1, self.alpha2, self.beta) < 0:
             raise ValueError(f"layer_coefficients must be non-negative: {self}")
+        if self.alpha1 == self.alpha2 == 0:
+            raise ValueError(f"layer_coefficients: alpha1 and alpha2 are 0, so no chunk costs "
+                             f"more than another: re-measure the profile with "
+                             f"scripts/profile_costs.py on an idle machine: {self}")
         if min(self.hidden_size, self.sp, self.tp) < 1:
             raise ValueError(f"layer_coefficients: hidden_size, sp and tp must be >= 1: {self}")
 

@@ -107,12 +107,18 @@ def design_matrix(tokens, contexts) -> np.ndarray:
 
 
 def fit_coefficients(tokens, contexts, forward_s) -> tuple[float, float, float]:
-    """``(alpha1, alpha2, beta) >= 0`` of eq. 1 minimising the relative residuals."""
+    """``(alpha1, alpha2, beta) >= 0`` of eq. 1 minimising the relative residuals; a fit in which
+    no term grows with the tokens (times of a busy machine) is refused."""
     y = np.asarray(forward_s, dtype=np.float64)
     if np.any(y <= 0):
         raise ValueError("forward times must be positive")
     a = design_matrix(tokens, contexts) / y[:, None]
     alpha1, alpha2, beta = nnls(a, np.ones_like(y))
+    if alpha1 <= 0 and alpha2 <= 0:
+        raise ValueError(
+            "the measured forward times do not grow with the tokens (alpha1 and alpha2 both fit "
+            "to 0): the machine was busy while profiling or the grid is too small; profile on "
+            "an idle machine, with more --repeats or larger --tokens")
     return float(alpha1), float(alpha2), float(beta)
 
 
@@ -533,7 +539,11 @@ def main(argv=None) -> int:
         backwards.append(b)
     tokens = [s for s, _ in points]
     contexts = [c for _, c in points]
-    coefficients = fit_coefficients(tokens, contexts, forwards)
+    try:
+        coefficients = fit_coefficients(tokens, contexts, forwards)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     factor = fit_backward_factor(forwards, backwards)
     fitted = predict(coefficients, tokens, contexts)
     errors = np.abs(fitted - np.asarray(forwards)) / np.asarray(forwards)

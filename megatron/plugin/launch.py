@@ -173,6 +173,9 @@ def setup_model_and_optimizer():
     if args.overlap_grad_reduce:
         no_sync = [chunk.no_sync for chunk in model]
         config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        if args.align_grad_reduce:
+            grad_sync = [chunk.start_grad_sync for chunk in model]
+            config.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
     return model, optimizer, scheduler, config
 
 

@@ -99,6 +99,17 @@ SELECTIVE = {"default": "golden:pp2_selective_recompute",
              "interleaved": "golden:pp2_vp2_interleaved_selective_recompute",
              "1f1b-ir": "golden:pp2_ir_selective_recompute"}
 
+#: Overlapped data-parallel gradient reduction with buckets small enough that the first stage
+#: has several (two data-parallel replicas of PP=2; the golden test also checks that the
+#: first stage's buckets started their reductions inside its last backward).
+OVERLAP = {"1f1b-ir": "golden:pp2_dp2_overlap_ir", "elastic": "golden:pp2_dp2_overlap_elastic",
+           "seq1f1b": "golden:pp2_dp2_overlap_seq1f1b", "sppo": "golden:pp2_dp2_overlap_sppo"}
+_HELIX_OVERLAP = (
+    "{flag} is not supported by --pipeline-schedule helix: it runs each layer part's backward "
+    "apart, so a rank's last backward holds one part's parameters, and Megatron's DDP, which "
+    "counts a bucket ready only in the backward after no_sync ends, would never start the other "
+    "parts' buckets; drop {flag} (helix reduces the gradients after its last backward)")
+
 #: ``Honoured.refusal`` of a schedule's own flag: under a schedule without it, it does nothing.
 FOREIGN = "foreign"
 PLANNER_KNOBS = "tests/unit/test_option_classes.py::test_planner_flags_reach_the_planner"
@@ -158,11 +169,16 @@ HONOURED: dict[str, Honoured] = {
                      "--num-layers-per-virtual-pipeline-stage",
             "sppo": "sppo runs one model chunk per rank: drop "
                     "--num-layers-per-virtual-pipeline-stage"}),
-    # Megatron's data-parallel gradient reduction, run by Megatron's own schedules only.
+    # Megatron's data-parallel gradient reduction: overlapped with the backward under the IR
+    # schedules too (megatron/plugin/pipeline/grad_sync.py); the distributed optimizer under
+    # Megatron's own schedules only.
+    "overlap_grad_reduce": Honoured({**OVERLAP, "default": EXAMPLES, "1f1b": EXAMPLES},
+                                    _NO_TEST, refusals={"helix": _HELIX_OVERLAP}),
+    "ddp_bucket_size": Honoured(OVERLAP, _NO_TEST, refusals={
+        "helix": "--ddp-bucket-size sizes the buckets that --overlap-grad-reduce reduces during "
+                 "the backward, which helix does not run: drop it"}),
     **{name: Honoured(
         {"default": EXAMPLES, "1f1b": EXAMPLES}, message) for name, message in (
-        ("overlap_grad_reduce", "the document schedules reduce gradients after the last "
-                                "backward; drop --overlap-grad-reduce"),
         ("overlap_param_gather", "the document schedules do not gather parameters in the "
                                  "forward; drop --overlap-param-gather"),
         ("use_distributed_optimizer", "no test proves the distributed optimizer under this "
@@ -517,7 +533,7 @@ REFUSED: dict[str, str] = {
     """, _GRAPHS),
     **_each("""
         align_grad_reduce align_param_gather data_parallel_sharding_strategy
-        ddp_average_in_collective ddp_bucket_size ddp_num_buckets
+        ddp_average_in_collective ddp_num_buckets
         ddp_pad_buckets_for_high_nccl_busbw
         ddp_param_name_patterns_for_fp32_local_accumulation
         ddp_reduce_scatter_with_fp32_accumulation enable_full_sharding_in_hsdp exp_avg_dtype

@@ -12,6 +12,11 @@ Modes:
   and MLP chunk rows (``helix_<tag>.json``), ``sppo`` its subsequences, offload ratios and
   what each offload moved, per rank (``sppo_<tag>_<rank>.json``), so the test can check what a
   run exercised.
+  With ``--overlap-grad-reduce`` a first forward-backward over other documents (no optimizer
+  step) comes before the measured step: Megatron's DDP starts a bucket's reduction from the
+  backward hooks only in a step after the first. The measured step then records, per rank, the
+  order of its backward actions' starts and ends and of the buckets' reduction starts
+  (``overlap_<tag>_<rank>.json``).
   Finally record which CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
   native ``1f1b`` the order in which its loop called ``forward_step`` / ``backward_step`` on
   each rank is recorded too (``order_<tag>_<rank>.json``), an independent oracle for the IR
@@ -145,6 +150,69 @@ def recording_call_order(order: list):
         schedules.forward_step, schedules.backward_step = forward, backward
 
 
+def first_step(model, args, vocab: int) -> None:
+    """One forward-backward over other documents than the measured step's (a different plan),
+    without an optimizer step: the step in which Megatron's DDP counts each parameter's
+    grad-ready hooks."""
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.rerun_state_machine import RerunDataIterator, get_rerun_state_machine
+
+    docs = golden_documents(args.golden_docs, args.seq_length, vocab, args.seed + 1)
+    data_iterator = RerunDataIterator(iter([GlobalBatch(docs, lambda: docs)]))
+    # Inside Megatron's rerun state machine, as its train_step runs a step.
+    while get_rerun_state_machine().should_run_forward_backward(data_iterator):
+        get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+            num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.decoder_seq_length,
+            forward_only=False)
+
+
+@contextlib.contextmanager
+def recording_overlap(model, events: list):
+    """For the duration, append ``["start", action]`` / ``["end", action]`` around every
+    backward action the executor runs and ``["reduce", i]`` when bucket group ``i`` of the
+    rank's model chunk dispatches its reduction (a call of ``start_grad_sync`` that finds it
+    already in flight, as ``finish_grad_sync`` makes, dispatches nothing)."""
+    from megatron.plugin.pipeline import executor
+    from megatron.plugin.pipeline.ir import Kind
+
+    groups = [*model[0].bucket_groups, *model[0].expert_parallel_bucket_groups]
+    handler_of = executor._handler
+
+    def recorded(run, action):
+        handler = handler_of(run, action)
+        if action.kind is not Kind.BACKWARD:
+            return handler
+
+        def backward(run, index, action):
+            events.append(["start", str(action)])
+            result = handler(run, index, action)
+            events.append(["end", str(action)])
+            return result
+        return backward
+
+    def reducing(index, group, start):
+        def start_grad_sync(*args, **kwargs):
+            handle = group.grad_reduce_handle
+            result = start(*args, **kwargs)
+            if group.grad_reduce_handle is not handle:  # not a call that found it in flight
+                events.append(["reduce", index])
+            return result
+        return start_grad_sync
+
+    for index, group in enumerate(groups):
+        group.start_grad_sync = reducing(index, group, group.start_grad_sync)
+    executor._handler = recorded
+    try:
+        yield len(groups)
+    finally:
+        executor._handler = handler_of
+        for group in groups:
+            del group.start_grad_sync
+
+
 def command_lines(argv: list[str]) -> list[list[str]]:
     """The command lines this launch runs: ``argv`` itself, or those of ``--golden-layouts``."""
     parser = argparse.ArgumentParser(allow_abbrev=False)
@@ -187,11 +255,20 @@ def run(args):
         order: list[str] = []
         recording = recording_call_order(order) if args.pipeline_schedule == "1f1b" \
             else contextlib.nullcontext()
+        events: list = []
+        if args.overlap_grad_reduce:
+            first_step(model, args, vocab)
+            recording = recording_overlap(model, events)
         # Megatron's train_step: the schedule, then the optimizer step (grad norm and
         # clipping), which sees the gradients after they are captured.
         captured = capture_grads_before_step(model, optimizer)
-        with recording:
+        with recording as groups:
             record = launch.train_step(model, optimizer, scheduler, config, data_iterator)
+        if args.overlap_grad_reduce:
+            name = f"overlap_{args.golden_tag}_{dist.get_rank()}.json"
+            with open(os.path.join(args.golden_dir, name), "w") as f:
+                json.dump({"pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                           "bucket_groups": groups, "events": events}, f)
         tokens = record["num_tokens"]
         loss_sum = record["lm_loss"] * tokens
         num_microbatches = record["num_microbatches"]

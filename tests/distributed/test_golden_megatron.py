@@ -69,6 +69,9 @@ BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block",
          "--recompute-num-layers", "1"]
 SELECTIVE = ["--recompute-granularity", "selective"]
 MBS2 = ["--micro-batch-size", "2"]
+#: Megatron's overlapped gradient reduction with buckets of 10000 parameters (the first stage of
+#: the tiny model at PP=2 holds about 38000): several buckets, reduced as the backward goes.
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "10000"]
 
 SPPO = ["--pipeline-schedule", "sppo"]
 #: tag -> (subsequences of the longest document, offload ratio of the run or None for off).
@@ -226,6 +229,16 @@ VARIANTS = {
                                                     "--sppo-subsequences", "4",
                                                     "--sppo-offload", "off", *MBS2]),
         "pp2_helix_default_loss": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        # Overlapped gradient reduction with two data-parallel replicas (OVERLAP_TAGS).
+        "pp2_dp2_overlap_ir": (4, ["--pipeline-model-parallel-size", "2",
+                                   "--pipeline-schedule", "1f1b-ir", *OVERLAP]),
+        "pp2_dp2_overlap_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC,
+                                        *OVERLAP]),
+        "pp2_dp2_overlap_seq1f1b": (4, ["--pipeline-model-parallel-size", "2", *SEQ1F1B,
+                                        *OVERLAP]),
+        "pp2_dp2_overlap_sppo": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                     "--sppo-subsequences", "4", "--sppo-offload", "0.5",
+                                     *OVERLAP]),
     }),
     # Grouped-query attention: 4 heads share 2 K/V groups, also in the K/V context of a split
     # document's later slices (masked attention over context + slice) and under Ulysses.
@@ -260,6 +273,10 @@ VARIANTS = {
         "pp4_sppo_mux_n5": (4, ["--pipeline-model-parallel-size", "4", *SPPO,
                                 "--sppo-subsequences", "5", "--sppo-offload", "off",
                                 "--sppo-multiplex"]),
+        # The owner's last backward also takes its helpers' weight gradients (OVERLAP_TAGS).
+        "pp2_sppo_mux_n4_overlap": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                        "--sppo-subsequences", "4", "--sppo-offload", "off",
+                                        "--sppo-multiplex", *OVERLAP]),
     }),
     "three_microbatches": (["--golden-docs", "5"], {
         "pp2_helix_m3": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
@@ -269,6 +286,8 @@ VARIANTS = {
         "pp2_helix_m5": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
     }),
 }
+OVERLAP_TAGS = ["pp2_dp2_overlap_ir", "pp2_dp2_overlap_elastic", "pp2_dp2_overlap_seq1f1b",
+                "pp2_dp2_overlap_sppo", "pp2_sppo_mux_n4_overlap"]
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Layouts trained with Megatron's default loss: the fixture leaves ``PER_TOKEN_LOSS`` off their
 #: command line, and they are compared with the reference of that loss at the micro-batch size
@@ -545,3 +564,33 @@ def test_sppo_multiplexed_runs_ran_the_shares(golden, tag):
         assert offloaded == ([] if ratio is None else list(range(1, n - 1)))
         assert all(alpha == ratio for _, alpha, _, _ in record["offloads"])
         assert record["host_used"] == 0
+
+
+@pytest.mark.parametrize("tag", OVERLAP_TAGS)
+def test_overlapped_reduction_starts_inside_the_last_backward(golden, tag):
+    """With --overlap-grad-reduce (Megatron's default --align-grad-reduce), the first stage's
+    buckets (several) each start their reduction once, all of them inside the rank's last
+    backward action (under SPPO's multiplexing, the owner's share of the first subsequence,
+    which also takes its helper's weight gradients), from the backward hooks: the first bucket's reduction runs while the
+    backward still computes the others' gradients. The later stage has one bucket (Megatron
+    buckets the first stage only), started once, after its last backward."""
+    need(tag)
+    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
+    paths = sorted(glob.glob(str(golden / variant / f"overlap_{tag}_*.json")))
+    assert len(paths) == VARIANTS[variant][1][tag][0], paths
+    for path in paths:
+        with open(path) as f:
+            record = json.load(f)
+        events = record["events"]
+        reduces = [i for i, (what, _) in enumerate(events) if what == "reduce"]
+        assert sorted(events[i][1] for i in reduces) == list(range(record["bucket_groups"]))
+        ends = [i for i, (what, _) in enumerate(events) if what == "end"]
+        last_end = ends[-1]
+        last_start = max(i for i, (what, _) in enumerate(events) if what == "start")
+        assert events[last_start][1] == events[last_end][1]
+        if record["pp_rank"] == 0:
+            assert record["bucket_groups"] >= 2, record
+            assert all(last_start < i < last_end for i in reduces), events
+        else:
+            assert record["bucket_groups"] == 1, record
+            assert all(i > last_end for i in reduces), events

@@ -14,12 +14,13 @@ Hugging Face cache, as on an air-gapped cluster. The data is written by
 What a CPU run cannot take is refused by name, and each refusal is checked before the flag is
 dropped: half precision and the distributed optimizer (CUDA-only in megatron-core),
 ``--overlap-param-gather`` (Megatron requires the distributed optimizer for it) and ``--profile``
-without ``--use-pytorch-profiler`` (nsys). What ``elastic`` cannot take is refused for it alone:
-``--overlap-grad-reduce``. ``--rampup-batch-size`` is refused for every schedule (the document
-batches are of a fixed size), and so is Llama-3's ``--attention-backend fused`` (the document
-attention picks its own kernel); its ``--log-throughput`` is kept where megatron-core counts
-FLOPs over the documents' lengths (0.19) and refused where it cannot (0.17). ``elastic`` also
-refuses ``--grad-reduce-in-bf16`` and the distributed optimizer (no test proves them under it).
+without ``--use-pytorch-profiler`` (nsys). ``elastic`` refuses ``--overlap-param-gather`` for
+itself and keeps ``--overlap-grad-reduce`` (the buckets reduce during its last backward).
+``--rampup-batch-size`` is refused for every schedule (the document batches are of a fixed
+size), and so is Llama-3's ``--attention-backend fused`` (the document attention picks its own
+kernel); its ``--log-throughput`` is kept where megatron-core counts FLOPs over the documents'
+lengths (0.19) and refused where it cannot (0.17). ``elastic`` also refuses
+``--grad-reduce-in-bf16`` and the distributed optimizer (no test proves them under it).
 Both schedules then train the same documents from the same seed. GPT-3's example leaves
 dropout at Megatron's default (0.1): two schedules that pack the same documents into different
 rows draw different masks, so the test sets ``--hidden-dropout 0 --attention-dropout 0`` for it
@@ -118,8 +119,6 @@ DROPS = {
         ("--use-distributed-optimizer", 0, CPU_HALF, ("1f1b", "elastic")),
         ("--overlap-param-gather", 0, ("--overlap-param-gather is not supported by "
                                        "--pipeline-schedule elastic", False), ("elastic",)),
-        ("--overlap-grad-reduce", 0, ("--overlap-grad-reduce is not supported by "
-                                      "--pipeline-schedule elastic", False), ("elastic",)),
         ("--overlap-param-gather", 0, ("--overlap-param-gather only supported with distributed "
                                        "optimizer", torch.cuda.is_available()), ("1f1b",)),
         ("--use-distributed-optimizer", 0, ("--use-distributed-optimizer is not supported by "

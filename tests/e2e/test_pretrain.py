@@ -361,7 +361,7 @@ def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
     subprocess.run(
         [sys.executable, "scripts/profile_costs.py", "--hidden-size", "64",
          "--num-attention-heads", "4", "--tokens", "256", "512", "1024", "--contexts", "0", "512",
-         "--repeats", "1", "--attention-dropout", "0", "--hidden-dropout", "0",
+         "--repeats", "3", "--attention-dropout", "0", "--hidden-dropout", "0",
          "--output", str(profile)],
         cwd=REPO, check=True, capture_output=True, timeout=300,
         env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))

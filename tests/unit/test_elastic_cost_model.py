@@ -200,3 +200,24 @@ def test_measured_end_coefficients_price_embedding_and_head(tmp_path):
                      end_coefficients=dict(ends, head_forward=[-1.0, 0.0]))
     with pytest.raises(ValueError, match="belong to a 'measured' profile"):
         hand_profile(tmp_path, end_coefficients=ends)
+
+
+def test_chunk_costs_place_the_dkv_sums_at_the_first_later_slices_backward(tmp_path):
+    """A document split in three slices (units 0, 1, 2; the last packed with a whole document):
+    each forward stashes all but its slice's dK/dV sums; the backward of unit 2 creates the sums
+    of units 0 and 1, the backward of unit 1 names unit 0, and a forward plus its sums equal
+    the stash the planners bound with."""
+    from longctx.chunk_costs import ChunkCosts
+    from megatron.plugin.pipeline.ir import Action, Kind
+
+    cost = CostModel(TINY, hand_profile(tmp_path), ParallelConfig(pp=2, sp=1))
+    chunks = [Chunk((Piece(0, 0, 0, 10, False),)), Chunk((Piece(0, 1, 10, 30, False),)),
+              Chunk((Piece(0, 2, 30, 40, True), Piece(1, 0, 0, 5, True)))]
+    costs = ChunkCosts(cost, chunks, lambda stage, unit: 0)
+    sums = [cost.gradient_sum_bytes(0, chunk) for chunk in chunks]
+    assert sums == [3 * 10 * cost.dkv_per_token, 3 * 20 * cost.dkv_per_token, 0.0]
+    for unit, chunk in enumerate(chunks):
+        forward = costs.activation_bytes(Action(0, Kind.FORWARD, unit))
+        assert forward + sums[unit] == pytest.approx(cost.stash_bytes(0, chunk))
+    backward = [costs.gradient_sums(Action(0, Kind.BACKWARD, unit)) for unit in range(3)]
+    assert backward == [(), ((0, sums[0]),), ((0, sums[0]), (1, sums[1]))]

@@ -178,11 +178,11 @@ def test_every_refusal_comes_in_one_start_up_without_a_traceback(tmp_path):
     and a missing flag: one exit 2 naming them all."""
     result, _ = _run(*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--eval-interval", "1",
                      "--pipeline-schedule", "elastic", "--num-experts", "8", "--qk-layernorm",
-                     "--overlap-grad-reduce", "--sppo-offload", "1",
+                     "--grad-reduce-in-bf16", "--sppo-offload", "1",
                      "--calculate-per-token-loss")
     assert result.returncode == 2, result.stderr[-3000:]
     for named in ("--num-experts is not supported", "--qk-layernorm is not supported",
-                  "--overlap-grad-reduce is not supported by --pipeline-schedule elastic",
+                  "--grad-reduce-in-bf16 is not supported by --pipeline-schedule elastic",
                   "--sppo-offload is a flag of --pipeline-schedule sppo"):
         assert named in result.stderr, (named, result.stderr[-3000:])
     assert "Traceback" not in result.stderr

@@ -34,6 +34,18 @@ def test_fit_recovers_known_coefficients(truth):
         assert abs(got - want) <= 1e-6 * max(abs(want), 1e-30) + (1e-18 if want == 0 else 0)
 
 
+def test_times_that_do_not_grow_with_the_tokens_are_refused_as_a_fit():
+    """Timings of a busy machine can fit to no term that grows with the tokens; such a profile
+    prices every chunk alike, and the layer-coefficient loader refuses it too."""
+    from longctx.hardware import LayerCoefficients
+
+    times = design_matrix(TOKENS, CONTEXTS) @ np.array([0.0, 0.0, 1e-3])
+    with pytest.raises(ValueError, match="do not grow with the tokens.*idle machine"):
+        fit_coefficients(TOKENS, CONTEXTS, times)
+    with pytest.raises(ValueError, match="alpha1 and alpha2 are 0.*re-measure"):
+        LayerCoefficients(0.0, 0.0, 1e-3, hidden_size=64, sp=1, tp=1)
+
+
 def test_nnls_clamps_a_negative_unconstrained_solution():
     a = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     b = np.array([1.0, -1.0, 0.0])

@@ -151,7 +151,6 @@ def test_context_parallel_1f1b_ir_needs_the_per_token_loss(monkeypatch):
 #: Options the document schedules refuse (Megatron's own schedules run them with Megatron's
 #: code): each with the flags that set it.
 DOCUMENT_REFUSED = {
-    "overlap_grad_reduce": ["--overlap-grad-reduce"],
     "overlap_param_gather": ["--overlap-grad-reduce", "--overlap-param-gather",
                              "--use-distributed-optimizer"],
     "decoder_first_pipeline_num_layers": ["--decoder-first-pipeline-num-layers", "2"],
@@ -176,6 +175,30 @@ def test_document_schedules_refuse_what_their_executors_do_not_run(schedule, des
         flag = "drop --num-layers-per-virtual-pipeline-stage"  # their own, earlier refusal
     with pytest.raises(ValueError, match=flag):
         arguments.parse(argv)
+
+
+@pytest.mark.parametrize("schedule", DOCUMENT_SCHEDULES)
+def test_overlapped_gradient_reduction_is_honoured_or_refused_with_the_reason(schedule,
+                                                                               monkeypatch):
+    """``--overlap-grad-reduce`` (with ``--ddp-bucket-size``) under the executor's schedules
+    that prove it (golden layouts ``option_classes.OVERLAP``); helix refuses both, saying
+    why."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = [*BASE, "--pipeline-schedule", schedule, "--overlap-grad-reduce",
+            "--ddp-bucket-size", "10000"]
+    if schedule in option_classes.OVERLAP:
+        args = arguments.parse(argv)
+        assert args.overlap_grad_reduce and args.ddp_bucket_size == 10000
+        return
+    with pytest.raises(ValueError) as refused:
+        arguments.parse(argv)
+    message = str(refused.value)
+    if schedule == "helix":
+        assert "a rank's last backward holds one part's parameters" in message
+        assert "drop --overlap-grad-reduce" in message
+        assert "--ddp-bucket-size sizes the buckets" in message
+    else:
+        assert "--overlap-grad-reduce" in message
 
 
 #: A flag of one schedule's group under a schedule without that group would do nothing:

@@ -159,3 +159,20 @@ def test_a_recomputation_does_not_wait_for_the_receive_of_its_backward():
     # B0.l2 runs 0-2 on rank 0 and sends at 2; F0.l1 0-1, R 1-2, the gradient lands at 3.5.
     assert result.iteration_time == pytest.approx(3.5 + 2.0)
     assert result.idle[1] == pytest.approx(1.5)
+
+
+def test_gradient_sums_join_a_units_stash_at_the_first_backward_that_creates_them():
+    """One stage runs units 0, 1, 2 forward, then 2, 1, 0 backward; unit 2's backward creates
+    gradient sums of 0.5 for units 0 and 1 (the K/V store's dK/dV of a document's earlier
+    slices), unit 1's backward names unit 0 again. The sums are held from unit 2's backward
+    until each unit's own backward, once each: the peak is 3 stashes plus both sums."""
+    schedule = parse_schedule("0: 0F0 0F1 0F2 0B2 0B1 0B0")
+
+    class Costs(UniformCosts):
+        def gradient_sums(self, action):
+            return {2: ((0, 0.5), (1, 0.5)), 1: ((0, 0.5),)}.get(action.unit, ())
+
+    result = simulate(schedule, Costs())
+    assert result.peak_memory == [pytest.approx(4.0)]
+    assert [memory for _, memory in result.memory_timeline[0]] == pytest.approx(
+        [0.0, 1.0, 2.0, 3.0, 3.5, 4.0, 3.0, 1.5, 0.0])

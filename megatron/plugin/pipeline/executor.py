@@ -18,9 +18,11 @@ bookkeeping between them.
   (``deallocate_pipeline_outputs``) once sent, as in Megatron (not the tensors of transfers an
   extension claims). With ``forward_only`` the
   gradient transfers and backwards are skipped.
-* Gradient synchronisation: ``no_sync_func`` is entered at the start; it is left just before
-  this rank's last backward (Megatron's rule, including "only rank 0 when a
-  ``grad_sync_func`` exists"), then ``grad_sync_func`` and ``finalize_model_grads_func`` run.
+* Gradient synchronisation (:mod:`~megatron.plugin.pipeline.grad_sync`): ``no_sync_func`` is
+  entered at the start; it is left just before this rank's last backward (Megatron's rule,
+  including "only rank 0 when a ``grad_sync_func`` exists"), so with
+  ``--overlap-grad-reduce`` the buckets' reductions start from Megatron DDP's hooks during that
+  backward; then ``grad_sync_func`` and ``finalize_model_grads_func`` run.
 
 Extensions (``StageContext.extensions``, :mod:`~megatron.plugin.pipeline.extension`): what a
 schedule adds -- document chunks (:mod:`~megatron.plugin.pipeline.chunks`), activation

@@ -33,7 +33,11 @@ gradients on the same rank) splits its stash: the ``B`` releases all but
 output gradients), and the ``W`` releases the rest when it ends. While a
 compute action runs it also holds ``costs.workspace_bytes(action)`` (buffers freed at its end,
 such as tensor parallelism's all-gathered inputs): the peak counts them on top of the memory
-at the action's start and, for an action that stashes, at its end. Each rank starts at
+at the action's start and, for an action that stashes, at its end. A ``BACKWARD`` may also
+create gradient sums that other units of its stage keep until their own backward (the K/V
+store's dK/dV sums of a document's earlier slices): ``costs.gradient_sums(action)`` lists them
+as ``(unit, bytes)``; the first backward that names a unit adds those bytes to its stash, while
+its own stash is still held (the peak counts both). Each rank starts at
 ``costs.static_bytes(rank)`` (model state). The timeline lists ``(time, bytes)`` after every
 change of the stash; the peak is its maximum, plus the workspace of the actions running then.
 
@@ -112,6 +116,10 @@ class UniformCosts:
     def workspace_bytes(self, action: Action) -> float:
         del action
         return self.workspace
+
+    def gradient_sums(self, action: Action) -> tuple:
+        del action
+        return ()
 
     def static_bytes(self, rank: int) -> float:
         del rank
@@ -200,6 +208,8 @@ class _Rank:
     copy_free: float = 0.0
     """When the copy stream has run its last enqueued copy."""
     stash: dict[tuple, float] = field(default_factory=dict)
+    summed: set = field(default_factory=set)
+    """Stash slots whose gradient sums a backward has created."""
     copied: dict[tuple, float] = field(default_factory=dict)
     """Stash slot -> end of its last copy (its backward waits for it)."""
     pending: list[tuple] = field(default_factory=list)
@@ -426,11 +436,19 @@ def _stash(replay: _Replay, rank: _Rank, action: Action) -> int:
 
 
 def _backward(replay: _Replay, rank: _Rank, action: Action) -> int:
-    """Backward: waits for the last copy of its stash, frees the stash when it ends but for
-    what its own ``W`` reads."""
+    """Backward: waits for the last copy of its stash, adds the gradient sums it creates for
+    other units, frees its own stash when it ends but for what its own ``W`` reads."""
     slot = _slot(action)
     rank.clock = max(rank.clock, rank.copied.pop(slot, rank.clock))
     replay.compute(rank, action)
+    for unit, added in replay.costs.gradient_sums(action):
+        target = (action.stage, unit, action.part, False)
+        if target in rank.stash and target not in rank.summed:
+            rank.summed.add(target)
+            rank.stash[target] += added
+            rank.memory += added
+            rank.peak = max(rank.peak, rank.memory)
+            rank.timeline.append((rank.clock, rank.memory))
     freed = rank.stash.pop(slot, 0.0)
     if slot in rank.weights:
         rank.stash[slot] = min(freed, replay.costs.activation_bytes(rank.weights[slot]))

@@ -2,7 +2,6 @@
 executor's dispatch loop (:mod:`megatron.plugin.pipeline.executor`)."""
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 
@@ -10,29 +9,12 @@ import torch
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.utils import get_model_config
 
+from megatron.plugin.pipeline.grad_sync import GradSync
 from megatron.plugin.pipeline.ir import Action, Kind
 from megatron.plugin.pipeline.p2p import PeerChannel
 from megatron.plugin.pipeline.simulator import transfer_batches
 from megatron.plugin.pipeline.stage_context import StageContext
 from megatron.plugin.pipeline.chrome_trace import TraceEvent
-
-
-class _GradSync:
-    """Megatron's ``disable_grad_sync`` / ``enable_grad_sync`` pair."""
-
-    def __init__(self, config):
-        self.no_sync = config.no_sync_func or contextlib.nullcontext
-        self.context = None
-
-    def disable(self):
-        if self.context is None:
-            self.context = self.no_sync()
-            self.context.__enter__()
-
-    def enable(self):
-        if self.context is not None:
-            self.context.__exit__(None, None, None)
-            self.context = None
 
 
 class StageRun:
@@ -56,7 +38,7 @@ class StageRun:
         if self.training and self.config.finalize_model_grads_func is not None:
             self.embedding_module = megatron_schedules.clear_embedding_activation_buffer(
                 self.config, ctx.model, ctx.is_last_stage)
-        self.sync = _GradSync(self.config)
+        self.sync = GradSync(self.config, ctx.model)
         self.sync.disable()
         self.last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD),
                                  default=None)
@@ -127,6 +109,8 @@ class StageRun:
 
     def _end_of_step(self) -> None:
         ctx, config = self.ctx, self.config
+        self.sync.check_ready_counts(self.rank, self.sync.context is not None
+                                     and config.grad_sync_func is not None)
         if self.sync.context is not None:
             self.sync.enable()
             if config.grad_sync_func is not None:
