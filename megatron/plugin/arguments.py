@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from megatron.plugin import cpu_compat, option_classes, registry
+from megatron.plugin import cpu_compat, flop_count, option_classes, registry
 
 #: ``args_defaults`` for Megatron's parser (applied where a flag was not given).
 DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"}
@@ -304,6 +304,15 @@ def _tensorboard(args):
     return None
 
 
+def _throughput(args):
+    if args.log_throughput and not flop_count.counts_real_lengths():
+        return ("--log-throughput: this megatron-core release counts FLOPs as if every sample "
+                "were --seq-length tokens long and cannot be told the documents' real lengths "
+                "(megatron-core 0.19 can), which overstates a batch of documents: drop "
+                "--log-throughput, or install megatron-core 0.19")
+    return None
+
+
 def _schedule_checks(args):
     spec = registry.spec(args.pipeline_schedule)
     if spec is None or spec.check_args is None:
@@ -319,7 +328,7 @@ def _schedule_checks(args):
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_per_token_loss, _pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _cpu_half_precision, _cpu_timeout_after_init,
-         _cpu_profile, _tensorboard)
+         _cpu_profile, _tensorboard, _throughput)
 
 
 def rule_refusals(args: argparse.Namespace) -> list[str]:

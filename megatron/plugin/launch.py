@@ -28,9 +28,10 @@ from typing import Callable, Sequence
 import torch
 from megatron.core.enums import ModelType
 
-from megatron.plugin import arguments, checkpoint_errors, cpu_compat, hang_report, registry
+from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, hang_report,
+                             registry)
 from megatron.plugin.batches import forward_step
-from megatron.plugin.document_data import train_valid_test_datasets_provider
+from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
 from megatron.plugin.pipeline import p2p, run_settings
 
@@ -42,7 +43,7 @@ def run_pretrain() -> None:
     _prepare()
     # The project's refusals, all at once, before Megatron-LM's validation (which may build a
     # tokenizer, and download its vocabulary) and before any process group.
-    arguments.check_command_line(sys.argv[1:], training=True)
+    gpt2_bpe.install(arguments.check_command_line(sys.argv[1:], training=True))
     from megatron.training import training as megatron_training
 
     store = _restart_store()
@@ -138,7 +139,7 @@ def initialize(argv: Sequence[str], extra_args_provider: Callable | None = None)
         arguments.add_arguments(parser)
         return extra_args_provider(parser) if extra_args_provider else parser
 
-    arguments.check_command_line(argv, extra_args_provider=extra_args_provider)
+    gpt2_bpe.install(arguments.check_command_line(argv, extra_args_provider=extra_args_provider))
     with arguments.command_line(argv), _refusals():
         if _parses_in_initialize():
             initialize_megatron(extra_args_provider=extra, args_defaults=arguments.DEFAULTS,
@@ -271,6 +272,8 @@ def _parses_in_initialize() -> bool:
 
 def _after_parsing(args) -> None:
     arguments.check_args(args)
+    if args.rank == 0:
+        print(sample_meaning(args), flush=True)
     run_settings.configure(args.pipeline_timeout_s, args.trace_dir)
     registry.use_schedule(args.pipeline_schedule)
 

@@ -276,6 +276,11 @@ HONOURED: dict[str, Honoured] = {
         {"*": "tests/e2e/test_hangs.py::test_a_stopped_rank_under_the_executor_is_named"}, ""),
     "metrics_jsonl": Honoured(
         {"*": "tests/e2e/test_pretrain.py::test_training_logs_megatron_lines_and_metrics"}, ""),
+    # Megatron-LM's FLOP count, told each training step's document lengths
+    # (megatron/plugin/flop_count.py; refused where the release cannot take them:
+    # arguments.RULES).
+    "log_throughput": Honoured({"*": "tests/e2e/test_flop_count.py::"
+                                     "test_megatron_counts_the_flops_of_the_real_documents"}, ""),
     "trace_dir": Honoured(
         {"*": "tests/e2e/test_pretrain.py::"
               "test_ir_schedule_prints_the_same_losses_and_writes_measured_traces"}, ""),
@@ -306,8 +311,6 @@ _FSDP = ("no test proves fully sharded data parallelism or custom data-parallel 
          "yet; drop the flag")
 _DATA = ("the document batches read --data-path with --split, whole documents, "
          "--global-batch-size of them per step; drop the flag")
-_THROUGHPUT = ("Megatron-LM counts FLOPs as if every sample were --seq-length tokens long, which "
-               "overstates a batch of documents; drop --log-throughput")
 
 #: Read by none of the model, attention or schedule code: Megatron-LM's loop honours them the
 #: same way under every schedule.
@@ -599,9 +602,6 @@ REFUSED: dict[str, str] = {
         per_split_data_args_path  step_batch_size_schedule test_data_path
         train_data_path  valid_data_path validation_set_names
     """, _DATA),
-    **_each("""
-        log_throughput
-    """, _THROUGHPUT),
     "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
     **_each("""
         moe_expert_capacity_factor moe_expert_rank_capacity_factor
@@ -621,6 +621,17 @@ REFUSED: dict[str, str] = {
                                   "all-to-all is untested under gloo); use "
                                   "--expert-model-parallel-size 1",
 }
+
+
+#: The options that count samples. pretrain_gpt_elastic.py's sample is one whole document (its
+#: first ``--seq-length + 1`` tokens where longer) under every schedule, Megatron-LM's a
+#: sequence of ``--seq-length`` tokens: these options keep their role and count documents
+#: (start-up says so: :func:`megatron.plugin.document_data.sample_meaning`). Each is also in
+#: one class above (``--rampup-batch-size`` is refused: the batch of documents is fixed).
+COUNT_DOCUMENTS = _names("""
+    global_batch_size train_samples rampup_batch_size lr_decay_samples lr_warmup_samples
+    lr_wsd_decay_samples
+""")
 
 
 def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:

@@ -31,6 +31,9 @@ def test_training_logs_megatron_lines_and_metrics(tmp_path):
                                   "--metrics-jsonl", str(out)])
     lines = [line for line in result.stdout.splitlines() if " iteration " in line]
     assert len(lines) == 8
+    # What a sample is, said once (rank 0) at start-up.
+    assert result.stdout.count("pretrain_gpt_elastic.py: a sample is one document (its first "
+                               "129 tokens where longer) under --pipeline-schedule 1f1b") == 1
     assert "lm loss:" in lines[0] and "elapsed time per iteration (ms):" in lines[0]
     # What the schedule reports reaches Megatron's log line (and its TensorBoard/W&B writers).
     assert "peak activation bytes:" in lines[0] and "tokens per second:" in lines[0]

@@ -32,6 +32,27 @@ def test_every_option_of_the_parser_is_in_exactly_one_class():
     assert not twice, f"options in more than one class: {twice}"
 
 
+def test_every_option_that_counts_samples_is_named_as_counting_documents(monkeypatch):
+    """A sample is a document here (a sequence of --seq-length tokens in Megatron-LM): the
+    table names every option that counts samples, and start-up says what a sample is."""
+    from megatron.plugin.document_data import sample_meaning
+
+    options = _options(arguments.build_parser())
+    counting = {dest for dest in options if dest.endswith("_samples")}
+    assert counting | {"global_batch_size", "rampup_batch_size"} \
+        == option_classes.COUNT_DOCUMENTS
+    assert option_classes.COUNT_DOCUMENTS <= set(option_classes.classes())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = arguments.parse([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                            "--pipeline-schedule", "sppo"])
+    assert sample_meaning(args) == (
+        "pretrain_gpt_elastic.py: a sample is one document (its first 65 tokens where longer) "
+        "under --pipeline-schedule sppo, not a sequence of --seq-length tokens as in "
+        "Megatron-LM: --global-batch-size 12 is 12 documents per step, and --lr-decay-samples, "
+        "--lr-warmup-samples, --lr-wsd-decay-samples, --rampup-batch-size, --train-samples "
+        "count documents")
+
+
 def test_an_option_in_no_class_is_refused_naming_it(monkeypatch):
     from megatron.training import arguments as megatron_arguments
 
@@ -128,6 +149,22 @@ def test_planner_flags_reach_the_planner(monkeypatch):
     assert cost.parallel.reserved_gb == 0.25
 
 
+def test_log_throughput_needs_megatrons_lengths(monkeypatch):
+    """--log-throughput is honoured where megatron-core counts FLOPs over recorded sequence
+    lengths (0.19, tests/e2e/test_flop_count.py), refused by name where it cannot (0.17)."""
+    from megatron.plugin import flop_count
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+            "--log-throughput"]
+    refusal = "--log-throughput: this megatron-core release counts FLOPs as if every sample"
+    if flop_count.counts_real_lengths():
+        arguments.check_command_line(argv)
+        monkeypatch.setattr(flop_count, "_recorder", lambda: None)
+    with pytest.raises(ValueError, match=refusal):
+        arguments.check_command_line(argv)
+
+
 def _run(*argv, env=None, timeout=120):
     start = time.monotonic()
     result = subprocess.run([sys.executable, SCRIPT, *argv], cwd=REPO, capture_output=True,
@@ -142,13 +179,12 @@ def test_every_refusal_comes_in_one_start_up_without_a_traceback(tmp_path):
     and a missing flag: one exit 2 naming them all."""
     result, _ = _run(*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--eval-interval", "1",
                      "--pipeline-schedule", "elastic", "--multi-latent-attention", "--qk-l2-norm",
-                     "--grad-reduce-in-bf16", "--sppo-offload", "1", "--log-throughput",
+                     "--grad-reduce-in-bf16", "--sppo-offload", "1",
                      "--calculate-per-token-loss")
     assert result.returncode == 2, result.stderr[-3000:]
     for named in ("--multi-latent-attention is not supported", "--qk-l2-norm is not supported",
                   "--grad-reduce-in-bf16 is not supported by --pipeline-schedule elastic",
-                  "--sppo-offload is a flag of --pipeline-schedule sppo",
-                  "--log-throughput is not supported"):
+                  "--sppo-offload is a flag of --pipeline-schedule sppo"):
         assert named in result.stderr, (named, result.stderr[-3000:])
     assert "Traceback" not in result.stderr
 
