@@ -1,7 +1,7 @@
 """The three papers' evaluation rows beside the project's simulated numbers (not a test).
 
     python scripts/reproduce_papers.py [--only infinipipe table3 helixpipe helix_figures sppo]
-        [--json OUT] [--markdown OUT] [--seeds N]
+        [--json OUT] [--markdown OUT] [--seeds N] [--cache DIR]
 
 Every simulated number is the project's simulator with a spec-derived hardware profile (named in
 each row; nothing here is measured). The papers' numbers are facts to compare with, not targets:
@@ -79,6 +79,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
 import statistics
 import sys
 
@@ -252,12 +254,30 @@ def mean(values: list) -> float | None:
     return None if not values or any(v is None for v in values) else statistics.fmean(values)
 
 
+def seeded(model: str, context: int, profile: HardwareProfile, documents: int, seed: int,
+           cache: str | None) -> dict:
+    """:func:`elastic_speedup`, kept as ``cache/MODEL-CONTEXT-DOCUMENTS-SEED.json`` when a
+    ``cache`` folder is given and read back from there on a later run (so that a long run can
+    be resumed; a change to the planners or the pricing needs an empty folder)."""
+    if cache is None:
+        return elastic_speedup(model, context, profile, documents, seed)
+    path = os.path.join(cache, f"{model}-{context}-{documents}-{seed}.json")
+    if os.path.exists(path):
+        with open(path) as handle:
+            return json.load(handle)
+    found = elastic_speedup(model, context, profile, documents, seed)
+    os.makedirs(cache, exist_ok=True)
+    with open(path, "w") as handle:
+        json.dump(found, handle)
+    return found
+
+
 def elastic_cell(model: str, context: int, profile: HardwareProfile, documents: int,
-                 seeds: list[int]) -> dict:
+                 seeds: list[int], cache: str | None = None) -> dict:
     """Elastic and its baselines over ``seeds`` (one batch each): each time averaged over the
     batches (the paper averages 20 iterations, L347) and each speedup a ratio of averages,
     with the spread of the per-batch ratios."""
-    runs = [elastic_speedup(model, context, profile, documents, seed) for seed in seeds]
+    runs = [seeded(model, context, profile, documents, seed, cache) for seed in seeds]
     cell = {"model": model, "context": context, "seeds": list(seeds),
             "longest_document": [r["longest_document"] for r in runs],
             "truncated": [r["truncated"] for r in runs]}
@@ -299,9 +319,9 @@ def zero3_term(cells: list[dict], name: str) -> dict:
                 "InfiniPipe L358, Fig. 9 ('ZeRO'); paper_terms.zero3_exposed_s")
 
 
-def infinipipe(documents: int, seeds: list[int]) -> list[dict]:
+def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> list[dict]:
     profile = testbed("infinipipe-a800")
-    grid = {(m, c): elastic_cell(m, c, profile, documents, seeds)
+    grid = {(m, c): elastic_cell(m, c, profile, documents, seeds, cache)
             for c in (49152, 98304) for m in ("gpt-7b", "gpt-13b", "gpt-30b")}
     rows = []
     for context, published in ((49152, 1.27), (98304, 1.40)):
@@ -341,7 +361,7 @@ def infinipipe(documents: int, seeds: list[int]) -> list[dict]:
     rows += figure9(grid["gpt-13b", 49152], profile.name)
     for context, published, flexsp, ref in ((65536, 1.23, 1.30, "low end"),
                                             (196608, 1.63, 1.37, "high end")):
-        cell = elastic_cell("gpt-13b", context, profile, documents, seeds)
+        cell = elastic_cell("gpt-13b", context, profile, documents, seeds, cache)
         top = max(cell["longest_document"])
         setting = None if top >= context else term(
             "the batches' longest document below the context (Fig. 10's data set is not "
@@ -673,15 +693,16 @@ def main(argv=None) -> int:
     parser.add_argument("--seeds", type=int, default=20,
                         help="batches (seeds 0..N-1) each InfiniPipe cell averages over (the "
                              "paper averages 20 iterations, L347)")
+    parser.add_argument("--cache", help="a folder keeping each InfiniPipe batch's numbers, to "
+                        "resume a long run (empty it after a change to the planners or pricing)")
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--markdown", help="write the table here")
     args = parser.parse_args(argv)
     print("SIMULATED with spec-derived profiles and each paper's stated network; not measured")
     rows = []
     for name in args.only:
-        made = infinipipe(args.documents, list(range(args.seeds))) if name == "infinipipe" \
-            else \
-            SECTIONS[name]()
+        made = infinipipe(args.documents, list(range(args.seeds)), args.cache) \
+            if name == "infinipipe" else SECTIONS[name]()
         rows += made
         print(markdown(made), end="", flush=True)
     stand = summary(rows)
