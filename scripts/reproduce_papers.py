@@ -319,10 +319,19 @@ def zero3_term(cells: list[dict], name: str) -> dict:
                 "InfiniPipe L358, Fig. 9 ('ZeRO'); paper_terms.zero3_exposed_s")
 
 
+CELLS = tuple((m, c) for c in (49152, 98304) for m in ("gpt-7b", "gpt-13b", "gpt-30b")) + \
+    (("gpt-13b", 65536), ("gpt-13b", 196608))
+"""The InfiniPipe cells: Fig. 8's grid, then Fig. 10's 13B at 64K and 192K."""
+
+
 def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> list[dict]:
     profile = testbed("infinipipe-a800")
-    grid = {(m, c): elastic_cell(m, c, profile, documents, seeds, cache)
-            for c in (49152, 98304) for m in ("gpt-7b", "gpt-13b", "gpt-30b")}
+    if cache is not None:
+        # Batch by batch, so that an interrupted run leaves whole batches in the cache.
+        for seed in seeds:
+            for model, context in CELLS:
+                seeded(model, context, profile, documents, seed, cache)
+    grid = {(m, c): elastic_cell(m, c, profile, documents, seeds, cache) for m, c in CELLS}
     rows = []
     for context, published in ((49152, 1.27), (98304, 1.40)):
         cells = [grid[m, context] for m in ("gpt-7b", "gpt-13b", "gpt-30b")]
@@ -361,7 +370,7 @@ def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> li
     rows += figure9(grid["gpt-13b", 49152], profile.name)
     for context, published, flexsp, ref in ((65536, 1.23, 1.30, "low end"),
                                             (196608, 1.63, 1.37, "high end")):
-        cell = elastic_cell("gpt-13b", context, profile, documents, seeds, cache)
+        cell = grid["gpt-13b", context]
         top = max(cell["longest_document"])
         setting = None if top >= context else term(
             "the batches' longest document below the context (Fig. 10's data set is not "
