@@ -8,7 +8,7 @@ CUDA one GPU a rank in bf16, on CPU gloo ranks in fp32), under Megatron-LM's def
 0.1, on ``--mock-data`` documents up to ``--seq-length`` tokens with a GPT of ``--num-layers``
 x ``--hidden-size``, three iterations each, and reads the last iteration of its
 ``--metrics-jsonl`` (per-stage figures: the largest stage's): the plan's predicted activation
-bytes (elastic and seq1f1b make one), the bytes autograd saved for backward (the training
+bytes (elastic, seq1f1b, sppo and helix make one), the bytes autograd saved for backward (the training
 loop's meter) and the CUDA allocator's peak over the forward-backward call (CUDA only), with
 the tokens per second.
 Prints one line per schedule with measured/planned (per stage too); ``--json`` writes them all.
@@ -53,10 +53,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser)
-    parser.add_argument("--schedules", default="default,elastic,seq1f1b,sppo")
+    parser.add_argument("--schedules", default=None,
+                        help="comma-separated; default: default,elastic,seq1f1b,sppo, and "
+                             "helix with --pp 2 or more (it needs two stages)")
     parser.add_argument("--trace-dir", default=None,
                         help="keep a profiler trace of each run here (CUDA)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.schedules is None:
+        args.schedules = "default,elastic,seq1f1b,sppo" + (",helix" if args.pp >= 2 else "")
+    return args
 
 
 def training_command(args, schedule: str, metrics: str, iters: int) -> list[str]:
