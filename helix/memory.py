@@ -39,7 +39,10 @@ keeps, as the training loop's meter counts it (autograd's saved tensors and the 
 
 Dropout masks are the elements of what the dropout multiplied by: one byte each on CUDA
 (torch's fused dropout keeps a boolean mask), ``e`` on a CPU (torch keeps the scaled noise in
-the input's dtype). Norm statistics are two FP32 values a token (LayerNorm; RMSNorm one).
+the input's dtype). A norm keeps its input and two FP32 statistics a token (LayerNorm;
+RMSNorm one), on a CPU RMSNorm also its normalized input (torch's composite; CUDA's fused
+kernel does not), with ``--apply-layernorm-1p`` the ``1 + weight`` it scales by. RoPE keeps the
+rotated Q and K and, per rotation, its cosines and sines (``[S, rotary dim]`` twice).
 
 The stash follows the simulator's rule (:mod:`megatron.plugin.pipeline.simulator`): a
 forward's or recomputation's bytes join its part's stash when it ends and leave at that
@@ -95,9 +98,14 @@ class HelixShape:
     """Bytes a hidden-dropout mask keeps per element (``0``: no dropout)."""
     norm_statistics: int
     """FP32 values a norm keeps per token."""
+    norm_normalized: bool
+    """A norm also keeps its normalized input (torch's RMSNorm on a CPU, a composite)."""
+    norm_weight: bool
+    """A norm keeps ``1 + weight`` (``--apply-layernorm-1p``)."""
     position_ids: bool
     """The embedding adds learned positions (it keeps their ids)."""
-    rope: bool
+    rope_dim: int
+    """Rotary dimensions per head (0: no RoPE)."""
     qkv_bias: bool
     recompute: bool
     mlp_chunk_rows: int | None
@@ -122,8 +130,16 @@ class HelixMemory:
             * s.element_bytes
 
     def _norm(self, tokens: int) -> float:
+        """A norm over ``tokens`` rows: its input and :meth:`_norm_extra`."""
+        return self._hidden(tokens) + self._norm_extra(tokens)
+
+    def _norm_extra(self, tokens: int) -> float:
+        """What a norm keeps besides its input: statistics, the normalized input where the
+        kernel is a composite, ``1 + weight`` with ``--apply-layernorm-1p``."""
         s = self.shape
-        return tokens * (s.hidden * s.element_bytes + s.norm_statistics * _FP32)
+        return (tokens * s.norm_statistics * _FP32
+                + (self._hidden(tokens) if s.norm_normalized else 0.0)
+                + (s.hidden * s.element_bytes if s.norm_weight else 0.0))
 
     def _mlp_block(self, tokens: int) -> float:
         """What the MLP block keeps beyond its input (the pre-MLP norm's) over ``tokens``
@@ -131,7 +147,7 @@ class HelixMemory:
         its dropout mask."""
         s = self.shape
         wide = tokens * s.tokens // s.sequence_parallel_tokens
-        return (tokens * s.norm_statistics * _FP32 + self._hidden(tokens)
+        return (self._norm_extra(tokens) + self._hidden(tokens)
                 + wide * (s.mlp_first + s.mlp_second) * s.element_bytes
                 + tokens * s.hidden * s.mask_bytes)
 
@@ -162,9 +178,10 @@ class HelixMemory:
         return ids + s.sequence_parallel_tokens * s.hidden * s.mask_bytes
 
     def _qkv(self) -> float:
-        """The projection's output; with RoPE also the rotated Q and K."""
+        """The projection's output; with RoPE also the rotated Q and K and the cosines and
+        sines each rotation keeps."""
         s = self.shape
-        rotated = s.tokens * (s.qkv + s.attention) // 2 if s.rope else 0
+        rotated = s.tokens * ((s.qkv + s.attention) // 2 + 4 * s.rope_dim) if s.rope_dim else 0
         return (s.tokens * s.qkv + rotated) * s.element_bytes
 
     def _weight(self) -> float:
@@ -223,9 +240,9 @@ class HelixMemory:
         chunk = 0.0
         if index > 0 and s.mlp_chunk_rows is not None:
             # By then the backward has passed the norm after the MLP and released what it
-            # saved but the stash's handles hold: its statistics, and at boundary L its input.
+            # saved but the stash's handles hold: all but its input, and at boundary L that too.
             tokens = s.sequence_parallel_tokens
-            released = tokens * s.norm_statistics * _FP32 + (self._hidden() if last else 0.0)
+            released = self._norm_extra(tokens) + (self._hidden() if last else 0.0)
             chunk = self._mlp_block(min(s.mlp_chunk_rows, tokens)) - released
         return max(chunk, self._loss()) if last else chunk
 
@@ -287,6 +304,7 @@ def helix_shape(config, args, device_type: str) -> HelixShape:
     mask = 0
     if config.hidden_dropout > 0:
         mask = 1 if device_type == "cuda" else element
+    rms = config.normalization == "RMSNorm"
     rows = args.helix_mlp_chunk_size
     if rows is not None and config.sequence_parallel:
         rows //= tp
@@ -296,8 +314,10 @@ def helix_shape(config, args, device_type: str) -> HelixShape:
         mlp_first=ffn * (2 if config.gated_linear_unit else 1) // tp, mlp_second=ffn // tp,
         qkv=(heads + 2 * groups) * config.kv_channels // tp, heads=heads // tp,
         vocab=args.padded_vocab_size // tp, element_bytes=element, mask_bytes=mask,
-        norm_statistics=1 if config.normalization == "RMSNorm" else 2,
+        norm_statistics=1 if rms else 2, norm_normalized=rms and device_type == "cpu",
+        norm_weight=bool(config.layernorm_zero_centered_gamma),
         position_ids=args.position_embedding_type == "learned_absolute",
-        rope=args.position_embedding_type == "rope",
+        rope_dim=int(config.kv_channels * args.rotary_percent)
+        if args.position_embedding_type == "rope" else 0,
         qkv_bias=bool(config.add_bias_linear or config.add_qkv_bias),
         recompute=args.helix_recompute_without_attention, mlp_chunk_rows=rows)

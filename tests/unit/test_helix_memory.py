@@ -6,7 +6,8 @@ from megatron.plugin.pipeline.ir import Kind
 
 SHAPE = dict(tokens=1024, sequence_parallel_tokens=1024, hidden=64, attention=64, mlp_first=256,
              mlp_second=256, qkv=192, heads=4, vocab=384, element_bytes=4, mask_bytes=4,
-             norm_statistics=2, position_ids=True, rope=False, qkv_bias=True, recompute=False,
+             norm_statistics=2, norm_normalized=False, norm_weight=False, position_ids=True,
+             rope_dim=0, qkv_bias=True, recompute=False,
              mlp_chunk_rows=None)
 
 
