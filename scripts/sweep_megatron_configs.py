@@ -177,10 +177,12 @@ def check(argv: list[str], world: int, gpu: bool) -> list[str] | None:
     """The start-up refusals of ``argv`` (``[]``: it starts), or ``None`` when Megatron-LM's
     parser rejects it; ``gpu``: as on a CUDA machine with Transformer Engine installed."""
     from megatron.plugin import arguments, launch
+    from megatron.plugin.layers import te_layers
 
     patches = contextlib.ExitStack()
     if gpu:
         patches.enter_context(mock.patch("torch.cuda.is_available", return_value=True))
+        patches.enter_context(mock.patch.object(te_layers, "missing", return_value=None))
     out = io.StringIO()
     with patches, mock.patch.dict(os.environ, {"WORLD_SIZE": str(world), "RANK": "0"}), \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):

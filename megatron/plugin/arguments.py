@@ -7,13 +7,16 @@ flags and each registered schedule's group. Before Megatron-LM's validation,
 option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
 selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
 options: a missing ``--calculate-per-token-loss``, Ulysses' head divisibility, the schedule's
-own ``check_args``, what needs CUDA, ``--tensorboard-dir`` without ``tensorboard``);
+own ``check_args``, what needs CUDA, Transformer Engine without CUDA or its package,
+``--tensorboard-dir`` without ``tensorboard``);
 :func:`check_args` runs the rules again on the validated arguments.
 
 Defaults that differ from Megatron-LM's, and why:
 
 * ``--transformer-impl local``: the layer spec is Megatron's local spec with the project's
-  document attention in place of core attention (``megatron/plugin/layers/attention.py``).
+  document attention in place of core attention (``megatron/plugin/layers/attention.py``);
+  ``transformer_engine`` builds Megatron's Transformer Engine layers with the same attention
+  (``megatron/plugin/layers/te_layers.py``) where CUDA and the package are present.
 * ``--dataloader-type external``: batches are whole documents, one global batch per step, from
   :mod:`megatron.plugin.document_data`; ``single`` and ``cyclic`` are Megatron's per-sample
   loaders and are refused.
@@ -276,6 +279,20 @@ def _cpu_profile(args):
     return None
 
 
+def _transformer_engine(args):
+    if args.transformer_impl != "transformer_engine":
+        return None
+    from megatron.plugin.layers import te_layers
+
+    absent = te_layers.missing()
+    if absent is None:
+        return None
+    return (f"--transformer-impl transformer_engine needs {absent}, which this machine lacks: "
+            "run on a GPU machine with Transformer Engine (NVIDIA's NGC PyTorch containers ship "
+            "it; elsewhere pip install --no-build-isolation transformer_engine[pytorch]), or "
+            "pass --transformer-impl local (the same model with Megatron's local layers)")
+
+
 def _tensorboard(args):
     if args.tensorboard_dir:
         error = _tensorboard_import_error()
@@ -300,7 +317,8 @@ def _schedule_checks(args):
 #: The checks across options (what one option's class cannot say): each returns what to
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_per_token_loss, _pipeline_timeout, _ulysses_heads, _schedule_checks,
-         _cpu_half_precision, _cpu_timeout_after_init, _cpu_profile, _tensorboard)
+         _cpu_half_precision, _cpu_timeout_after_init, _cpu_profile, _transformer_engine,
+         _tensorboard)
 
 
 def rule_refusals(args: argparse.Namespace) -> list[str]:

@@ -9,6 +9,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.plugin import registry
 from megatron.plugin.layers.attention import RopeSettings, document_layer_spec
+from megatron.plugin.layers.te_layers import document_te_layer_spec
 from megatron.plugin.cpu_compat import megatron_core_version
 
 
@@ -39,6 +40,17 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     return config
 
 
+def layer_spec(args: argparse.Namespace, num_layers: int, rope: RopeSettings | None):
+    """The transformer-block spec of ``--transformer-impl``: Megatron's local layers
+    (:func:`~megatron.plugin.layers.attention.document_layer_spec`) or its Transformer Engine
+    layers (:func:`~megatron.plugin.layers.te_layers.document_te_layer_spec`), with the document
+    attention either way. A schedule's own ``build_model`` (helix) takes the local layer: the
+    start-up refuses Transformer Engine under it."""
+    if args.transformer_impl == "transformer_engine":
+        return document_te_layer_spec(num_layers, rope)
+    return document_layer_spec(num_layers, args.normalization, rope)
+
+
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
                    config: TransformerConfig | None = None, pg_collection=None):
     """Megatron-LM's ``model_provider``: this (virtual) stage's ``GPTModel`` with the document
@@ -64,7 +76,6 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
                      **gpt_kwargs)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return GPTModel(
-        config=config,
-        transformer_layer_spec=document_layer_spec(num_layers, args.normalization, rope),
+        config=config, transformer_layer_spec=layer_spec(args, num_layers, rope),
         vocab_size=args.padded_vocab_size, pre_process=pre_process, post_process=post_process,
         vp_stage=vp_stage, **gpt_kwargs)

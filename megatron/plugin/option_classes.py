@@ -90,6 +90,8 @@ EXAMPLE_SCHEDULES = {"default": EXAMPLES, "1f1b": EXAMPLES, "elastic": EXAMPLES}
 GPU_CHECK = "scripts/gpu_check.sh"
 PRECISION = {name: GPU_CHECK for name in
              ("default", "1f1b", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo")}
+#: The schedules that build Megatron's Transformer Engine layers (the GPU check trains each).
+TE_SCHEDULES = ("default", "1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b")
 OPTIONS = "tests/unit/test_schedule_options.py::test_option_is_honoured_or_refused_by_name"
 RECOMPUTE = {"default": "golden:pp2_full_recompute", "1f1b": "golden:pp2_full_recompute",
              "interleaved": "golden:pp2_vp2_interleaved_block_recompute",
@@ -170,11 +172,25 @@ HONOURED: dict[str, Honoured] = {
         ("grad_reduce_in_bf16", "no test proves it under this schedule yet: drop it"))},
     "bf16": Honoured(PRECISION, _NO_TEST),
     "fp16": Honoured(PRECISION, _NO_TEST),
-    # Always Megatron-LM's default, or the project's: ``--transformer-impl local`` (the local
-    # layer spec with the document attention), ``--dataloader-type external`` (whole documents
-    # per global batch), positions and attention reset at every document.
-    "transformer_impl": Honoured({}, "its layer spec is the local one with document attention: "
-                                     "pass --transformer-impl local", values=("local",)),
+    # Megatron's local layers (the project's default) or its Transformer Engine layers, with
+    # the document attention either way (megatron/plugin/layers/te_layers.py); the start-up
+    # also refuses TE without CUDA or the transformer_engine package (arguments.py).
+    "transformer_impl": Honoured(
+        {name: GPU_CHECK for name in TE_SCHEDULES}, _NO_TEST,
+        refusals={name: f"--transformer-impl transformer_engine is not supported by "
+                        f"--pipeline-schedule {name}: Transformer Engine fuses the input norm "
+                        f"into the QKV projection, and {why}; it has not run on a GPU under "
+                        f"{name} yet. Pass --transformer-impl local (the same model; its "
+                        f"distributed checkpoints use the names of Megatron's TE layers)"
+                  for name, why in (
+                      ("helix", "helix's weight shipping runs the norm on the layer's stage and "
+                                "the QKV matmul on the attention's stage"),
+                      ("sppo", "SPPO's multiplexing helpers (layers run on weights the owner "
+                               "broadcasts, their gradients summed back) are built on the local "
+                               "layers' separate norm"))},
+        values=("local", "transformer_engine")),
+    # Always Megatron-LM's default, or the project's: ``--dataloader-type external`` (whole
+    # documents per global batch), positions and attention reset at every document.
     "dataloader_type": Honoured({}, "pretrain_gpt_elastic.py reads whole documents per global "
                                     "batch itself; drop the flag", values=("external",)),
     "reset_position_ids": Honoured({}, "positions restart at every document", values=(True,)),
@@ -230,8 +246,9 @@ _OTHER_MODELS = ("it configures a model or task other than GPT pretraining, whic
                  "not run; drop it")
 _MLA = "multi-latent attention is not built; drop the flag"
 _MOE = "mixture-of-experts layers are not built by this script; drop the flag"
-_TE = ("it needs Transformer Engine layers, which this script does not build (its layer "
-       "spec is the local one with the document attention); drop the flag")
+_TE = ("it configures Transformer Engine beyond its layers (FP8 or FP4 recipes, communication "
+       "overlap, TE's op fuser, activation or RNG tracker), which no test proves here yet; drop "
+       "the flag (--transformer-impl transformer_engine itself is supported)")
 _HYBRID = ("only the GPT layer spec with the document attention is built (no Mamba, linear, "
            "sparse or heterogeneous layers); drop the flag")
 _ATTENTION = ("the document attention does not implement it "
