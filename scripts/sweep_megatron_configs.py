@@ -21,18 +21,24 @@ Nothing else is changed. The world size is the functional tests' node of 8 GPUs,
 Each shrunk config runs, once per ``--schedules`` entry (``--pipeline-schedule``), the checks
 the training script runs before anything slow: the project's refusals, all at once
 (:func:`megatron.plugin.arguments.check_command_line` with ``training=True``), then, when it
-has none, Megatron-LM's parsing and validation and the project's rules on the validated flags
-(:func:`megatron.plugin.arguments.parse`, its ``assert`` turned into a refusal as at
-start-up). It runs twice: as this machine is, and as a GPU machine with Transformer Engine
-would be (``torch.cuda.is_available`` and the Transformer Engine check answering yes). The
-outcome is ``starts``, ``cuda_only`` (refused here, but not on the GPU machine), ``refused``
-(refused there too) or ``unparsed`` (Megatron-LM's parser rejects the command line itself).
+has none, Megatron-LM's parsing and validation (its ``assert`` turned into a refusal as at
+start-up) and the project's rules on the validated flags. The project's checks run twice: as
+this machine is, and as a GPU machine with Transformer Engine would be
+(``torch.cuda.is_available`` and the Transformer Engine check answering yes). The outcome is
+``starts``, ``cuda_only`` (refused here, but not on the GPU machine), ``refused`` (refused
+there too) or ``unparsed`` (Megatron-LM's parser rejects the command line itself).
+
+A refused config is checked once more on each machine with every refusal's advice followed
+(the flags it is about, and those it says to drop, removed): ``after_advice`` lists what is
+refused then, and ``chained`` what of that the first refusals did not name (advice that leads
+into another refusal), each under ``here`` and ``gpu``.
 
     python scripts/sweep_megatron_configs.py --megatron-lm DIR \\
         [--json benchmarks/results/megatron_configs_sweep.json]
 
 writes ``{"argv", "megatron_lm_commit", "configs", "schedules": {NAME: {"counts", "ranked"}},
-"results": [{"config", "schedule", "outcome", "refusals", "cpu_refusals"}]}`` and prints the
+"results": [{"config", "schedule", "outcome", "refusals", "cpu_refusals", "after_advice",
+"chained"}]}`` and prints the
 counts and the refusals ranked by how many configs they stop.
 """
 from __future__ import annotations
@@ -175,21 +181,31 @@ def outcome(cpu: list[str] | None, gpu: list[str] | None) -> str:
 
 def check(argv: list[str], world: int, gpu: bool) -> list[str] | None:
     """The start-up refusals of ``argv`` (``[]``: it starts), or ``None`` when Megatron-LM's
-    parser rejects it; ``gpu``: as on a CUDA machine with Transformer Engine installed."""
-    from megatron.plugin import arguments, launch
+    parser rejects it; ``gpu``: the project's checks as on a CUDA machine with Transformer
+    Engine installed (Megatron-LM's own validation runs as it does here either way: it asks
+    nothing of the device, and a pretended one has no driver)."""
+    from megatron.plugin import arguments, cpu_compat, launch
     from megatron.plugin.layers import te_layers
+    from megatron.training.arguments import parse_args, validate_args
 
-    patches = contextlib.ExitStack()
-    if gpu:
-        patches.enter_context(mock.patch("torch.cuda.is_available", return_value=True))
-        patches.enter_context(mock.patch.object(te_layers, "missing", return_value=None))
+    def as_on_the_machine():
+        patches = contextlib.ExitStack()
+        if gpu:
+            patches.enter_context(mock.patch("torch.cuda.is_available", return_value=True))
+            patches.enter_context(mock.patch.object(te_layers, "missing", return_value=None))
+        return patches
+
     out = io.StringIO()
-    with patches, mock.patch.dict(os.environ, {"WORLD_SIZE": str(world), "RANK": "0"}), \
+    with mock.patch.dict(os.environ, {"WORLD_SIZE": str(world), "RANK": "0"}), \
             contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
-            arguments.check_command_line(argv, training=True)
-            with launch._refusals():
-                arguments.parse(argv)
+            with as_on_the_machine():
+                arguments.check_command_line(argv, training=True)
+            cpu_compat.install()
+            with launch._refusals(), arguments.command_line(argv):
+                args = validate_args(parse_args(arguments.add_arguments), arguments.DEFAULTS)
+            with as_on_the_machine():
+                arguments.check_args(args)
         except arguments.Refusals as refusals:
             return refusals.messages
         except SystemExit:
@@ -224,11 +240,38 @@ def sweep(configs: list[tuple[str, dict]], schedules, workdir: str) -> list[dict
 
 
 def _sweep_one(name: str, model_args: dict, schedule: str, workdir: str) -> dict:
-    argv = command_line(shrink(model_args, workdir)) + ["--pipeline-schedule", schedule]
+    shrunk = shrink(model_args, workdir)
+    argv = command_line(shrunk) + ["--pipeline-schedule", schedule]
     world = world_size(model_args)
     cpu, gpu = check(argv, world, gpu=False), check(argv, world, gpu=True)
-    return {"config": name, "schedule": schedule, "outcome": outcome(cpu, gpu),
-            "refusals": gpu or [], "cpu_refusals": [m for m in cpu or [] if m not in (gpu or [])]}
+    found = {"config": name, "schedule": schedule, "outcome": outcome(cpu, gpu),
+             "refusals": gpu or [],
+             "cpu_refusals": [m for m in cpu or [] if m not in (gpu or [])]}
+    for machine, first, on_gpu in (("here", cpu, False), ("gpu", gpu, True)):
+        if first:
+            dropped = {flag for message in first for flag in advised_drops(message)}
+            followed = {flag: value for flag, value in shrunk.items() if flag not in dropped}
+            again = check(command_line(followed) + ["--pipeline-schedule", schedule], world,
+                          gpu=on_gpu)
+            found.setdefault("after_advice", {})[machine] = again
+            found.setdefault("chained", {})[machine] = chained(first, again or [])
+    return found
+
+
+def advised_drops(message: str) -> list[str]:
+    """The flags a refusal asks to remove: those it is about (:func:`subjects`; a refused
+    value is replaced by the default that way) and those after "drop"."""
+    named = [flag for flag in subjects(message) if flag.startswith("--")]
+    named += re.findall(r"drop (--[a-z0-9-]+(?:(?:, | and | or )--[a-z0-9-]+)*)", message)
+    return [flag for text in named for flag in _FLAG.findall(text)]
+
+
+def chained(first: list[str], after: list[str]) -> list[str]:
+    """The refusals met only after following the advice of ``first``: those about a flag
+    (or, Megatron-LM's, with a text) that no refusal of ``first`` named."""
+    before = {subject for message in first for subject in subjects(message)}
+    return [message for message in after
+            if not set(subjects(message)) <= before]
 
 
 def summary(results: list[dict], schedules) -> dict:
@@ -241,9 +284,17 @@ def summary(results: list[dict], schedules) -> dict:
         ranked = collections.Counter(
             subject for r in mine
             for subject in dict.fromkeys(s for m in r["refusals"] for s in subjects(m)))
+        chains = collections.Counter(
+            f"{machine}: {subject}" for r in mine
+            for machine, messages in r.get("chained", {}).items()
+            for subject in dict.fromkeys(s for m in messages for s in subjects(m)))
         found[schedule] = {"counts": {k: counts.get(k, 0) for k in
                                       ("starts", "cuda_only", "refused", "unparsed")},
-                           "ranked": ranked.most_common()}
+                           "ranked": ranked.most_common(),
+                           "start_after_advice": {
+                               machine: sum(r.get("after_advice", {}).get(machine) == []
+                                            for r in mine) for machine in ("here", "gpu")},
+                           "chained": chains.most_common()}
     return found
 
 
@@ -254,6 +305,12 @@ def table(by_schedule: dict, configs: int, top: int) -> str:
         c = found["counts"]
         lines.append(f"{schedule:8s} {c['starts']:4d} {c['starts'] + c['cuda_only']:4d} "
                      f"{c['refused']:4d} {c['unparsed']:4d}")
+    lines += ["", "after following every refusal's advice: configs that start here / on a GPU "
+                  "with TE; refusals the advice led into (configs)"]
+    for schedule, found in by_schedule.items():
+        after = found["start_after_advice"]
+        lines.append(f"{schedule:8s} {after['here']:4d} {after['gpu']:4d} "
+                     + ", ".join(f"{subject} ({count})" for subject, count in found["chained"]))
     for schedule, found in by_schedule.items():
         lines += ["", f"refusals under {schedule} on a GPU (configs stopped):"]
         lines += [f"  {count:4d}  {subject}" for subject, count in found["ranked"][:top]]

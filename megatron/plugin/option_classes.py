@@ -565,17 +565,44 @@ REFUSED: dict[str, str] = {
 }
 
 
+#: Options Megatron-LM accepts only beside another (``validate_args`` asserts it): ``dest ->``
+#: the options given with it that have to go when it goes. A refusal of ``dest`` names those
+#: too, so that following it leads into no further refusal.
+NEEDED_BY = {
+    "use_distributed_optimizer": ("overlap_param_gather",
+                                  "overlap_param_gather_with_optimizer_step"),
+    "overlap_grad_reduce": ("overlap_param_gather", "overlap_param_gather_with_optimizer_step"),
+    "overlap_param_gather": ("overlap_param_gather_with_optimizer_step",),
+    "cuda_graph_impl": ("rl_training_cuda_graphs", "rl_persist_cuda_graphs"),
+}
+
+
+def companions(given: Mapping[str, tuple], dests) -> list[str]:
+    """The flags of ``given`` that Megatron-LM accepts only beside one of ``dests``
+    (:data:`NEEDED_BY`, followed through), ``dests`` themselves left out."""
+    found, todo = {}, list(dests)
+    while todo:
+        for needer in NEEDED_BY.get(todo.pop(), ()):
+            if needer in given and needer not in found and needer not in dests:
+                found[needer] = given[needer][0]
+                todo.append(needer)
+    return list(found.values())
+
+
 def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
     """What to refuse of ``given`` (``dest -> (flag, value)`` of each option on the command line
     with a value other than its default) under ``schedule``: one message per reason, naming
-    together the flags refused for the same reason."""
+    together the flags refused for the same reason, and the flags that Megatron-LM accepts only
+    beside a refused one (:data:`NEEDED_BY`)."""
     reasons: dict[str, list[str]] = {}
+    refused = []
     for dest, (flag, value) in given.items():
         if dest in INERT:
             continue
         if dest in REFUSED:
             reasons.setdefault("{} not supported by pretrain_gpt_elastic.py: "
                                + REFUSED[dest], []).append(flag)
+            refused.append(dest)
             continue
         honoured = HONOURED.get(dest)
         if honoured is None:
@@ -590,8 +617,16 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
                                f"{honoured.refusal}", [])
         elif schedule not in honoured.proofs and "*" not in honoured.proofs:
             reasons.setdefault(_schedule_refusal(honoured, flag, schedule), []).append(flag)
-    return [reason.format(_together(flags)) if "{}" in reason else reason
-            for reason, flags in reasons.items()]
+        else:
+            continue
+        refused.append(dest)
+    messages = [reason.format(_together(flags)) if "{}" in reason else reason
+                for reason, flags in reasons.items()]
+    left = companions(given, refused)
+    if left:
+        messages.append(f"{_together(left)} accepted by Megatron-LM only beside a flag refused "
+                        f"above: drop {' and '.join(left)} with it")
+    return messages
 
 
 def _schedule_refusal(honoured: Honoured, flag: str, schedule: str) -> str:

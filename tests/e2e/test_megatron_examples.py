@@ -12,9 +12,9 @@ holding only the tokenizer class, as an air-gapped cluster would). The data is w
 ``scripts/preprocess_data.py`` with the same tokenizer flags.
 
 What a CPU run cannot take is refused by name, and each refusal is checked before the flag is
-dropped: half precision and the distributed optimizer (CUDA-only in megatron-core),
-``--overlap-param-gather`` (Megatron requires the distributed optimizer for it) and ``--profile``
-without ``--use-pytorch-profiler`` (nsys). What ``elastic`` cannot take is refused for it alone:
+dropped: half precision and the distributed optimizer (CUDA-only in megatron-core), with
+``--overlap-param-gather`` (Megatron requires the distributed optimizer for it, and the same
+refusal names it), and ``--profile`` without ``--use-pytorch-profiler`` (nsys). What ``elastic`` cannot take is refused for it alone:
 ``--overlap-grad-reduce``. ``--rampup-batch-size`` is refused for every schedule (the document
 batches are of a fixed size), and so are Llama-3's ``--attention-backend fused`` (the document
 attention picks its own kernel) and ``--log-throughput`` (Megatron-LM's FLOP count assumes full
@@ -114,13 +114,13 @@ DROPS = {
     ],
     "llama3": [
         ("--bf16", 0, CPU_HALF, ("1f1b", "elastic")),
+        ("--overlap-param-gather", 0, ("drop --overlap-param-gather with the distributed "
+                                       "optimizer", torch.cuda.is_available()), ("1f1b",)),
         ("--use-distributed-optimizer", 0, CPU_HALF, ("1f1b", "elastic")),
         ("--overlap-param-gather", 0, ("--overlap-param-gather is not supported by "
                                        "--pipeline-schedule elastic", False), ("elastic",)),
         ("--overlap-grad-reduce", 0, ("--overlap-grad-reduce is not supported by "
                                       "--pipeline-schedule elastic", False), ("elastic",)),
-        ("--overlap-param-gather", 0, ("--overlap-param-gather only supported with distributed "
-                                       "optimizer", torch.cuda.is_available()), ("1f1b",)),
         ("--use-distributed-optimizer", 0, ("--use-distributed-optimizer is not supported by "
                                             "--pipeline-schedule elastic",
                                             not torch.cuda.is_available()), ("elastic",)),
