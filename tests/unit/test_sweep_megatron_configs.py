@@ -8,7 +8,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from scripts.sweep_megatron_configs import (  # noqa: E402
-    TOKENIZER, check, command_line, outcome, shrink, subjects, world_size)
+    TOKENIZER, advised_drops, chained, check, command_line, outcome, shrink, subjects,
+    world_size)
 
 #: A pipeline-parallel config with virtual stages, grouped-query attention and TE, in the
 #: shape of ``gpt3_mcore_te_tp2_pp2_...`` (values as YAML loads them).
@@ -88,3 +89,20 @@ def test_subjects_are_the_flags_before_the_reason():
     assert subjects("--x is not supported by --pipeline-schedule elastic: drop --x") == ["--x"]
     assert subjects("Megatron-LM refused the arguments (arguments.py:12): need --y") == [
         "Megatron-LM: need --y"]
+
+
+def test_following_the_advice_drops_what_a_refusal_names_and_finds_what_it_led_into():
+    cpu = ("--bf16, --fp16 and --use-distributed-optimizer need CUDA (why): drop them on a "
+           "machine without a GPU, and drop --overlap-param-gather and "
+           "--overlap-param-gather-with-optimizer-step with the distributed optimizer (why)")
+    assert advised_drops(cpu) == ["--bf16", "--fp16", "--use-distributed-optimizer",
+                                  "--overlap-param-gather",
+                                  "--overlap-param-gather-with-optimizer-step"]
+    assert advised_drops("helix interleaves layer parts itself: drop "
+                         "--num-layers-per-virtual-pipeline-stage") == [
+        "--num-layers-per-virtual-pipeline-stage"]
+    megatron = ("Megatron-LM refused the arguments (arguments.py:991): --overlap-param-gather "
+                "only supported with distributed optimizer")
+    first = ["--use-distributed-optimizer is not supported by --pipeline-schedule x: drop it"]
+    assert chained(first, [megatron]) == [megatron]
+    assert chained(first, first) == []
