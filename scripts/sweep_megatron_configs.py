@@ -36,10 +36,12 @@ into another refusal), each under ``here`` and ``gpu``.
     python scripts/sweep_megatron_configs.py --megatron-lm DIR \\
         [--json benchmarks/results/megatron_configs_sweep.json]
 
-writes ``{"argv", "megatron_lm_commit", "configs", "schedules": {NAME: {"counts", "ranked"}},
-"results": [{"config", "schedule", "outcome", "refusals", "cpu_refusals", "after_advice",
-"chained"}]}`` and prints the
-counts and the refusals ranked by how many configs they stop.
+writes ``{"argv", "megatron_lm_commit", "configs", "schedules": {NAME: {"counts", "ranked",
+"start_after_advice", "chained"}}, "messages": [TEXT], "results": [{"config", "schedule",
+"outcome", "refusals", "cpu_refusals", "after_advice", "chained"}]}`` (each refusal an index
+into ``messages``) and prints the counts and the refusals ranked by how many configs they
+stop. ``--megatron-lm-commit`` records the commit of a checkout that is not a git work tree
+(``git archive`` of a mirror).
 """
 from __future__ import annotations
 
@@ -298,6 +300,23 @@ def summary(results: list[dict], schedules) -> dict:
     return found
 
 
+def indexed(results: list[dict]) -> tuple[list[str], list[dict]]:
+    """``(messages, results)``: every refusal's text once, and the results with each message
+    replaced by its index in ``messages`` (the JSON holds each text once)."""
+    messages: dict[str, int] = {}
+
+    def index(found):
+        if isinstance(found, dict):
+            return {key: index(value) for key, value in found.items()}
+        if isinstance(found, list):
+            return [messages.setdefault(m, len(messages)) for m in found]
+        return found
+
+    compact = [{key: value if key in ("config", "schedule", "outcome") else index(value)
+                for key, value in r.items()} for r in results]
+    return list(messages), compact
+
+
 def table(by_schedule: dict, configs: int, top: int) -> str:
     lines = [f"{configs} pretraining configs; starts here / also on a GPU with TE (CUDA-only "
              "refusals) / refused / unparsed", ""]
@@ -324,6 +343,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     parser.add_argument("--top", type=int, default=25, help="refusals shown per schedule")
+    parser.add_argument("--megatron-lm-commit", default=None,
+                        help="the checkout's commit, recorded in the JSON (default: git's)")
     options = parser.parse_args()
     configs = load_configs(options.megatron_lm)
     if not configs:
@@ -337,10 +358,13 @@ def main() -> None:
         sys.path.insert(0, os.path.join(REPO, "scripts"))
         from _launch import write_json
 
-        commit = subprocess.run(["git", "-C", options.megatron_lm, "rev-parse", "HEAD"],
-                                capture_output=True, text=True).stdout.strip() or None
+        commit = options.megatron_lm_commit or subprocess.run(
+            ["git", "-C", options.megatron_lm, "rev-parse", "HEAD"],
+            capture_output=True, text=True).stdout.strip() or None
+        messages, compact = indexed(results)
         write_json(options.json, {"megatron_lm_commit": commit, "configs": len(configs),
-                                  "schedules": by_schedule, "results": results})
+                                  "schedules": by_schedule, "messages": messages,
+                                  "results": compact})
 
 
 if __name__ == "__main__":
