@@ -566,26 +566,32 @@ REFUSED: dict[str, str] = {
 
 
 #: Options Megatron-LM accepts only beside another (``validate_args`` asserts it): ``dest ->``
-#: the options given with it that have to go when it goes. A refusal of ``dest`` names those
-#: too, so that following it leads into no further refusal.
+#: the options given with it that have to go when it goes (a ``(dest, value)`` pair: only with
+#: that value). A refusal of ``dest`` names those too, so that following it leads into no
+#: further refusal.
 NEEDED_BY = {
     "use_distributed_optimizer": ("overlap_param_gather",
                                   "overlap_param_gather_with_optimizer_step"),
     "overlap_grad_reduce": ("overlap_param_gather", "overlap_param_gather_with_optimizer_step"),
     "overlap_param_gather": ("overlap_param_gather_with_optimizer_step",),
     "cuda_graph_impl": ("rl_training_cuda_graphs", "rl_persist_cuda_graphs"),
+    "use_megatron_fsdp": (("ckpt_format", "fsdp_dtensor"),),
 }
 
 
 def companions(given: Mapping[str, tuple], dests) -> list[str]:
     """The flags of ``given`` that Megatron-LM accepts only beside one of ``dests``
-    (:data:`NEEDED_BY`, followed through), ``dests`` themselves left out."""
+    (:data:`NEEDED_BY`, followed through), ``dests`` themselves left out; a flag whose value
+    matters is shown with it."""
     found, todo = {}, list(dests)
     while todo:
         for needer in NEEDED_BY.get(todo.pop(), ()):
-            if needer in given and needer not in found and needer not in dests:
-                found[needer] = given[needer][0]
-                todo.append(needer)
+            dest, value = needer if isinstance(needer, tuple) else (needer, None)
+            if dest not in given or dest in found or dest in dests or \
+                    (value is not None and given[dest][1] != value):
+                continue
+            found[dest] = given[dest][0] if value is None else f"{given[dest][0]} {value}"
+            todo.append(dest)
     return list(found.values())
 
 

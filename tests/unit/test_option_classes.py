@@ -167,7 +167,7 @@ def test_the_flags_megatron_accepts_only_beside_a_refused_one_are_named_with_it(
     leave --rl-training-cuda-graphs)."""
     parser = arguments.build_parser()
     dests = set(_options(parser))
-    assert all(dest in dests and set(needers) <= dests
+    assert all(dest in dests and {n[0] if isinstance(n, tuple) else n for n in needers} <= dests
                for dest, needers in option_classes.NEEDED_BY.items())
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -192,6 +192,12 @@ def test_the_flags_megatron_accepts_only_beside_a_refused_one_are_named_with_it(
                                                       True)},
         ["use_distributed_optimizer"]) == ["--overlap-param-gather",
                                            "--overlap-param-gather-with-optimizer-step"]
+    fsdp = {"use_megatron_fsdp": ("--use-megatron-fsdp", True)}
+    assert option_classes.companions(
+        {**fsdp, "ckpt_format": ("--ckpt-format", "fsdp_dtensor")},
+        ["use_megatron_fsdp"]) == ["--ckpt-format fsdp_dtensor"]
+    assert option_classes.companions({**fsdp, "ckpt_format": ("--ckpt-format", "torch")},
+                                     ["use_megatron_fsdp"]) == []
 
 
 def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
