@@ -108,14 +108,16 @@ _NO_TEST = ("no test proves it under this schedule yet: drop it, or use a schedu
             "one")
 _RECOMPUTE_REFUSALS = {
     "elastic": "elastic checkpoints layers per chunk itself (chosen within --elastic-memory-gb): "
-               "drop --recompute-granularity, and lower --elastic-memory-gb to make it recompute "
-               "more",
+               "drop --recompute-granularity, --recompute-method and --recompute-num-layers, "
+               "and lower --elastic-memory-gb to make it recompute more",
     "seq1f1b": "seq1f1b checkpoints layers per chunk itself (chosen within --elastic-memory-gb): "
-               "drop --recompute-granularity, and lower --elastic-memory-gb to make it recompute "
-               "more",
+               "drop --recompute-granularity, --recompute-method and --recompute-num-layers, "
+               "and lower --elastic-memory-gb to make it recompute more",
     "sppo": "sppo keeps activations by offloading them, not by recomputation: drop "
-            "--recompute-granularity (elastic and seq1f1b checkpoint per chunk)",
-    "helix": "helix recomputes its own layer parts: drop --recompute-granularity and pass "
+            "--recompute-granularity, --recompute-method and --recompute-num-layers (elastic "
+            "and seq1f1b checkpoint per chunk)",
+    "helix": "helix recomputes its own layer parts: drop --recompute-granularity, "
+             "--recompute-method and --recompute-num-layers and pass "
              "--helix-recompute-without-attention (pre/post-attention parts recomputed, "
              "attention never)",
 }
