@@ -12,9 +12,9 @@ Hugging Face cache, as on an air-gapped cluster. The data is written by
 ``scripts/preprocess_data.py`` with the same tokenizer flags.
 
 What a CPU run cannot take is refused by name, and each refusal is checked before the flag is
-dropped: half precision and the distributed optimizer (CUDA-only in megatron-core),
-``--overlap-param-gather`` (Megatron requires the distributed optimizer for it) and ``--profile``
-without ``--use-pytorch-profiler`` (nsys). ``elastic`` refuses ``--overlap-param-gather`` for
+dropped: half precision and the distributed optimizer (CUDA-only in megatron-core), with
+``--overlap-param-gather`` (Megatron requires the distributed optimizer for it, and the same
+refusal names it), and ``--profile`` without ``--use-pytorch-profiler`` (nsys). ``elastic`` refuses ``--overlap-param-gather`` for
 itself and keeps ``--overlap-grad-reduce`` (the buckets reduce during its last backward).
 ``--rampup-batch-size`` is refused for every schedule (the document batches are of a fixed
 size), and so is Llama-3's ``--attention-backend fused`` (the document attention picks its own
@@ -116,11 +116,11 @@ DROPS = {
     ],
     "llama3": [
         ("--bf16", 0, CPU_HALF, ("1f1b", "elastic")),
+        ("--overlap-param-gather", 0, ("drop --overlap-param-gather with the distributed "
+                                       "optimizer", torch.cuda.is_available()), ("1f1b",)),
         ("--use-distributed-optimizer", 0, CPU_HALF, ("1f1b", "elastic")),
         ("--overlap-param-gather", 0, ("--overlap-param-gather is not supported by "
                                        "--pipeline-schedule elastic", False), ("elastic",)),
-        ("--overlap-param-gather", 0, ("--overlap-param-gather only supported with distributed "
-                                       "optimizer", torch.cuda.is_available()), ("1f1b",)),
         ("--use-distributed-optimizer", 0, ("--use-distributed-optimizer is not supported by "
                                             "--pipeline-schedule elastic",
                                             not torch.cuda.is_available()), ("elastic",)),

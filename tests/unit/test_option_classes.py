@@ -199,6 +199,47 @@ def test_flags_refused_for_one_reason_are_named_together():
                                    in messages[0]), messages
 
 
+def test_the_flags_megatron_accepts_only_beside_a_refused_one_are_named_with_it(monkeypatch):
+    """Following a refusal leads into no further refusal: dropping the distributed optimizer
+    on a CPU leaves --overlap-param-gather (and its optimizer-step variant), which Megatron-LM
+    accepts only with it, so the same refusal names them; a refused option's dependents are
+    named beside it (here: with a class whose refusal of ``cuda_graph_impl`` alone would
+    leave --rl-training-cuda-graphs)."""
+    parser = arguments.build_parser()
+    dests = set(_options(parser))
+    assert all(dest in dests and {n[0] if isinstance(n, tuple) else n for n in needers} <= dests
+               for dest, needers in option_classes.NEEDED_BY.items())
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    overlap = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    with pytest.raises(arguments.Refusals) as refused:
+        arguments.check_command_line([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                                      "--pipeline-schedule", "1f1b", *overlap])
+    assert "need CUDA" in str(refused.value) and \
+        "and drop --overlap-param-gather with the distributed optimizer" in str(refused.value)
+    given = {"cuda_graph_impl": ("--cuda-graph-impl", "local"),
+             "rl_training_cuda_graphs": ("--rl-training-cuda-graphs", True)}
+    monkeypatch.setattr(option_classes, "REFUSED",
+                        {"cuda_graph_impl": "graphs are not run here; drop the flag"})
+    monkeypatch.setattr(option_classes, "INERT",
+                        option_classes.INERT | {"rl_training_cuda_graphs"})
+    messages = option_classes.refusals(given, "1f1b")
+    assert messages[-1] == ("--rl-training-cuda-graphs is accepted by Megatron-LM only beside a "
+                            "flag refused above: drop --rl-training-cuda-graphs with it")
+    assert option_classes.companions(
+        {"overlap_param_gather": ("--overlap-param-gather", True),
+         "overlap_param_gather_with_optimizer_step": ("--overlap-param-gather-with-optimizer-step",
+                                                      True)},
+        ["use_distributed_optimizer"]) == ["--overlap-param-gather",
+                                           "--overlap-param-gather-with-optimizer-step"]
+    fsdp = {"use_megatron_fsdp": ("--use-megatron-fsdp", True)}
+    assert option_classes.companions(
+        {**fsdp, "ckpt_format": ("--ckpt-format", "fsdp_dtensor")},
+        ["use_megatron_fsdp"]) == ["--ckpt-format fsdp_dtensor"]
+    assert option_classes.companions({**fsdp, "ckpt_format": ("--ckpt-format", "torch")},
+                                     ["use_megatron_fsdp"]) == []
+
+
 def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
     # 1f1b-ir runs Megatron's micro-batches: under context parallelism only the per-token
     # loss is the same at every degree.
