@@ -324,7 +324,6 @@ def helix_bubble(found: dict) -> str:
 # -- SPPO ---------------------------------------------------------------------------------------
 
 def sppo() -> list[dict]:
-    from sppo_offload.models import get_model as sppo_model
     from sppo_offload.solver import MEGATRON, SPPO, SolverConfig, largest_length, solve
 
     profile = testbed("sppo-a100")
@@ -352,7 +351,7 @@ def sppo() -> list[dict]:
     table4 = {"gpt-7b": ({SPPO: (8, 4), MEGATRON: (32, 1)},
                          {524288: 32, 655360: 64, 786432: 80, 917504: 128}),
               "gpt-65b": ({SPPO: (16, 8), MEGATRON: (64, 2)}, {614400: 64, 655360: 80})}
-    seven = sppo_model("gpt-7b")
+    seven = get_model("gpt-7b")
     cells = []
     layouts, counts = table4["gpt-7b"]
     for tokens, n in counts.items():
@@ -367,7 +366,7 @@ def sppo() -> list[dict]:
         rows.append(row("SPPO", f"SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the {label}, "
                         f"Table 4's layouts (Fig. 10, L272)", published, value, profile.name,
                         "setting unknown", cells=cells))
-    sixty_five = sppo_model("gpt-65b")
+    sixty_five = get_model("gpt-65b")
     layouts, counts = table4["gpt-65b"]
     for tokens, published in ((614400, 3.38), (655360, 3.12)):
         ratio, chosen = speedup(sixty_five, 128, tokens, layouts, counts[tokens])
