@@ -534,7 +534,6 @@ def helix_bubble(found: dict) -> str:
 # -- SPPO ---------------------------------------------------------------------------------------
 
 def sppo() -> list[dict]:
-    from sppo_offload.models import get_model as sppo_model
     from sppo_offload.solver import (MEGATRON, SPPO, NoFit, SolverConfig, largest_length,
                                      solve)
 
@@ -563,7 +562,7 @@ def sppo() -> list[dict]:
     table4 = {"gpt-7b": ({SPPO: (8, 4), MEGATRON: (32, 1)},
                          {524288: 32, 655360: 64, 786432: 80, 917504: 128}),
               "gpt-65b": ({SPPO: (16, 8), MEGATRON: (64, 2)}, {614400: 64, 655360: 80})}
-    seven = sppo_model("gpt-7b")
+    seven = get_model("gpt-7b")
     cells = []
     layouts, counts = table4["gpt-7b"]
     for tokens, n in counts.items():
@@ -578,7 +577,7 @@ def sppo() -> list[dict]:
         rows.append(row("SPPO", f"SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the {label}, "
                         f"Table 4's layouts (Fig. 10, L272)", published, value, profile.name,
                         cells=cells))
-    sixty_five = sppo_model("gpt-65b")
+    sixty_five = get_model("gpt-65b")
     layouts, counts = table4["gpt-65b"]
     for tokens, published in ((614400, 3.38), (655360, 3.12)):
         ratio, chosen = speedup(sixty_five, 128, tokens, layouts, counts[tokens])
@@ -588,7 +587,7 @@ def sppo() -> list[dict]:
                         layouts=chosen, speedup_at_searched_layouts=searched,
                         searched_layouts=searched_layouts))
     # The offload ablation (L284): full offloading over none, at Table 4's layout and N.
-    thirteen = sppo_model("gpt-13b")
+    thirteen = get_model("gpt-13b")
     for model, gpus, tokens, layout, n, published in (
             (thirteen, 64, 524288, (8, 8), 32, 0.91), (sixty_five, 128, 655360, (16, 8), 80, 2.1)):
         def rate(offload, memory_gb=80.0):

@@ -9,7 +9,7 @@ global batch of whole documents per step (:mod:`megatron.plugin.document_data`),
 ``get_forward_backward_func`` (:mod:`megatron.plugin.registry`), which turns each global batch
 into what that schedule consumes.
 
-The signatures changed between releases: 0.17's ``pretrain`` and ``initialize_megatron`` parse
+The signatures differ between releases: 0.17's ``pretrain`` and ``initialize_megatron`` parse
 the arguments themselves (``extra_args_provider``); 0.18 and 0.19 parse with
 ``parse_and_validate_args`` and ``pretrain`` takes a config container built from the parsed
 arguments. :func:`run_pretrain` (the training script) and :func:`initialize` (tests and
@@ -54,9 +54,9 @@ def run_pretrain() -> None:
             megatron_training.save_checkpoint)
     heartbeat = hang_report.start(_agent_store("longctx"))
     # Megatron-LM's pretrain returns (or, after --exit-interval, --exit-duration-in-mins or an
-    # exit signal, exits 0 after a barrier) with its process groups alive. With gloo that let a
-    # rank's interpreter abort at exit now and then, after the work was done; torchrun took that
-    # for a failure and ran the whole job again (seen in CI: a 3-iteration job logged 6).
+    # exit signal, exits 0 after a barrier) with its process groups alive. A gloo rank that
+    # exits with them alive can abort its interpreter after the work is done, which torchrun
+    # takes for a failure and answers by running the whole job again: shutdown() first.
     try:
         _pretrain(store)
     except SystemExit as done:
@@ -107,7 +107,7 @@ def _restart_store():
     torchrun (``--max-restarts``) restarts every worker with the rendezvous store of its agent,
     which still holds the previous attempt's keys: the restarted ranks read their peers' old
     addresses and wait in gloo's (or NCCL's) connection set-up until the distributed timeout
-    (measured: ten minutes, then the next restart worked). A prefix per attempt
+    (``--distributed-timeout-minutes``). A prefix per attempt
     (``TORCHELASTIC_RESTART_COUNT``) gives every attempt keys of its own."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return None
