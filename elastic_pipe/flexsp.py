@@ -39,6 +39,11 @@ by the project's cost model and simulator, with the choices below:
   approximation (within 4/3 of the optimum for identical machines) on a batch of hundreds of
   documents where a few long ones dominate and are placed first. Its result is never worse than
   the one-group (DeepSpeed-Ulysses) layout, which is one of the candidates.
+- **Balance.** The search times groups with the same cost model the simulator runs, so a
+  step's groups finish within a few percent of each other. InfiniPipe measured FlexSP's
+  computation at 1.33-1.46x its own (DeepSpeed's at 1.11x) and attributes it to unbalanced SP
+  groups (L373-378) without saying how large the imbalance is for a batch or what leaves it;
+  no imbalance beyond this planner's is modelled (``docs/papers.md``).
 """
 from __future__ import annotations
 
