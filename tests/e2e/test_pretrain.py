@@ -390,13 +390,19 @@ def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
 
 @pytest.mark.parametrize("schedule,flags", [
     ("elastic", ["--elastic-slices", "4"]), ("seq1f1b", ["--elastic-slices", "4"]),
-    ("sppo", ["--sppo-subsequences", "4"])])
+    ("sppo", ["--sppo-subsequences", "4"]),
+    pytest.param("elastic", ["--elastic-slices", "4", "--num-experts", "4",
+                             "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
+                             "--disable-bias-linear"], id="elastic-moe")])
 def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     """With Megatron-LM's default dropout (0.1 on the attention and the hidden states) the
     activation bytes each stage's plan predicts, from the spec-derived profile, are within
     10% of what the training loop's meter measures, every iteration: slices attend to their K/V
     context block by block (no concatenated copy, no probability matrix kept) and the plan
-    counts the hidden-dropout masks. Before, elastic held 20x its plan here."""
+    counts the hidden-dropout masks. Before, elastic held 20x its plan here. With
+    mixture-of-experts layers (4 experts, top 2) the plan counts each token's expert copies,
+    expert intermediates and router tensors instead of a dense MLP's; priced as a dense MLP it
+    planned 0.6x of what the stages held."""
     out = tmp_path / "metrics.jsonl"
     no_dropout = {"--hidden-dropout", "--attention-dropout"}
     tiny = [flag for i, flag in enumerate(TINY)
