@@ -402,7 +402,7 @@ def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     counts the hidden-dropout masks. Before, elastic held 20x its plan here. With
     mixture-of-experts layers (4 experts, top 2) the plan counts each token's expert copies,
     expert intermediates and router tensors instead of a dense MLP's; priced as a dense MLP it
-    planned 0.6x of what the stages held."""
+    the stages held 1.4x its plan."""
     out = tmp_path / "metrics.jsonl"
     no_dropout = {"--hidden-dropout", "--attention-dropout"}
     tiny = [flag for i, flag in enumerate(TINY)
