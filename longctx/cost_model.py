@@ -209,6 +209,11 @@ class CostModel:
                     f"profile {hardware.name} was fitted for hidden {fit.hidden_size}, sp "
                     f"{fit.sp}, tp {fit.tp}, not hidden {h}, sp {parallel.sp}, tp "
                     f"{parallel.tp}; profile this layout or use a spec-derived profile")
+            if fit.mlp != model.mlp_label:
+                raise ValueError(
+                    f"profile {hardware.name} was fitted on a layer with a {fit.mlp} MLP, not "
+                    f"{model.mlp_label}; profile this model (scripts/profile_costs.py "
+                    f"--num-experts ...) or use a spec-derived profile")
             self.alpha1, self.alpha2, self.beta = fit.alpha1, fit.alpha2, fit.beta
         else:
             peak = hardware.peak_tflops * 1e12
@@ -233,6 +238,12 @@ class CostModel:
                     f"profile {hardware.name} measured activations for hidden, vocab, sp, tp "
                     f"{shape}, not {(h, model.vocab_size, parallel.sp, parallel.tp)}; profile "
                     f"this model and layout or drop activation_coefficients")
+            if measured.mlp != model.mlp_label:
+                raise ValueError(
+                    f"profile {hardware.name} measured activations of a layer with a "
+                    f"{measured.mlp} MLP, not {model.mlp_label}; profile this model "
+                    f"(scripts/profile_costs.py --num-experts ...) or drop "
+                    f"activation_coefficients")
             if measured.dtype != model.dtype:
                 raise ValueError(
                     f"profile {hardware.name} measured activations in {measured.dtype}, not "

@@ -84,6 +84,15 @@ class ModelConfig:
         """Output width of an expert's first projection: ``2F`` gated, ``F`` otherwise."""
         return 2 * self.expert_ffn if self.gated_mlp else self.expert_ffn
 
+    @property
+    def mlp_label(self) -> str:
+        """What kind of MLP a layer has, as a measured profile records it: ``"dense"``, or the
+        experts' shape (a profile measured on one kind prices no other)."""
+        if not self.num_experts:
+            return "dense"
+        return (f"{self.num_experts} experts, top {self.moe_router_topk}, "
+                f"width {self.expert_ffn}")
+
     def params_per_layer(self) -> int:
         """Weights and biases of one layer: QKV + output projection, the MLP, two LayerNorms.
         A mixture-of-experts MLP is the router's ``h x E`` and ``E`` experts of ``h x w + F x h``

@@ -120,3 +120,27 @@ def test_the_moe_terms_are_what_megatrons_moe_layer_saves(one_rank, gated):
     planned = mlp_saved_per_token(moe(**shape)) \
         - mlp_saved_per_token(ModelConfig("dense", 6, H, HEADS, FFN, 100, **shape))
     assert measured == planned
+
+
+def test_a_profile_measured_on_one_mlp_prices_no_other(tmp_path):
+    """Fitted times and counted bytes carry the MLP they were measured on (profile_costs.py
+    stamps it): a dense layer's are refused for an MoE model, and an MoE layer's for another
+    expert shape; profiles written before the stamp were dense."""
+    fit = {"alpha1": 1e-9, "alpha2": 1e-6, "beta": 1e-3, "hidden_size": H, "sp": 1, "tp": 1}
+    counted = {"layer": 9000.0, "checkpointed": 256.0, "kv": 512.0, "dkv": 512.0,
+               "embedding": 16.0, "head": 2000.0, "hidden_size": H, "vocab_size": 100,
+               "sp": 1, "tp": 1, "dtype": "bfloat16"}
+    label = moe().mlp_label
+    assert label == "4 experts, top 2, width 128"
+    whole = Chunk((Piece(0, 0, 0, 10, True),))
+    for key, values in (("layer_coefficients", fit), ("activation_coefficients", counted)):
+        dense = hand_profile(tmp_path, source="measured", machine="box", **{key: values})
+        CostModel(ModelConfig("dense", 6, H, HEADS, FFN, 100), dense, ParallelConfig(pp=2))
+        with pytest.raises(ValueError, match=f"a dense MLP, not {label}; profile this model"):
+            CostModel(moe(), dense, ParallelConfig(pp=2))
+        stamped = hand_profile(tmp_path, source="measured", machine="box",
+                               **{key: dict(values, mlp=label)})
+        cost = CostModel(moe(), stamped, ParallelConfig(pp=2))
+        with pytest.raises(ValueError, match=f"a {label} MLP, not 4 experts, top 1"):
+            CostModel(moe(moe_router_topk=1), stamped, ParallelConfig(pp=2))
+    assert cost.layer_activation(whole) == 90000.0
