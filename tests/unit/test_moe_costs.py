@@ -24,12 +24,12 @@ def test_moe_activation_bytes_time_and_weights_by_hand(tmp_path, gated):
     """BF16, 4 experts of width 128, top 2, Ulysses sp = 2. Per token the MLP keeps, instead of
     a dense MLP's ``f + w``: 2 permuted copies of the token (2 x 64), per copy the expert's
     first projection and its fc2 input (GeLU: 128 + 128 and the GeLU output 128; SwiGLU:
-    256 + 128), all 2 bytes; the router's top-2 probabilities and their per-expert copy (4),
-    the [tokens, 4] probabilities (4), 2 bytes each, the bool routing map (4 bytes) and two
-    int64 index arrays of 2 (32 bytes)."""
+    256 + 128), all 2 bytes; the router's top-2 softmax in FP32 (8 bytes), its per-expert
+    copy (2) and the [tokens, 4] probabilities (4), 2 bytes each, the bool routing map (4
+    bytes) and two int64 index arrays of 2 (32 bytes)."""
     model = moe(gated_mlp=gated)
     cost = CostModel(model, hand_profile(tmp_path), ParallelConfig(pp=2, sp=2))
-    mlp = 2 * 2 * (64 + 384) + 2 * (4 + 4) + 4 + 32
+    mlp = 2 * 2 * (64 + 384) + 8 + 2 * (2 + 4) + 4 + 32
     assert mlp_saved_per_token(model) == mlp
     whole = Chunk((Piece(0, 0, 0, 10, True),))
     assert cost.layer_activation(whole) == pytest.approx(10 * (2 * 9 * H + mlp) / 2)
@@ -81,7 +81,7 @@ def one_rank(tmp_path):
 
 
 def saved_bytes_per_token(config, num_experts) -> float:
-    """Slope over 128 -> 256 tokens of what one layer of the project's spec saves (FP32)."""
+    """Slope over 128 -> 256 tokens of what one layer of the project's spec saves."""
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron.plugin.layers.attention import document_layer_spec
@@ -91,7 +91,8 @@ def saved_bytes_per_token(config, num_experts) -> float:
     layer = build_module(spec, config=config, layer_number=1).train()
     counts = []
     for tokens in (128, 256):
-        x = torch.randn(tokens, 1, config.hidden_size, requires_grad=True)
+        x = torch.randn(tokens, 1, config.hidden_size, dtype=config.params_dtype,
+                        requires_grad=True)
         meter = SavedTensorMeter()
         with meter.active():
             out, _ = layer(x, attention_mask=None)
@@ -100,23 +101,25 @@ def saved_bytes_per_token(config, num_experts) -> float:
     return (counts[1] - counts[0]) / 128
 
 
-@pytest.mark.parametrize("gated", [False, True])
-def test_the_moe_terms_are_what_megatrons_moe_layer_saves(one_rank, gated):
+@pytest.mark.parametrize("gated,dtype", [(False, torch.float32), (True, torch.float32),
+                                         (False, torch.bfloat16)])
+def test_the_moe_terms_are_what_megatrons_moe_layer_saves(one_rank, gated, dtype):
     """Megatron's MoE layer (local spec: ``SequentialMLP``, the ``allgather`` dispatcher,
     softmax top-2 routing, no biases, the activation fusion Megatron-LM's parser sets: SwiGLU's
     on, GeLU's off without biases) saves, per token, exactly the cost model's MoE terms more
-    than the dense layer of the same attention saves its dense MLP terms."""
+    than the dense layer of the same attention saves its dense MLP terms; in BF16 too (the
+    router's softmax stays FP32)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     common = dict(num_layers=1, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
                   add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
                   gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu,
-                  bias_activation_fusion=gated, params_dtype=torch.float32)
+                  bias_activation_fusion=gated, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     dense = TransformerConfig(**common)
     experts = TransformerConfig(**common, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
                                 moe_ffn_hidden_size=EXPERT_FFN, moe_aux_loss_coeff=0.0)
     measured = saved_bytes_per_token(experts, EXPERTS) - saved_bytes_per_token(dense, None)
-    shape = dict(dtype="float32", gated_mlp=gated)
+    shape = dict(dtype=str(dtype).removeprefix("torch."), gated_mlp=gated)
     planned = mlp_saved_per_token(moe(**shape)) \
         - mlp_saved_per_token(ModelConfig("dense", 6, H, HEADS, FFN, 100, **shape))
     assert measured == planned
