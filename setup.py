@@ -20,10 +20,10 @@ setup(
     # The schedules (megatron/plugin/schedule_spec.py), found by the registry through this group.
     entry_points={"megatron_longctx.schedules": [
         "1f1b-ir = ir_1f1b.schedule:SPEC",
-        "elastic = elastic_pipe.runtime:ELASTIC",
-        "seq1f1b = elastic_pipe.runtime:SEQ1F1B",
-        "helix = helix.runtime:SPEC",
-        "sppo = sppo_offload.runtime:SPEC",
+        "elastic = elastic_pipe.spec:ELASTIC",
+        "seq1f1b = elastic_pipe.spec:SEQ1F1B",
+        "helix = helix.spec:SPEC",
+        "sppo = sppo_offload.spec:SPEC",
     ]},
     install_requires=[
         "torch>=2.6",

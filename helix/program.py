@@ -1,5 +1,5 @@
 """The helix part program: every part of one stage run by the executor (see
-:mod:`helix.runtime`)."""
+:mod:`helix.spec`)."""
 from __future__ import annotations
 
 import contextlib

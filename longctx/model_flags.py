@@ -36,7 +36,10 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
             raise ValueError(f"--model custom needs {' '.join(missing)}")
         base = {}
     else:
-        preset = get_model(args.model)
+        try:
+            preset = get_model(args.model)
+        except ValueError as error:
+            raise ValueError(f"{error}, or 'custom' with the shape flags") from None
         base = {"num_layers": preset.num_layers, "hidden_size": preset.hidden_size,
                 "num_attention_heads": preset.num_heads,
                 "ffn_hidden_size": preset.ffn_hidden_size, "vocab_size": preset.vocab_size}

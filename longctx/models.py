@@ -1,7 +1,8 @@
 """GPT model shapes the planner prices (presets and explicit shapes).
 
 The presets follow the usual GPT-3-style shapes (feed-forward width 4h, multi-head attention,
-the GPT-2 vocabulary padded to a multiple of 128, as Megatron-LM pads it), trained in BF16.
+the GPT-2 vocabulary padded to a multiple of 128, as Megatron-LM pads it), trained in BF16;
+gpt-65b is the largest model of SPPO's evaluation, in the same style.
 """
 from __future__ import annotations
 
@@ -110,6 +111,7 @@ PRESETS: dict[str, ModelConfig] = {
     "gpt-7b": ModelConfig("gpt-7b", 32, 4096, 32, 16384, 50304),
     "gpt-13b": ModelConfig("gpt-13b", 40, 5120, 40, 20480, 50304),
     "gpt-30b": ModelConfig("gpt-30b", 48, 7168, 56, 28672, 50304),
+    "gpt-65b": ModelConfig("gpt-65b", 80, 8192, 64, 32768, 50304),
 }
 
 
@@ -118,5 +120,4 @@ def get_model(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
     except KeyError:
-        raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(PRESETS))} "
-                         f"(or give the shape flags)") from None
+        raise ValueError(f"unknown model {name!r}; valid: {', '.join(sorted(PRESETS))}") from None

@@ -8,9 +8,9 @@ CUDA one GPU a rank in bf16, on CPU gloo ranks in fp32), under Megatron-LM's def
 0.1, on ``--mock-data`` documents up to ``--seq-length`` tokens with a GPT of ``--num-layers``
 x ``--hidden-size``, three iterations each, and reads the last iteration of its
 ``--metrics-jsonl`` (per-stage figures: the largest stage's): the plan's predicted activation
-bytes (elastic and seq1f1b make one), the bytes autograd saved for backward (the training
+bytes (elastic, seq1f1b, sppo and helix make one), the bytes autograd saved for backward (the training
 loop's meter) and the CUDA allocator's peak over the forward-backward call (CUDA only), with
-the tokens per second.
+the tokens per second and the units (micro-batches, chunks, subsequences) of the batch.
 Prints one line per schedule with measured/planned (per stage too); ``--json`` writes them all.
 With ``--trace-dir`` each run also traces its third iteration with Megatron-LM's
 ``--profile --use-pytorch-profiler`` (four iterations are run), keeps the trace there as
@@ -53,10 +53,15 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser)
-    parser.add_argument("--schedules", default="default,elastic,seq1f1b,sppo")
+    parser.add_argument("--schedules", default=None,
+                        help="comma-separated; default: default,elastic,seq1f1b,sppo, and "
+                             "helix with --pp 2 or more (it needs two stages)")
     parser.add_argument("--trace-dir", default=None,
                         help="keep a profiler trace of each run here (CUDA)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.schedules is None:
+        args.schedules = "default,elastic,seq1f1b,sppo" + (",helix" if args.pp >= 2 else "")
+    return args
 
 
 def training_command(args, schedule: str, metrics: str, iters: int) -> list[str]:
@@ -103,7 +108,7 @@ def run_schedule(args, schedule: str, workdir: str, extra=(), trace: bool = Fals
         return {"error": f"exit {done.returncode}", "tail": (done.stdout + done.stderr)[-3000:]}
     with open(metrics) as f:
         record = [json.loads(line) for line in f][-1]
-    keep = ("lm_loss", "num_tokens", "tokens_per_s", "forward_backward_s",
+    keep = ("lm_loss", "num_tokens", "num_microbatches", "tokens_per_s", "forward_backward_s",
             "peak_activation_bytes", "planned_activation_bytes", "device_peak_bytes",
             "peak_activation_bytes_per_stage", "planned_activation_bytes_per_stage")
     result = {key: record[key] for key in keep if key in record}
@@ -140,7 +145,8 @@ def main(argv=None):
                   f"planned {planned / 2**20 if planned else float('nan'):9.1f} MiB  "
                   f"measured/planned {ratio if ratio else float('nan'):6.2f}  "
                   f"device peak {result.get('device_peak_bytes', float('nan')) / 2**20:9.1f} "
-                  f"MiB  {result['tokens_per_s']:10.0f} tokens/s"
+                  f"MiB  {result['tokens_per_s']:10.0f} tokens/s  "
+                  f"{result['num_microbatches']} units"
                   + (f"  device busy {result['device_busy_fraction']:6.1%}"
                      if args.trace_dir else ""), flush=True)
             if args.trace_dir:

@@ -18,8 +18,8 @@ import argparse
 
 from _launch import write_json
 from longctx.hardware import load_profile
+from longctx.models import get_model
 
-from sppo_offload.models import get_model
 from sppo_offload.solver import MEGATRON, SEQ1F1B, SPPO, SolverConfig, largest_length, solve
 
 LENGTHS = (1 << 20, 1 << 21, 1 << 22)

@@ -11,6 +11,8 @@
 #                         schedules must not lose to Megatron-LM's own schedule; each run's
 #                         profiler trace in traces_short/ with how busy it kept the device
 #   memory_128k.*         Megatron-LM's schedule, elastic and seq1f1b on documents up to 128K
+# helix is not among them: it places layer parts on other stages and needs PP >= 2 (two GPUs);
+# on a machine with two, scripts/bench_memory.py --pp 2 runs it beside the others.
 # Runs in about 8 minutes on one H200. Usage: bash scripts/gpu_bench.sh [OUT]
 set -u
 cd "$(dirname "$0")/.."

@@ -2,6 +2,7 @@
 # Validates an install on a CUDA machine: versions, the unit tests (the CUDA-only ones run
 # here), a short training run of every schedule that fits the GPUs present (NCCL, fp32, bf16
 # and fp16; the runs of one schedule side by side, each on its own port, beside the unit tests),
+# the same in bf16 with Transformer Engine layers where transformer_engine imports,
 # then the golden suite when there are 4 GPUs or more (its layouts use up to 4 ranks, one GPU
 # each). Prints a report, with each run's losses (no dropout: the schedules train the
 # same documents from the same initialization, so their first losses should agree to about the
@@ -72,6 +73,26 @@ for schedule in "${schedules[@]}"; do
   wait $(jobs -p | grep -vx "$unit")
   collect "${names[@]}"
 done
+# Megatron's Transformer Engine layers (--transformer-impl transformer_engine) under every
+# schedule that builds them, in bf16, when transformer_engine imports (NGC containers ship it).
+if python3 -c 'import transformer_engine.pytorch' 2>/dev/null; then
+  te_schedules=(default elastic seq1f1b)
+  [ "$pp" -ge 2 ] && te_schedules+=(1f1b 1f1b-ir interleaved)
+  names=()
+  for i in "${!te_schedules[@]}"; do
+    schedule=${te_schedules[$i]}
+    extra=()
+    [ "$schedule" = interleaved ] && extra=(--num-layers-per-virtual-pipeline-stage 1)
+    names+=("train-$schedule-te-bf16")
+    step "train-$schedule-te-bf16" torchrun --nproc-per-node "$pp" \
+      --master-port $(( 29531 + i )) pretrain_gpt_elastic.py "${tiny[@]}" \
+      --pipeline-schedule "$schedule" "${extra[@]}" --bf16 --transformer-impl transformer_engine &
+  done
+  wait $(jobs -p | grep -vx "$unit")
+  collect "${names[@]}"
+else
+  report+=("skipped --transformer-impl transformer_engine: transformer_engine does not import")
+fi
 wait "$unit"
 collect unit
 if [ "$gpus" -ge 4 ]; then

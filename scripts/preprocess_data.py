@@ -13,8 +13,10 @@ Flags as Megatron-LM's ``tools/preprocess_data.py``: the tokenizer group is Mega
 written by Megatron-LM's tool read the same. A ``.jsonl`` input gives one document per line
 (the ``--json-keys`` field); any other file is one document. ``--workers`` processes tokenize
 in parallel (documents keep their input order); progress goes to stderr every
-``--log-interval`` documents. Read the dataset with ``--data-path PREFIX`` and the same
-tokenizer flags.
+``--log-interval`` documents. The files are named as Megatron-LM's tool names them,
+``PREFIX_{key}_document.bin/.idx`` with ``key`` the ``--json-keys`` field (``text`` by default,
+also for plain text files): read the dataset with ``--data-path PREFIX_text_document`` and the
+same tokenizer flags.
 """
 import argparse
 import json
@@ -48,10 +50,15 @@ def texts(paths, json_key):
 
 
 def build_tokenizer(args):
-    """Megatron-LM's tokenizer from its tokenizer flags (the rest at Megatron's defaults)."""
+    """Megatron-LM's tokenizer from its tokenizer flags (the rest at Megatron's defaults);
+    ``GPT2BPETokenizer`` from local ``--vocab-file``/``--merge-file`` needs no network
+    (:mod:`megatron.plugin.gpt2_bpe`)."""
     from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer as megatron_build
 
+    from megatron.plugin import gpt2_bpe
     from megatron.plugin.arguments import megatron_defaults
+
+    gpt2_bpe.install(args)
 
     full = argparse.Namespace(**{dest: default for dest, (_, default)
                                  in megatron_defaults().items()})
@@ -72,13 +79,20 @@ def _encode(text: str) -> np.ndarray:
     return np.append(ids, _tokenizer.eod) if _append_eod and len(ids) else ids
 
 
+def output_name(prefix: str, json_key: str) -> str:
+    """The dataset's prefix as Megatron-LM's tool writes it (one document per item)."""
+    return f"{prefix}_{json_key}_document"
+
+
 def parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import _add_tokenizer_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     group = p.add_argument_group("input and output")
     group.add_argument("--input", nargs="+", type=Path, help="jsonl or text files")
-    group.add_argument("--output-prefix", help="dataset prefix (writes PREFIX.bin, PREFIX.idx)")
+    group.add_argument("--output-prefix",
+                       help="writes PREFIX_{key}_document.bin/.idx (key: --json-keys), as "
+                            "Megatron-LM's tools/preprocess_data.py")
     group.add_argument("--json-keys", nargs="+", default=["text"],
                        help="jsonl field holding the text (one key)")
     group.add_argument("--append-eod", action="store_true",
@@ -125,16 +139,17 @@ def main(argv=None) -> int:
             yield ids
 
     stream = texts(args.input, args.json_keys[0])
+    prefix = output_name(args.output_prefix, args.json_keys[0])
     if args.workers == 1:
         _start_worker(args)
-        count = write_dataset(args.output_prefix, progress(map(_encode, stream)), vocab_size)
+        count = write_dataset(prefix, progress(map(_encode, stream)), vocab_size)
     else:
         with multiprocessing.get_context("spawn").Pool(
                 args.workers, initializer=_start_worker, initargs=(args,)) as pool:
-            count = write_dataset(args.output_prefix,
+            count = write_dataset(prefix,
                                   progress(pool.imap(_encode, stream, chunksize=16)), vocab_size)
-    print(f"wrote {count} documents ({state['tokens']} tokens) to "
-          f"{args.output_prefix}.bin/.idx in {time.perf_counter() - start:.1f} s")
+    print(f"wrote {count} documents ({state['tokens']} tokens) to {prefix}.bin/.idx in "
+          f"{time.perf_counter() - start:.1f} s (train with --data-path {prefix})")
     return 0
 
 

@@ -15,7 +15,7 @@ from longctx.cost_model import GB, CostModel
 
 from sppo_offload.costs import OffloadCosts
 from sppo_offload.offload import AUTO, capped_ratios, offload_ratios, offloadable_bytes, raised
-from sppo_offload.partition import balanced_lengths, starts
+from sppo_offload.partition import balanced_lengths, packed_documents, starts
 from sppo_offload.pipeline import build_schedule
 from sppo_offload.solver import SolverConfig
 
@@ -30,33 +30,56 @@ class SubsequencePlan:
     """The subsequences of one replica's documents and their offload ratios."""
 
     counts: tuple[int, ...]
-    """Subsequences per document, in the order of the documents."""
+    """Units per sequence, in the order of the sequences: a cut document's subsequences, or
+    one for a row of whole documents (:func:`~sppo_offload.partition.packed_documents`)."""
     chunks: tuple[Chunk, ...]
-    """One one-piece chunk per unit (``Piece.doc``: the document's position in the share)."""
+    """One chunk per unit: one subsequence of a cut document, or whole documents
+    (``Piece.doc``: the document's position in the share)."""
     alphas: tuple[tuple[float, ...], ...]
     """Offload ratio per stage and unit."""
 
+    def is_slice(self, unit: int) -> bool:
+        """Whether ``unit`` is one subsequence of a cut document (it attends to the K/V of the
+        document's earlier subsequences)."""
+        piece = self.chunks[unit].pieces[0]
+        return not (piece.start == 0 and piece.final)
+
     def to_dict(self) -> dict:
         return {"counts": list(self.counts),
-                "lengths": [c.pieces[0].tokens for c in self.chunks],
+                "lengths": [c.tokens for c in self.chunks],
+                "documents": [len(c.pieces) for c in self.chunks],
                 "alphas": [list(row) for row in self.alphas]}
 
 
 def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_split: int = 1,
                       host_cap_bytes: float | None = None,
                       most_saving: bool = False) -> SubsequencePlan:
-    """Cut documents of ``lengths`` tokens into subsequences and choose their offload ratios
-    (module doc, steps 2 and 5) for the stages of ``cost``'s layout. ``auto`` ratios are
+    """Cut documents of ``lengths`` tokens into subsequences, pack the short ones, and choose
+    the offload ratios (:mod:`sppo_offload.runtime`, steps 2 and 5) for the stages of
+    ``cost``'s layout: the longest subsequence of the documents cut into their wanted counts
+    is the batch's *capacity*; documents of at most that many tokens are packed whole into
+    rows of at most that many (:func:`~sppo_offload.partition.packed_documents`), a longer one
+    is cut into ``min(wanted, ceil(tokens / capacity))`` subsequences. ``auto`` ratios are
     capped to ``host_cap_bytes`` per document and stage; ``most_saving`` raises them to 1
     first (the solver's most memory-saving option; a fixed ratio or ``off`` stays)."""
+    def cut(tokens: int, count: int) -> list[int]:
+        return balanced_lengths(tokens, min(count, tokens), cost.linear_per_token, cost.alpha1)
+
+    wanted = [auto_subsequences(tokens, cost.pp, token_split) if subsequences == AUTO
+              else subsequences for tokens in lengths]
+    capacity = max(cut(tokens, count)[0] for tokens, count in zip(lengths, wanted))
+    sequences = [(group[0], (Chunk(tuple(Piece(doc, 0, 0, lengths[doc], True)
+                                          for doc in group)),))
+                 for group in packed_documents(lengths, capacity)]
+    for doc, (tokens, count) in enumerate(zip(lengths, wanted)):
+        if tokens > capacity:
+            lengths_of = cut(tokens, min(count, math.ceil(tokens / capacity)))
+            sequences.append((doc, tuple(
+                Chunk((Piece(doc, j, start, start + length, j == len(lengths_of) - 1),))
+                for j, (start, length) in enumerate(zip(starts(lengths_of), lengths_of)))))
     counts, chunks = [], []
     alphas: list[list[float]] = [[] for _ in range(cost.pp)]
-    for doc, tokens in enumerate(lengths):
-        wanted = auto_subsequences(tokens, cost.pp, token_split) if subsequences == AUTO \
-            else subsequences
-        cut = balanced_lengths(tokens, min(wanted, tokens), cost.linear_per_token, cost.alpha1)
-        mine = tuple(Chunk((Piece(doc, j, start, start + length, j == len(cut) - 1),))
-                     for j, (start, length) in enumerate(zip(starts(cut), cut)))
+    for _, mine in sorted(sequences, key=lambda sequence: sequence[0]):
         ratios = offload_ratios(cost, mine, offload, cost.hardware.host_gbps_per_gpu)
         if offload == AUTO and most_saving:
             ratios = raised(ratios, 1.0)
@@ -64,7 +87,7 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
             ratios = capped_ratios(cost, mine, ratios, host_cap_bytes)
         for stage, row in enumerate(ratios):
             alphas[stage].extend(row)
-        counts.append(len(cut))
+        counts.append(len(mine))
         chunks.extend(mine)
     return SubsequencePlan(tuple(counts), tuple(chunks), tuple(tuple(row) for row in alphas))
 

@@ -12,6 +12,15 @@ the positive root of a quadratic, computed as ``2 w / (linear + sqrt(linear^2 + 
 (no cancellation when the linear term dominates). Later subsequences attend to more context,
 so they come out shorter.
 
+Short documents (:func:`packed_documents`): SPPO cuts one long sequence and says nothing of
+short ones. Cut like a long one, a document shorter than the batch's subsequences becomes
+``N`` tiny units (or as many one-token units as it has tokens), each a pipeline step with its
+fixed costs. Instead the batch plan (:mod:`sppo_offload.batch_plan`) packs whole documents of
+at most one subsequence's length into rows of at most that length -- what a long document's
+subsequence holds -- as the elastic schedule packs its short documents (each keeps its own
+causal attention in the packed row); a longer document is cut into no more pieces than it
+takes to keep them at about that length (at most ``N``).
+
 Rounding: every length must be a multiple of ``multiple`` (Megatron's sequence parallelism
 splits each subsequence evenly over the TP/SP group). Each interior boundary is rounded to the
 nearest multiple, then pushed apart so that every subsequence keeps at least ``multiple``
@@ -23,6 +32,7 @@ sequence of the balanced share (checked by the tests).
 from __future__ import annotations
 
 import math
+from typing import Sequence
 
 
 def subsequence_work(length: int, context: int, linear: float, quadratic: float) -> float:
@@ -75,3 +85,22 @@ def starts(lengths: list[int]) -> list[int]:
         out.append(at)
         at += length
     return out
+
+
+def packed_documents(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """The documents of at most ``capacity`` tokens (indices into ``lengths``) packed into
+    groups of at most ``capacity`` tokens: first fit in decreasing length (ties in document
+    order), each group in document order, the groups in the order of their first document."""
+    short = sorted((i for i, tokens in enumerate(lengths) if tokens <= capacity),
+                   key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    room: list[int] = []
+    for i in short:
+        fit = next((g for g, left in enumerate(room) if lengths[i] <= left), None)
+        if fit is None:
+            groups.append([])
+            room.append(capacity)
+            fit = len(groups) - 1
+        groups[fit].append(i)
+        room[fit] -= lengths[i]
+    return sorted(sorted(group) for group in groups)

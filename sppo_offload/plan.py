@@ -27,9 +27,9 @@ from megatron.plugin.pipeline.gantt import write_gantt
 from megatron.plugin.pipeline.simulator import simulate
 
 from longctx.hardware import load_profile, profiles_help
+from longctx.models import PRESETS, get_model
 
 from sppo_offload import multiplex
-from sppo_offload.models import MODELS, get_model
 from sppo_offload.offload import parse_offload
 from sppo_offload.solver import METHODS, SPPO, MethodPlan, SolverConfig, largest_length, solve
 
@@ -38,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m sppo_offload.plan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-length", type=int, required=True, help="tokens of the sequence")
-    parser.add_argument("--model", default="gpt-7b", help="|".join(sorted(MODELS)))
+    parser.add_argument("--model", default="gpt-7b", help="|".join(sorted(PRESETS)))
     parser.add_argument("--hardware", default="a100",
                         help=f"{profiles_help()} or a profile .json")
     parser.add_argument("--gpus", type=int, default=32, help="GPUs of the job")

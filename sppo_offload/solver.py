@@ -37,9 +37,9 @@ one it would rate ever finer subsequences faster (the 7B at 512K on 32 A100s: 25
 subsequences of 512 tokens a device 3% faster than the 32 of 2K the band allows; the 65B at
 600K on 128, 15%) although they are not. With a curve the cost is priced, and the low end
 moves down to the curve's first point (below it the curve is held, not measured):
-:func:`token_floor`. The high end excluded nothing the simulator rates faster where it was
-checked (those two rows and the 7B at 896K, with the high end at 2^30 tokens), and keeps the
-candidate count small.
+:func:`token_floor`. The high end keeps the candidate count small and excludes nothing the
+simulator rates faster on those two rows and the 7B at 896K (compared with the high end at 2^30
+tokens).
 
 Search: every (layout, N) gets the cheapest memory option whose *lower bound* on the peak
 (model state plus what every subsequence keeps at the turn from forwards to backwards) fits

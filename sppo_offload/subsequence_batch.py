@@ -71,8 +71,8 @@ def prepare_input(documents, args, model):
         schedule = build_schedule(cost.pp, plan.counts, offloaded)
     weights = unit_weights(args, documents, len(plan.chunks))
     batches = [chunk_batch(chunk, documents, share, tp * cp, weights) for chunk in plan.chunks]
-    slices = [((share[p.doc], p.slice),) if plan.counts[p.doc] > 1 else ()
-              for p in (chunk.pieces[0] for chunk in plan.chunks)]
+    slices = [((share[chunk.pieces[0].doc], chunk.pieces[0].slice),)
+              if plan.is_slice(unit) else () for unit, chunk in enumerate(plan.chunks)]
     chunk = model[0] if isinstance(model, list) else model
     capacity = None if host_gb is None else int(host_gb * GB)
     offloader = ActivationOffloader(host_tier(next(chunk.parameters()).device, capacity),
@@ -82,7 +82,7 @@ def prepare_input(documents, args, model):
                              subsequences=plan, offloader=offloader,
                              multiplex=args.sppo_multiplex,
                              planned_activation_bytes=peaks[stage] - cost.static_bytes(stage))
-    log.info("sppo plan: %d documents in %d subsequences, %d offloaded on stage %d",
+    log.info("sppo plan: %d documents in %d units, %d offloaded on stage %d",
              len(share), len(batch), sum(a > 0 for a in plan.alphas[stage]), stage)
     return batch, len(batch)
 
@@ -98,9 +98,10 @@ def _check_multiplexable(plan: SubsequencePlan, cost: CostModel,
     problem, peaks = None, None
     pp = cost.pp
     first = plan.chunks[0].pieces[0].tokens
-    if len(plan.counts) != 1:
+    documents = len({piece.doc for chunk in plan.chunks for piece in chunk.pieces})
+    if documents != 1:
         problem = (f"--sppo-multiplex splits the first subsequence of one document; a "
-                   f"data-parallel replica got {len(plan.counts)} documents (with several, the "
+                   f"data-parallel replica got {documents} documents (with several, the "
                    f"next document already fills the drain): train one document per replica "
                    f"(--global-batch-size equal to the data-parallel size) or drop "
                    f"--sppo-multiplex")

@@ -7,13 +7,16 @@ flags and each registered schedule's group. Before Megatron-LM's validation,
 option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
 selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
 options: a missing ``--calculate-per-token-loss``, Ulysses' head divisibility, the schedule's
-own ``check_args``, what needs CUDA, ``--tensorboard-dir`` without ``tensorboard``);
+own ``check_args``, what needs CUDA, Transformer Engine without CUDA or its package,
+``--tensorboard-dir`` without ``tensorboard``);
 :func:`check_args` runs the rules again on the validated arguments.
 
 Defaults that differ from Megatron-LM's, and why:
 
 * ``--transformer-impl local``: the layer spec is Megatron's local spec with the project's
-  document attention in place of core attention (``megatron/plugin/layers/attention.py``).
+  document attention in place of core attention (``megatron/plugin/layers/attention.py``);
+  ``transformer_engine`` builds Megatron's Transformer Engine layers with the same attention
+  (``megatron/plugin/layers/te_layers.py``) where CUDA and the package are present.
 * ``--dataloader-type external``: batches are whole documents, one global batch per step, from
   :mod:`megatron.plugin.document_data`; ``single`` and ``cyclic`` are Megatron's per-sample
   loaders and are refused.
@@ -32,7 +35,7 @@ from typing import Sequence
 
 import torch
 
-from megatron.plugin import cpu_compat, option_classes, registry
+from megatron.plugin import cpu_compat, flop_count, option_classes, registry
 
 #: ``args_defaults`` for Megatron's parser (applied where a flag was not given).
 DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"}
@@ -271,9 +274,14 @@ def _moe_model_parallel(args):
 def _cpu_half_precision(args):
     if not torch.cuda.is_available() and (args.bf16 or args.fp16
                                            or args.use_distributed_optimizer):
+        also = [f"--{dest.replace('_', '-')}"
+                for dest in option_classes.NEEDED_BY["use_distributed_optimizer"]
+                if args.use_distributed_optimizer and getattr(args, dest, False)]
         return ("--bf16, --fp16 and --use-distributed-optimizer need CUDA (megatron-core's "
                 "mixed-precision and distributed optimizers only wrap CUDA tensors): drop them "
-                "on a machine without a GPU")
+                "on a machine without a GPU"
+                + (f", and drop {' and '.join(also)} with the distributed optimizer (Megatron-LM "
+                   "accepts them only beside it)" if also else ""))
     return None
 
 
@@ -294,6 +302,28 @@ def _cpu_profile(args):
     return None
 
 
+def _transformer_engine(args):
+    if args.transformer_impl != "transformer_engine":
+        return None
+    from megatron.plugin.layers import te_layers
+
+    absent = te_layers.missing()
+    if absent is None:
+        return None
+    return (f"--transformer-impl transformer_engine needs {absent}, which this machine lacks: "
+            "run on a GPU machine with Transformer Engine (NVIDIA's NGC PyTorch containers ship "
+            "it; elsewhere pip install --no-build-isolation transformer_engine[pytorch]), or "
+            "pass --transformer-impl local (the same model with Megatron's local layers)")
+
+
+def _moe_transformer_engine(args):
+    if args.num_experts and args.transformer_impl == "transformer_engine":
+        return ("no test proves --num-experts with --transformer-impl transformer_engine yet "
+                "(Megatron's TE expert modules have not run under the schedules): pass "
+                "--transformer-impl local with MoE layers")
+    return None
+
+
 def _tensorboard(args):
     if args.tensorboard_dir:
         error = _tensorboard_import_error()
@@ -301,6 +331,15 @@ def _tensorboard(args):
             return (f"--tensorboard-dir {args.tensorboard_dir}: torch.utils.tensorboard cannot "
                     f"be imported ({error}), and without it Megatron-LM writes no TensorBoard "
                     "log: pip install tensorboard, or drop --tensorboard-dir")
+    return None
+
+
+def _throughput(args):
+    if args.log_throughput and not flop_count.counts_real_lengths():
+        return ("--log-throughput: this megatron-core release counts FLOPs as if every sample "
+                "were --seq-length tokens long and cannot be told the documents' real lengths "
+                "(megatron-core 0.19 can), which overstates a batch of documents: drop "
+                "--log-throughput, or install megatron-core 0.19")
     return None
 
 
@@ -319,7 +358,7 @@ def _schedule_checks(args):
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_per_token_loss, _pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _cpu_half_precision, _cpu_timeout_after_init,
-         _cpu_profile, _tensorboard)
+         _cpu_profile, _transformer_engine, _moe_transformer_engine, _tensorboard, _throughput)
 
 
 def rule_refusals(args: argparse.Namespace) -> list[str]:

@@ -7,8 +7,11 @@ same on every rank. The schedule's forward-backward function
 Megatron's own schedules get this replica's packed ``--seq-length`` micro-batches, the
 document-level schedules plan the documents.
 
-A sample is a document: Megatron's ``consumed_train_samples`` (and ``consumed_valid_samples``)
-count documents, so a resumed run starts at the batch after the last one it trained on.
+A sample is a document under every schedule (Megatron-LM's is a sequence of ``--seq-length``
+tokens): ``--global-batch-size`` and the other options that count samples
+(:data:`~megatron.plugin.option_classes.COUNT_DOCUMENTS`) count documents, and so do Megatron's
+``consumed_train_samples`` (and ``consumed_valid_samples``), so a resumed run starts at the
+batch after the last one it trained on. Start-up logs it (:func:`sample_meaning`).
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from megatron.plugin.option_classes import COUNT_DOCUMENTS
 from megatron.plugin.sources import build_document_sources
 
 
@@ -56,6 +60,17 @@ class GlobalBatches:
         self.index += 1
         return GlobalBatch(self.source.documents(index),
                            lambda: self.source.documents(index + 1))
+
+
+def sample_meaning(args) -> str:
+    """The start-up line that says what a sample is under the chosen schedule."""
+    flags = sorted("--" + dest.replace("_", "-") for dest in COUNT_DOCUMENTS
+                   if dest != "global_batch_size")
+    return (f"pretrain_gpt_elastic.py: a sample is one document (its first "
+            f"{args.seq_length + 1} tokens where longer) under --pipeline-schedule "
+            f"{args.pipeline_schedule}, not a sequence of --seq-length tokens as in Megatron-LM: "
+            f"--global-batch-size {args.global_batch_size} is {args.global_batch_size} "
+            f"documents per step, and {', '.join(flags)} count documents")
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):

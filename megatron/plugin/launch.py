@@ -9,7 +9,7 @@ global batch of whole documents per step (:mod:`megatron.plugin.document_data`),
 ``get_forward_backward_func`` (:mod:`megatron.plugin.registry`), which turns each global batch
 into what that schedule consumes.
 
-The signatures changed between releases: 0.17's ``pretrain`` and ``initialize_megatron`` parse
+The signatures differ between releases: 0.17's ``pretrain`` and ``initialize_megatron`` parse
 the arguments themselves (``extra_args_provider``); 0.18 and 0.19 parse with
 ``parse_and_validate_args`` and ``pretrain`` takes a config container built from the parsed
 arguments. :func:`run_pretrain` (the training script) and :func:`initialize` (tests and
@@ -28,9 +28,10 @@ from typing import Callable, Sequence
 import torch
 from megatron.core.enums import ModelType
 
-from megatron.plugin import arguments, checkpoint_errors, cpu_compat, hang_report, registry
+from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, hang_report,
+                             registry)
 from megatron.plugin.batches import forward_step
-from megatron.plugin.document_data import train_valid_test_datasets_provider
+from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
 from megatron.plugin.pipeline import p2p, run_settings
 
@@ -42,7 +43,7 @@ def run_pretrain() -> None:
     _prepare()
     # The project's refusals, all at once, before Megatron-LM's validation (which may build a
     # tokenizer, and download its vocabulary) and before any process group.
-    arguments.check_command_line(sys.argv[1:], training=True)
+    gpt2_bpe.install(arguments.check_command_line(sys.argv[1:], training=True))
     from megatron.training import training as megatron_training
 
     store = _restart_store()
@@ -53,9 +54,9 @@ def run_pretrain() -> None:
             megatron_training.save_checkpoint)
     heartbeat = hang_report.start(_agent_store("longctx"))
     # Megatron-LM's pretrain returns (or, after --exit-interval, --exit-duration-in-mins or an
-    # exit signal, exits 0 after a barrier) with its process groups alive. With gloo that let a
-    # rank's interpreter abort at exit now and then, after the work was done; torchrun took that
-    # for a failure and ran the whole job again (seen in CI: a 3-iteration job logged 6).
+    # exit signal, exits 0 after a barrier) with its process groups alive. A gloo rank that
+    # exits with them alive can abort its interpreter after the work is done, which torchrun
+    # takes for a failure and answers by running the whole job again: shutdown() first.
     try:
         _pretrain(store)
     except SystemExit as done:
@@ -106,7 +107,7 @@ def _restart_store():
     torchrun (``--max-restarts``) restarts every worker with the rendezvous store of its agent,
     which still holds the previous attempt's keys: the restarted ranks read their peers' old
     addresses and wait in gloo's (or NCCL's) connection set-up until the distributed timeout
-    (measured: ten minutes, then the next restart worked). A prefix per attempt
+    (``--distributed-timeout-minutes``). A prefix per attempt
     (``TORCHELASTIC_RESTART_COUNT``) gives every attempt keys of its own."""
     if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         return None
@@ -138,7 +139,7 @@ def initialize(argv: Sequence[str], extra_args_provider: Callable | None = None)
         arguments.add_arguments(parser)
         return extra_args_provider(parser) if extra_args_provider else parser
 
-    arguments.check_command_line(argv, extra_args_provider=extra_args_provider)
+    gpt2_bpe.install(arguments.check_command_line(argv, extra_args_provider=extra_args_provider))
     with arguments.command_line(argv), _refusals():
         if _parses_in_initialize():
             initialize_megatron(extra_args_provider=extra, args_defaults=arguments.DEFAULTS,
@@ -271,6 +272,8 @@ def _parses_in_initialize() -> bool:
 
 def _after_parsing(args) -> None:
     arguments.check_args(args)
+    if args.rank == 0:
+        print(sample_meaning(args), flush=True)
     run_settings.configure(args.pipeline_timeout_s, args.trace_dir)
     registry.use_schedule(args.pipeline_schedule)
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import functools
 
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
@@ -10,6 +9,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron.plugin import registry
 from megatron.plugin.layers.attention import RopeSettings, document_layer_spec
+from megatron.plugin.layers.te_layers import document_te_layer_spec
 from megatron.plugin.cpu_compat import megatron_core_version
 
 
@@ -40,6 +40,19 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     return config
 
 
+def layer_spec(args: argparse.Namespace, num_layers: int, rope: RopeSettings | None):
+    """The transformer-block spec of ``--transformer-impl``: Megatron's local layers
+    (:func:`~megatron.plugin.layers.attention.document_layer_spec`) or its Transformer Engine
+    layers (:func:`~megatron.plugin.layers.te_layers.document_te_layer_spec`), with the document
+    attention and ``--qk-layernorm`` either way (the start-up refuses MoE layers with
+    Transformer Engine). A schedule's own ``build_model`` (helix) takes the local layer: the
+    start-up refuses Transformer Engine under it."""
+    if args.transformer_impl == "transformer_engine":
+        return document_te_layer_spec(num_layers, rope, qk_layernorm=args.qk_layernorm)
+    return document_layer_spec(num_layers, args.normalization, rope,
+                               qk_layernorm=args.qk_layernorm, num_experts=args.num_experts)
+
+
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
                    config: TransformerConfig | None = None, pg_collection=None):
     """Megatron-LM's ``model_provider``: this (virtual) stage's ``GPTModel`` with the document
@@ -58,15 +71,12 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         # RoPE is applied by DocumentAttention at true positions (see attention.py).
         position_embedding_type="none" if rope else "learned_absolute")
-    layers = functools.partial(document_layer_spec, normalization=args.normalization, rope=rope,
-                               qk_layernorm=args.qk_layernorm, num_experts=args.num_experts)
     spec = registry.spec(args.pipeline_schedule)
     if spec is not None and spec.build_model is not None:
-        return spec.build_model(args, config, args.padded_vocab_size, layers(1).layer_specs[0],
+        return spec.build_model(args, config, args.padded_vocab_size, layer_spec(args, 1, rope).layer_specs[0],
                                 **gpt_kwargs)
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return GPTModel(
-        config=config,
-        transformer_layer_spec=layers(num_layers),
+        config=config, transformer_layer_spec=layer_spec(args, num_layers, rope),
         vocab_size=args.padded_vocab_size, pre_process=pre_process, post_process=post_process,
         vp_stage=vp_stage, **gpt_kwargs)

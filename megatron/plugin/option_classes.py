@@ -120,6 +120,8 @@ EXAMPLE_SCHEDULES = {"default": EXAMPLES, "1f1b": EXAMPLES, "elastic": EXAMPLES}
 GPU_CHECK = "scripts/gpu_check.sh"
 PRECISION = {name: GPU_CHECK for name in
              ("default", "1f1b", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo")}
+#: The schedules that build Megatron's Transformer Engine layers (the GPU check trains each).
+TE_SCHEDULES = ("default", "1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b")
 OPTIONS = "tests/unit/test_schedule_options.py::test_option_is_honoured_or_refused_by_name"
 RECOMPUTE = {"default": "golden:pp2_full_recompute", "1f1b": "golden:pp2_full_recompute",
              "interleaved": "golden:pp2_vp2_interleaved_block_recompute",
@@ -147,14 +149,16 @@ _NO_TEST = ("no test proves it under this schedule yet: drop it, or use a schedu
             "one")
 _RECOMPUTE_REFUSALS = {
     "elastic": "elastic checkpoints layers per chunk itself (chosen within --elastic-memory-gb): "
-               "drop --recompute-granularity, and lower --elastic-memory-gb to make it recompute "
-               "more",
+               "drop --recompute-granularity, --recompute-method and --recompute-num-layers, "
+               "and lower --elastic-memory-gb to make it recompute more",
     "seq1f1b": "seq1f1b checkpoints layers per chunk itself (chosen within --elastic-memory-gb): "
-               "drop --recompute-granularity, and lower --elastic-memory-gb to make it recompute "
-               "more",
+               "drop --recompute-granularity, --recompute-method and --recompute-num-layers, "
+               "and lower --elastic-memory-gb to make it recompute more",
     "sppo": "sppo keeps activations by offloading them, not by recomputation: drop "
-            "--recompute-granularity (elastic and seq1f1b checkpoint per chunk)",
-    "helix": "helix recomputes its own layer parts: drop --recompute-granularity and pass "
+            "--recompute-granularity, --recompute-method and --recompute-num-layers (elastic "
+            "and seq1f1b checkpoint per chunk)",
+    "helix": "helix recomputes its own layer parts: drop --recompute-granularity, "
+             "--recompute-method and --recompute-num-layers and pass "
              "--helix-recompute-without-attention (pre/post-attention parts recomputed, "
              "attention never)",
 }
@@ -224,11 +228,25 @@ HONOURED: dict[str, Honoured] = {
         ("grad_reduce_in_bf16", "no test proves it under this schedule yet: drop it"))},
     "bf16": Honoured(PRECISION, _NO_TEST),
     "fp16": Honoured(PRECISION, _NO_TEST),
-    # Always Megatron-LM's default, or the project's: ``--transformer-impl local`` (the local
-    # layer spec with the document attention), ``--dataloader-type external`` (whole documents
-    # per global batch), positions and attention reset at every document.
-    "transformer_impl": Honoured({}, "its layer spec is the local one with document attention: "
-                                     "pass --transformer-impl local", values=("local",)),
+    # Megatron's local layers (the project's default) or its Transformer Engine layers, with
+    # the document attention either way (megatron/plugin/layers/te_layers.py); the start-up
+    # also refuses TE without CUDA or the transformer_engine package (arguments.py).
+    "transformer_impl": Honoured(
+        {name: GPU_CHECK for name in TE_SCHEDULES}, _NO_TEST,
+        refusals={name: f"--transformer-impl transformer_engine is not supported by "
+                        f"--pipeline-schedule {name}: Transformer Engine fuses the input norm "
+                        f"into the QKV projection, and {why}; it has not run on a GPU under "
+                        f"{name} yet. Pass --transformer-impl local (the same model; its "
+                        f"distributed checkpoints use the names of Megatron's TE layers)"
+                  for name, why in (
+                      ("helix", "helix's weight shipping runs the norm on the layer's stage and "
+                                "the QKV matmul on the attention's stage"),
+                      ("sppo", "SPPO's multiplexing helpers (layers run on weights the owner "
+                               "broadcasts, their gradients summed back) are built on the local "
+                               "layers' separate norm"))},
+        values=("local", "transformer_engine")),
+    # Always Megatron-LM's default, or the project's: ``--dataloader-type external`` (whole
+    # documents per global batch), positions and attention reset at every document.
     "dataloader_type": Honoured({}, "pretrain_gpt_elastic.py reads whole documents per global "
                                     "batch itself; drop the flag", values=("external",)),
     "reset_position_ids": Honoured({}, "positions restart at every document", values=(True,)),
@@ -276,6 +294,11 @@ HONOURED: dict[str, Honoured] = {
         {"*": "tests/e2e/test_hangs.py::test_a_stopped_rank_under_the_executor_is_named"}, ""),
     "metrics_jsonl": Honoured(
         {"*": "tests/e2e/test_pretrain.py::test_training_logs_megatron_lines_and_metrics"}, ""),
+    # Megatron-LM's FLOP count, told each training step's document lengths
+    # (megatron/plugin/flop_count.py; refused where the release cannot take them:
+    # arguments.RULES).
+    "log_throughput": Honoured({"*": "tests/e2e/test_flop_count.py::"
+                                     "test_megatron_counts_the_flops_of_the_real_documents"}, ""),
     "trace_dir": Honoured(
         {"*": "tests/e2e/test_pretrain.py::"
               "test_ir_schedule_prints_the_same_losses_and_writes_measured_traces"}, ""),
@@ -285,8 +308,9 @@ _OTHER_MODELS = ("it configures a model or task other than GPT pretraining, whic
 _MLA = "multi-latent attention is not built; drop the flag"
 _MOE = ("no test proves this mixture-of-experts option yet (dropless routing with Megatron's "
         "MoE layer is: --num-experts, --moe-router-topk, --moe-ffn-hidden-size); drop the flag")
-_TE = ("it needs Transformer Engine layers, which this script does not build (its layer "
-       "spec is the local one with the document attention); drop the flag")
+_TE = ("it configures Transformer Engine beyond its layers (FP8 or FP4 recipes, communication "
+       "overlap, TE's op fuser, activation or RNG tracker), which no test proves here yet; drop "
+       "the flag (--transformer-impl transformer_engine itself is supported)")
 _HYBRID = ("only the GPT layer spec with the document attention is built (no Mamba, linear, "
            "sparse or heterogeneous layers); drop the flag")
 _ATTENTION = ("the document attention does not implement it "
@@ -306,8 +330,6 @@ _FSDP = ("no test proves fully sharded data parallelism or custom data-parallel 
          "yet; drop the flag")
 _DATA = ("the document batches read --data-path with --split, whole documents, "
          "--global-batch-size of them per step; drop the flag")
-_THROUGHPUT = ("Megatron-LM counts FLOPs as if every sample were --seq-length tokens long, which "
-               "overstates a batch of documents; drop --log-throughput")
 
 #: Read by none of the model, attention or schedule code: Megatron-LM's loop honours them the
 #: same way under every schedule.
@@ -599,9 +621,6 @@ REFUSED: dict[str, str] = {
         per_split_data_args_path  step_batch_size_schedule test_data_path
         train_data_path  valid_data_path validation_set_names
     """, _DATA),
-    **_each("""
-        log_throughput
-    """, _THROUGHPUT),
     "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
     **_each("""
         moe_expert_capacity_factor moe_expert_rank_capacity_factor
@@ -623,17 +642,61 @@ REFUSED: dict[str, str] = {
 }
 
 
+#: The options that count samples. pretrain_gpt_elastic.py's sample is one whole document (its
+#: first ``--seq-length + 1`` tokens where longer) under every schedule, Megatron-LM's a
+#: sequence of ``--seq-length`` tokens: these options keep their role and count documents
+#: (start-up says so: :func:`megatron.plugin.document_data.sample_meaning`). Each is also in
+#: one class above (``--rampup-batch-size`` is refused: the batch of documents is fixed).
+COUNT_DOCUMENTS = _names("""
+    global_batch_size train_samples rampup_batch_size lr_decay_samples lr_warmup_samples
+    lr_wsd_decay_samples
+""")
+
+
+#: Options Megatron-LM accepts only beside another (``validate_args`` asserts it): ``dest ->``
+#: the options given with it that have to go when it goes (a ``(dest, value)`` pair: only with
+#: that value). A refusal of ``dest`` names those too, so that following it leads into no
+#: further refusal.
+NEEDED_BY = {
+    "use_distributed_optimizer": ("overlap_param_gather",
+                                  "overlap_param_gather_with_optimizer_step"),
+    "overlap_grad_reduce": ("overlap_param_gather", "overlap_param_gather_with_optimizer_step"),
+    "overlap_param_gather": ("overlap_param_gather_with_optimizer_step",),
+    "cuda_graph_impl": ("rl_training_cuda_graphs", "rl_persist_cuda_graphs"),
+    "use_megatron_fsdp": (("ckpt_format", "fsdp_dtensor"),),
+}
+
+
+def companions(given: Mapping[str, tuple], dests) -> list[str]:
+    """The flags of ``given`` that Megatron-LM accepts only beside one of ``dests``
+    (:data:`NEEDED_BY`, followed through), ``dests`` themselves left out; a flag whose value
+    matters is shown with it."""
+    found, todo = {}, list(dests)
+    while todo:
+        for needer in NEEDED_BY.get(todo.pop(), ()):
+            dest, value = needer if isinstance(needer, tuple) else (needer, None)
+            if dest not in given or dest in found or dest in dests or \
+                    (value is not None and given[dest][1] != value):
+                continue
+            found[dest] = given[dest][0] if value is None else f"{given[dest][0]} {value}"
+            todo.append(dest)
+    return list(found.values())
+
+
 def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
     """What to refuse of ``given`` (``dest -> (flag, value)`` of each option on the command line
     with a value other than its default) under ``schedule``: one message per reason, naming
-    together the flags refused for the same reason."""
+    together the flags refused for the same reason, and the flags that Megatron-LM accepts only
+    beside a refused one (:data:`NEEDED_BY`)."""
     reasons: dict[str, list[str]] = {}
+    refused = []
     for dest, (flag, value) in given.items():
         if dest in INERT:
             continue
         if dest in REFUSED:
             reasons.setdefault("{} not supported by pretrain_gpt_elastic.py: "
                                + REFUSED[dest], []).append(flag)
+            refused.append(dest)
             continue
         honoured = HONOURED.get(dest)
         if honoured is None:
@@ -648,8 +711,16 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
                                f"{honoured.refusal}", [])
         elif schedule not in honoured.proofs and "*" not in honoured.proofs:
             reasons.setdefault(_schedule_refusal(honoured, flag, schedule), []).append(flag)
-    return [reason.format(_together(flags)) if "{}" in reason else reason
-            for reason, flags in reasons.items()]
+        else:
+            continue
+        refused.append(dest)
+    messages = [reason.format(_together(flags)) if "{}" in reason else reason
+                for reason, flags in reasons.items()]
+    left = companions(given, refused)
+    if left:
+        messages.append(f"{_together(left)} accepted by Megatron-LM only beside a flag refused "
+                        f"above: drop {' and '.join(left)} with it")
+    return messages
 
 
 def _schedule_refusal(honoured: Honoured, flag: str, schedule: str) -> str:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as _schedules
 
+from megatron.plugin import flop_count
 from megatron.plugin.batches import MicroBatches, pack_micro_batches, padding_fraction
 from megatron.plugin.drawing import DrawCommand, Drawable
 from megatron.plugin.layers.devices import collective_device
@@ -171,9 +172,10 @@ class DocumentSchedule:
     ``data_iterator`` yields :class:`~megatron.plugin.document_data.GlobalBatch` objects (one
     iterator per model chunk under virtual pipelining, all equal); ``num_microbatches``
     (Megatron's ``global batch / (micro-batch size x data-parallel size)``) is replaced by what
-    the schedule's input has. A schedule with ``prepare_input`` makes its own input (and reports
-    on it with ``report``); the others get this replica's packed ``--seq-length`` micro-batches
-    (and report their padding fraction). The losses come back as one ``{"lm loss": [sum,
+    the schedule's input has. A training step's documents are recorded for Megatron-LM's FLOP
+    count (:mod:`megatron.plugin.flop_count`). A schedule with ``prepare_input`` makes its own
+    input (and reports on it with ``report``); the others get this replica's packed
+    ``--seq-length`` micro-batches (and report their padding fraction). The losses come back as one ``{"lm loss": [sum,
     tokens], ...}`` dict on the last pipeline stage (summed over the stages, since a schedule
     other than Megatron's may compute its loss on any stage; the same sum Megatron forms), with
     a training step's report next to it (:mod:`megatron.plugin.reporting`); :attr:`reporter`
@@ -199,6 +201,8 @@ class DocumentSchedule:
         args = get_args()
         iterators = data_iterator if isinstance(data_iterator, list) else [data_iterator]
         batch = [next(iterator) for iterator in iterators][0]
+        if not forward_only:
+            flop_count.record_documents(batch.documents)
         start = time.perf_counter()
         own = self.spec if self.spec is not None and self.spec.prepare_input else None
         if own is None:

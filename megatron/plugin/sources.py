@@ -199,10 +199,14 @@ def _open(prefix: str, mmap: bool) -> IndexedDataset:
     naming the file, rather than failing or reading wrong tokens in the middle of training."""
     if not IndexedDataset.exists(prefix):
         missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.exists(p)]
+        written = f"{prefix}_text_document"
+        hint = (f"; {written}.bin/.idx exist: pass --data-path {written}"
+                if IndexedDataset.exists(written) else "")
         raise FileNotFoundError(
             f"--data-path {prefix}: {', '.join(missing)} not found; give the prefix of a dataset "
-            "written by scripts/preprocess_data.py (without .bin/.idx), or omit --data-path to "
-            "use the embedded corpus")
+            "written by scripts/preprocess_data.py or Megatron-LM's tools/preprocess_data.py "
+            "(PREFIX_text_document, without .bin/.idx), or omit --data-path to use the embedded "
+            f"corpus{hint}")
     try:
         dataset = IndexedDataset(prefix, mmap=mmap)
     except (AssertionError, ValueError, struct.error) as error:

@@ -78,9 +78,11 @@ OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "10000"]
 SPPO = ["--pipeline-schedule", "sppo"]
 #: tag -> (subsequences of the longest document, offload ratio of the run or None for off).
 #: The golden documents' lengths (2 to 64 tokens) rarely divide by N: the cuts are uneven, and
-#: documents shorter than N are cut into one-token subsequences. With TP x CP = 2 every
-#: subsequence's row is padded to an even length; with DP = 2 each replica cuts its own share.
+#: documents no longer than the longest subsequence are packed whole into rows of at most its
+#: length (``pp2_sppo_n2_packed``: most of them). With TP x CP = 2 every row is padded to an
+#: even length; with DP = 2 each replica cuts and packs its own share.
 SPPO_EXPECTED = {
+    "pp2_sppo_n2_packed": (2, 0.5),
     "pp2_sppo_n4": (4, None),
     "pp2_sppo_n6_offload": (6, 0.5),
     "pp4_sppo_n8_offload": (8, 1.0),
@@ -215,6 +217,8 @@ VARIANTS = {
         # SPPO: see SPPO_EXPECTED.
         "pp2_sppo_n4": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                             "--sppo-subsequences", "4", "--sppo-offload", "off"]),
+        "pp2_sppo_n2_packed": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                   "--sppo-subsequences", "2", "--sppo-offload", "0.5"]),
         "pp2_sppo_n6_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                     "--sppo-subsequences", "6", "--sppo-offload", "0.5"]),
         "pp4_sppo_n8_offload": (4, ["--pipeline-model-parallel-size", "4", *SPPO,
@@ -566,8 +570,9 @@ def test_helix_mlp_ran_in_chunks(golden):
 
 @pytest.mark.parametrize("tag", sorted(SPPO_EXPECTED))
 def test_sppo_runs_exercise_what_they_claim(golden, tag):
-    """The sppo golden runs cut the documents into the asked subsequences (unevenly); on every
-    rank (tensor-, context- and data-parallel peers included) every subsequence but a
+    """The sppo golden runs cut the long documents into the asked subsequences (unevenly) and
+    packed short ones whole into rows; on every rank
+    (tensor-, context- and data-parallel peers included) every subsequence but a cut
     document's last moved part of its offloadable saved bytes to the host tier and back, the
     asked share of them over the run (within 10%); runs with offloading off moved nothing."""
     need(tag)
@@ -575,12 +580,14 @@ def test_sppo_runs_exercise_what_they_claim(golden, tag):
     variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
     paths = sorted(glob.glob(str(golden / variant / f"sppo_{tag}_*.json")))
     assert len(paths) == VARIANTS[variant][1][tag][0], paths
+    packed = []
     for path in paths:
         with open(path) as f:
             record = json.load(f)
         counts, lengths = record["counts"], record["lengths"]
         assert max(counts) == n and sum(counts) == len(lengths)
         assert len(set(lengths)) > 2, "uneven cuts"
+        packed.append(max(record["documents"]) > 1)
         alphas = record["alphas"][record["stage"]]
         offloads = record["offloads"]
         assert record["host_used"] == 0, "everything offloaded came back"
@@ -593,6 +600,7 @@ def test_sppo_runs_exercise_what_they_claim(golden, tag):
         moved = sum(r[3] for r in offloads) / sum(r[2] for r in offloads)
         assert abs(moved - ratio) <= 0.1 * ratio, moved
         assert record["host_peak"] > 0
+    assert any(packed), "short documents packed (on some data-parallel replica)"
 
 
 @pytest.mark.parametrize("tag", sorted(MUX_EXPECTED))

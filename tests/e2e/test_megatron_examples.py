@@ -6,21 +6,21 @@ launcher and FP8, on 2 CPU ranks under ``1f1b`` and ``elastic``.
 The tokenizers are built here (nothing is downloaded): a byte-level BPE trained on the
 project's own sources, saved as a HuggingFace tokenizer directory (Llama-3's
 ``HuggingFaceTokenizer --tokenizer-model``) and as GPT-2 ``vocab.json``/``merges.txt``
-(GPT-3's ``--vocab-file``/``--merge-file``; Megatron's ``GPT2BPETokenizer`` asks HuggingFace's
-``AutoTokenizer`` for ``gpt2`` with those files, so the test gives it an offline hub cache entry
-holding only the tokenizer class, as an air-gapped cluster would). The data is written by
+(GPT-3's ``--vocab-file``/``--merge-file``, enough for Megatron's ``GPT2BPETokenizer`` without
+the Hugging Face hub: :mod:`megatron.plugin.gpt2_bpe`). Everything runs offline, with an empty
+Hugging Face cache, as on an air-gapped cluster. The data is written by
 ``scripts/preprocess_data.py`` with the same tokenizer flags.
 
 What a CPU run cannot take is refused by name, and each refusal is checked before the flag is
-dropped: half precision and the distributed optimizer (CUDA-only in megatron-core),
-``--overlap-param-gather`` (Megatron requires the distributed optimizer for it) and ``--profile``
-without ``--use-pytorch-profiler`` (nsys). ``elastic`` refuses ``--overlap-param-gather`` for
+dropped: half precision and the distributed optimizer (CUDA-only in megatron-core), with
+``--overlap-param-gather`` (Megatron requires the distributed optimizer for it, and the same
+refusal names it), and ``--profile`` without ``--use-pytorch-profiler`` (nsys). ``elastic`` refuses ``--overlap-param-gather`` for
 itself and keeps ``--overlap-grad-reduce`` (the buckets reduce during its last backward).
-``--rampup-batch-size`` is refused for every schedule (the document
-batches are of a fixed size), and so are Llama-3's ``--attention-backend fused`` (the document
-attention picks its own kernel) and ``--log-throughput`` (Megatron-LM's FLOP count assumes full
-``--seq-length`` samples). ``elastic`` also refuses ``--grad-reduce-in-bf16`` and the
-distributed optimizer (no test proves them under it).
+``--rampup-batch-size`` is refused for every schedule (the document batches are of a fixed
+size), and so is Llama-3's ``--attention-backend fused`` (the document attention picks its own
+kernel); its ``--log-throughput`` is kept where megatron-core counts FLOPs over the documents'
+lengths (0.19) and refused where it cannot (0.17). ``elastic`` also refuses
+``--grad-reduce-in-bf16`` and the distributed optimizer (no test proves them under it).
 Both schedules then train the same documents from the same seed. GPT-3's example leaves
 dropout at Megatron's default (0.1): two schedules that pack the same documents into different
 rows draw different masks, so the test sets ``--hidden-dropout 0 --attention-dropout 0`` for it
@@ -40,6 +40,7 @@ import pytest
 import torch
 
 from harness import REPO, torchrun
+from megatron.plugin import flop_count
 
 tokenizers = pytest.importorskip("tokenizers", reason="the BPE tokenizer is built with it")
 transformers = pytest.importorskip("transformers", reason="Megatron's HF tokenizers need it")
@@ -115,11 +116,11 @@ DROPS = {
     ],
     "llama3": [
         ("--bf16", 0, CPU_HALF, ("1f1b", "elastic")),
+        ("--overlap-param-gather", 0, ("drop --overlap-param-gather with the distributed "
+                                       "optimizer", torch.cuda.is_available()), ("1f1b",)),
         ("--use-distributed-optimizer", 0, CPU_HALF, ("1f1b", "elastic")),
         ("--overlap-param-gather", 0, ("--overlap-param-gather is not supported by "
                                        "--pipeline-schedule elastic", False), ("elastic",)),
-        ("--overlap-param-gather", 0, ("--overlap-param-gather only supported with distributed "
-                                       "optimizer", torch.cuda.is_available()), ("1f1b",)),
         ("--use-distributed-optimizer", 0, ("--use-distributed-optimizer is not supported by "
                                             "--pipeline-schedule elastic",
                                             not torch.cuda.is_available()), ("elastic",)),
@@ -127,8 +128,8 @@ DROPS = {
                                       "--pipeline-schedule elastic", False), ("elastic",)),
         ("--attention-backend", 1, ("--attention-backend is not supported", False),
          ("1f1b", "elastic")),
-        ("--log-throughput", 0, ("--log-throughput is not supported", False),
-         ("1f1b", "elastic")),
+        ("--log-throughput", 0, ("--log-throughput: this megatron-core release counts FLOPs",
+                                 flop_count.counts_real_lengths()), ("1f1b", "elastic")),
     ],
 }
 #: ``(example, schedule or "cpu") -> (flags added, the refusal asking for them)``.
@@ -145,8 +146,8 @@ def drop(argv, flag, values):
 
 
 def build_tokenizer(directory):
-    """Byte-level BPE over the project's sources: a HuggingFace tokenizer directory, GPT-2
-    vocab/merges files, and an offline hub cache entry for ``gpt2`` naming its class."""
+    """Byte-level BPE over the project's sources: a HuggingFace tokenizer directory and GPT-2
+    vocab/merges files."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -162,26 +163,19 @@ def build_tokenizer(directory):
     gpt2 = directory / "gpt2"
     gpt2.mkdir()
     bpe.model.save(str(gpt2))
-    commit = "0" * 40
-    snapshot = directory / "hub" / "hub" / "models--gpt2" / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (directory / "hub" / "hub" / "models--gpt2" / "refs").mkdir()
-    (directory / "hub" / "hub" / "models--gpt2" / "refs" / "main").write_text(commit)
-    (snapshot / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "GPT2Tokenizer", "model_max_length": 1024}))
-    (snapshot / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     # Documents of 100 to 1000 characters, enough for GPT-3's --split 949,50,1 to leave the
     # test split some.
     texts = [text[start:start + 100 + 37 * (start % 25)] for text in texts
              for start in range(0, len(text), 400)]
-    return hf, gpt2, directory / "hub", texts
+    return hf, gpt2, texts
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("examples")
-    hf, gpt2, hub, texts = build_tokenizer(root)
-    env = {"HF_HOME": str(hub), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    hf, gpt2, texts = build_tokenizer(root)
+    env = {"HF_HOME": str(root / "empty-hub-cache"), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
     with open(root / "docs.jsonl", "w") as f:
         for text in texts:
             f.write(json.dumps({"text": text}) + "\n")
@@ -198,7 +192,7 @@ def workspace(tmp_path_factory):
              "--output-prefix", str(root / name), "--append-eod", *flags],
             cwd=REPO, env=dict(os.environ, **env), capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
-        data[name] = str(root / name)
+        data[name] = str(root / f"{name}_text_document")  # Megatron-LM's tool's name
     return root, hf, gpt2, env, data
 
 
@@ -269,6 +263,9 @@ def test_megatron_example_trains_under_1f1b_and_elastic(workspace, name):
         assert len(norms) == ITERATIONS and all(0 < n < float("inf") for n in norms), norms
         assert all(lr > 0 for lr in logged(result.stdout, "learning rate"))
         assert logged(result.stdout, "number of skipped iterations") == [0] * ITERATIONS
+        if "--log-throughput" in argv:  # kept where Megatron counts the documents' lengths
+            assert len(logged(result.stdout, r"throughput per GPU \(TFLOP/s/GPU\)")) \
+                == ITERATIONS
         checkpoint = argv[argv.index("--save") + 1]
         with open(os.path.join(checkpoint, "latest_checkpointed_iteration.txt")) as f:
             assert f.read().strip() == str(ITERATIONS)

@@ -1,18 +1,23 @@
 """Every kind of action has its row in the simulator's and the validator's tables and is run
 by the executor or one of its stage extensions (or refused), and a kind from outside ``Kind``
-runs as one row in each table."""
+runs as one row in each table (the parser's, the simulator's, the validator's and the
+executor's), declared in this file alone."""
 import enum
+from types import SimpleNamespace
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from megatron.plugin.layers.kv_store import KVStore
-from megatron.plugin.pipeline import executor, ir, simulator, validation
+from megatron.plugin.pipeline import executor, ir, p2p, simulator, validation
 from megatron.plugin.pipeline.chunks import DocumentChunks
 from megatron.plugin.pipeline.offloading import Offloading
 from megatron.plugin.pipeline.ir import Action, Kind, format_schedule, parse, parse_schedule
 from megatron.plugin.pipeline.passes import add_communication
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import UniformCosts, simulate
+from megatron.plugin.pipeline.stage_context import StageContext
 from megatron.plugin.pipeline.validation import OrderRule, ScheduleError, validate
 
 #: Kinds the executor runs only through a part program (helix), refusing them otherwise.
@@ -104,3 +109,27 @@ def test_a_new_kinds_order_is_one_rule(noop, monkeypatch):
     with pytest.raises(ScheduleError, match="1NOOP1 comes before its forward") as caught:
         validate(schedule)
     assert caught.value.marks == [(1, 0)]
+
+
+def test_a_new_kind_runs_through_one_executor_row(noop, monkeypatch, tmp_path):
+    """The executor's dispatch loop runs a ``NOOP`` through its row in ``HANDLERS`` and traces
+    it like any compute action (one rank, no model work: a stand-in model and Megatron config)."""
+    ran = []
+    monkeypatch.setitem(executor.HANDLERS, noop,
+                        lambda run, index, action: ran.append((index, str(action))))
+    model = torch.nn.Linear(1, 1)
+    model.config = SimpleNamespace(pipeline_dtype=None, finalize_model_grads_func=None,
+                                   no_sync_func=None, grad_sync_func=None,
+                                   calculate_per_token_loss=False)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
+    try:
+        ctx = StageContext(forward_step_func=None, data_iterator=None, model=model,
+                           num_microbatches=2, shape_of=None, pp_group=dist.group.WORLD,
+                           pg_collection=None, is_first_stage=True, is_last_stage=True)
+        assert executor.run_schedule([parse("0NOOP0"), parse("0NOOP1")], ctx) == []
+    finally:
+        p2p.pipeline_links.cache_clear()
+        dist.destroy_process_group()
+    assert ran == [(0, "0NOOP0"), (1, "0NOOP1")]
+    assert [event.name for event in ctx.events] == ["0NOOP0", "0NOOP1"]

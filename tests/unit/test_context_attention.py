@@ -159,9 +159,9 @@ def _slice_saved_bytes(context_tokens: int, groups: int, dropout: float) -> int:
 @pytest.mark.parametrize("groups,dropout", [(HEADS, 0.0), (2, 0.0), (HEADS, 0.1), (2, 0.1)],
                          ids=["mha", "gqa", "dropout", "gqa-dropout"])
 def test_a_slice_saves_no_more_with_a_longer_context(monkeypatch, groups, dropout):
-    """Grouped-query heads and dropout took a concatenating path that saved a private copy of
-    the context (and with dropout the whole probability matrix): now what a slice saves beyond
-    the store's K/V is the same after 256 or 4096 tokens of context. (Where the dropout draws,
+    """With grouped-query heads and with dropout too, what a slice saves beyond the store's K/V
+    is the same after 256 or 4096 tokens of context: no private copy of the context, nor with
+    dropout the whole probability matrix. (Where the dropout draws,
     Megatron's RNG tracker, is tests/unit/test_rng_tracker.py's concern.)"""
     monkeypatch.setattr(DocumentAttention, "dropout_rng", lambda self: contextlib.nullcontext())
     short = _slice_saved_bytes(256, groups, dropout)

@@ -1,6 +1,7 @@
 """Data: preprocessing into Megatron .bin/.idx, document-level batches, embedded corpus."""
 import argparse
 import json
+import os
 
 import numpy as np
 import pytest
@@ -30,10 +31,10 @@ def preprocess(tmp_path, *flags):
     lines = [{"text": " ".join([str(97 + i)] * n)} for i, n in enumerate(LENGTHS)]
     source = tmp_path / "docs.jsonl"
     source.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    prefix = str(tmp_path / "docs")
-    assert preprocess_data.main(["--input", str(source), "--output-prefix", prefix,
-                                 "--append-eod", *NULL, *flags]) == 0
-    return prefix
+    assert preprocess_data.main(["--input", str(source), "--output-prefix",
+                                 str(tmp_path / "docs"), "--append-eod", *NULL, *flags]) == 0
+    # Named as Megatron-LM's tools/preprocess_data.py names it.
+    return str(tmp_path / "docs_text_document")
 
 
 @pytest.fixture
@@ -118,6 +119,10 @@ def test_missing_data_path_names_the_files(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"nope\.bin, .*nope\.idx not found.*"
                                                  r"preprocess_data\.py"):
         sources.build_document_sources(data_args(data_path=[str(tmp_path / "nope")]), VOCAB)
+    # The prefix given to the tool, not the dataset's name: the message names the dataset.
+    written = preprocess(tmp_path)
+    with pytest.raises(FileNotFoundError, match=f"exist: pass --data-path {written}$"):
+        sources.build_document_sources(data_args(data_path=[str(tmp_path / "docs")]), VOCAB)
 
 
 def test_splits_weighted_zero_are_not_built_and_empty_evaluated_splits_are_refused(dataset):
@@ -165,12 +170,14 @@ def test_embedded_corpus_is_the_standard_library(tmp_path):
 
 
 @pytest.mark.parametrize("damage,message", [
-    ("truncate_bin", r"docs\.bin holds \d+ bytes where .*docs\.idx describes \d+: the \.bin is "
+    ("truncate_bin", r"docs_text_document\.bin holds \d+ bytes where "
+                     r".*docs_text_document\.idx describes \d+: the \.bin is "
                      r"truncated; write the dataset again with scripts/preprocess_data\.py"),
-    ("grow_bin", r"docs\.bin holds \d+ bytes .* not the one its index was written with"),
-    ("truncate_idx", r"docs\.idx cannot be read .*: it is damaged or not a Megatron-LM index; "
-                     r"write the dataset again"),
-    ("foreign_idx", r"docs\.idx cannot be read \(bad header"),
+    ("grow_bin", r"docs_text_document\.bin holds \d+ bytes .* not the one its index was "
+                 r"written with"),
+    ("truncate_idx", r"docs_text_document\.idx cannot be read .*: it is damaged or not a "
+                     r"Megatron-LM index; write the dataset again"),
+    ("foreign_idx", r"docs_text_document\.idx cannot be read \(bad header"),
 ])
 def test_damaged_or_mismatched_files_are_refused_naming_the_file(dataset, damage, message):
     path = dataset + (".bin" if damage.endswith("bin") else ".idx")
@@ -181,3 +188,80 @@ def test_damaged_or_mismatched_files_are_refused_naming_the_file(dataset, damage
                  "truncate_idx": data[:len(data) // 2], "foreign_idx": b"x" * len(data)}[damage])
     with pytest.raises(ValueError, match=message):
         sources.build_document_sources(data_args(data_path=[dataset]), VOCAB)
+
+
+def _byte_symbols() -> dict[int, str]:
+    """GPT-2's printable stand-in for each byte: printable Latin-1 bytes stand for themselves,
+    the others take the code points from 256 on, in byte order (the space is ``Ġ``)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = iter(range(256, 512))
+    return {byte: chr(byte) if byte in printable else chr(next(others)) for byte in range(256)}
+
+
+#: A tiny GPT-2 vocabulary: the 256 byte symbols (id = byte value), five merges, the
+#: end-of-document token.
+MERGES = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("hell", "o")]
+
+
+def _gpt2_files(directory):
+    vocab = {symbol: byte for byte, symbol in _byte_symbols().items()}
+    for first, second in MERGES:
+        vocab[first + second] = len(vocab)
+    vocab["<|endoftext|>"] = len(vocab)
+    (directory / "vocab.json").write_text(json.dumps(vocab))
+    (directory / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in MERGES))
+    return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file",
+            str(directory / "vocab.json"), "--merge-file", str(directory / "merges.txt")]
+
+
+_OFFLINE = """
+import json, sys
+from megatron.plugin import launch
+from megatron.training import get_tokenizer
+from scripts import preprocess_data
+
+tokenizer_flags, text, prefix = json.loads(sys.argv[1])
+preprocess_data.main(["--input", text, "--output-prefix", prefix, "--append-eod",
+                      *tokenizer_flags])
+# Training's start-up: Megatron-LM's parsing, validation and global tokenizer.
+launch.initialize([*tokenizer_flags, "--num-layers", "2", "--hidden-size", "32",
+                   "--num-attention-heads", "4", "--seq-length", "64",
+                   "--max-position-embeddings", "64", "--micro-batch-size", "1",
+                   "--global-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"])
+tokenizer = get_tokenizer()
+print(json.dumps({"ids": tokenizer.tokenize("hello world"), "eod": tokenizer.eod,
+                  "vocab_size": tokenizer.vocab_size}))
+launch.shutdown()
+"""
+
+
+def test_gpt2_bpe_needs_only_the_local_vocab_and_merges(tmp_path):
+    """Megatron's GPT2BPETokenizer with --vocab-file/--merge-file, offline with no Hugging Face
+    cache, in scripts/preprocess_data.py and in training. GPT-2's byte-level BPE by hand:
+    "hello world" splits into "hello" and " world"; "hello" merges h+e, l+l, he+ll, hell+o
+    into one token (id 260); " world" merges Ġ+w (259), then o r l d are bytes 111 114 108
+    100; the end-of-document token is <|endoftext|> (261)."""
+    import subprocess
+    import sys
+
+    from harness import REPO, free_port, python_path
+
+    pytest.importorskip("transformers", reason="Megatron's GPT2BPETokenizer needs it")
+    flags = _gpt2_files(tmp_path)
+    (tmp_path / "hello.txt").write_text("hello world")
+    prefix = str(tmp_path / "hello")
+    written = prefix + "_text_document"
+    offline = {"HF_HOME": str(tmp_path / "empty-cache"), "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "http_proxy": "http://127.0.0.1:9",
+               "https_proxy": "http://127.0.0.1:9", "PYTHONPATH": python_path(),
+               "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(free_port())}
+    result = subprocess.run([sys.executable, "-c", _OFFLINE,
+                             json.dumps([flags, str(tmp_path / "hello.txt"), prefix])],
+                            cwd=REPO, env={**os.environ, **offline}, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained = json.loads(result.stdout.strip().splitlines()[-1])
+    assert trained == {"ids": [260, 259, 111, 114, 108, 100], "eod": 261, "vocab_size": 262}
+    assert list(IndexedDataset(written).get(0)) == [260, 259, 111, 114, 108, 100, 261]

@@ -37,7 +37,7 @@ def test_cli_unknown_names_and_empty_file(tmp_path, capsys):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("100\n200\n")
     assert main(["--lengths", str(lengths), "--model", "gpt-1t"]) == 2
-    assert "valid: gpt-13b, gpt-30b, gpt-7b" in capsys.readouterr().err
+    assert "valid: gpt-13b, gpt-30b, gpt-65b, gpt-7b" in capsys.readouterr().err
     assert main(["--lengths", str(lengths), "--hardware", "v100"]) == 2
     assert "valid: a100, a800, h100, h20" in capsys.readouterr().err
     (tmp_path / "empty.txt").write_text("")

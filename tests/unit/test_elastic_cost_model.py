@@ -151,7 +151,7 @@ def test_measured_profile_coefficients_are_used(tmp_path):
 
 
 @pytest.mark.parametrize("make, message", [
-    (lambda: get_model("gpt-99b"), "valid: gpt-13b, gpt-30b, gpt-7b"),
+    (lambda: get_model("gpt-99b"), "valid: gpt-13b, gpt-30b, gpt-65b, gpt-7b"),
     (lambda: load_profile("tpu"), "valid: a100, a800, h100, h20"),
     (lambda: ParallelConfig(pp=0), "pp must be >= 1"),
     (lambda: CostModel(TINY, load_profile("a800"), ParallelConfig(pp=2, sp=8)),

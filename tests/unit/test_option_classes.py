@@ -32,6 +32,27 @@ def test_every_option_of_the_parser_is_in_exactly_one_class():
     assert not twice, f"options in more than one class: {twice}"
 
 
+def test_every_option_that_counts_samples_is_named_as_counting_documents(monkeypatch):
+    """A sample is a document here (a sequence of --seq-length tokens in Megatron-LM): the
+    table names every option that counts samples, and start-up says what a sample is."""
+    from megatron.plugin.document_data import sample_meaning
+
+    options = _options(arguments.build_parser())
+    counting = {dest for dest in options if dest.endswith("_samples")}
+    assert counting | {"global_batch_size", "rampup_batch_size"} \
+        == option_classes.COUNT_DOCUMENTS
+    assert option_classes.COUNT_DOCUMENTS <= set(option_classes.classes())
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = arguments.parse([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                            "--pipeline-schedule", "sppo"])
+    assert sample_meaning(args) == (
+        "pretrain_gpt_elastic.py: a sample is one document (its first 65 tokens where longer) "
+        "under --pipeline-schedule sppo, not a sequence of --seq-length tokens as in "
+        "Megatron-LM: --global-batch-size 12 is 12 documents per step, and --lr-decay-samples, "
+        "--lr-warmup-samples, --lr-wsd-decay-samples, --rampup-batch-size, --train-samples "
+        "count documents")
+
+
 def test_an_option_in_no_class_is_refused_naming_it(monkeypatch):
     from megatron.training import arguments as megatron_arguments
 
@@ -128,6 +149,22 @@ def test_planner_flags_reach_the_planner(monkeypatch):
     assert cost.parallel.reserved_gb == 0.25
 
 
+def test_log_throughput_needs_megatrons_lengths(monkeypatch):
+    """--log-throughput is honoured where megatron-core counts FLOPs over recorded sequence
+    lengths (0.19, tests/e2e/test_flop_count.py), refused by name where it cannot (0.17)."""
+    from megatron.plugin import flop_count
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+            "--log-throughput"]
+    refusal = "--log-throughput: this megatron-core release counts FLOPs as if every sample"
+    if flop_count.counts_real_lengths():
+        arguments.check_command_line(argv)
+        monkeypatch.setattr(flop_count, "_recorder", lambda: None)
+    with pytest.raises(ValueError, match=refusal):
+        arguments.check_command_line(argv)
+
+
 def _run(*argv, env=None, timeout=120):
     start = time.monotonic()
     result = subprocess.run([sys.executable, SCRIPT, *argv], cwd=REPO, capture_output=True,
@@ -142,13 +179,12 @@ def test_every_refusal_comes_in_one_start_up_without_a_traceback(tmp_path):
     and a missing flag: one exit 2 naming them all."""
     result, _ = _run(*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--eval-interval", "1",
                      "--pipeline-schedule", "elastic", "--multi-latent-attention", "--qk-l2-norm",
-                     "--grad-reduce-in-bf16", "--sppo-offload", "1", "--log-throughput",
+                     "--grad-reduce-in-bf16", "--sppo-offload", "1",
                      "--calculate-per-token-loss")
     assert result.returncode == 2, result.stderr[-3000:]
     for named in ("--multi-latent-attention is not supported", "--qk-l2-norm is not supported",
                   "--grad-reduce-in-bf16 is not supported by --pipeline-schedule elastic",
-                  "--sppo-offload is a flag of --pipeline-schedule sppo",
-                  "--log-throughput is not supported"):
+                  "--sppo-offload is a flag of --pipeline-schedule sppo"):
         assert named in result.stderr, (named, result.stderr[-3000:])
     assert "Traceback" not in result.stderr
 
@@ -161,6 +197,47 @@ def test_flags_refused_for_one_reason_are_named_together():
     assert len(messages) == 1 and ("--moe-expert-capacity-factor, "
                                    "--moe-pad-expert-input-to-capacity are not supported"
                                    in messages[0]), messages
+
+
+def test_the_flags_megatron_accepts_only_beside_a_refused_one_are_named_with_it(monkeypatch):
+    """Following a refusal leads into no further refusal: dropping the distributed optimizer
+    on a CPU leaves --overlap-param-gather (and its optimizer-step variant), which Megatron-LM
+    accepts only with it, so the same refusal names them; a refused option's dependents are
+    named beside it (here: with a class whose refusal of ``cuda_graph_impl`` alone would
+    leave --rl-training-cuda-graphs)."""
+    parser = arguments.build_parser()
+    dests = set(_options(parser))
+    assert all(dest in dests and {n[0] if isinstance(n, tuple) else n for n in needers} <= dests
+               for dest, needers in option_classes.NEEDED_BY.items())
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    overlap = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    with pytest.raises(arguments.Refusals) as refused:
+        arguments.check_command_line([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                                      "--pipeline-schedule", "1f1b", *overlap])
+    assert "need CUDA" in str(refused.value) and \
+        "and drop --overlap-param-gather with the distributed optimizer" in str(refused.value)
+    given = {"cuda_graph_impl": ("--cuda-graph-impl", "local"),
+             "rl_training_cuda_graphs": ("--rl-training-cuda-graphs", True)}
+    monkeypatch.setattr(option_classes, "REFUSED",
+                        {"cuda_graph_impl": "graphs are not run here; drop the flag"})
+    monkeypatch.setattr(option_classes, "INERT",
+                        option_classes.INERT | {"rl_training_cuda_graphs"})
+    messages = option_classes.refusals(given, "1f1b")
+    assert messages[-1] == ("--rl-training-cuda-graphs is accepted by Megatron-LM only beside a "
+                            "flag refused above: drop --rl-training-cuda-graphs with it")
+    assert option_classes.companions(
+        {"overlap_param_gather": ("--overlap-param-gather", True),
+         "overlap_param_gather_with_optimizer_step": ("--overlap-param-gather-with-optimizer-step",
+                                                      True)},
+        ["use_distributed_optimizer"]) == ["--overlap-param-gather",
+                                           "--overlap-param-gather-with-optimizer-step"]
+    fsdp = {"use_megatron_fsdp": ("--use-megatron-fsdp", True)}
+    assert option_classes.companions(
+        {**fsdp, "ckpt_format": ("--ckpt-format", "fsdp_dtensor")},
+        ["use_megatron_fsdp"]) == ["--ckpt-format fsdp_dtensor"]
+    assert option_classes.companions({**fsdp, "ckpt_format": ("--ckpt-format", "torch")},
+                                     ["use_megatron_fsdp"]) == []
 
 
 def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):

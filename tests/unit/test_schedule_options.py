@@ -306,8 +306,6 @@ MODEL_REFUSED = [
     (["--tensor-model-parallel-size", "2", "--recompute-granularity", "full",
       "--recompute-method", "uniform", "--distribute-saved-activations"], "1f1b-ir",
      "--distribute-saved-activations"),
-    # Megatron-LM's FLOP count takes every sample as --seq-length tokens long.
-    (["--log-throughput"], "sppo", "--log-throughput"),
 ]
 
 

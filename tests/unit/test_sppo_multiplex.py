@@ -5,8 +5,8 @@ from megatron.plugin.pipeline.ir import Kind
 from megatron.plugin.pipeline.simulator import simulate
 
 from longctx.hardware import load_profile
+from longctx.models import get_model
 
-from sppo_offload.models import get_model
 from sppo_offload.multiplex import (MultiplexCosts, compare, min_tokens, multiplexed_schedule,
                                    pieces, share_bounds)
 from sppo_offload.solver import SPPO, SolverConfig, solve

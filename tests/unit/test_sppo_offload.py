@@ -8,9 +8,9 @@ from megatron.plugin.pipeline.simulator import UniformCosts, simulate
 
 from longctx.cost_model import GB, CostModel, ParallelConfig
 from longctx.hardware import load_profile
+from longctx.models import get_model
 
 from sppo_offload.costs import SequenceCosts, subsequence_chunks
-from sppo_offload.models import get_model
 from sppo_offload.offload import (capped, capped_ratios, host_bytes, offload_ratios,
                                   offloadable_bytes, parse_offload, resident_bytes,
                                   threshold_bytes)

@@ -17,6 +17,7 @@ from sppo_offload.pipeline import build_schedule
 from longctx.cost_model import GB
 
 from sppo_offload.batch_plan import auto_subsequences, check_budget, plan_subsequences, replay
+from sppo_offload.partition import packed_documents
 from sppo_offload.flags import offload_flag, subsequences_flag
 from sppo_offload.multiplex import multiplexed_peaks
 from sppo_offload.subsequence_batch import _check_multiplexable
@@ -27,23 +28,48 @@ def cost_model(pp=2):
                      ParallelConfig(pp=pp))
 
 
-def test_documents_are_cut_in_order_with_short_ones_in_single_tokens():
-    plan = plan_subsequences([61, 3, 1, 40], cost_model(), 6, 0.5)
-    assert plan.counts == (6, 3, 1, 6)
-    pieces = [chunk.pieces[0] for chunk in plan.chunks]
-    assert [p.doc for p in pieces] == [0] * 6 + [1] * 3 + [2] + [3] * 6
-    for doc, tokens in enumerate([61, 3, 1, 40]):
-        mine = [p for p in pieces if p.doc == doc]
+def test_documents_are_cut_in_order_and_short_ones_packed():
+    """The longest subsequence of the documents' wanted cuts (6 each) is the unit length:
+    documents no longer than it are packed whole into one row of at most that many tokens, a
+    longer one is cut into no more subsequences than keep them about that long."""
+    lengths = [61, 3, 1, 40]
+    plan = plan_subsequences(lengths, cost_model(), 6, 0.5)
+    capacity = plan.chunks[0].tokens
+    assert plan.counts == (6, 1, math.ceil(40 / capacity)) == (6, 1, 4)
+    assert [[p.doc for p in chunk.pieces] for chunk in plan.chunks] == \
+        [[0]] * 6 + [[1, 2]] + [[3]] * 4
+    packed = plan.chunks[6].pieces
+    assert [(p.start, p.end, p.final) for p in packed] == [(0, 3, True), (0, 1, True)]
+    assert [plan.is_slice(unit) for unit in range(len(plan.chunks))] == \
+        [True] * 6 + [False] + [True] * 4
+    assert all(chunk.tokens <= capacity for chunk in plan.chunks)
+    for doc in (0, 3):
+        mine = [c.pieces[0] for c in plan.chunks if c.pieces[0].doc == doc]
         assert [p.slice for p in mine] == list(range(len(mine)))
-        assert mine[0].start == 0 and mine[-1].end == tokens and mine[-1].final
+        assert mine[0].start == 0 and mine[-1].end == lengths[doc] and mine[-1].final
         assert all(a.end == b.start for a, b in zip(mine, mine[1:]))
-        lengths = [p.tokens for p in mine]
-        assert lengths == sorted(lengths, reverse=True)  # context makes later ones shorter
-    # A ratio applies to every subsequence but each document's last, on every stage.
-    last = {5, 8, 9, 15}
+        tokens = [p.tokens for p in mine]
+        assert tokens == sorted(tokens, reverse=True)  # context makes later ones shorter
+    # A ratio applies to every unit but each sequence's last, on every stage.
+    last = {5, 6, 10}
     for row in plan.alphas:
         assert [unit for unit, a in enumerate(row) if a == 0] == sorted(last)
         assert all(a == 0.5 for unit, a in enumerate(row) if unit not in last)
+
+
+def test_short_documents_are_packed_first_fit_in_decreasing_length():
+    """32 documents of at most 4K tokens cut in two: the short ones fill rows of the longest
+    subsequence instead of two units each (Megatron packs such a batch into 4K rows)."""
+    lengths = [4096, 3000, 2500, 1900, 1800, 1200, 900, 700, 300, 200, 100, 50] * 2 \
+        + [64] * 8
+    plan = plan_subsequences(lengths, cost_model(), 2, "off")
+    capacity = max(chunk.tokens for chunk in plan.chunks)
+    rows = [chunk for unit, chunk in enumerate(plan.chunks) if not plan.is_slice(unit)]
+    assert sorted(p.doc for row in rows for p in row.pieces) == \
+        [doc for doc, tokens in enumerate(lengths) if tokens <= capacity]
+    assert sum(row.tokens for row in rows) > (len(rows) - 1) * capacity / 2
+    assert len(plan.chunks) < len(lengths)  # cut in two each, they made 2 x 32 units
+    assert packed_documents([5, 3, 4, 2, 6], 7) == [[0, 3], [1, 2], [4]]
 
 
 def test_offload_off_and_auto():
@@ -58,7 +84,8 @@ def test_auto_subsequences_follow_the_solver_band():
     assert auto_subsequences(64, 4, 1) == 4  # shorter than the band: N = PP
     assert auto_subsequences(1_000_000, 2, 8) == 8  # 16K tokens per device at most
     plan = plan_subsequences([64, 50], cost_model(pp=4), "auto", "off")
-    assert plan.counts == (4, 4)
+    # The shorter document is cut into no more than keep its subsequences about as long.
+    assert plan.counts == (4, 3)
 
 
 def test_the_batch_schedule_offloads_what_the_plan_says_and_validates():
@@ -68,9 +95,9 @@ def test_the_batch_schedule_offloads_what_the_plan_says_and_validates():
     for row in schedule:
         offloaded = sorted(a.unit for a in row if a.kind is Kind.OFFLOAD)
         reloaded = sorted(a.unit for a in row if a.kind is Kind.RELOAD)
-        assert offloaded == reloaded == [0, 1, 2, 4, 6, 7, 8]
+        assert offloaded == reloaded == [0, 1, 2, 5, 6, 7]
         backwards = [a.unit for a in row if a.kind is Kind.BACKWARD]
-        assert backwards == [3, 2, 1, 0, 5, 4, 9, 8, 7, 6]
+        assert backwards == [3, 2, 1, 0, 4, 8, 7, 6, 5]
 
 
 @pytest.mark.parametrize("value,expected", [("auto", "auto"), ("6", 6)])

@@ -8,8 +8,8 @@ from megatron.plugin.pipeline.validation import validate
 
 from longctx.cost_model import GB, CostModel, ParallelConfig
 from longctx.hardware import load_profile
+from longctx.models import get_model
 
-from sppo_offload.models import get_model
 from sppo_offload.solver import (MEGATRON, SEQ1F1B, SPPO, NoFit, SolverConfig, fits,
                                  largest_length, layouts, solve, subsequence_counts,
                                  token_floor)

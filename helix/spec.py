@@ -115,5 +115,7 @@ def _planned(pp, num_layers, microbatches, folds, recompute, pre_tensors):
 SPEC = ScheduleSpec("helix", run=run, input_type=HelixBatches,
                     argument_groups=(add_arguments,), check_args=check_args,
                     build_model=build_model, prepare_input=prepare_input,
-                    report=lambda batches: {"padding_microbatches": batches.padding},
+                    report=lambda batches: {
+                        "padding_microbatches": batches.padding,
+                        "planned_activation_bytes": batches.planned_activation_bytes},
                     build_ir=helix_ir, draw_arguments=(add_num_layers, add_draw_arguments))

@@ -5,22 +5,24 @@ loop with the global batch):
 
 1. the documents are spread over the data-parallel replicas by predicted cost
    (:func:`~longctx.replicas.replica_share`);
-2. every document of this replica's share is cut into ``N`` FLOPs-balanced subsequences
-   (:func:`~sppo_offload.partition.balanced_lengths` with the job's cost-model coefficients);
-   a document of fewer than ``N`` tokens into as many one-token subsequences as it has tokens.
+2. every document of this replica's share wants ``N`` FLOPs-balanced subsequences
+   (:func:`~sppo_offload.partition.balanced_lengths` with the job's cost-model coefficients).
    ``N`` is ``--sppo-subsequences``, or with ``auto`` the smallest count the solver considers
    for the job's layout (:func:`~sppo_offload.solver.subsequence_counts`): the fewest
    subsequences, at least ``PP``, whose tokens per device (``S / (N x TP x CP)``) stay within
    the solver's 16K band top -- ``N = PP`` for every document shorter than that, as in the
-   tiny CPU runs;
+   tiny CPU runs. The longest of those subsequences is the batch's unit length: documents
+   no longer than it are packed whole into rows of at most that many tokens, and a longer
+   document is cut into no more subsequences than keep them about that long
+   (:func:`~sppo_offload.batch_plan.plan_subsequences`; the paper is about one long sequence);
 3. each subsequence is one unit: one packed row (padded to a multiple of the TP x CP token
    split) whose piece records its K/V and reads those of the document's earlier subsequences
-   (the K/V-context execution of the elastic schedule's split chunks); a document of one
-   subsequence is a whole document;
-4. one pipeline over all the share's subsequences (:mod:`sppo_offload.pipeline`, several
-   sequences): documents one after the other, each document's backwards last-first, the next
-   document's forwards filling the current one's drain. One document is the SPPO case; a batch
-   of several is trained in the same order of gradient additions whatever ``N``;
+   (the K/V-context execution of the elastic schedule's split chunks); a row of packed whole
+   documents is one unit too, each document attending within itself;
+4. one pipeline over all the share's units (:mod:`sppo_offload.pipeline`, several
+   sequences: a cut document, or a row of packed documents): sequences one after the other in
+   the order of their first document, each cut document's backwards last-first, the next
+   sequence's forwards filling the current one's drain. One document is the SPPO case;
 5. offload ratios per document and stage (:func:`~sppo_offload.offload.offload_ratios`:
    ``--sppo-offload auto`` sizes them to the hardware profile's host link, ``off`` moves
    nothing, a ``RATIO`` is used for every subsequence but a document's last); every unit with

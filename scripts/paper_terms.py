@@ -1,0 +1,80 @@
+"""The sizes of what the reproduction table's simulated baselines leave out or hold differently
+from the papers' systems, computed from the same cost model (for ``reproduce_papers.py``).
+
+- **ZeRO-3's exposed traffic** (InfiniPipe's "ZeRO", L358 and Fig. 9: the gathers and
+  scatters of ZeRO-3 that are not overlapped). The cost model takes DeepSpeed's and FlexSP's
+  ZeRO-3 traffic as hidden behind compute. Here it is priced as DeepSpeed runs it: for every
+  micro-batch and layer, the layer's weights are all-gathered over all the job's GPUs before its
+  forward, again before its backward and once more before a recomputed forward, and its
+  gradients reduce-scattered after its backward (ZeRO-3 partitions the gradients of every
+  micro-batch), each a ring over the job's GPUs in the model's dtype priced by
+  :mod:`longctx.collectives`. DeepSpeed prefetches the next layer's gather while a layer
+  computes, so what is exposed is the part of a layer's traffic that exceeds the layer's own
+  forward, backward and recomputation: ``max(0, traffic - compute)`` per layer and
+  micro-batch. Embedding and output-layer gathers are left out (the choice: they are once a
+  micro-batch against ``L`` layers).
+- **All-to-all seconds** of a plan: each micro-batch's Ulysses all-to-alls on each stage, in
+  its forward, backward and recomputed forwards (the cost model's layer collectives).
+"""
+from __future__ import annotations
+
+from longctx import collectives
+from longctx.cost_model import CostModel
+
+
+def zero3_layer_traffic_s(cost: CostModel, gpus: int) -> tuple[float, float]:
+    """(one all-gather, one reduce-scatter) of a layer's weights over ``gpus`` GPUs, seconds."""
+    model, hardware = cost.model, cost.hardware
+    nbytes = model.params_per_layer() * model.element_bytes / cost.parallel.tp
+    ring = collectives.ring_per_byte(hardware, gpus, gpus) * nbytes + \
+        collectives.latency(hardware, gpus)
+    return ring, ring
+
+
+def zero3_exposed_s(plan, cost: CostModel, gpus: int) -> float:
+    """ZeRO-3 traffic of a one-stage ``plan`` (:class:`elastic_pipe.plan_types.Plan`) not
+    hidden behind its layers' compute, seconds an iteration (module doc)."""
+    if cost.pp != 1:
+        raise ValueError(f"ZeRO-3 exposure is priced for one-stage plans, not pp={cost.pp}")
+    gather, scatter = zero3_layer_traffic_s(cost, gpus)
+    layers = cost.layers(0)
+    exposed = 0.0
+    for chunk, checkpointed in zip(plan.chunks(), plan.ckpt_table()[0]):
+        work = cost.layer_forward(chunk) + cost.layer_backward(chunk)
+        plain = max(0.0, 2 * gather + scatter - work)
+        again = max(0.0, 3 * gather + scatter - work - cost.layer_forward(chunk))
+        exposed += (layers - checkpointed) * plain + checkpointed * again
+    return exposed
+
+
+def all_to_all_s(plan, cost: CostModel) -> list[float]:
+    """Per stage, the seconds of a plan's all-to-alls an iteration (module doc)."""
+    table = plan.ckpt_table()
+    seconds = []
+    for stage in range(cost.pp):
+        total = 0.0
+        for chunk, checkpointed in zip(plan.chunks(), table[stage]):
+            forward = cost.layer_collectives(chunk)
+            backward = cost.layer_backward(chunk) - \
+                cost.hardware.backward_factor * cost.layer_compute(chunk)
+            total += cost.layers(stage) * (forward + backward) + checkpointed * forward
+        seconds.append(total)
+    return seconds
+
+
+def flexsp_terms(plan, gpus: int) -> dict[str, float]:
+    """A FlexSP plan's (:class:`elastic_pipe.flexsp.FlexSPPlan`) simulated seconds (``s``),
+    its exposed ZeRO-3 seconds (``zero3_s``: each step's slowest group with its exposed traffic
+    priced in, less its slowest without) and all-to-all seconds (``a2a_s``: those of the group
+    that sets each step's time with the traffic priced in). ZeRO-3 spans all ``gpus``."""
+    seconds = zero3 = a2a = 0.0
+    for step in plan.steps:
+        groups = [(group.simulated_time_s(), zero3_exposed_s(group.plan, group.cost, gpus),
+                   all_to_all_s(group.plan, group.cost)[0])
+                  for group in step if group.plan is not None]
+        plain = max(time for time, _, _ in groups)
+        slowest = max(groups, key=lambda g: g[0] + g[1])
+        seconds += plain
+        zero3 += slowest[0] + slowest[1] - plain
+        a2a += slowest[2]
+    return {"s": seconds, "zero3_s": zero3, "a2a_s": a2a}

@@ -1,0 +1,34 @@
+"""helix.memory: the part model's bookkeeping (its bytes are held to the training loop's meter
+by the end-to-end tests)."""
+from helix.memory import HelixMemory, HelixShape, planned_peaks, weight_holders
+from helix.schedule import HelixFlow, planned_helix
+from megatron.plugin.pipeline.ir import Kind
+
+SHAPE = dict(tokens=1024, sequence_parallel_tokens=1024, hidden=64, attention=64, mlp_first=256,
+             mlp_second=256, qkv=192, heads=4, vocab=384, element_bytes=4, mask_bytes=4,
+             norm_statistics=2, norm_normalized=False, norm_weight=False, position_ids=True,
+             rope_dim=0, qkv_bias=True, recompute=False,
+             mlp_chunk_rows=None)
+
+
+def test_a_local_weight_is_charged_once_per_loop_and_layer():
+    pp, layers, microbatches, folds = 2, 4, 8, 2
+    flow = HelixFlow(pp, layers, folds, microbatches)
+    schedule = planned_helix(pp, layers, microbatches, folds)
+    holders = weight_holders(schedule, flow)
+    # Two loops of four; slot 1 (two folds) attends on its boundaries' stages.
+    assert len(holders) == 2 * layers
+    memory = HelixMemory(HelixShape(**SHAPE), flow, holders)
+    local = [a for row in schedule for a in row if a.kind is Kind.ATTN_F
+             and flow.attention_stage(int(a.part[2:]), a.unit) == int(a.part[2:]) % pp]
+    charged = {a: memory.activation_bytes(a) for a in local}
+    assert len(set(charged.values())) == 2
+    assert all((charged[a] > min(charged.values())) == ((a.stage, a.unit, int(a.part[2:]))
+                                                         in holders) for a in local)
+
+
+def test_recomputation_and_chunked_mlps_lower_every_stage_peak():
+    plain = planned_peaks(HelixShape(**SHAPE), 2, 4, 4, 2, False)
+    recomputed = planned_peaks(HelixShape(**{**SHAPE, "recompute": True}), 2, 4, 4, 2, True)
+    chunked = planned_peaks(HelixShape(**{**SHAPE, "mlp_chunk_rows": 256}), 2, 4, 4, 2, False)
+    assert all(r < p and c < p for p, r, c in zip(plain, recomputed, chunked))
