@@ -261,6 +261,11 @@ class HelixMemory:
         del action
         return 0.0
 
+    def gradient_sums(self, action: Action) -> tuple:
+        """Helix splits no document into slices: no dK/dV sums."""
+        del action
+        return ()
+
     def static_bytes(self, rank: int) -> float:
         del rank
         return 0.0
