@@ -103,7 +103,7 @@ def refit(cost: CostModel, seen: Iterable[Observation]) -> tuple[HardwareProfile
     alpha1, alpha2, beta = (float(v) for v in x[:3])
     old = cost.hardware
     coefficients = LayerCoefficients(alpha1, alpha2, beta, cost.model.hidden_size,
-                                     cost.parallel.sp, cost.parallel.tp)
+                                     cost.parallel.sp, cost.parallel.tp, cost.model.mlp_label)
     summary = (f"refit from {len(seen)} measured chunks ({len(shapes)} shapes): alpha1 "
                f"{alpha1:.3e} s, alpha2 {alpha2:.3e} s, beta {beta:.3e} s, backward factor "
                f"{backward_factor:.3f}; fit relative error max {error.max():.3f} mean "

@@ -11,11 +11,13 @@ keeps, as the training loop's meter counts it (autograd's saved tensors and the 
 
 - *boundary* ``b`` (``post(b - 1)`` then ``pre(b)``) with its graph:
   ``post``: the attention-output dropout mask, the pre-MLP norm's input and statistics, the
-  MLP's input ``T h``, its first projection's output ``S w`` and its second's input ``S f``, the
-  MLP dropout mask, the residual ``res`` it received ``T h`` and the attention output ``o``
-  (``S h``) when that came from another stage (from this stage it is the attention's own
-  output, counted there); ``pre``: the input norm's input (the residual ``r`` it sends: the
-  same storage) and statistics and its output ``x``; boundary 0 has the embedding's token and
+  MLP's input ``T h``, its first projection's output ``S w`` and its second's input ``S f`` (a
+  mixture of experts' MLP: the cost model's per-token bytes of it instead,
+  :func:`longctx.cost_model.mlp_saved_per_token`), the MLP dropout mask, the residual
+  ``res`` it received ``T h`` and the attention output ``o`` (``S h``) when that came from
+  another stage (from this stage it is the attention's own output, counted there); ``pre``:
+  the input norm's input (the residual ``r`` it sends: the same storage) and statistics and
+  its output ``x``; boundary 0 has the embedding's token and
   position ids and its dropout mask instead of a ``post``; boundary ``L`` the final norm
   instead of a ``pre``;
 - *attention* of layer ``l``: the QKV projection's output ``S q`` (Q, K and V are views of
@@ -62,6 +64,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longctx.cost_model import mlp_saved_per_token
+from longctx.models import ModelConfig
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.simulator import simulate
 
@@ -110,6 +114,10 @@ class HelixShape:
     recompute: bool
     mlp_chunk_rows: int | None
     """Rows of this rank's sequence-parallel shard per MLP chunk (``None``: no chunking)."""
+    moe_bytes: int = 0
+    """Bytes per token a mixture-of-experts MLP keeps beyond its input, in place of the dense
+    ``mlp_first + mlp_second`` (:func:`longctx.cost_model.mlp_saved_per_token`: permuted
+    copies, expert intermediates, router tensors); 0: a dense MLP."""
 
 
 @dataclass(frozen=True)
@@ -147,8 +155,8 @@ class HelixMemory:
         its dropout mask."""
         s = self.shape
         wide = tokens * s.tokens // s.sequence_parallel_tokens
-        return (self._norm_extra(tokens) + self._hidden(tokens)
-                + wide * (s.mlp_first + s.mlp_second) * s.element_bytes
+        mlp = wide * (s.moe_bytes or (s.mlp_first + s.mlp_second) * s.element_bytes)
+        return (self._norm_extra(tokens) + self._hidden(tokens) + mlp
                 + tokens * s.hidden * s.mask_bytes)
 
     def _post(self, remote_o: bool) -> float:
@@ -257,6 +265,11 @@ class HelixMemory:
         del action
         return 0.0
 
+    def gradient_sums(self, action: Action) -> tuple:
+        """Helix splits no document into slices: no dK/dV sums."""
+        del action
+        return ()
+
     def static_bytes(self, rank: int) -> float:
         del rank
         return 0.0
@@ -324,4 +337,19 @@ def helix_shape(config, args, device_type: str) -> HelixShape:
         rope_dim=int(config.kv_channels * args.rotary_percent)
         if args.position_embedding_type == "rope" else 0,
         qkv_bias=bool(config.add_bias_linear or config.add_qkv_bias),
-        recompute=args.helix_recompute_without_attention, mlp_chunk_rows=rows)
+        recompute=args.helix_recompute_without_attention, mlp_chunk_rows=rows,
+        moe_bytes=_moe_bytes(config, args))
+
+
+def _moe_bytes(config, args) -> int:
+    """:attr:`HelixShape.moe_bytes` of a run (0 without experts)."""
+    if not config.num_moe_experts:
+        return 0
+    model = ModelConfig("helix", config.num_layers, config.hidden_size,
+                        config.num_attention_heads, config.ffn_hidden_size,
+                        args.padded_vocab_size,
+                        dtype=str(config.params_dtype).removeprefix("torch."),
+                        gated_mlp=config.gated_linear_unit, num_experts=config.num_moe_experts,
+                        moe_router_topk=config.moe_router_topk,
+                        moe_ffn_hidden_size=config.moe_ffn_hidden_size)
+    return mlp_saved_per_token(model)

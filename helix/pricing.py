@@ -8,7 +8,8 @@ parallelism (TP = SP = the node's GPUs) inside it, ``microbatches`` full-length 
 - ``t_qkv``: the QKV projection, ``2 s 3h^2`` FLOPs, plus one all-gather of the ``[s, h]``
   activations inside the node; ``t_attn``: causal flash attention, ``2 h s^2`` FLOPs;
   ``t_post``: the output projection and the MLP, ``2 s (h^2 + h w + h f)`` FLOPs (``w`` the
-  MLP's first width: ``f``, or ``2f`` gated), plus one
+  MLP's first width: ``f``, or ``2f`` gated; a mixture of experts' MLP is priced as the cost
+  model prices it, :func:`longctx.cost_model.mlp_gemm_per_token`), plus one
   all-gather and two reduce-scatters. GEMMs run at ``peak x matmul_efficiency``, attention at
   ``peak x attention_efficiency``, over the ``tp`` GPUs of the stage; a collective is
   ``latency + s h e (tp-1)/tp / intra_node bandwidth``.
@@ -58,7 +59,7 @@ from megatron.plugin.pipeline.schedule_zb1p import zb1p
 from megatron.plugin.pipeline.simulator import UniformCosts, simulate
 
 from longctx.chunks import Chunk, Piece
-from longctx.cost_model import GB, CostModel, ParallelConfig
+from longctx.cost_model import GB, CostModel, ParallelConfig, mlp_gemm_per_token
 from longctx.hardware import HardwareProfile
 from longctx.models import ModelConfig
 
@@ -81,7 +82,7 @@ class PartTimes:
 
 def part_times(model: ModelConfig, hardware: HardwareProfile, seq: int, tp: int) -> PartTimes:
     """:class:`PartTimes` of ``model`` on a stage of ``tp`` GPUs (module doc)."""
-    h, f, w, e = model.hidden_size, model.ffn_hidden_size, model.mlp_width, model.element_bytes
+    h, e = model.hidden_size, model.element_bytes
     peak = hardware.peak_tflops * 1e12 * tp
     matmul, attention = peak * hardware.matmul_efficiency, peak * hardware.attention_efficiency
     collective = hardware.intra_node_latency_s + seq * h * e * (tp - 1) / tp \
@@ -90,7 +91,7 @@ def part_times(model: ModelConfig, hardware: HardwareProfile, seq: int, tp: int)
     return PartTimes(
         qkv=2 * seq * 3 * h * h / matmul + collective,
         attention=2 * h * seq * seq / attention,
-        post=2 * seq * (h * h + h * w + h * f) / matmul + 3 * collective,
+        post=2 * seq * (h * h + mlp_gemm_per_token(model)) / matmul + 3 * collective,
         hop=hardware.inter_node_latency_s + seq * h * e / tp / network,
         weight=hardware.inter_node_latency_s + 3 * h * h * e / tp / network,
         bias=hardware.inter_node_latency_s + 3 * h * e / tp / network)

@@ -8,7 +8,8 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   is measured: causal attention does ``4h`` FLOPs per (query, key) pair and a slice has
   ``((c+s)^2 - c^2) / 2`` pairs, so ``alpha1 = 2h / (sp tp peak attention_efficiency)``; the
   GEMMs do ``2 (4h^2 + 2hf)`` FLOPs per token (``2 (4h^2 + 3hf)`` with a gated MLP), so
-  ``alpha2 = that / (sp tp peak matmul_efficiency)``; ``beta`` is the profile's fixed per-layer
+  ``alpha2 = that / (sp tp peak matmul_efficiency)`` (a mixture-of-experts layer's GEMMs: see
+  below); ``beta`` is the profile's fixed per-layer
   overhead. A spec-derived profile's ``kernel_efficiency`` curve divides the FLOP-derived
   compute of a chunk (``beta`` excluded) by the efficiency at the chunk's tokens per GPU
   (``tokens / sp``: Ulysses splits every GEMM's tokens, TP with sequence parallelism gathers
@@ -54,6 +55,30 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   dropout masks); a gated MLP keeps its ``2f`` wide first projection, ``(9h + 3f) e``. What an
   implementation saves beyond that (an unfused RMSNorm, RoPE outside the attention kernel) is
   not counted; a measured profile's coefficients count it;
+- a mixture-of-experts layer (Megatron's ``MoELayer`` of the local spec: dropless top-``k``
+  routing over ``E`` experts of inner width ``F``, first projection ``w_e`` = ``2F`` gated or
+  ``F``, the ``allgather`` token dispatcher that Megatron-LM defaults to, with nothing to
+  gather at TP = EP = 1, and ``SequentialMLP`` experts) keeps, instead of the dense MLP's
+  ``f + w``, per token (counted with the saved-tensor meter on one layer,
+  ``scripts/profile_costs.py --num-experts``, to the byte in FP32):
+
+  - ``k h e``: the permuted copy of the token for each of its ``k`` experts (``permute``'s
+    ``index_select``, megatron-core ``moe/moe_utils.py``), the experts' ``linear_fc1`` input;
+  - ``k (w_e + F) e``, plus ``k F e`` without a gate: each expert's first-projection output and
+    its ``linear_fc2`` input (the activation scaled by the routing probability, ``mlp.py``'s
+    ``per_token_scale``); without a gate the GeLU output the scaling multiplies is kept too,
+    with one (Megatron's default fused SwiGLU, ``weighted_bias_swiglu``) it is not;
+  - the router (logits in the model's dtype: ``--moe-router-dtype`` is Megatron's default):
+    the softmax over the top-k logits, computed and kept in FP32 ``4k`` bytes
+    (``topk_routing_with_score_function``), their per-expert copy in the model's dtype
+    ``k e``, the ``[tokens, E]`` probabilities ``masked_select`` keeps ``E e``, the routing
+    map ``E`` bytes (bool), the top-k expert indices and the sorted token indices of the
+    permutation ``16 k`` bytes (int64; the unpermutation's ``scatter_add`` shares the
+    second);
+
+  the router's input is the pre-MLP norm output the dense accounting already counts among its
+  ``9h``. Its GEMMs do ``2 (4h^2 + h E + k (h w_e + h F))`` FLOPs per token (``alpha2``):
+  each token passes through ``k`` experts, plus the router's ``h x E`` projection;
 - checkpointed: the layer input ``h e``; a piece with later slices also keeps its K/V ``2h e``
   (later slices attend to them and a recomputation must not rebuild them);
 - dK/dV accumulator of a piece with later slices: ``2h e``. It is charged from the piece's
@@ -177,9 +202,8 @@ class CostModel:
                                     hardware.end_coefficients)):
             raise ValueError(f"profile {hardware.name} was measured without context "
                              f"parallelism; price cp > 1 with a spec-derived profile")
-        h, f = model.hidden_size, model.ffn_hidden_size
+        h, e = model.hidden_size, model.element_bytes
         shard = parallel.sp * parallel.tp * parallel.cp
-        w, e = model.mlp_width, model.element_bytes
         fit = hardware.layer_coefficients
         if fit is not None:
             if (fit.hidden_size, fit.sp, fit.tp) != (h, parallel.sp, parallel.tp):
@@ -187,11 +211,16 @@ class CostModel:
                     f"profile {hardware.name} was fitted for hidden {fit.hidden_size}, sp "
                     f"{fit.sp}, tp {fit.tp}, not hidden {h}, sp {parallel.sp}, tp "
                     f"{parallel.tp}; profile this layout or use a spec-derived profile")
+            if fit.mlp != model.mlp_label:
+                raise ValueError(
+                    f"profile {hardware.name} was fitted on a layer with a {fit.mlp} MLP, not "
+                    f"{model.mlp_label}; profile this model (scripts/profile_costs.py "
+                    f"--num-experts ...) or use a spec-derived profile")
             self.alpha1, self.alpha2, self.beta = fit.alpha1, fit.alpha2, fit.beta
         else:
             peak = hardware.peak_tflops * 1e12
             self.alpha1 = 2 * h / (shard * peak * hardware.attention_efficiency)
-            gemm_flops = 2 * (4 * h * h + h * w + h * f)
+            gemm_flops = 2 * (4 * h * h + mlp_gemm_per_token(model))
             self.alpha2 = gemm_flops / (shard * peak * hardware.matmul_efficiency)
             self.beta = hardware.layer_overhead_s
         self.head_per_token = 2 * h * model.vocab_size / (shard * peak_flops(hardware))
@@ -211,6 +240,12 @@ class CostModel:
                     f"profile {hardware.name} measured activations for hidden, vocab, sp, tp "
                     f"{shape}, not {(h, model.vocab_size, parallel.sp, parallel.tp)}; profile "
                     f"this model and layout or drop activation_coefficients")
+            if measured.mlp != model.mlp_label:
+                raise ValueError(
+                    f"profile {hardware.name} measured activations of a layer with a "
+                    f"{measured.mlp} MLP, not {model.mlp_label}; profile this model "
+                    f"(scripts/profile_costs.py --num-experts ...) or drop "
+                    f"activation_coefficients")
             if measured.dtype != model.dtype:
                 raise ValueError(
                     f"profile {hardware.name} measured activations in {measured.dtype}, not "
@@ -222,7 +257,7 @@ class CostModel:
         else:
             # Two hidden-dropout masks of one byte an element, when that dropout is on.
             masks = 2 * h if model.hidden_dropout else 0
-            self.full_per_token = (e * (9 * h + f + w) + masks) / shard
+            self.full_per_token = (e * 9 * h + mlp_saved_per_token(model) + masks) / shard
             self.ckpt_per_token = e * h / shard
             self.kv_per_token = e * 2 * h / shard
             # Context dK/dV accumulate in fp32 (megatron.plugin.layers.kv_store).
@@ -444,6 +479,30 @@ class CostModel:
             saving += s * (self.full_per_token - self.ckpt_per_token
                            - (0 if final else self.kv_per_token))
         return compute, comm, stash, saving, back
+
+def mlp_gemm_per_token(model: ModelConfig) -> int:
+    """Multiply-adds per token of one layer's MLP: ``h w + h f`` dense; a mixture of experts
+    runs each token through ``k`` experts of ``h w_e + h F`` and the router's ``h E`` (module
+    doc)."""
+    h = model.hidden_size
+    if not model.num_experts:
+        return h * model.mlp_width + h * model.ffn_hidden_size
+    return h * model.num_experts + model.moe_router_topk * h * (model.expert_width
+                                                                + model.expert_ffn)
+
+
+def mlp_saved_per_token(model: ModelConfig) -> int:
+    """Bytes one token leaves saved for the backward in one layer's MLP beyond its input:
+    ``(f + w) e`` dense; a mixture of experts' permuted copies, expert intermediates and router
+    tensors (module doc)."""
+    e, k = model.element_bytes, model.moe_router_topk
+    if not model.num_experts:
+        return e * (model.ffn_hidden_size + model.mlp_width)
+    f, experts = model.expert_ffn, model.num_experts
+    intermediates = model.expert_width + f + (0 if model.gated_mlp else f)
+    router = 4 * k + e * (k + experts) + experts + 16 * k
+    return e * k * (model.hidden_size + intermediates) + router
+
 
 def peak_flops(hardware: HardwareProfile) -> float:
     """Achievable GEMM FLOP/s of one GPU."""

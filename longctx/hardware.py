@@ -69,6 +69,9 @@ class LayerCoefficients:
     """Ulysses degree the fit was made for."""
     tp: int
     """Tensor-parallel degree the fit was made for."""
+    mlp: str = "dense"
+    """The MLP of the layer fitted (:attr:`longctx.models.ModelConfig.mlp_label`): dense, or
+    the mixture-of-experts shape; the cost model refuses another."""
 
     def __post_init__(self):
         if min(self.alpha1, self.alpha2, self.beta) < 0:
@@ -106,6 +109,9 @@ class ActivationCoefficients:
     dtype: str
     """Element type of the profiled weights and activations (a key of
     :data:`~longctx.models.DTYPE_BYTES`); the cost model refuses another."""
+    mlp: str = "dense"
+    """The MLP of the layer counted (:attr:`longctx.models.ModelConfig.mlp_label`); the cost
+    model refuses another."""
 
     def __post_init__(self):
         values = (self.layer, self.checkpointed, self.kv, self.dkv, self.embedding, self.head)

@@ -1,6 +1,7 @@
 """The cost model of this training job, from Megatron's flags and ``--hardware-profile``.
 
-The model shape comes from the Megatron flags, its bytes per element from ``params_dtype``
+The model shape comes from the Megatron flags (a mixture-of-experts MLP from ``--num-experts``,
+``--moe-router-topk`` and ``--moe-ffn-hidden-size``), its bytes per element from ``params_dtype``
 (4 in FP32, 2 in BF16 and FP16); the layout from the parallel sizes; the hardware profile from
 ``--hardware-profile``, by default the shipped profile whose ``device_names`` name the CUDA
 device, ``a800`` on CPU (the planners then only see
@@ -81,7 +82,9 @@ def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
     model = ModelConfig("custom", args.num_layers, args.hidden_size, args.num_attention_heads,
                         args.ffn_hidden_size, vocab_size,
                         dtype=str(args.params_dtype).removeprefix("torch."),
-                        gated_mlp=args.swiglu, hidden_dropout=args.hidden_dropout > 0)
+                        gated_mlp=args.swiglu, hidden_dropout=args.hidden_dropout > 0,
+                        num_experts=args.num_experts or 0, moe_router_topk=args.moe_router_topk,
+                        moe_ffn_hidden_size=args.moe_ffn_hidden_size)
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
@@ -99,7 +102,8 @@ def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
 
 _COSTS: dict[tuple, CostModel] = {}
 _COST_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
-               "params_dtype", "swiglu", "hidden_dropout", "tensor_model_parallel_size",
+               "params_dtype", "swiglu", "hidden_dropout", "num_experts", "moe_router_topk",
+               "moe_ffn_hidden_size", "tensor_model_parallel_size",
                "pipeline_model_parallel_size", "context_parallel_size",
                "use_distributed_optimizer", "hardware_profile")
 

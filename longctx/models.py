@@ -35,6 +35,14 @@ class ModelConfig:
     hidden_dropout: bool = False
     """Dropout after the attention and after the MLP (Megatron's ``--hidden-dropout`` > 0):
     each keeps a one-byte mask per element for its backward."""
+    num_experts: int = 0
+    """Routed experts of every layer's mixture-of-experts MLP (Megatron's ``--num-experts``);
+    0: a dense MLP of ``ffn_hidden_size``."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (``--moe-router-topk``); read with ``num_experts``."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of each expert (``--moe-ffn-hidden-size``); ``None``: ``ffn_hidden_size``,
+    as Megatron-LM defaults it."""
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -44,6 +52,15 @@ class ModelConfig:
             if getattr(self, field) < 1:
                 raise ValueError(f"model {self.name}: {field} must be >= 1, "
                                  f"got {getattr(self, field)}")
+        if self.num_experts < 0:
+            raise ValueError(f"model {self.name}: num_experts must be >= 0 (0: dense MLP), "
+                             f"got {self.num_experts}")
+        if self.num_experts and not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(f"model {self.name}: moe_router_topk must be in [1, num_experts="
+                             f"{self.num_experts}], got {self.moe_router_topk}")
+        if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
+            raise ValueError(f"model {self.name}: moe_ffn_hidden_size must be >= 1, "
+                             f"got {self.moe_ffn_hidden_size}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model {self.name}: hidden_size {self.hidden_size} must be "
                              f"divisible by num_heads {self.num_heads}")
@@ -58,10 +75,36 @@ class ModelConfig:
         """Output width of the MLP's first projection: ``2f`` gated, ``f`` otherwise."""
         return 2 * self.ffn_hidden_size if self.gated_mlp else self.ffn_hidden_size
 
+    @property
+    def expert_ffn(self) -> int:
+        """Inner width ``F`` of one expert (after the gate of a gated MLP)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def expert_width(self) -> int:
+        """Output width of an expert's first projection: ``2F`` gated, ``F`` otherwise."""
+        return 2 * self.expert_ffn if self.gated_mlp else self.expert_ffn
+
+    @property
+    def mlp_label(self) -> str:
+        """What kind of MLP a layer has, as a measured profile records it: ``"dense"``, or the
+        experts' shape (a profile measured on one kind prices no other)."""
+        if not self.num_experts:
+            return "dense"
+        return (f"{self.num_experts} experts, top {self.moe_router_topk}, "
+                f"width {self.expert_ffn}")
+
     def params_per_layer(self) -> int:
-        """Weights and biases of one layer: QKV + output projection, the MLP, two LayerNorms."""
+        """Weights and biases of one layer: QKV + output projection, the MLP, two LayerNorms.
+        A mixture-of-experts MLP is the router's ``h x E`` and ``E`` experts of ``h x w + F x h``
+        without biases (Megatron's local experts need ``--disable-bias-linear``)."""
         h, f, w = self.hidden_size, self.ffn_hidden_size, self.mlp_width
-        return 4 * h * h + 4 * h + h * w + w + h * f + h + 4 * h
+        if self.num_experts:
+            mlp = h * self.num_experts + self.num_experts * h * (self.expert_width
+                                                                 + self.expert_ffn)
+        else:
+            mlp = h * w + w + h * f + h
+        return 4 * h * h + 4 * h + mlp + 4 * h
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -2,7 +2,8 @@
 
     python scripts/profile_costs.py --num-layers-profiled 1 --hidden-size 256 \
         --num-attention-heads 8 [--ffn-hidden-size F] --tokens 512 1024 2048 \
-        --contexts 0 2048 --repeats 3 --base-profile a800 --output PROFILE.json
+        --contexts 0 2048 --repeats 3 --base-profile a800 --output PROFILE.json \
+        [--num-experts E --moe-router-topk K --moe-ffn-hidden-size F]
 
 What is measured and how (every choice made here):
 
@@ -16,7 +17,12 @@ What is measured and how (every choice made here):
   given): profile with the job's values, because on CPU SDPA's fused causal kernel does not
   take dropout, so attention dropout > 0 times the math kernel, many times slower at long
   sequences. ``--num-layers-profiled N`` builds N layers run back to back; the times
-  are divided by N, so the result is per layer.
+  are divided by N, so the result is per layer. ``--num-experts`` builds Megatron's
+  mixture-of-experts layer instead of the dense MLP (the training run's ``--num-experts``,
+  ``--moe-router-topk``, ``--moe-ffn-hidden-size``, with ``--disable-bias-linear``, which the
+  training script requires with experts); the fit and the activation bytes are stamped with
+  the layer's MLP (``mlp``: ``"dense"`` or the experts' shape) and the cost model prices no
+  other MLP with them.
 - Process groups and seeds: Megatron-LM's start-up on one process
   (:func:`megatron.plugin.launch.initialize`, which applies ``cpu_compat`` on a machine
   without CUDA). TP = SP = 1, so the fit is stamped ``sp=1, tp=1``.
@@ -90,6 +96,7 @@ from pathlib import Path
 
 import numpy as np
 
+from longctx.cost_model import mlp_gemm_per_token
 from longctx.fitting import nnls
 
 MEASURED_FIELDS = ("name", "machine", "source", "backward_factor", "layer_coefficients",
@@ -139,11 +146,11 @@ def efficiency_curve(tokens, contexts, forward_s, beta: float, work) -> list[lis
     return [[s, min(1.0, rates[s] / best)] for s in sorted(rates)]
 
 
-def flop_time(hidden: int, ffn: int, gated: bool, base: dict):
+def flop_time(hidden: int, mlp: int, base: dict):
     """The cost model's FLOP-derived layer time of ``s`` tokens with ``base``'s efficiencies
-    (relative: the peak is left out)."""
-    width = 2 * ffn if gated else ffn
-    gemm = 2 * (4 * hidden * hidden + hidden * width + hidden * ffn)
+    (relative: the peak is left out); ``mlp``: the MLP's multiply-adds per token
+    (:func:`longctx.cost_model.mlp_gemm_per_token`)."""
+    gemm = 2 * (4 * hidden * hidden + mlp)
     return lambda s: (2 * hidden * s * s / base["attention_efficiency"]
                       + gemm * s / base["matmul_efficiency"])
 
@@ -196,13 +203,19 @@ def build_layers(args):
              "--hidden-dropout", str(args.hidden_dropout)]
     if args.ffn_hidden_size is not None:
         flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
+    if args.num_experts is not None:
+        flags += ["--num-experts", str(args.num_experts), "--moe-router-topk",
+                  str(args.moe_router_topk), "--disable-bias-linear"]
+        if args.moe_ffn_hidden_size is not None:
+            flags += ["--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size)]
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                         ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(29500 + os.getpid() % 20000))):
         os.environ.setdefault(name, value)
     train_args = launch.initialize(flags)
     config = model_config(train_args)
-    spec = document_layer_spec(args.num_layers_profiled, train_args.normalization)
+    spec = document_layer_spec(args.num_layers_profiled, train_args.normalization,
+                               num_experts=train_args.num_experts)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     layers = [build_module(layer_spec, config=config, layer_number=i + 1).to(device).train()
               for i, layer_spec in enumerate(spec.layer_specs)]
@@ -349,7 +362,20 @@ def activation_coefficients(args, config, layers, device) -> dict:
                 dkv=slope(dkv_bytes),
                 embedding=embedding, head=full - embedding - layer,
                 hidden_size=args.hidden_size, vocab_size=model.vocab_size, sp=1, tp=1,
-                dtype=str(config.params_dtype).removeprefix("torch."))
+                dtype=str(config.params_dtype).removeprefix("torch."),
+                mlp=layer_model(args, config).mlp_label)
+
+
+def layer_model(args, config):
+    """The cost model's shape of the profiled layer (its MLP: dense or the experts)."""
+    from longctx.models import ModelConfig
+
+    return ModelConfig("profiled", 1, args.hidden_size, args.num_attention_heads,
+                       config.ffn_hidden_size, args.vocab_size,
+                       gated_mlp=config.gated_linear_unit,
+                       num_experts=config.num_moe_experts or 0,
+                       moe_router_topk=config.moe_router_topk,
+                       moe_ffn_hidden_size=config.moe_ffn_hidden_size)
 
 
 def end_times(args, config, device) -> dict[str, list[float]]:
@@ -433,7 +459,8 @@ def base_profile_dict(name_or_path: str) -> dict:
 
 def build_profile(base: dict, base_name: str, description: str, coefficients, backward_factor,
                   hidden_size: int, grid: str, fit_error: tuple[float, float],
-                  activations: dict, ends: dict, overhead: float | None = None) -> dict:
+                  activations: dict, ends: dict, overhead: float | None = None,
+                  mlp: str = "dense") -> dict:
     """The measured profile's JSON object (see the module docstring)."""
     alpha1, alpha2, beta = coefficients
     data = dict(base)
@@ -448,7 +475,7 @@ def build_profile(base: dict, base_name: str, description: str, coefficients, ba
         source="measured",
         backward_factor=backward_factor,
         layer_coefficients=dict(alpha1=alpha1, alpha2=alpha2, beta=beta,
-                                hidden_size=hidden_size, sp=1, tp=1),
+                                hidden_size=hidden_size, sp=1, tp=1, mlp=mlp),
         activation_coefficients=activations,
         end_coefficients=ends,
     )
@@ -459,7 +486,8 @@ def build_profile(base: dict, base_name: str, description: str, coefficients, ba
                      f"{datetime.date.today().isoformat()}"),
         "layer_coefficients": (f"NNLS fit of eq. 1 (alpha1 ((C+s)^2-C^2) + alpha2 s + beta) on "
                                f"relative residuals; fit relative error max {fit_error[0]:.4f} "
-                               f"mean {fit_error[1]:.4f}; hidden {hidden_size}, sp 1, tp 1"),
+                               f"mean {fit_error[1]:.4f}; hidden {hidden_size}, sp 1, tp 1, "
+                               f"{mlp} MLP"),
         "backward_factor": "measured: mean of backward/forward time over the grid",
         "activation_coefficients": ("measured: bytes per token counted by the training loop's "
                                     "saved-tensor meter (slope between two token counts)"),
@@ -486,6 +514,12 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--hidden-size", type=int, required=True)
     parser.add_argument("--num-attention-heads", type=int, required=True)
     parser.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    parser.add_argument("--num-experts", type=int, default=None,
+                        help="as the job's flag: a mixture-of-experts layer (default: dense)")
+    parser.add_argument("--moe-router-topk", type=int, default=2,
+                        help="as the job's flag (Megatron's default 2)")
+    parser.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                        help="as the job's flag (default: the ffn width)")
     parser.add_argument("--tokens", type=int, nargs="+", required=True,
                         help="slice lengths s of the grid")
     parser.add_argument("--contexts", type=int, nargs="+", default=[0],
@@ -505,6 +539,10 @@ def parse(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.num_layers_profiled < 1 or args.repeats < 1:
         parser.error("--num-layers-profiled and --repeats must be >= 1")
+    if args.num_experts is not None and not 1 <= args.moe_router_topk <= args.num_experts:
+        parser.error("--num-experts must be >= 1 and --moe-router-topk in [1, --num-experts]")
+    if args.moe_ffn_hidden_size is not None and args.num_experts is None:
+        parser.error("--moe-ffn-hidden-size sizes the experts: give --num-experts too")
     if min(args.tokens) < 1 or min(args.contexts) < 0:
         parser.error("--tokens must be >= 1 and --contexts >= 0")
     if len(args.tokens) * len(args.contexts) < 3 or len(set(args.tokens)) < 2:
@@ -556,8 +594,9 @@ def main(argv=None) -> int:
           f"backward_factor {factor:.4f}")
     fit_error = (float(errors.max()), float(errors.mean()))
     print(f"fit relative error: max {fit_error[0]:.4f} mean {fit_error[1]:.4f}")
+    shape = layer_model(args, config)
     curve = efficiency_curve(tokens, contexts, forwards, beta, flop_time(
-        args.hidden_size, config.ffn_hidden_size, config.gated_linear_unit, base))
+        args.hidden_size, mlp_gemm_per_token(shape), base))
     if curve:
         print("kernel efficiency (FLOP rate over the largest chunk's; for a spec-derived "
               "profile of this machine): " + json.dumps(
@@ -565,7 +604,7 @@ def main(argv=None) -> int:
     overhead = allocator_overhead(device)
     grid = (f"tokens {args.tokens} x contexts {args.contexts}, median of {args.repeats} after a "
             f"warm-up, {args.num_layers_profiled} layer(s), ffn {config.ffn_hidden_size}, "
-            f"{str(config.params_dtype).replace('torch.', '')}")
+            f"{shape.mlp_label} MLP, {str(config.params_dtype).replace('torch.', '')}")
     activations = activation_coefficients(args, config, layers, device)
     print("activation bytes per token: " + ", ".join(
         f"{key} {activations[key]:.1f}"
@@ -577,7 +616,8 @@ def main(argv=None) -> int:
         print(f"{key}: {ends[key][0] * 1e6:.4f} us per token + {ends[key][1] * 1e3:.3f} ms "
               f"(measured ms: {', '.join(f'{t * 1e3:.2f}' for t in seconds)})")
     data = build_profile(base, args.base_profile, description, coefficients, factor,
-                         args.hidden_size, grid, fit_error, activations, ends, overhead)
+                         args.hidden_size, grid, fit_error, activations, ends, overhead,
+                         shape.mlp_label)
     from longctx.hardware import profile_from_dict
 
     profile_from_dict(data)  # refuse to write a profile the loader would reject

@@ -401,7 +401,10 @@ def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
     ("elastic", ["--elastic-slices", "4"]), ("seq1f1b", ["--elastic-slices", "4"]),
     ("sppo", ["--sppo-subsequences", "4"]),
     ("helix", ["--helix-recompute-without-attention", "--helix-mlp-chunk-size", "256",
-               "--seq-length", "1024", "--train-iters", "2", "--lr-warmup-iters", "1"])])
+               "--seq-length", "1024", "--train-iters", "2", "--lr-warmup-iters", "1"]),
+    pytest.param("elastic", ["--elastic-slices", "4", "--num-experts", "4",
+                             "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
+                             "--disable-bias-linear"], id="elastic-moe")])
 def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     """With Megatron-LM's default dropout (0.1 on the attention and the hidden states) the
     activation bytes each stage's plan predicts, from the spec-derived profile, are within
@@ -412,7 +415,10 @@ def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     model (:mod:`helix.memory`), which reported no plan before, on half the length for two
     iterations (its parts exchange many small messages: slower on gloo); its plain and
     recomputing runs are held to their plans in
-    ``test_helix_recomputation_draws_the_dropout_masks_of_the_forward``."""
+    ``test_helix_recomputation_draws_the_dropout_masks_of_the_forward``. With
+    mixture-of-experts layers (4 experts, top 2) the plan counts each token's expert copies,
+    expert intermediates and router tensors instead of a dense MLP's; priced as a dense MLP,
+    the stages held 1.4x their plan."""
     out = tmp_path / "metrics.jsonl"
     no_dropout = {"--hidden-dropout", "--attention-dropout"}
     tiny = [flag for i, flag in enumerate(TINY)

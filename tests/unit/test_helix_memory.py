@@ -32,3 +32,19 @@ def test_recomputation_and_chunked_mlps_lower_every_stage_peak():
     recomputed = planned_peaks(HelixShape(**{**SHAPE, "recompute": True}), 2, 4, 4, 2, True)
     chunked = planned_peaks(HelixShape(**{**SHAPE, "mlp_chunk_rows": 256}), 2, 4, 4, 2, False)
     assert all(r < p and c < p for p, r, c in zip(plain, recomputed, chunked))
+
+
+def test_a_mixture_of_experts_mlp_keeps_the_cost_models_bytes_instead_of_the_dense_ones():
+    """With experts, the MLP block keeps the cost model's per-token MoE bytes (exact against
+    the meter in tests/unit/test_moe_costs.py) in place of the dense first and second
+    widths."""
+    from longctx.cost_model import mlp_saved_per_token
+    from longctx.models import ModelConfig
+
+    experts = mlp_saved_per_token(ModelConfig("moe", 4, 64, 4, 256, 384, dtype="float32",
+                                              num_experts=4, moe_router_topk=2,
+                                              moe_ffn_hidden_size=128))
+    flow = HelixFlow(2, 4, 2, 4)
+    dense = HelixMemory(HelixShape(**SHAPE), flow)
+    moe = HelixMemory(HelixShape(**SHAPE, moe_bytes=experts), flow)
+    assert moe._mlp_block(1024) - dense._mlp_block(1024) == 1024 * (experts - (256 + 256) * 4)

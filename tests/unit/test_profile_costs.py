@@ -1,4 +1,5 @@
 """``scripts/profile_costs.py``: the NNLS fit and a tiny end-to-end measured profile."""
+import dataclasses
 import json
 import os
 import re
@@ -17,7 +18,7 @@ from scripts.profile_costs import (  # noqa: E402
     flop_time, nnls)
 
 from longctx.chunks import Chunk, Piece  # noqa: E402
-from longctx.cost_model import CostModel, ParallelConfig  # noqa: E402
+from longctx.cost_model import CostModel, ParallelConfig, mlp_gemm_per_token  # noqa: E402
 from longctx.hardware import load_profile  # noqa: E402
 from longctx.models import ModelConfig  # noqa: E402
 
@@ -139,9 +140,15 @@ def test_efficiency_curve_is_the_model_time_over_the_measured_past_beta():
 
 def test_flop_time_is_the_cost_models_work():
     """Hidden 2, ffn 8, gated: GEMMs 2 (16 + 32 + 16) = 128 FLOPs a token at efficiency 0.5,
-    attention 2 h s^2 = 4 s^2 at 0.25."""
-    work = flop_time(2, 8, True, {"attention_efficiency": 0.25, "matmul_efficiency": 0.5})
+    attention 2 h s^2 = 4 s^2 at 0.25. With 4 experts of width 8, top 2: the MLP's
+    multiply-adds are the router's 2 x 4 and 2 x (32 + 16), 2 (16 + 104) = 240 FLOPs."""
+    efficiencies = {"attention_efficiency": 0.25, "matmul_efficiency": 0.5}
+    gated = ModelConfig("g", 1, 2, 1, 8, 10, gated_mlp=True)
+    work = flop_time(2, mlp_gemm_per_token(gated), efficiencies)
     assert work(3) == pytest.approx(4 * 9 / 0.25 + 128 * 3 / 0.5)
+    experts = dataclasses.replace(gated, num_experts=4, moe_router_topk=2)
+    work = flop_time(2, mlp_gemm_per_token(experts), efficiencies)
+    assert work(3) == pytest.approx(4 * 9 / 0.25 + 240 * 3 / 0.5)
 
 
 def test_linear_fit_recovers_per_token_and_per_call_seconds():

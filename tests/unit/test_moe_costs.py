@@ -1,0 +1,149 @@
+"""The cost model's mixture-of-experts layer: its terms by hand, and against the saved-tensor
+meter on Megatron's own MoE layer."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from longctx.chunks import Chunk, Piece
+from longctx.cost_model import CostModel, ParallelConfig, mlp_saved_per_token
+from longctx.models import ModelConfig
+from test_elastic_cost_model import hand_profile
+
+H, HEADS, FFN, EXPERTS, TOPK, EXPERT_FFN = 64, 4, 256, 4, 2, 128
+
+
+def moe(**over) -> ModelConfig:
+    shape = dict(num_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN)
+    shape.update(over)
+    return ModelConfig("moe", 6, H, HEADS, FFN, 100, **shape)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_moe_activation_bytes_time_and_weights_by_hand(tmp_path, gated):
+    """BF16, 4 experts of width 128, top 2, Ulysses sp = 2. Per token the MLP keeps, instead of
+    a dense MLP's ``f + w``: 2 permuted copies of the token (2 x 64), per copy the expert's
+    first projection and its fc2 input (GeLU: 128 + 128 and the GeLU output 128; SwiGLU:
+    256 + 128), all 2 bytes; the router's top-2 softmax in FP32 (8 bytes), its per-expert
+    copy (2) and the [tokens, 4] probabilities (4), 2 bytes each, the bool routing map (4
+    bytes) and two int64 index arrays of 2 (32 bytes)."""
+    model = moe(gated_mlp=gated)
+    cost = CostModel(model, hand_profile(tmp_path), ParallelConfig(pp=2, sp=2))
+    mlp = 2 * 2 * (64 + 384) + 8 + 2 * (2 + 4) + 4 + 32
+    assert mlp_saved_per_token(model) == mlp
+    whole = Chunk((Piece(0, 0, 0, 10, True),))
+    assert cost.layer_activation(whole) == pytest.approx(10 * (2 * 9 * H + mlp) / 2)
+    # GEMMs: attention 4h^2, the router h E, 2 experts of h w_e + h F each.
+    first = 256 if gated else 128
+    flops = 2 * (4 * H * H + H * EXPERTS + TOPK * (H * first + H * EXPERT_FFN))
+    assert cost.alpha2 == pytest.approx(flops / (2 * 0.5e12))
+    assert model.params_per_layer() == 4 * H * H + 4 * H + H * EXPERTS \
+        + EXPERTS * H * (first + EXPERT_FFN) + 4 * H
+
+
+def test_the_expert_width_defaults_to_the_ffn_width_as_megatron_does():
+    assert moe(moe_ffn_hidden_size=None).expert_ffn == FFN
+    dense = ModelConfig("dense", 6, H, HEADS, FFN, 100)
+    assert mlp_saved_per_token(dense) == 2 * 2 * FFN
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"moe_router_topk": 5}, r"moe_router_topk must be in \[1, num_experts=4\], got 5"),
+    ({"moe_router_topk": 0}, r"moe_router_topk must be in \[1, num_experts=4\], got 0"),
+    ({"num_experts": -1}, "num_experts must be >= 0"),
+    ({"moe_ffn_hidden_size": 0}, "moe_ffn_hidden_size must be >= 1"),
+])
+def test_a_bad_moe_shape_says_what_to_change(over, message):
+    with pytest.raises(ValueError, match=message):
+        moe(**over)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """Megatron's process groups on one CPU rank, with the CPU compatibility layer (the
+    router moves its weights to the current device, the layers fork the RNG tracker)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as tp_random
+
+    from megatron.plugin import cpu_compat
+
+    installed = cpu_compat.install(force=True)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
+    parallel_state.initialize_model_parallel()
+    tp_random.model_parallel_cuda_manual_seed(1234)
+    yield
+    tp_random.get_cuda_rng_tracker().reset()
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+    if installed:
+        cpu_compat.uninstall()
+
+
+def saved_bytes_per_token(config, num_experts) -> float:
+    """Slope over 128 -> 256 tokens of what one layer of the project's spec saves."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron.plugin.layers.attention import document_layer_spec
+    from megatron.plugin.layers.memory import SavedTensorMeter
+
+    spec = document_layer_spec(1, num_experts=num_experts).layer_specs[0]
+    layer = build_module(spec, config=config, layer_number=1).train()
+    counts = []
+    for tokens in (128, 256):
+        x = torch.randn(tokens, 1, config.hidden_size, dtype=config.params_dtype,
+                        requires_grad=True)
+        meter = SavedTensorMeter()
+        with meter.active():
+            out, _ = layer(x, attention_mask=None)
+            counts.append(meter.current)
+        del out
+    return (counts[1] - counts[0]) / 128
+
+
+@pytest.mark.parametrize("gated,dtype", [(False, torch.float32), (True, torch.float32),
+                                         (False, torch.bfloat16)])
+def test_the_moe_terms_are_what_megatrons_moe_layer_saves(one_rank, gated, dtype):
+    """Megatron's MoE layer (local spec: ``SequentialMLP``, the ``allgather`` dispatcher,
+    softmax top-2 routing, no biases, the activation fusion Megatron-LM's parser sets: SwiGLU's
+    on, GeLU's off without biases) saves, per token, exactly the cost model's MoE terms more
+    than the dense layer of the same attention saves its dense MLP terms; in BF16 too (the
+    router's softmax stays FP32)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    common = dict(num_layers=1, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                  add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                  gated_linear_unit=gated, activation_func=F.silu if gated else F.gelu,
+                  bias_activation_fusion=gated, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    dense = TransformerConfig(**common)
+    experts = TransformerConfig(**common, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
+                                moe_ffn_hidden_size=EXPERT_FFN, moe_aux_loss_coeff=0.0)
+    measured = saved_bytes_per_token(experts, EXPERTS) - saved_bytes_per_token(dense, None)
+    shape = dict(dtype=str(dtype).removeprefix("torch."), gated_mlp=gated)
+    planned = mlp_saved_per_token(moe(**shape)) \
+        - mlp_saved_per_token(ModelConfig("dense", 6, H, HEADS, FFN, 100, **shape))
+    assert measured == planned
+
+
+def test_a_profile_measured_on_one_mlp_prices_no_other(tmp_path):
+    """Fitted times and counted bytes carry the MLP they were measured on (profile_costs.py
+    stamps it): a dense layer's are refused for an MoE model, and an MoE layer's for another
+    expert shape; profiles written before the stamp were dense."""
+    fit = {"alpha1": 1e-9, "alpha2": 1e-6, "beta": 1e-3, "hidden_size": H, "sp": 1, "tp": 1}
+    counted = {"layer": 9000.0, "checkpointed": 256.0, "kv": 512.0, "dkv": 512.0,
+               "embedding": 16.0, "head": 2000.0, "hidden_size": H, "vocab_size": 100,
+               "sp": 1, "tp": 1, "dtype": "bfloat16"}
+    label = moe().mlp_label
+    assert label == "4 experts, top 2, width 128"
+    whole = Chunk((Piece(0, 0, 0, 10, True),))
+    for key, values in (("layer_coefficients", fit), ("activation_coefficients", counted)):
+        dense = hand_profile(tmp_path, source="measured", machine="box", **{key: values})
+        CostModel(ModelConfig("dense", 6, H, HEADS, FFN, 100), dense, ParallelConfig(pp=2))
+        with pytest.raises(ValueError, match=f"a dense MLP, not {label}; profile this model"):
+            CostModel(moe(), dense, ParallelConfig(pp=2))
+        stamped = hand_profile(tmp_path, source="measured", machine="box",
+                               **{key: dict(values, mlp=label)})
+        cost = CostModel(moe(), stamped, ParallelConfig(pp=2))
+        with pytest.raises(ValueError, match=f"a {label} MLP, not 4 experts, top 1"):
+            CostModel(moe(moe_router_topk=1), stamped, ParallelConfig(pp=2))
+    assert cost.layer_activation(whole) == 90000.0
