@@ -254,10 +254,6 @@ class HelixMemory:
             chunk = self._mlp_block(min(s.mlp_chunk_rows, tokens)) - released
         return max(chunk, self._loss()) if last else chunk
 
-    def gradient_sums(self, action: Action) -> tuple:
-        del action
-        return ()
-
     def duration(self, action: Action) -> float:
         return 1.0 if action.is_compute() else 0.0
 
