@@ -55,6 +55,9 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   dropout masks); a gated MLP keeps its ``2f`` wide first projection, ``(9h + 3f) e``. What an
   implementation saves beyond that (an unfused RMSNorm, RoPE outside the attention kernel) is
   not counted; a measured profile's coefficients count it;
+- with ``--qk-layernorm`` the Q and K norms keep their inputs, ``2h e`` (the keys counted as
+  wide as the queries), and two FP32 statistics per head each (:func:`qk_norm_saved_per_token`;
+  exact for LayerNorm by the saved-tensor meter, ``tests/unit/test_layer_costs.py``);
 - a mixture-of-experts layer (Megatron's ``MoELayer`` of the local spec: dropless top-``k``
   routing over ``E`` experts of inner width ``F``, first projection ``w_e`` = ``2F`` gated or
   ``F``, the ``allgather`` token dispatcher that Megatron-LM defaults to, with nothing to
@@ -257,7 +260,8 @@ class CostModel:
         else:
             # Two hidden-dropout masks of one byte an element, when that dropout is on.
             masks = 2 * h if model.hidden_dropout else 0
-            self.full_per_token = (e * 9 * h + mlp_saved_per_token(model) + masks) / shard
+            self.full_per_token = (e * 9 * h + qk_norm_saved_per_token(model)
+                                   + mlp_saved_per_token(model) + masks) / shard
             self.ckpt_per_token = e * h / shard
             self.kv_per_token = e * 2 * h / shard
             # Context dK/dV accumulate in fp32 (megatron.plugin.layers.kv_store).
@@ -489,6 +493,15 @@ def mlp_gemm_per_token(model: ModelConfig) -> int:
         return h * model.mlp_width + h * model.ffn_hidden_size
     return h * model.num_experts + model.moe_router_topk * h * (model.expert_width
                                                                 + model.expert_ffn)
+
+
+def qk_norm_saved_per_token(model: ModelConfig) -> int:
+    """Bytes one token leaves saved in one layer's Q and K norms (``--qk-layernorm``): their
+    inputs, ``2h e`` (keys as wide as queries), and two FP32 statistics per head of each
+    (LayerNorm's mean and reciprocal deviation; a fused RMSNorm keeps one of them)."""
+    if not model.qk_layernorm:
+        return 0
+    return 2 * model.hidden_size * model.element_bytes + 2 * 2 * 4 * model.num_heads
 
 
 def mlp_saved_per_token(model: ModelConfig) -> int:

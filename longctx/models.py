@@ -43,6 +43,9 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None
     """Inner width of each expert (``--moe-ffn-hidden-size``); ``None``: ``ffn_hidden_size``,
     as Megatron-LM defaults it."""
+    qk_layernorm: bool = False
+    """Norms on the queries and keys before the attention (``--qk-layernorm``): they keep their
+    inputs and per-head statistics for the backward."""
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

@@ -404,7 +404,8 @@ def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
                "--seq-length", "1024", "--train-iters", "2", "--lr-warmup-iters", "1"]),
     pytest.param("elastic", ["--elastic-slices", "4", "--num-experts", "4",
                              "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
-                             "--disable-bias-linear"], id="elastic-moe")])
+                             "--disable-bias-linear", "--qk-layernorm"],
+                 id="elastic-moe-qk-norm")])
 def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     """With Megatron-LM's default dropout (0.1 on the attention and the hidden states) the
     activation bytes each stage's plan predicts, from the spec-derived profile, are within

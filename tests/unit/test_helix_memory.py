@@ -36,7 +36,7 @@ def test_recomputation_and_chunked_mlps_lower_every_stage_peak():
 
 def test_a_mixture_of_experts_mlp_keeps_the_cost_models_bytes_instead_of_the_dense_ones():
     """With experts, the MLP block keeps the cost model's per-token MoE bytes (exact against
-    the meter in tests/unit/test_moe_costs.py) in place of the dense first and second
+    the meter in tests/unit/test_layer_costs.py) in place of the dense first and second
     widths."""
     from longctx.cost_model import mlp_saved_per_token
     from longctx.models import ModelConfig

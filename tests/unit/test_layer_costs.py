@@ -1,12 +1,13 @@
-"""The cost model's mixture-of-experts layer: its terms by hand, and against the saved-tensor
-meter on Megatron's own MoE layer."""
+"""The cost model's layer terms beyond the dense GPT layer (a mixture of experts, the Q and K
+norms): by hand, and against the saved-tensor meter on Megatron's own layers."""
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from longctx.chunks import Chunk, Piece
-from longctx.cost_model import CostModel, ParallelConfig, mlp_saved_per_token
+from longctx.cost_model import (CostModel, ParallelConfig, mlp_saved_per_token,
+                                qk_norm_saved_per_token)
 from longctx.models import ModelConfig
 from test_elastic_cost_model import hand_profile
 
@@ -80,14 +81,15 @@ def one_rank(tmp_path):
         cpu_compat.uninstall()
 
 
-def saved_bytes_per_token(config, num_experts) -> float:
+def saved_bytes_per_token(config, num_experts, qk_layernorm=False) -> float:
     """Slope over 128 -> 256 tokens of what one layer of the project's spec saves."""
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron.plugin.layers.attention import document_layer_spec
     from megatron.plugin.layers.memory import SavedTensorMeter
 
-    spec = document_layer_spec(1, num_experts=num_experts).layer_specs[0]
+    spec = document_layer_spec(1, num_experts=num_experts,
+                               qk_layernorm=qk_layernorm).layer_specs[0]
     layer = build_module(spec, config=config, layer_number=1).train()
     counts = []
     for tokens in (128, 256):
@@ -147,3 +149,20 @@ def test_a_profile_measured_on_one_mlp_prices_no_other(tmp_path):
         with pytest.raises(ValueError, match=f"a {label} MLP, not 4 experts, top 1"):
             CostModel(moe(moe_router_topk=1), stamped, ParallelConfig(pp=2))
     assert cost.layer_activation(whole) == 90000.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_qk_norm_term_is_what_the_q_and_k_layernorms_save(one_rank, dtype):
+    """``--qk-layernorm`` (LayerNorm): a layer saves exactly the cost model's Q/K-norm term more
+    than the same layer without the norms, in FP32 and BF16 (the statistics stay FP32)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    common = dict(num_layers=1, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                  hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype,
+                  bf16=dtype == torch.bfloat16)
+    measured = saved_bytes_per_token(TransformerConfig(**common, qk_layernorm=True), None, True) \
+        - saved_bytes_per_token(TransformerConfig(**common), None)
+    shape = dict(dtype=str(dtype).removeprefix("torch."))
+    assert measured == qk_norm_saved_per_token(
+        ModelConfig("qk", 6, H, HEADS, FFN, 100, qk_layernorm=True, **shape))
+    assert qk_norm_saved_per_token(ModelConfig("plain", 6, H, HEADS, FFN, 100, **shape)) == 0
