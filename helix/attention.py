@@ -47,11 +47,12 @@ class _RecomputedAttention(torch.autograd.Function):
 
 
 def recomputed_attention(project: Callable, x, weights: tuple, segments: Segments,
-                         scale: float | None, dropout: float = 0.0) -> torch.Tensor:
+                         scale: float | None, dropout: float = 0.0,
+                         backend: str = "auto") -> torch.Tensor:
     """:func:`~megatron.plugin.layers.packed_attention.packed_attention` of ``project(x,
     *weights) -> (q, k, v)``, keeping ``x``, ``weights`` (the QKV weight, its bias, the Q/K
     norms' weights: ``None`` for one that is absent), the output and the log-sum-exp, and
     projecting again in the backward (``project`` must be deterministic and
-    differentiable)."""
-    kernel = block_kernel(x, dropout, scale)
+    differentiable); ``backend``: Megatron-LM's ``--attention-backend``."""
+    kernel = block_kernel(x, dropout, scale, backend)
     return _RecomputedAttention.apply(project, segments, kernel, x, *weights)

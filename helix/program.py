@@ -204,9 +204,10 @@ class HelixProgram(PartProgram):
         weights = tuple(shipped.values())
         if self.recompute_boundaries:
             return helix_attention.recomputed_attention(project, x, weights, segments,
-                                                        core.softmax_scale, dropout)
+                                                        core.softmax_scale, dropout, core.backend)
         return packed_attention.packed_attention(*project(x, *weights), segments,
-                                                 core.softmax_scale, dropout)
+                                                 core.softmax_scale, dropout,
+                                                 backend=core.backend)
 
     def _read_batch(self, unit: int) -> None:
         capture = _Capture(self.module)

@@ -7,7 +7,7 @@ flags and each registered schedule's group. Before Megatron-LM's validation,
 option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
 selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
 options: a missing ``--calculate-per-token-loss``, Ulysses' head divisibility, the schedule's
-own ``check_args``, what needs CUDA, Transformer Engine without CUDA or its package,
+own ``check_args``, what needs CUDA, the flash attention backend in fp32, Transformer Engine without CUDA or its package,
 ``--tensorboard-dir`` without ``tensorboard``);
 :func:`check_args` runs the rules again on the validated arguments.
 
@@ -302,6 +302,16 @@ def _cpu_profile(args):
     return None
 
 
+def _flash_precision(args):
+    backend = getattr(args, "attention_backend", None)
+    if torch.cuda.is_available() and getattr(backend, "name", None) == "flash" \
+            and not (args.bf16 or args.fp16):
+        return ("--attention-backend flash: the flash kernel takes fp16 or bf16 only, and this "
+                "run trains in fp32: add --bf16 or --fp16, or pass --attention-backend fused "
+                "(the memory-efficient kernel, which takes fp32)")
+    return None
+
+
 def _transformer_engine(args):
     if args.transformer_impl != "transformer_engine":
         return None
@@ -358,7 +368,8 @@ def _schedule_checks(args):
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_per_token_loss, _pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _cpu_half_precision, _cpu_timeout_after_init,
-         _cpu_profile, _transformer_engine, _moe_transformer_engine, _tensorboard, _throughput)
+         _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
+         _tensorboard, _throughput)
 
 
 def rule_refusals(args: argparse.Namespace) -> list[str]:

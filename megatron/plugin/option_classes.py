@@ -27,6 +27,7 @@ Megatron's ``1f1b`` or, with virtual stages, ``interleaved``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Mapping
 
 
@@ -41,7 +42,8 @@ def _each(text: str, message: str) -> dict:
 @dataclass(frozen=True)
 class Honoured:
     """``proofs``: schedule (``*``: every schedule) -> the test proving the option there.
-    ``values``: the values honoured, ``None`` for any (others are refused with ``refusal``).
+    ``values``: the values honoured (an enumeration's by name), ``None`` for any (others are
+    refused with ``refusal``).
     Under a schedule without a proof the option is refused: with that schedule's message of
     ``refusals`` when it has one (a whole sentence), else with ``refusal``, what to do instead."""
 
@@ -123,6 +125,7 @@ PRECISION = {name: GPU_CHECK for name in
 #: The schedules that build Megatron's Transformer Engine layers (the GPU check trains each).
 TE_SCHEDULES = ("default", "1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b")
 OPTIONS = "tests/unit/test_schedule_options.py::test_option_is_honoured_or_refused_by_name"
+ATTENTION_FLAGS = "tests/unit/test_attention_flags.py::"
 RECOMPUTE = {"default": "golden:pp2_full_recompute", "1f1b": "golden:pp2_full_recompute",
              "interleaved": "golden:pp2_vp2_interleaved_block_recompute",
              "1f1b-ir": "golden:pp2_ir_block_recompute"}
@@ -288,6 +291,21 @@ HONOURED: dict[str, Honoured] = {
         {"default": "tests/e2e/test_pretrain.py::"
                     "test_elastic_checkpoint_is_a_megatron_checkpoint_of_a_plain_gpt"},
         _NO_TEST),
+    # The document attention's kernels (megatron/plugin/layers/attention_kernels.py), the
+    # same under every schedule: their softmax is fp32 whatever the inputs (so Megatron's query-key
+    # layer scaling is the identity), --attention-backend picks the kernel (``local`` is
+    # refused: Megatron-LM takes it only with --spec local), and under --deterministic-mode
+    # (torch's deterministic algorithms) they run deterministic backwards.
+    **{name: Honoured({"*": ATTENTION_FLAGS + "test_softmax_is_fp32_for_half_precision_inputs"},
+                      "") for name in ("attention_softmax_in_fp32",
+                                       "apply_query_key_layer_scaling")},
+    "attention_backend": Honoured(
+        {"*": ATTENTION_FLAGS + "test_attention_backend_picks_the_kernel"},
+        "Megatron-LM takes --attention-backend local only with --spec local (its legacy layer "
+        "spec, not built here): use --attention-backend unfused, the same matrix-product "
+        "attention", values=("flash", "fused", "unfused", "auto")),
+    "deterministic_mode": Honoured(
+        {"*": ATTENTION_FLAGS + "test_deterministic_mode_repeats_losses_and_grads_bitwise"}, ""),
     # The project's own options.
     "pipeline_schedule": Honoured({"*": "golden:pp2"}, ""),
     "pipeline_timeout_s": Honoured(
@@ -548,9 +566,8 @@ REFUSED: dict[str, str] = {
         use_mamba_mem_eff_path yaml_cfg
     """, _HYBRID),
     **_each("""
-        add_qkv_bias apply_query_key_layer_scaling
-        attention_backend attention_output_gate attention_softmax_in_fp32
-        batch_invariant_mode deterministic_mode flash_attention_version flash_decode
+        add_qkv_bias attention_output_gate
+        batch_invariant_mode flash_attention_version flash_decode
         mrope_section no_rope_freq qk_clip qk_clip_alpha qk_clip_threshold qk_l2_norm
         rope_scaling_factor rope_type rotary_interleaved
         rotary_seq_len_interpolation_factor softmax_type use_flash_attn use_rope_scaling
@@ -704,8 +721,8 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
                                "option of this megatron-core release: "
                                "megatron/plugin/option_classes.py must name it inert, honoured "
                                "or refused before it is accepted): drop it", []).append(flag)
-        elif honoured.values is not None and value not in honoured.values:
-            shown = " ".join(map(str, value)) if isinstance(value, list) else value
+        elif honoured.values is not None and _named(value) not in honoured.values:
+            shown = " ".join(map(str, value)) if isinstance(value, list) else _named(value)
             reasons.setdefault(f"{flag} {shown} is not supported by pretrain_gpt_elastic.py "
                                f"(it honours {' and '.join(map(str, honoured.values))}): "
                                f"{honoured.refusal}", [])
@@ -721,6 +738,12 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
         messages.append(f"{_together(left)} accepted by Megatron-LM only beside a flag refused "
                         f"above: drop {' and '.join(left)} with it")
     return messages
+
+
+def _named(value):
+    """``value``, or its name for an enumeration member (``--attention-backend``'s
+    ``AttnBackend``)."""
+    return value.name if isinstance(value, Enum) else value
 
 
 def _schedule_refusal(honoured: Honoured, flag: str, schedule: str) -> str:

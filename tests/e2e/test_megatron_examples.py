@@ -17,8 +17,8 @@ dropped: half precision and the distributed optimizer (CUDA-only in megatron-cor
 refusal names it), and ``--profile`` without ``--use-pytorch-profiler`` (nsys). ``elastic`` refuses ``--overlap-param-gather`` for
 itself and keeps ``--overlap-grad-reduce`` (the buckets reduce during its last backward).
 ``--rampup-batch-size`` is refused for every schedule (the document batches are of a fixed
-size), and so is Llama-3's ``--attention-backend fused`` (the document attention picks its own
-kernel); its ``--log-throughput`` is kept where megatron-core counts FLOPs over the documents'
+size); Llama-3's ``--attention-backend fused`` is kept (on CPU it runs the CPU kernel); its
+``--log-throughput`` is kept where megatron-core counts FLOPs over the documents'
 lengths (0.19) and refused where it cannot (0.17). ``elastic`` also refuses
 ``--grad-reduce-in-bf16`` and the distributed optimizer (no test proves them under it).
 Both schedules then train the same documents from the same seed. GPT-3's example leaves
@@ -126,8 +126,6 @@ DROPS = {
                                             not torch.cuda.is_available()), ("elastic",)),
         ("--grad-reduce-in-bf16", 0, ("--grad-reduce-in-bf16 is not supported by "
                                       "--pipeline-schedule elastic", False), ("elastic",)),
-        ("--attention-backend", 1, ("--attention-backend is not supported", False),
-         ("1f1b", "elastic")),
         ("--log-throughput", 0, ("--log-throughput: this megatron-core release counts FLOPs",
                                  flop_count.counts_real_lengths()), ("1f1b", "elastic")),
     ],

@@ -131,7 +131,7 @@ def _varlen_reference(calls):
     each ``cu_seqlens`` sequence (bottom-right aligned), recording every call's bounds."""
 
     def varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None,
-               causal=True):
+               causal=True, deterministic=False):
         assert causal and dropout_p == 0.0
         calls.append((cu_q.tolist(), cu_k.tolist(), max_q, max_k))
         outs = []

@@ -291,9 +291,9 @@ MODEL_REFUSED = [
     # SPPO's multiplexed helpers build their own embedding, without MuP's multiplier.
     (["--sppo-multiplex", "--use-mup", "--mup-embedding-mult", "10"], "sppo",
      "--use-mup, --mup-embedding-mult are not supported"),
-    # The document attention picks its kernel itself and calls it without determinism.
-    (["--deterministic-mode"], "1f1b-ir", "--deterministic-mode"),
-    (["--attention-backend", "flash"], "elastic", "--attention-backend"),
+    # Megatron-LM takes its local attention backend only with its legacy local spec.
+    (["--attention-backend", "local"], "elastic",
+     "--attention-backend local is not supported .* use --attention-backend unfused"),
     (["--use-flash-attn"], "1f1b", "--use-flash-attn"),
     # Context parallelism is Ulysses all-to-all, never Megatron's ring or hierarchy.
     (["--context-parallel-size", "2", "--cp-comm-type", "allgather"], "1f1b-ir",

@@ -33,8 +33,12 @@ output buffer that the output projection saves as its input too. No concatenated
 context and no ``[s, c+s]`` mask exists, on every device, with dropout and grouped-query heads
 alike (:mod:`megatron.plugin.layers.attention_kernels` picks the kernel). On CUDA a row without
 context runs flash-attn varlen instead, once per packed row with the row's documents as
-``cu_seqlens``, when it is importable and the inputs are fp16 or bf16 (fp32 falls back, with a
-warning).
+``cu_seqlens``, when it is importable, the inputs are fp16 or bf16 (fp32 falls back, with a
+warning) and ``--attention-backend`` is ``auto`` or ``flash``; under ``--deterministic-mode``
+(``torch.use_deterministic_algorithms(True)``) it runs its deterministic backward.
+``--attention-backend`` picks the block kernel (``fused``: torch's memory-efficient operator,
+``unfused``: the matrix products) as
+:func:`~megatron.plugin.layers.attention_kernels.block_kernel` documents.
 """
 from __future__ import annotations
 
@@ -92,6 +96,7 @@ class DocumentAttention(MegatronModule):
         self.layer_number = layer_number
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
+        self.backend = attention_backend(config)
         self.rope = None
         self._rope_table = None
         if rope is not None:
@@ -172,16 +177,16 @@ class DocumentAttention(MegatronModule):
         dropout = self.dropout if self.training else 0.0
         if not _has_context(layout):
             self._record(key, value, layout)
-            if flash_usable(query):
+            if self.backend in ("auto", "flash") and flash_usable(query):
                 return self._flash_rows(query, key, value, layout, dropout)
             return packed_attention.packed_attention(
                 query, key, value, packed_attention.row_segments(layout, batch),
-                self.softmax_scale, dropout)
+                self.softmax_scale, dropout, backend=self.backend)
         rows = layout.segments or ((Segment(0, seq),),) * batch
         contexts = [[self._context(key[:, b], value[:, b], seg, layout) for seg in row]
                     for b, row in enumerate(rows)]
         return packed_attention.packed_attention(query, key, value, rows, self.softmax_scale,
-                                                 dropout, contexts)
+                                                 dropout, contexts, self.backend)
 
     def _record(self, key, value, layout) -> None:
         """Put the K/V of the layout's recorded segments (first slices of split documents)
@@ -220,10 +225,19 @@ class DocumentAttention(MegatronModule):
             cu, longest = layout.row_bounds(b, seq, query.device)
             rows.append(flash_attn_varlen_func(
                 query[:, b], key[:, b], value[:, b], cu, cu, longest, longest,
-                dropout_p=dropout, softmax_scale=self.softmax_scale, causal=True))
+                dropout_p=dropout, softmax_scale=self.softmax_scale, causal=True,
+                deterministic=torch.are_deterministic_algorithms_enabled()))
         if batch == 1:  # a view: the output projection saves flash-attn's own output
             return rows[0].view(seq, 1, -1)
         return torch.stack(rows, dim=1).reshape(seq, batch, -1)
+
+
+def attention_backend(config) -> str:
+    """Megatron-LM's ``--attention-backend`` of ``config`` as a name (``auto`` when the
+    release has none); :func:`~megatron.plugin.layers.attention_kernels.block_kernel` maps it
+    to a kernel."""
+    backend = getattr(config, "attention_backend", None)
+    return "auto" if backend is None else getattr(backend, "name", str(backend))
 
 
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)

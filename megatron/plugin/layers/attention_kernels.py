@@ -9,7 +9,8 @@ blocks together with the merged output and log-sum-exp (``rowsum(dO * O)`` and t
 normaliser are all a softmax backward needs of the other blocks), so each block's ``dQ, dK, dV``
 are exactly its share; :mod:`~megatron.plugin.layers.context_attention` merges the blocks.
 
-Kernels, chosen by :func:`block_kernel` from the device, the dtype and the dropout:
+Kernels, chosen by :func:`block_kernel` from the device, the dtype, the dropout and Megatron-LM's
+``--attention-backend``:
 
 * :class:`CudaFlash`: torch's flash-attention operator
   (``aten._scaled_dot_product_flash_attention`` and its backward) for fp16/bf16 on CUDA; dropout
@@ -26,6 +27,21 @@ Torch's operators rather than flash-attn's: they ship with every torch the proje
 (2.6 on), take the same arguments on every GPU, and their forward returns the log-sum-exp and
 the dropout state that their backward accepts (flash-attn's varlen functions hide both behind
 their autograd function). Grouped-query heads are expanded per block by the caller.
+
+Softmax precision (Megatron-LM's ``--attention-softmax-in-fp32``): every kernel computes the
+scores' softmax and its log-sum-exp in fp32 (fp64 for fp64 inputs), whatever the input dtype:
+:class:`CpuMath` upcasts the inputs before the product, torch's CPU flash and CUDA flash and
+memory-efficient operators accumulate the scores, the running maximum and the normaliser in
+fp32 and return an fp32 log-sum-exp, and the blocks are merged in fp32
+(:mod:`~megatron.plugin.layers.context_attention`). Megatron's
+``--apply-query-key-layer-scaling`` (scores divided by the layer number before an fp16 product
+and multiplied back inside the fp32 softmax) is therefore the identity here.
+
+Determinism (Megatron-LM's ``--deterministic-mode``, which calls
+``torch.use_deterministic_algorithms(True)``): the CPU kernels are deterministic; torch's CUDA
+flash and memory-efficient backwards read that global switch and then run their deterministic
+reductions (no split-key atomics); the blocks are merged and their gradients summed in a fixed
+order.
 """
 from __future__ import annotations
 
@@ -159,9 +175,35 @@ class CudaEfficient:
         return grad_query, grad_key, grad_value
 
 
-def block_kernel(query: torch.Tensor, dropout: float, scale: float | None):
-    """The block kernel for ``query``'s device and dtype with this (effective) dropout."""
+BACKENDS = ("auto", "flash", "fused", "unfused")
+"""The values of Megatron-LM's ``--attention-backend`` (``AttnBackend`` names) the kernels
+serve; ``local`` is refused at start-up (Megatron-LM takes it only with ``--spec local``)."""
+
+
+def block_kernel(query: torch.Tensor, dropout: float, scale: float | None,
+                 backend: str = "auto"):
+    """The block kernel for ``query``'s device and dtype with this (effective) dropout, as
+    Megatron-LM's ``--attention-backend`` asks:
+
+    * ``auto``: on CUDA the flash operator for fp16/bf16, the memory-efficient one for fp32;
+    * ``flash``: torch's flash operator (fp16/bf16 only: the start-up refuses it otherwise);
+    * ``fused``: torch's memory-efficient operator (the fused kernel that takes every dtype);
+    * ``unfused`` (and Megatron's ``local``): the matrix-product kernel, on every device.
+
+    On CPU there is no flash or fused CUDA kernel: ``auto``, ``flash`` and ``fused`` all run
+    the fused CPU flash kernel (the matrix-product one with dropout or an odd dtype).
+    """
+    if backend not in BACKENDS and backend != "local":
+        raise ValueError(f"unknown attention backend {backend!r}: use one of {BACKENDS}")
+    if backend in ("unfused", "local"):
+        return CpuMath(dropout, scale)
     if query.is_cuda:
+        if backend == "fused":
+            return CudaEfficient(dropout, scale)
+        if backend == "flash" and query.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"--attention-backend flash takes fp16 or bf16 inputs, not "
+                             f"{query.dtype}: train with --bf16 or --fp16, or use "
+                             f"--attention-backend fused")
         if query.dtype in (torch.float16, torch.bfloat16):
             return CudaFlash(dropout, scale)
         return CudaEfficient(dropout, scale)

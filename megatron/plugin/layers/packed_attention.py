@@ -137,11 +137,12 @@ def _nested(flat: list, shape) -> Contexts | None:
 
 
 def packed_attention(q, k, v, segments: Segments, scale: float | None, dropout: float = 0.0,
-                     contexts: Contexts | None = None) -> torch.Tensor:
+                     contexts: Contexts | None = None, backend: str = "auto") -> torch.Tensor:
     """``[s, b, heads * dim]`` causal attention within each document segment, after its K/V
     ``contexts`` (see the module docstring); ``scale`` ``None`` is ``1/sqrt(dim)``;
-    ``dropout`` on the probabilities."""
+    ``dropout`` on the probabilities; ``backend``: Megatron-LM's ``--attention-backend``
+    (:func:`~megatron.plugin.layers.attention_kernels.block_kernel`)."""
     flat = [t for row in contexts for blocks in row for pair in blocks for t in pair] \
         if contexts else []
-    return _PackedAttention.apply(segments, block_kernel(q, dropout, scale), contexts, q, k, v,
+    return _PackedAttention.apply(segments, block_kernel(q, dropout, scale, backend), contexts, q, k, v,
                                   *flat)
