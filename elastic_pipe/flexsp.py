@@ -181,6 +181,28 @@ def assign(lengths: Sequence[int], sizes: Sequence[int], capacity: dict[int, int
     return tuple(groups), tuple(loads)
 
 
+def _check_batch(lengths: Sequence[int], gpus: int, context: int) -> None:
+    """Refuse a batch or GPU count FlexSP cannot plan, saying what to change."""
+    check_lengths(lengths)
+    if gpus < 1 or gpus & (gpus - 1):
+        raise ValueError(f"gpus must be a power of two (ZeRO-3 shards over gpus / size "
+                         f"replicas of each group), got {gpus}")
+    if max(lengths) > context:
+        raise ValueError(f"a document of {max(lengths)} tokens exceeds the context {context}; "
+                         f"truncate the lengths first")
+
+
+def _check_capacity(lengths: Sequence[int], capacity: dict[int, int], memory_gb: float) -> None:
+    """Refuse a batch whose longest document fits no SP group's micro-batch."""
+    if max(lengths) > max(capacity.values()):
+        doc = max(range(len(lengths)), key=lambda d: lengths[d])
+        largest = max(capacity, key=capacity.get)
+        raise ValueError(f"document {doc} of {lengths[doc]} tokens fits no SP group: the "
+                         f"largest, SP {largest}, holds at most {capacity[largest]} tokens a "
+                         f"micro-batch in {memory_gb:g} GB per GPU; add GPUs, raise the memory "
+                         f"or truncate to a shorter context")
+
+
 def plan_flexsp(lengths: Sequence[int], model: ModelConfig, hardware: HardwareProfile,
                 gpus: int, memory_gb: float, context: int,
                 layouts: Sequence[tuple[int, ...]] | None = None) -> FlexSPPlan:
@@ -190,25 +212,13 @@ def plan_flexsp(lengths: Sequence[int], model: ModelConfig, hardware: HardwarePr
 
     Raises ``ValueError`` for a document longer than the context or than what the largest
     group fits in ``memory_gb``."""
-    check_lengths(lengths)
-    if gpus < 1 or gpus & (gpus - 1):
-        raise ValueError(f"gpus must be a power of two (ZeRO-3 shards over gpus / size "
-                         f"replicas of each group), got {gpus}")
-    if max(lengths) > context:
-        raise ValueError(f"a document of {max(lengths)} tokens exceeds the context {context}; "
-                         f"truncate the lengths first")
+    _check_batch(lengths, gpus, context)
     layouts = [tuple(sorted(layout, reverse=True))
                for layout in (partitions(gpus) if layouts is None else layouts)]
     costs = {size: group_cost(model, hardware, size, gpus, memory_gb)
              for size in sorted({size for layout in layouts for size in layout})}
     capacity = {size: group_capacity(cost, context) for size, cost in costs.items()}
-    if max(lengths) > max(capacity.values()):
-        doc = max(range(len(lengths)), key=lambda d: lengths[d])
-        largest = max(capacity, key=capacity.get)
-        raise ValueError(f"document {doc} of {lengths[doc]} tokens fits no SP group: the "
-                         f"largest, SP {largest}, holds at most {capacity[largest]} tokens a "
-                         f"micro-batch in {memory_gb:g} GB per GPU; add GPUs, raise the memory "
-                         f"or truncate to a shorter context")
+    _check_capacity(lengths, capacity, memory_gb)
     alone: dict[tuple[int, int], float] = {}
 
     def seconds(size: int, length: int) -> float:

@@ -40,6 +40,15 @@ Where the paper is vague:
   budgets). Worker faults never change the plan: solves not answered within a wall-clock guard
   (four times their limit plus ten seconds) are solved in this process instead, and a pool
   broken by a dead worker is replaced by planning in this process, each with a warning.
+
+Branch and bound keeps the plan. The plan P that solving every open candidate gives is no slower
+than the incumbent (the best plan over the candidates' upper times), and every plan through a
+dropped candidate, at the times solving would give (never below the floors), is slower than the
+incumbent, so P and every plan as fast as P avoid the dropped candidates; the programme's choices
+along P (the first predecessor that reaches each point's best time) compare the same sums, since
+raising the times of the dropped candidates changes neither those sums nor the best times along
+P. Which candidates get solved may depend on the order the workers finish in; given the solves'
+answers, the plan does not.
 """
 from __future__ import annotations
 
@@ -191,6 +200,17 @@ def _remember(key: tuple, solution: CheckpointSolution | None) -> None:
         _memo.popitem(last=False)
 
 
+def _solved_here(problem: CheckpointProblem, limit) -> CheckpointSolution | None:
+    """The memoised answer of ``problem``, or its solve in this process (then memoised)."""
+    key = (problem, limit)
+    if key in _memo:
+        _memo.move_to_end(key)
+        return _memo[key]
+    answer = checkpointing.solve(problem, limit)
+    _remember(key, answer)
+    return answer
+
+
 def settle(case: PipelineCase, answer: CheckpointSolution | None, uniform,
            upper: int) -> tuple[CheckpointSolution, int]:
     """The table kept for a solved candidate and its makespan: CP-SAT's when it beats the
@@ -216,19 +236,12 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
     floor and lowering its upper time. Before each solve the *incumbent* is the best plan over
     the upper times and a candidate's *bound* the best plan through it over the floors; a
     candidate whose bound exceeds the incumbent is dropped for good (the incumbent only falls,
-    bounds only rise) and keeps its uniform table. This does not change the plan: the plan P
-    that solving every open candidate gives is no slower than the incumbent, and every plan
-    through a dropped candidate, at the times solving would give (never below the floors), is
-    slower than the incumbent, so P and every plan as fast as P avoid the dropped candidates;
-    the programme's choices along P (the first predecessor that reaches each point's best time)
-    compare the same sums, since raising the times of the dropped candidates changes neither
-    those sums nor the best times along P. Which candidates get solved may depend on the order
-    the workers finish in; given the solves' answers, the plan does not.
+    bounds only rise) and keeps its uniform table; the plan is the one solving every open
+    candidate gives (module doc, "Branch and bound keeps the plan").
 
     Solves run in ``pool`` (``config.workers`` processes; in this process without one) and are
-    memoised by their integer problem. When none of the running solves has answered within the
-    guard (:data:`GUARD_SLACK_S`), the workers are stopped and those solves and the rest run in
-    this process, with a warning: the plan is the one the workers would have given.
+    memoised by their integer problem; past the guard (:data:`GUARD_SLACK_S`) the rest run in
+    this process, with a warning (module doc).
     """
     limit = config.solver_time_limit
     values, floors = dict(upper), dict(floor)
@@ -240,23 +253,16 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
         solved[key] = settle(cases[key], answer, uniform[key], upper[key])
         values[key] = floors[key] = solved[key][1]
 
-    guard = limit * GUARD_FACTOR + GUARD_SLACK_S
-    reported = (0, 0)
+    guard, reported = limit * GUARD_FACTOR + GUARD_SLACK_S, (0, 0)
     while True:
         waiting = _promising(waiting, values, floors, points)
         counts = (len(solved), len(solved) + len(running) + len(waiting))
         if progress and counts[1] and counts != reported:
             progress(*counts, "checkpointing")
             reported = counts
-        if waiting and (cases[waiting[0]].problem, limit) in _memo:
+        if waiting and (pool is None or (cases[waiting[0]].problem, limit) in _memo):
             key = waiting.pop(0)
-            _memo.move_to_end((cases[key].problem, limit))
-            record(key, _memo[(cases[key].problem, limit)])
-        elif waiting and pool is None:
-            key = waiting.pop(0)
-            answer = checkpointing.solve(cases[key].problem, limit)
-            _remember((cases[key].problem, limit), answer)
-            record(key, answer)
+            record(key, _solved_here(cases[key].problem, limit))
         elif waiting and len(running) < config.workers:
             key = waiting.pop(0)
             running[pool.submit(checkpointing.solve, cases[key].problem, limit)] = key
@@ -268,9 +274,7 @@ def solve_open(cases: dict, uniform: dict, upper: dict, floor: dict, open_keys: 
                             "stopped, the remaining %d solves run in this process (same plan)",
                             guard, len(running) + len(waiting))
                 stop_workers(pool)
-                pool = None
-                waiting = [*running.values(), *waiting]
-                running = {}
+                pool, waiting, running = None, [*running.values(), *waiting], {}
                 continue
             for future in finished:
                 key = running.pop(future)

@@ -205,8 +205,35 @@ class CostModel:
                                     hardware.end_coefficients)):
             raise ValueError(f"profile {hardware.name} was measured without context "
                              f"parallelism; price cp > 1 with a spec-derived profile")
-        h, e = model.hidden_size, model.element_bytes
+        h = model.hidden_size
         shard = parallel.sp * parallel.tp * parallel.cp
+        self._set_layer_times(shard)
+        self.head_per_token = 2 * h * model.vocab_size / (shard * peak_flops(hardware))
+        self.ends = hardware.end_coefficients
+        if self.ends is not None:
+            shape = (self.ends.hidden_size, self.ends.vocab_size, self.ends.sp, self.ends.tp)
+            if shape != (h, model.vocab_size, parallel.sp, parallel.tp):
+                raise ValueError(
+                    f"profile {hardware.name} timed the embedding and head for hidden, vocab, "
+                    f"sp, tp {shape}, not {(h, model.vocab_size, parallel.sp, parallel.tp)}; "
+                    f"profile this model and layout or drop end_coefficients")
+        self._set_activation_bytes(shard)
+        self.curved = hardware.layer_coefficients is None and \
+            hardware.kernel_efficiency is not None
+        self._set_communication(shard)
+        self.linear_per_token = self.alpha2 + self.comm_per_token
+        self.chunk_constant = self.beta + self.comm_latency
+        self._layers = stage_layers(model.num_layers, parallel.pp) if layers is None \
+            else tuple(layers)
+        if len(self._layers) != parallel.pp or sum(self._layers) != model.num_layers:
+            raise ValueError(f"layers per stage {self._layers} do not place {model.num_layers} "
+                             f"layers on pp={parallel.pp} stages")
+        self.signature_cache = lru_cache(maxsize=SIGNATURE_CACHE_SIZE)(self._chunk_costs)
+
+    def _set_layer_times(self, shard: int) -> None:
+        """Eq. 1's per-layer coefficients: the profile's fit, or derived from the spec."""
+        model, hardware, parallel = self.model, self.hardware, self.parallel
+        h = model.hidden_size
         fit = hardware.layer_coefficients
         if fit is not None:
             if (fit.hidden_size, fit.sp, fit.tp) != (h, parallel.sp, parallel.tp):
@@ -226,15 +253,12 @@ class CostModel:
             gemm_flops = 2 * (4 * h * h + mlp_gemm_per_token(model))
             self.alpha2 = gemm_flops / (shard * peak * hardware.matmul_efficiency)
             self.beta = hardware.layer_overhead_s
-        self.head_per_token = 2 * h * model.vocab_size / (shard * peak_flops(hardware))
-        self.ends = hardware.end_coefficients
-        if self.ends is not None:
-            shape = (self.ends.hidden_size, self.ends.vocab_size, self.ends.sp, self.ends.tp)
-            if shape != (h, model.vocab_size, parallel.sp, parallel.tp):
-                raise ValueError(
-                    f"profile {hardware.name} timed the embedding and head for hidden, vocab, "
-                    f"sp, tp {shape}, not {(h, model.vocab_size, parallel.sp, parallel.tp)}; "
-                    f"profile this model and layout or drop end_coefficients")
+
+    def _set_activation_bytes(self, shard: int) -> None:
+        """Bytes a token keeps per layer and at the ends: the profile's measurement, or
+        Korthikanti et al.'s accounting (module doc); times the allocator's overhead."""
+        model, hardware, parallel = self.model, self.hardware, self.parallel
+        h, e = model.hidden_size, model.element_bytes
         measured = hardware.activation_coefficients
         if measured is not None:
             shape = (measured.hidden_size, measured.vocab_size, measured.sp, measured.tp)
@@ -272,7 +296,11 @@ class CostModel:
         for name in ("full_per_token", "ckpt_per_token", "kv_per_token", "dkv_per_token",
                      "embedding_per_token", "logits_per_token"):
             setattr(self, name, getattr(self, name) * self.allocator)
-        self.curved = fit is None and hardware.kernel_efficiency is not None
+
+    def _set_communication(self, shard: int) -> None:
+        """Per-layer collective seconds (Ulysses, TP) and context parallelism's ring step."""
+        hardware, parallel = self.hardware, self.parallel
+        h, e = self.model.hidden_size, self.model.element_bytes
         self.comm_latency = self.comm_per_token = 0.0
         # Ulysses moves each GPU's tokens / sp of its h / tp channels; TP's all-gathers and
         # reduce-scatters move the whole [tokens / (sp cp), h] activation of the layer.
@@ -290,14 +318,6 @@ class CostModel:
             self.ring_step = (collectives.latency(hardware, span),
                               2 * e * h / (parallel.tp * parallel.cp)
                               * collectives.ring_step_per_byte(hardware, parallel.cp, span))
-        self.linear_per_token = self.alpha2 + self.comm_per_token
-        self.chunk_constant = self.beta + self.comm_latency
-        self._layers = stage_layers(model.num_layers, parallel.pp) if layers is None \
-            else tuple(layers)
-        if len(self._layers) != parallel.pp or sum(self._layers) != model.num_layers:
-            raise ValueError(f"layers per stage {self._layers} do not place {model.num_layers} "
-                             f"layers on pp={parallel.pp} stages")
-        self.signature_cache = lru_cache(maxsize=SIGNATURE_CACHE_SIZE)(self._chunk_costs)
 
     # -- layout -----------------------------------------------------------------------------
 
