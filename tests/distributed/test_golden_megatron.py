@@ -578,7 +578,7 @@ def test_sppo_runs_exercise_what_they_claim(golden, tag):
     need(tag)
     n, ratio = SPPO_EXPECTED[tag]
     variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
-    paths = sorted(glob.glob(str(golden / variant / f"sppo_{tag}_*.json")))
+    paths = sorted(glob.glob(str(golden / variant / f"sppo_{tag}_[0-9]*.json")))
     assert len(paths) == VARIANTS[variant][1][tag][0], paths
     packed = []
     for path in paths:
@@ -610,7 +610,7 @@ def test_sppo_multiplexed_runs_ran_the_shares(golden, tag):
     subsequences but the last offloaded at the asked ratio, the shares never."""
     need(tag)
     pp, n, ratio = MUX_EXPECTED[tag]
-    paths = sorted(glob.glob(str(golden / "one_microbatch" / f"sppo_{tag}_*.json")))
+    paths = sorted(glob.glob(str(golden / "one_microbatch" / f"sppo_{tag}_[0-9]*.json")))
     assert len(paths) == pp, paths
     for path in paths:
         with open(path) as f:
