@@ -35,7 +35,8 @@ def helix_process_groups(for_model: bool = False) -> ProcessGroupCollection:
     experts = get_default_pg_collection()
     for name in ("ep", "expt_tp", "expt_dp", "expt_dp_gtp_remat", "tp_ep", "tp_cp",
                  "tp_dp_cp"):
-        setattr(groups, name, getattr(experts, name))
+        if hasattr(experts, name):  # megatron-core 0.17 has no expt_dp_gtp_remat
+            setattr(groups, name, getattr(experts, name))
     alone = None if for_model else _own_rank_group()
     groups.embd = alone
     groups.pos_embd = alone
