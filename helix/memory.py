@@ -67,7 +67,7 @@ import torch
 from longctx.cost_model import mlp_saved_per_token
 from longctx.models import ModelConfig
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
-from megatron.plugin.pipeline.simulator import simulate
+from megatron.plugin.pipeline.simulator import CostDefaults, simulate
 
 from helix.mapping import attention_stage
 from helix.schedule import HelixFlow, part_index, planned_helix
@@ -121,7 +121,7 @@ class HelixShape:
 
 
 @dataclass(frozen=True)
-class HelixMemory:
+class HelixMemory(CostDefaults):
     """Activation and workspace bytes of each helix action (module doc); a costs object for
     :func:`~megatron.plugin.pipeline.simulator.simulate` (every compute lasts 1, transfers are
     free: a stage's memory depends only on its own order)."""
@@ -257,18 +257,6 @@ class HelixMemory:
     def duration(self, action: Action) -> float:
         return 1.0 if action.is_compute() else 0.0
 
-    def transfer_time(self, action: Action) -> float:
-        del action
-        return 0.0
-
-    def gradient_sums(self, action: Action) -> tuple:
-        """Helix splits no document into slices: no dK/dV sums."""
-        del action
-        return ()
-
-    def static_bytes(self, rank: int) -> float:
-        del rank
-        return 0.0
 
 
 def weight_holders(schedule: Schedule, flow: HelixFlow) -> frozenset:

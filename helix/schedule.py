@@ -67,6 +67,7 @@ from helix.mapping import attention_stage
 from megatron.plugin.pipeline.catalog import Built, Options
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.passes import add_recomputation
+from megatron.plugin.pipeline.simulator import CostDefaults
 from megatron.plugin.pipeline.validation import validate
 
 
@@ -293,7 +294,7 @@ def planned_helix(pp: int, num_layers: int, microbatches: int, folds: int = 2,
 
 
 @dataclass(frozen=True)
-class HelixCosts:
+class HelixCosts(CostDefaults):
     """Per-part costs for the simulator: a boundary costs ``t_post + t_pre`` (only ``t_pre``
     at boundary 0, only ``t_post`` at boundary ``L``), an attention ``t_attn``; backwards cost
     ``backward`` times their forward, a recompute the forward again; transfers ``transfer``.
@@ -340,17 +341,6 @@ class HelixCosts:
             return self.attention_bytes
         return self._boundary(action, self.pre_bytes, self.post_bytes)
 
-    def workspace_bytes(self, action: Action) -> float:
-        del action
-        return 0.0
-
-    def gradient_sums(self, action: Action) -> tuple:
-        del action
-        return ()
-
-    def static_bytes(self, rank: int) -> float:
-        del rank
-        return 0.0
 
 
 def helix_ir(pp: int, microbatches: int, options: Options, *, num_layers: int | None,

@@ -72,8 +72,30 @@ from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.chrome_trace import TraceEvent
 
 
+class CostDefaults:
+    """The cost protocol's answers for what a schedule's costs do not model: no transfer time,
+    no workspace, no gradient sums created for other units, no model state. A costs class
+    inherits them and overrides what it prices."""
+
+    def transfer_time(self, action: Action) -> float:
+        del action
+        return 0.0
+
+    def workspace_bytes(self, action: Action) -> float:
+        del action
+        return 0.0
+
+    def gradient_sums(self, action: Action) -> tuple:
+        del action
+        return ()
+
+    def static_bytes(self, rank: int) -> float:
+        del rank
+        return 0.0
+
+
 @dataclass(frozen=True)
-class UniformCosts:
+class UniformCosts(CostDefaults):
     """Unit costs: forward 1, backward 2 (the textbook 1F1B picture), free transfers, one
     memory unit per stashed forward."""
 
@@ -116,15 +138,6 @@ class UniformCosts:
     def workspace_bytes(self, action: Action) -> float:
         del action
         return self.workspace
-
-    def gradient_sums(self, action: Action) -> tuple:
-        del action
-        return ()
-
-    def static_bytes(self, rank: int) -> float:
-        del rank
-        return 0.0
-
 
 class Deadlock(RuntimeError):
     """Replay stopped with ranks parked on transfers that their peers never post."""
