@@ -6,7 +6,11 @@
   pipeline, with the same number of checkpointed layers on every stage and chunk, the smallest
   that fits the worst in-flight window. ``S = ceil(longest / k)`` with ``k`` tuned over the same
   slice counts, and the forward lookahead over the same values, as the elastic planner by the
-  same pipeline-time estimate.
+  same pipeline-time estimate. Where ``k = 1`` is tried and every document fits one of
+  Megatron-LM's rows, Megatron's micro-batches are one more candidate, as for the elastic
+  planner (:func:`~elastic_pipe.sequence_processor.megatron_chunking`): with ``k = 1`` the
+  chunk size is the longest document, and a batch of documents much shorter than
+  ``--seq-length`` would otherwise run in many more units than Megatron-LM's.
 - ``1f1b_packed``: whole documents packed first-fit-decreasing into micro-batches of at most
   the context length, one 1F1B pipeline, uniform checkpointing as above.
 - ``elastic_full_ckpt``: the elastic plan with every layer checkpointed.
@@ -25,7 +29,8 @@ from longctx.cost_model import CostModel
 from elastic_pipe.plan_types import Plan, PipelinePlan
 from elastic_pipe.scheduler import (PipelineCase, SchedulerConfig, check_lengths, pipeline_case,
                                     pipeline_cases)
-from elastic_pipe.sequence_processor import chunk_balance, layout, slice_candidates
+from elastic_pipe.sequence_processor import (chunk_balance, layout, megatron_chunking,
+                                             slice_candidates)
 
 
 def uniform_plan(cost: CostModel, case: PipelineCase, num_slices: int) -> Plan | None:
@@ -86,8 +91,13 @@ def seq1f1b(lengths: Sequence[int], cost: CostModel, config: SchedulerConfig) ->
     check_lengths(lengths)
     longest = max(lengths)
     best = None
-    for k in slice_candidates(longest, config.chunking):
-        chunks = fixed_chunks(lengths, math.ceil(longest / k))
+    counts = slice_candidates(longest, config.chunking)
+    candidates = [(k, fixed_chunks(lengths, math.ceil(longest / k))) for k in counts]
+    megatron = megatron_chunking(list(enumerate(lengths)), cost, config.chunking) \
+        if 1 in counts else None
+    if megatron is not None:
+        candidates.append((1, megatron.chunks))
+    for k, chunks in candidates:
         for case in pipeline_cases(cost, chunks, config.lookaheads):
             plan = uniform_plan(cost, case, k)
             if plan is not None and (best is None or
