@@ -9,9 +9,8 @@ import pytest
 
 from megatron.plugin.packing import micro_batch_rows
 
-from elastic_pipe import checkpointing
-from elastic_pipe.baselines import seq1f1b
-from elastic_pipe.scheduler import SchedulerConfig, pipeline_case, plan_elastic
+from elastic_pipe.baselines import megatron_1f1b, seq1f1b
+from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
 from elastic_pipe.sequence_processor import ChunkingConfig, megatron_chunking
 from longctx.cost_model import CostModel, ParallelConfig
 from longctx.hardware import load_profile
@@ -46,12 +45,7 @@ def megatron_units(lengths, micro_batch_size=1):
 def megatron_seconds(lengths, cost, micro_batch_size=1):
     """Megatron's 1F1B over its own micro-batches, nothing recomputed, in the planner's
     pipeline time (the same the plans are predicted with)."""
-    docs = list(enumerate(lengths))
-    chunking = megatron_chunking(docs, cost, ChunkingConfig(seq_length=SEQ,
-                                                            micro_batch_size=micro_batch_size))
-    case = pipeline_case(cost, chunking.chunks, 0)
-    nothing = tuple((0,) * case.problem.chunks for _ in case.problem.layers)
-    return case.time(nothing) * checkpointing.TIME_UNIT
+    return megatron_1f1b(lengths, cost, SEQ, micro_batch_size).predicted_time_s
 
 
 @pytest.mark.parametrize("seed", range(3))
