@@ -5,7 +5,8 @@
 
 Launches ``pretrain_gpt_elastic.py`` once per schedule on ``--pp`` ranks (one pipeline; on
 CUDA one GPU a rank in bf16, on CPU gloo ranks in fp32), under Megatron-LM's default dropout
-0.1, on ``--mock-data`` documents up to ``--seq-length`` tokens with a GPT of ``--num-layers``
+0.1, on ``--mock-data`` documents up to ``--seq-length`` tokens (or the train split of a
+``--data-path`` dataset whose token ids lie below 257) with a GPT of ``--num-layers``
 x ``--hidden-size``, three iterations each, and reads the last iteration of its
 ``--metrics-jsonl`` (per-stage figures: the largest stage's): the plan's predicted activation
 bytes (elastic, seq1f1b, sppo and helix make one), the bytes autograd saved for backward (the training
@@ -22,7 +23,7 @@ reported beside the saved bytes, not compared with the plan.
 The first schedule listed is the baseline (Megatron-LM's, ``default`` or ``1f1b``): a last line
 gives every other schedule's tokens/s and units over its. ``--predict PROFILE`` (a shipped
 hardware profile or a profile JSON, several comma-separated) adds what the planners' simulator
-predicts for the same batch (the last iteration's ``--mock-data`` documents) and model: each
+predicts for the same batch (the last iteration's documents) and model: each
 schedule's iteration seconds, units and speed over Megatron-LM's 1F1B on its own micro-batches
 (``elastic`` and ``seq1f1b`` planned as the training run plans them, ``default`` and ``1f1b``
 as :func:`elastic_pipe.baselines.megatron_1f1b`; ``sppo`` and ``helix`` are not predicted
@@ -61,6 +62,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-attention-heads", type=int, default=16)
     parser.add_argument("--slices", type=slices_flag, default=8,
                         help="--elastic-slices and --sppo-subsequences: N or auto")
+    parser.add_argument("--data-path", default=None,
+                        help="a Megatron dataset prefix to train on (its train split, --split "
+                             "100,0,0) instead of --mock-data")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
     parser.add_argument("--json", default=None)
@@ -106,7 +110,7 @@ def training_command(args, schedule: str, metrics: str, iters: int) -> list[str]
         "--micro-batch-size", "1", "--global-batch-size", str(args.global_batch_size),
         "--lr", "1e-4", "--train-iters", str(iters), "--log-interval", "1",
         "--eval-interval", "1000", "--eval-iters", "0", "--calculate-per-token-loss",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), "--mock-data",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), *data_flags(args),
         "--seed", str(SEED), "--pipeline-model-parallel-size", str(args.pp),
         "--pipeline-schedule", schedule, "--metrics-jsonl", metrics]
     if torch.cuda.is_available():
@@ -118,9 +122,27 @@ def training_command(args, schedule: str, metrics: str, iters: int) -> list[str]
     return command
 
 
-def iterations(args) -> int:
-    """Training iterations of each run (four with a trace: the third is traced)."""
-    return max(args.iters, 4) if args.trace_dir else args.iters
+def data_flags(args) -> list[str]:
+    return ["--data-path", args.data_path, "--split", "100,0,0"] if args.data_path \
+        else ["--mock-data"]
+
+
+def batch_lengths(args) -> tuple[int, ...]:
+    """The document lengths (inputs) of the last iteration's batch, as the runs read it."""
+    from megatron.plugin.sources import build_document_sources
+
+    flags = argparse.Namespace(mock_data=not args.data_path, data_path=[args.data_path],
+                               split="100,0,0", seed=SEED, mmap_bin_files=True, eval_iters=0,
+                               global_batch_size=args.global_batch_size,
+                               seq_length=args.seq_length)
+    source = build_document_sources(flags, VOCAB)["train"]
+    last = iterations(args, args.trace_dir is not None) - 1
+    return tuple(len(doc) - 1 for doc in source.documents(last))
+
+
+def iterations(args, trace: bool) -> int:
+    """Training iterations of each run (four when traced: the third is traced)."""
+    return max(args.iters, 4) if trace else args.iters
 
 
 def predictions(args, profile: str) -> dict:
@@ -134,10 +156,8 @@ def predictions(args, profile: str) -> dict:
     from longctx.cost_model import CostModel, ParallelConfig
     from longctx.hardware import load_profile
     from longctx.models import ModelConfig
-    from megatron.plugin.sources import MockSource
 
-    source = MockSource(args.global_batch_size, args.seq_length, SEED, 0, VOCAB)
-    lengths = tuple(len(doc) - 1 for doc in source.documents(iterations(args) - 1))
+    lengths = batch_lengths(args)
     hardware = load_profile(profile)
     model = ModelConfig("bench", args.num_layers, args.hidden_size, args.num_attention_heads,
                         4 * args.hidden_size, PADDED_VOCAB, hidden_dropout=True,
@@ -187,7 +207,7 @@ def run_schedule(args, schedule: str, workdir: str, extra=(), trace: bool = Fals
     rundir = os.path.join(workdir, schedule)
     os.makedirs(rundir, exist_ok=True)
     metrics = os.path.join(rundir, "metrics.jsonl")
-    iters = iterations(args)
+    iters = iterations(args, trace)
     command = training_command(args, schedule, metrics, iters) + list(extra)
     if trace:
         command += PROFILE_FLAGS
