@@ -31,8 +31,9 @@ mesh; the "finest split" is the largest automatic ``N``.
 
 Choice made for short documents (step 6): Algorithm 1 sizes every packed chunk by the longest
 document's first slice, so a batch whose documents are all much shorter than ``--seq-length``
-is cut into many more, smaller units than Megatron-LM runs for it (a batch of documents under a
-quarter of a 4K context: 29-34 chunks against Megatron's 9-10 micro-batches). Each unit pays
+is cut into many more, smaller units than Megatron-LM runs for it (``tests/unit/
+test_short_documents.py``'s batches of documents under a quarter of a 4K context: 15-18 chunks
+against Megatron's 5 micro-batches). Each unit pays
 fixed costs that the cost model prices (the profile's per-layer ``beta`` per chunk, collective
 latencies, the spec-derived kernel-efficiency curve of small chunks) but that the candidate
 space could not avoid: none of its thresholds reaches a micro-batch. Scoring Megatron's own
