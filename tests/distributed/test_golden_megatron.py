@@ -123,7 +123,7 @@ def more_schedules(name: str) -> dict:
 #: The model-shape flags the rope variant takes beside RoPE, SwiGLU and RMSNorm.
 MODEL_SHAPE = ["--kv-channels", "12", "--group-query-attention", "--num-query-groups", "2",
                "--rotary-percent", "0.5", "--rotary-base", "5000", "--ffn-hidden-size", "72",
-               "--cross-entropy-loss-fusion", "--empty-unused-memory-level", "2"]
+               "--empty-unused-memory-level", "2"]
 
 
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
@@ -311,9 +311,8 @@ VARIANTS = {
     # Llama's shape, with the model-shape flags of Megatron-LM's GPT configurations off their
     # defaults: 4 heads of 12 channels (48, not the hidden size 32) in 2 query groups, RoPE on
     # half of each head's channels at another base (the K/V of a split document's earlier
-    # slices carry their true positions), an MLP of 72 (not Megatron's SwiGLU default 64),
-    # Megatron's fused cross entropy (per chunk under helix's chunked loss) and its emptying of
-    # the allocator's cache around the step.
+    # slices carry their true positions), an MLP of 72 (not Megatron's SwiGLU default 64) and
+    # Megatron's emptying of the allocator's cache around the step.
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--apply-layernorm-1p",
                              "--disable-bias-linear",
@@ -322,8 +321,6 @@ VARIANTS = {
         "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
         **more_schedules("rope"),
         "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
-        "pp2_rope_helix_mlp_chunk": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
-                                         "--helix-mlp-chunk-size", "24"]),
         "pp2_dp2_sppo_n5_offload": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "5", "--sppo-offload", "0.5"]),
     }),
