@@ -327,8 +327,11 @@ VARIANTS = {
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
     # are not a multiple of p x folds = 4 train with empty slots. One document is also the
     # case of SPPO's multiplexed partitioning (see MUX_EXPECTED), whose helpers borrow the
-    # owner's layer weights, the Q/K norms' too (the model has them: --qk-layernorm, RMSNorm).
-    "one_microbatch": (["--golden-docs", "1", "--qk-layernorm", "--normalization", "RMSNorm"], {
+    # owner's layer weights, the Q/K norms' too (the model has them: --qk-layernorm, RMSNorm),
+    # and gather the K/V of 2 query groups of 12 channels for the owner's share.
+    "one_microbatch": (["--golden-docs", "1", "--qk-layernorm", "--normalization", "RMSNorm",
+                        "--group-query-attention", "--num-query-groups", "2",
+                        "--kv-channels", "12"], {
         "pp2_helix_m1": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_sppo_mux_n4": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                 "--sppo-subsequences", "4", "--sppo-offload", "off",
