@@ -108,17 +108,26 @@ def test_tensor_parallel_ranks_read_the_same_documents(tmp_path):
                                rtol=1e-4, atol=0)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "elastic"])
-def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule):
+#: Megatron's distributed optimizer over two data-parallel replicas (PP=1), its reduce-scatter
+#: and parameter all-gather overlapped; its checkpoint is Megatron's distributed format.
+DISTOPT_DP2 = ["--pipeline-model-parallel-size", "1", "--use-distributed-optimizer",
+               "--overlap-grad-reduce", "--overlap-param-gather", "--ckpt-format", "torch_dist"]
+
+
+@pytest.mark.parametrize("schedule,flags", [
+    ("1f1b", []), ("elastic", []),
+    pytest.param("elastic", DISTOPT_DP2, id="elastic-dp2-distributed-optimizer")])
+def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule, flags):
     """Megatron-LM's ``--save DIR --load DIR`` idiom: the first launch finds DIR empty and
     starts fresh (Megatron's warning), exits at iteration 3 with a checkpoint; the same command
     line resumes there and prints the losses of an uninterrupted run. With dropout on, so the
     checkpoint must carry the random states (Megatron's: host, device and its tensor-parallel
-    tracker's) that the masks of the iterations after the resume are drawn from."""
+    tracker's) that the masks of the iterations after the resume are drawn from; under the
+    distributed optimizer also each replica's shard of the optimizer state."""
     with_dropout = [flag for flag in TINY]
     for name in ("--hidden-dropout", "--attention-dropout"):
         with_dropout[with_dropout.index(name) + 1] = "0.1"
-    common = [*with_dropout, "--train-iters", "6", "--pipeline-schedule", schedule]
+    common = [*with_dropout, "--train-iters", "6", "--pipeline-schedule", schedule, *flags]
     whole = tmp_path / "whole.jsonl"
     torchrun(2, SCRIPT, [*common, "--metrics-jsonl", str(whole)])
     save = tmp_path / "ckpt"
