@@ -156,7 +156,7 @@ def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule,
      "raise it to at least"),
     (["--pipeline-schedule", "sppo", "--sppo-memory-gb", "0.0001"],
      "GB per GPU, more than --sppo-memory-gb 0.0001; the smallest budget that fits is"),
-    pytest.param(["--bf16"], "--bf16, --fp16 and --use-distributed-optimizer need CUDA",
+    pytest.param(["--bf16"], "--bf16 and --fp16 need CUDA",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")),
 ])
 def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, message):
