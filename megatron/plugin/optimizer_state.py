@@ -17,11 +17,15 @@ then replace it in place, and Megatron's ``load_state_dict`` sets the step from 
 The parameters are not touched (megatron-core's own dummy step with zero gradients, used for
 Megatron-FSDP, would apply weight decay to them).
 
-Second: with fp32 parameters the distributed optimizer's main parameters are views of the
-model's parameters (leaves that require gradients), and its ``load_state_dict`` copies the
-checkpoint's values into them outside ``torch.no_grad()``, which autograd refuses (with fp16 or
-bf16 parameters they are separate fp32 copies). Choice: ``load_state_dict`` runs under
-``torch.no_grad()`` (loading a state is no differentiable computation).
+Second, in ``load_state_dict``: with fp32 parameters the distributed optimizer's main
+parameters are views of the model's parameters (leaves that require gradients), and it copies
+the checkpoint's values into them outside ``torch.no_grad()``, which autograd refuses (with fp16
+or bf16 parameters they are separate fp32 copies); and with PyTorch's optimizer it hands every
+parameter's state one and the same ``step`` tensor, which PyTorch's Adam then increments in
+place once per parameter in every step (the bias corrections after a resume would be those of
+a far later step). Choice: ``load_state_dict`` runs under ``torch.no_grad()`` (loading a state
+is no differentiable computation), and afterwards each parameter's state gets its own copy of
+the step.
 
 Installed once, by :func:`install`.
 """
@@ -51,8 +55,16 @@ def install() -> None:
             model_sharded_state_dict = {}
         return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
 
+    load = DistributedOptimizer.load_state_dict
+
+    @functools.wraps(load)
+    def load_state_dict(self, state_dict):
+        with torch.no_grad():
+            load(self, state_dict)
+        own_steps(self.optimizer)
+
     DistributedOptimizer.sharded_state_dict = sharded_state_dict
-    DistributedOptimizer.load_state_dict = torch.no_grad()(DistributedOptimizer.load_state_dict)
+    DistributedOptimizer.load_state_dict = load_state_dict
     _INSTALLED.append(original)
 
 
@@ -71,3 +83,12 @@ def fresh_state(optimizer) -> None:
                 "step": torch.tensor(0.0, dtype=torch.float32),
                 "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                 "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+
+
+def own_steps(optimizer) -> None:
+    """Give each parameter's state of a PyTorch ``Adam`` / ``AdamW`` its own ``step`` tensor."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return
+    for state in optimizer.state.values():
+        if isinstance(state.get("step"), torch.Tensor):
+            state["step"] = state["step"].clone()
