@@ -60,7 +60,6 @@ PATCHED_MODULES = {
     "megatron.core.distributed.param_and_grad_buffer": "grad buffers, communication stream",
     "megatron.core.optimizer.optimizer": "loss-scale tensors",
     "megatron.core.optimizer.clip_grads": "grad-norm tensors",
-    "megatron.core.optimizer.distrib_optimizer": "optimizer-state shards of a checkpoint",
     "megatron.core.utils": "l2-norm result tensor, global memory buffer",
     "megatron.core.tensor_parallel.layers": "sequence-parallel gather buffers",
     "megatron.core.tensor_parallel.mappings": "all-gather / reduce-scatter buffers",

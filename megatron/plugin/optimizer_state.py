@@ -21,11 +21,13 @@ Second, in ``load_state_dict``: with fp32 parameters the distributed optimizer's
 parameters are views of the model's parameters (leaves that require gradients), and it copies
 the checkpoint's values into them outside ``torch.no_grad()``, which autograd refuses (with fp16
 or bf16 parameters they are separate fp32 copies); and with PyTorch's optimizer it hands every
-parameter's state one and the same ``step`` tensor, which PyTorch's Adam then increments in
-place once per parameter in every step (the bias corrections after a resume would be those of
-a far later step). Choice: ``load_state_dict`` runs under ``torch.no_grad()`` (loading a state
-is no differentiable computation), and afterwards each parameter's state gets its own copy of
-the step.
+parameter's state one and the same ``step`` tensor (which PyTorch's Adam would increment in
+place once per parameter in every step), then copies every tensor of the state dict built
+above into the states, the step too, which the checkpoint's parameter state does not carry
+(it is 0 there): the bias corrections after a resume would be those of a first step. Choice:
+``load_state_dict`` runs under ``torch.no_grad()`` (loading a state is no differentiable
+computation), and afterwards each parameter's state gets its own step tensor holding the step
+of its parameter group, which megatron-core has set from the checkpoint.
 
 Installed once, by :func:`install`.
 """
@@ -61,7 +63,7 @@ def install() -> None:
     def load_state_dict(self, state_dict):
         with torch.no_grad():
             load(self, state_dict)
-        own_steps(self.optimizer)
+        steps_of_the_groups(self.optimizer)
 
     DistributedOptimizer.sharded_state_dict = sharded_state_dict
     DistributedOptimizer.load_state_dict = load_state_dict
@@ -85,10 +87,13 @@ def fresh_state(optimizer) -> None:
                 "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
 
 
-def own_steps(optimizer) -> None:
-    """Give each parameter's state of a PyTorch ``Adam`` / ``AdamW`` its own ``step`` tensor."""
+def steps_of_the_groups(optimizer) -> None:
+    """Give each parameter's state of a PyTorch ``Adam`` / ``AdamW`` a step tensor of its own
+    holding its parameter group's ``step``."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return
-    for state in optimizer.state.values():
-        if isinstance(state.get("step"), torch.Tensor):
-            state["step"] = state["step"].clone()
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state and "step" in group:
+                state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
