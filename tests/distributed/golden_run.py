@@ -17,6 +17,13 @@ Modes:
   backward hooks only in a step after the first. The measured step then records, per rank, the
   order of its backward actions' starts and ends and of the buckets' reduction starts
   (``overlap_<tag>_<rank>.json``).
+  With ``--use-distributed-optimizer`` the reduced gradients are all-gathered over each
+  bucket's group before they are captured (each rank's reduce-scatter leaves its own shard
+  reduced), and the parameters the next step's forwards find are saved (``params_<tag>``; with
+  ``--overlap-param-gather`` after a forward-backward that gathers them through Megatron's
+  forward pre-hooks, recording the all-gathers against the first forwards:
+  ``gather_<tag>_<rank>.json``); the reference compares them with Megatron's optimizer stepping
+  the single-process model with the run's gradients (``params_<tag>.pt``).
   Finally record which CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
   native ``1f1b`` the order in which its loop called ``forward_step`` / ``backward_step`` on
   each rank is recorded too (``order_<tag>_<rank>.json``), an independent oracle for the IR
