@@ -78,6 +78,14 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError("--sppo-multiplex runs with --tensor-model-parallel-size 1 and "
                              "--context-parallel-size 1: set both to 1, or drop "
                              "--sppo-multiplex")
+        if getattr(args, "overlap_param_gather", False):
+            raise ValueError("--overlap-param-gather is not supported with --sppo-multiplex: "
+                             "a block's owner broadcasts the block's parameters to its helpers "
+                             "before its own forward of the block, where Megatron's DDP waits "
+                             "for their all-gather, so the helpers could run on the previous "
+                             "step's weights; drop --overlap-param-gather (the distributed "
+                             "optimizer then gathers the parameters in its step) or "
+                             "--sppo-multiplex")
     if args.sppo_host_memory_gb is not None and args.sppo_host_memory_gb <= 0:
         raise ValueError(f"--sppo-host-memory-gb must be > 0, got {args.sppo_host_memory_gb}")
     if args.sppo_memory_gb is not None and args.sppo_memory_gb <= 0:

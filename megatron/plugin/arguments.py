@@ -272,16 +272,10 @@ def _moe_model_parallel(args):
 
 
 def _cpu_half_precision(args):
-    if not torch.cuda.is_available() and (args.bf16 or args.fp16
-                                           or args.use_distributed_optimizer):
-        also = [f"--{dest.replace('_', '-')}"
-                for dest in option_classes.NEEDED_BY["use_distributed_optimizer"]
-                if args.use_distributed_optimizer and getattr(args, dest, False)]
-        return ("--bf16, --fp16 and --use-distributed-optimizer need CUDA (megatron-core's "
-                "mixed-precision and distributed optimizers only wrap CUDA tensors): drop them "
-                "on a machine without a GPU"
-                + (f", and drop {' and '.join(also)} with the distributed optimizer (Megatron-LM "
-                   "accepts them only beside it)" if also else ""))
+    if not torch.cuda.is_available() and (args.bf16 or args.fp16):
+        return ("--bf16 and --fp16 need CUDA (megatron-core's mixed-precision optimizers only "
+                "wrap CUDA tensors): drop them on a machine without a GPU (fp32 trains there, "
+                "with the distributed optimizer too)")
     return None
 
 

@@ -23,10 +23,13 @@ Two spots are not reachable through a module's ``torch`` name: a method that cal
 function that asserts CUDA tensors (gradient clipping), replaced by a device-agnostic twin with
 the same arithmetic (:data:`_FUNCTIONS`).
 
+The distributed optimizer sorts each parameter by its tensor type's name, and accepts only
+CUDA ones (``torch.cuda.FloatTensor`` ...): while it builds its parameter shards
+(:data:`_TYPE_NAMED_METHODS`), ``Tensor.type()`` names a CPU tensor's type as its CUDA twin.
+
 Spots that need no patch here: the rotary embedding's ``inv_freq`` (the project's attention
 builds Megatron's ``RotaryEmbedding`` with ``use_cpu_initialization``) and asynchronous
-checkpoint saving (not used). ``--overlap-grad-reduce`` (refused by the document schedules) is
-not exercised on the CPU. Every listed patch is exercised by the golden tests.
+checkpoint saving (not used). Every listed patch is exercised by the golden tests.
 
 The patch is scoped (only the modules listed in :data:`PATCHED_MODULES`), limited to the
 supported megatron-core version, installed only when CUDA is absent, and reversible
@@ -222,6 +225,7 @@ def install(force: bool = False) -> bool:
         module.torch = _CpuTorch(name)
     _replace_functions()
     _wrap_methods()
+    _name_types_as_cuda()
     _patch_rng_tracker()
     logger.debug("CPU compatibility layer installed for %d modules", len(_originals))
     return True
@@ -265,7 +269,8 @@ def installed_modules() -> list[str]:
 
 def patched_modules() -> set[str]:
     """Every megatron module touched by the layer (proxies, twins, wrappers, RNG fork)."""
-    owners = {name.partition(":")[0] for name in (*_FUNCTIONS, *_WRAPPED, *_METHODS)}
+    owners = {name.partition(":")[0]
+              for name in (*_FUNCTIONS, *_WRAPPED, *_METHODS, *_TYPE_NAMED_METHODS)}
     return set(installed_modules()) | owners | {"megatron.core.tensor_parallel.random"}
 
 
@@ -411,6 +416,50 @@ def _wrap_methods() -> None:
                 return _method(*args, **kwargs)
 
         setattr(cls, method_name, wrapped)
+
+
+#: ``"module:Class.classmethod"`` during which ``Tensor.type()`` names CUDA types.
+_TYPE_NAMED_METHODS = {
+    "megatron.core.optimizer.distrib_optimizer:"
+    "DistributedOptimizer._build_model_and_main_param_groups": "fp32 / fp16 parameter shards",
+}
+
+
+@contextlib.contextmanager
+def _types_named_as_cuda(module_name: str):
+    """``Tensor.type()`` (without a target type) answers ``torch.cuda.FloatTensor`` for a CPU
+    ``torch.FloatTensor`` (and so on), for the duration; with a target it converts as ever."""
+    original = torch.Tensor.type
+
+    def named(tensor, *args, **kwargs):
+        name = original(tensor, *args, **kwargs)
+        if args or kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+            return name
+        HITS[module_name]["Tensor.type"] += 1
+        return "torch.cuda." + name[len("torch."):]
+
+    torch.Tensor.type = named
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+def _name_types_as_cuda() -> None:
+    for name in _TYPE_NAMED_METHODS:
+        if name in _originals:
+            continue
+        module_name, _, attr = name.partition(":")
+        class_name, method_name = attr.split(".")
+        cls = getattr(importlib.import_module(module_name), class_name)
+        original = cls.__dict__[method_name]
+        _originals[name] = original
+
+        def wrapped(klass, *args, _function=original.__func__, _module=module_name, **kwargs):
+            with _types_named_as_cuda(_module):
+                return _function(klass, *args, **kwargs)
+
+        setattr(cls, method_name, classmethod(wrapped))
 
 
 def _tracker_add(self, name, seed):

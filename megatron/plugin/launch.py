@@ -29,7 +29,7 @@ import torch
 from megatron.core.enums import ModelType
 
 from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, hang_report,
-                             registry)
+                             optimizer_state, registry)
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
@@ -260,6 +260,7 @@ def shutdown() -> None:
 def _prepare() -> None:
     if not torch.cuda.is_available():
         cpu_compat.install()
+    optimizer_state.install()
     _use_shipped_dataset_helpers()
 
 

@@ -146,6 +146,13 @@ SELECTIVE = {"default": "golden:pp2_selective_recompute",
 #: first stage's buckets started their reductions inside its last backward).
 OVERLAP = {"1f1b-ir": "golden:pp2_dp2_overlap_ir", "elastic": "golden:pp2_dp2_overlap_elastic",
            "seq1f1b": "golden:pp2_dp2_overlap_seq1f1b", "sppo": "golden:pp2_dp2_overlap_sppo"}
+#: Megatron's distributed optimizer with overlapped gradient reduce-scatter and parameter
+#: all-gather (two data-parallel replicas of PP=2; the golden test also compares the updated
+#: parameters with those of the reference's step, and checks that a later bucket's all-gather
+#: is in flight when the first layer's forward starts).
+DISTOPT = {"default": "golden:pp2_dp2_distopt_1f1b", "1f1b": "golden:pp2_dp2_distopt_1f1b",
+           "1f1b-ir": "golden:pp2_dp2_distopt_ir", "elastic": "golden:pp2_dp2_distopt_elastic",
+           "seq1f1b": "golden:pp2_dp2_distopt_seq1f1b", "sppo": "golden:pp2_dp2_distopt_sppo"}
 _HELIX_OVERLAP = (
     "{flag} is not supported by --pipeline-schedule helix: it runs each layer part's backward "
     "apart, so a rank's last backward holds one part's parameters, and Megatron's DDP, which "
@@ -223,20 +230,25 @@ HONOURED: dict[str, Honoured] = {
             "sppo": "sppo runs one model chunk per rank: drop "
                     "--num-layers-per-virtual-pipeline-stage"}),
     # Megatron's data-parallel gradient reduction: overlapped with the backward under the IR
-    # schedules too (megatron/plugin/pipeline/grad_sync.py); the distributed optimizer under
-    # Megatron's own schedules only.
+    # schedules too (megatron/plugin/pipeline/grad_sync.py); the distributed optimizer's
+    # reduce-scatter and parameter all-gather through the same DDP hooks.
     "overlap_grad_reduce": Honoured({**OVERLAP, "default": EXAMPLES, "1f1b": EXAMPLES},
                                     _NO_TEST, refusals={"helix": _HELIX_OVERLAP}),
-    "ddp_bucket_size": Honoured(OVERLAP, _NO_TEST, refusals={
+    "ddp_bucket_size": Honoured({**OVERLAP, "default": DISTOPT["default"],
+                                 "1f1b": DISTOPT["1f1b"]}, _NO_TEST, refusals={
         "helix": "--ddp-bucket-size sizes the buckets that --overlap-grad-reduce reduces during "
                  "the backward, which helix does not run: drop it"}),
-    **{name: Honoured(
-        {"default": EXAMPLES, "1f1b": EXAMPLES}, message) for name, message in (
-        ("overlap_param_gather", "the document schedules do not gather parameters in the "
-                                 "forward; drop --overlap-param-gather"),
-        ("use_distributed_optimizer", "no test proves the distributed optimizer under this "
-                                      "schedule yet: drop --use-distributed-optimizer"),
-        ("grad_reduce_in_bf16", "no test proves it under this schedule yet: drop it"))},
+    "use_distributed_optimizer": Honoured({**DISTOPT, "helix": "golden:pp2_dp2_distopt_helix"},
+                                          _NO_TEST),
+    "overlap_param_gather": Honoured(DISTOPT, _NO_TEST, refusals={"helix": (
+        "--overlap-param-gather is not supported by --pipeline-schedule helix: helix ships a "
+        "layer's weights to the attention's stage before that layer's own forward, which is "
+        "where Megatron's DDP waits for the parameters' all-gather, so the shipped weights "
+        "could be the step's old ones; drop --overlap-param-gather (the distributed optimizer "
+        "then gathers the parameters in its step)")}),
+    "grad_reduce_in_bf16": Honoured(
+        {"default": EXAMPLES, "1f1b": EXAMPLES},
+        "no test proves it under this schedule yet: drop it"),
     "bf16": Honoured(PRECISION, _NO_TEST),
     "fp16": Honoured(PRECISION, _NO_TEST),
     # Megatron's local layers (the project's default) or its Transformer Engine layers, with

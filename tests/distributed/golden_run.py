@@ -17,6 +17,13 @@ Modes:
   backward hooks only in a step after the first. The measured step then records, per rank, the
   order of its backward actions' starts and ends and of the buckets' reduction starts
   (``overlap_<tag>_<rank>.json``).
+  With ``--use-distributed-optimizer`` the reduced gradients are all-gathered over each
+  bucket's group before they are captured (each rank's reduce-scatter leaves its own shard
+  reduced), and the parameters the next step's forwards find are saved (``params_<tag>``; with
+  ``--overlap-param-gather`` after a forward-backward that gathers them through Megatron's
+  forward pre-hooks, recording the all-gathers against the first forwards:
+  ``gather_<tag>_<rank>.json``); the reference compares them with Megatron's optimizer stepping
+  the single-process model with the run's gradients (``params_<tag>.pt``).
   Finally record which CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
   native ``1f1b`` the order in which its loop called ``forward_step`` / ``backward_step`` on
   each rank is recorded too (``order_<tag>_<rank>.json``), an independent oracle for the IR
@@ -121,17 +128,46 @@ def capture_grads_before_step(model, optimizer) -> dict:
     step = optimizer.step
 
     def capturing_step(*args, **kwargs):
-        for chunk in model:
-            for param in chunk.module.parameters():
-                grad = getattr(param, "main_grad", None)
-                if grad is None:
-                    grad = param.grad
-                captured[param] = (grad.detach().clone().view_as(param) if grad is not None
-                                   else torch.zeros_like(param))
+        with whole_reduced_grads(model):
+            for chunk in model:
+                for param in chunk.module.parameters():
+                    grad = getattr(param, "main_grad", None)
+                    if grad is None:
+                        grad = param.grad
+                    captured[param] = (grad.detach().clone().view_as(param)
+                                       if grad is not None else torch.zeros_like(param))
         return step(*args, **kwargs)
 
     optimizer.step = capturing_step
     return captured
+
+
+@contextlib.contextmanager
+def whole_reduced_grads(model):
+    """For the duration, every bucket's gradients are the reduced ones everywhere. With the
+    distributed optimizer each data-parallel rank's reduce-scatter leaves only its own shard of
+    each bucket reduced (the rest holds the rank's local sums): the shards are all-gathered
+    over the bucket's group, and the local sums put back afterwards (the optimizer reads its
+    shard only)."""
+    from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
+    saved = []
+    for chunk in model:
+        if not chunk.ddp_config.use_distributed_optimizer:
+            continue
+        for group in [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]:
+            size = group.intra_distributed_optimizer_instance_size
+            rank = group.intra_distributed_optimizer_instance_rank
+            for bucket in group.buckets:
+                local = bucket.grad_data.clone()
+                dist.all_gather_into_tensor(bucket.grad_data, shard_buffer(local, size)[rank],
+                                            group=group.intra_distributed_optimizer_instance_group)
+                saved.append((bucket.grad_data, local))
+    try:
+        yield
+    finally:
+        for grad_data, local in saved:
+            grad_data.copy_(local)
 
 
 def grads_as_weights(model, captured: dict):
@@ -228,6 +264,56 @@ def recording_overlap(model, events: list):
             del group.start_grad_sync
 
 
+@contextlib.contextmanager
+def recording_param_gather(model, events: list):
+    """For the duration, append ``["gather", i]`` when bucket group ``i`` of the rank's model
+    chunk dispatches its parameters' all-gather, ``["wait", i]`` when a forward pre-hook of
+    Megatron's DDP waits for it, and ``["forward", name, in_flight]`` when a module with
+    parameters starts its first forward (after DDP's own pre-hook), with the bucket groups
+    whose all-gathers are in flight then."""
+    chunk = model[0]
+    groups = [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
+
+    def dispatching(index, group, start):
+        def start_param_sync(*args, **kwargs):
+            result = start(*args, **kwargs)
+            if group.param_gather_handle is not None:
+                events.append(["gather", index])
+            return result
+        return start_param_sync
+
+    def waiting(index, group, finish):
+        def finish_param_sync(*args, **kwargs):
+            if group.param_gather_handle is not None or not group.param_gather_dispatched:
+                events.append(["wait", index])
+            return finish(*args, **kwargs)
+        return finish_param_sync
+
+    started = set()
+
+    def forward_started(name):
+        def hook(module, *unused):
+            if name not in started:
+                started.add(name)
+                events.append(["forward", name, [i for i, group in enumerate(groups)
+                                                 if group.param_gather_handle is not None]])
+        return hook
+
+    for index, group in enumerate(groups):
+        group.start_param_sync = dispatching(index, group, group.start_param_sync)
+        group.finish_param_sync = waiting(index, group, group.finish_param_sync)
+    handles = [module.register_forward_pre_hook(forward_started(name))
+               for name, module in chunk.module.named_modules()
+               if any(True for _ in module.parameters(recurse=False))]
+    try:
+        yield len(groups)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for group in groups:
+            del group.start_param_sync, group.finish_param_sync
+
+
 def command_lines(argv: list[str]) -> list[list[str]]:
     """The command lines this launch runs: ``argv`` itself, or those of ``--golden-layouts``."""
     parser = argparse.ArgumentParser(allow_abbrev=False)
@@ -316,6 +402,8 @@ def run(args):
                                         for r in offloader.records],
                            "host_peak": offloader.tier.peak, "host_used": offloader.tier.used},
                           f)
+        if args.use_distributed_optimizer:
+            updated_parameters(model, args, vocab)
         grads_as_weights(model, captured)
         save_model(os.path.join(args.golden_dir, f"grads_{args.golden_tag}"), model)
         if dist.get_rank() == 0:
@@ -343,11 +431,59 @@ def run(args):
         torch.save({"loss_sum": loss_sum, "tokens": tokens,
                     "grads": default_loss_gradients(model, docs, args.seq_length, size)},
                    os.path.join(args.golden_dir, f"reference_default_mbs{size}.pt"))
+    initial = {name: p.detach().clone() for name, p in module.named_parameters()}
     for tag in args.golden_tags:
         load_model(os.path.join(args.golden_dir, f"grads_{tag}"), model)
         grads = {name: p.detach().clone() for name, p in module.named_parameters()}
         torch.save(grads, os.path.join(args.golden_dir, f"grads_{tag}.pt"))
+        if os.path.isdir(os.path.join(args.golden_dir, f"params_{tag}")):
+            expected = reference_step(model, optimizer, initial, grads)
+            load_model(os.path.join(args.golden_dir, f"params_{tag}"), model)
+            params = {name: p.detach().clone() for name, p in module.named_parameters()}
+            torch.save({"initial": initial, "expected": expected, "updated": params},
+                       os.path.join(args.golden_dir, f"params_{tag}.pt"))
 
+
+
+def updated_parameters(model, args, vocab: int) -> None:
+    """After the measured step under the distributed optimizer: save the parameters as the
+    next step's forwards find them (``params_<tag>``). Each rank updated its shard of each
+    bucket; with ``--overlap-param-gather`` the all-gathers are left to the forward pre-hooks
+    of the next step, so a forward-backward over other documents runs first (no optimizer
+    step), recording the all-gathers' dispatches and waits against the modules' first forwards
+    (``gather_<tag>_<rank>.json``, with the bucket groups whose all-gather is still in
+    flight after it)."""
+    directory = args.golden_dir
+    if args.overlap_param_gather:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        events: list = []
+        with recording_param_gather(model, events) as groups:
+            first_step(model, args, vocab)
+        chunk = model[0]
+        pending = [i for i, group in enumerate([*chunk.bucket_groups,
+                                                *chunk.expert_parallel_bucket_groups])
+                   if group.param_gather_handle is not None]
+        name = f"gather_{args.golden_tag}_{dist.get_rank()}.json"
+        with open(os.path.join(directory, name), "w") as f:
+            json.dump({"pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+                       "bucket_groups": groups, "pending": pending, "events": events}, f)
+    save_model(os.path.join(directory, f"params_{args.golden_tag}"), model)
+
+
+def reference_step(model, optimizer, initial: dict, grads: dict) -> dict:
+    """The parameters after Megatron's optimizer, fresh (no state), steps the single-process
+    model from ``initial`` once with ``grads`` (the LR scheduler's first learning rate, as in
+    the runs' step)."""
+    module = model[0].module
+    model[0].zero_grad_buffer()
+    for name, param in module.named_parameters():
+        param.data.copy_(initial[name])
+        param.main_grad.copy_(grads[name].view_as(param.main_grad))
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner.optimizer.state.clear()
+    optimizer.step()
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
 
 
 def weighted_gradients(model, docs, weights):

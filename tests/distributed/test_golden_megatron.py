@@ -75,6 +75,10 @@ MBS2 = ["--micro-batch-size", "2"]
 #: the tiny model at PP=2 holds about 38000): several buckets, reduced as the backward goes.
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "10000"]
 
+#: Megatron's distributed optimizer with its reduce-scatter overlapped with the backward and
+#: its parameter all-gather with the next forward (the buckets of OVERLAP).
+DISTOPT = ["--use-distributed-optimizer", *OVERLAP, "--overlap-param-gather"]
+
 SPPO = ["--pipeline-schedule", "sppo"]
 #: tag -> (subsequences of the longest document, offload ratio of the run or None for off).
 #: The golden documents' lengths (2 to 64 tokens) rarely divide by N: the cuts are uneven, and
@@ -261,6 +265,14 @@ VARIANTS = {
         "pp2_dp2_overlap_sppo": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                      "--sppo-subsequences", "4", "--sppo-offload", "0.5",
                                      *OVERLAP]),
+        # The distributed optimizer, two data-parallel replicas (DISTOPT_TAGS).
+        **{f"pp2_dp2_distopt_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
+                                           *DISTOPT]) for name, flags in FOUR_SCHEDULES},
+        "pp2_dp2_distopt_sppo": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                     "--sppo-subsequences", "4", "--sppo-offload", "0.5",
+                                     *DISTOPT]),
+        "pp2_dp2_distopt_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX,
+                                      "--use-distributed-optimizer"]),
     }),
     # Grouped-query attention: 4 heads share 2 K/V groups, also in the K/V context of a split
     # document's later slices (masked attention over context + slice) and under Ulysses.
@@ -357,6 +369,8 @@ VARIANTS = {
 }
 OVERLAP_TAGS = ["pp2_dp2_overlap_ir", "pp2_dp2_overlap_elastic", "pp2_dp2_overlap_seq1f1b",
                 "pp2_dp2_overlap_sppo", "pp2_sppo_mux_n4_overlap"]
+DISTOPT_TAGS = ["pp2_dp2_distopt_1f1b", "pp2_dp2_distopt_ir", "pp2_dp2_distopt_elastic",
+                "pp2_dp2_distopt_seq1f1b", "pp2_dp2_distopt_sppo", "pp2_dp2_distopt_helix"]
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Layouts trained with Megatron's default loss: the fixture leaves ``PER_TOKEN_LOSS`` off their
 #: command line, and they are compared with the reference of that loss at the micro-batch size
@@ -667,3 +681,52 @@ def test_overlapped_reduction_starts_inside_the_last_backward(golden, tag):
         else:
             assert record["bucket_groups"] == 1, record
             assert all(i > last_end for i in reduces), events
+
+
+@pytest.mark.parametrize("tag", DISTOPT_TAGS)
+def test_distributed_optimizer_updates_like_the_reference(golden, tag):
+    """Under the distributed optimizer (each data-parallel rank steps its shard of each bucket,
+    then the shards are all-gathered: with --overlap-param-gather by the forward pre-hooks of
+    the next step's forwards under the schedule) the parameters the next step finds have moved
+    from the initial ones as Megatron's optimizer moves them in one process, given the run's
+    gradients (checked against the reference above: Adam's first step divides each gradient
+    by its magnitude, so gradients within their bounds can still move near-zero entries
+    differently). The update is compared, with the gradients' bounds."""
+    need(tag)
+    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
+    record = torch.load(golden / variant / f"params_{tag}.pt")
+    assert set(record["updated"]) == set(record["expected"]) == set(record["initial"])
+    for name, initial in record["initial"].items():
+        expected = record["expected"][name] - initial
+        assert expected.abs().sum() > 0, f"the reference step left {name} unchanged"
+        assert_gradient_close(record["updated"][name] - initial, expected, name)
+
+
+@pytest.mark.parametrize("tag", [tag for tag in DISTOPT_TAGS
+                                 if "--overlap-param-gather" in VARIANTS["learned"][1][tag][1]])
+def test_parameter_gather_overlaps_the_first_forward(golden, tag):
+    """With --overlap-param-gather (non-interleaved schedules: Megatron's --align-param-gather
+    is off), in the step after the optimizer's every bucket group of a rank all-gathers its
+    parameters once, waited for by a forward pre-hook of Megatron's DDP before the first
+    forward of any module whose parameters it holds, which dispatches the next group's; none
+    is in flight at the end. On the first stage (several bucket groups) a later bucket's
+    all-gather is still in flight when the first module's forward (the embedding's) starts."""
+    need(tag)
+    paths = sorted(glob.glob(str(golden / "learned" / f"gather_{tag}_*.json")))
+    assert len(paths) == VARIANTS["learned"][1][tag][0], paths
+    for path in paths:
+        with open(path) as f:
+            record = json.load(f)
+        events, groups = record["events"], record["bucket_groups"]
+        assert record["pending"] == [], record
+        gathers = [event[1] for event in events if event[0] == "gather"]
+        waits = [event[1] for event in events if event[0] == "wait"]
+        assert sorted(gathers) == sorted(waits) == list(range(groups)), events
+        forwards = [event for event in events if event[0] == "forward"]
+        assert forwards and all(not set(in_flight) - set(gathers)
+                                for _, _, in_flight in forwards), events
+        first = events.index(forwards[0])
+        assert ["wait", groups - 1] in events[:first], events
+        if record["pp_rank"] == 0:
+            assert groups >= 2, record
+            assert forwards[0][1].startswith("embedding") and forwards[0][2], events

@@ -12,15 +12,14 @@ Hugging Face cache, as on an air-gapped cluster. The data is written by
 ``scripts/preprocess_data.py`` with the same tokenizer flags.
 
 What a CPU run cannot take is refused by name, and each refusal is checked before the flag is
-dropped: half precision and the distributed optimizer (CUDA-only in megatron-core), with
-``--overlap-param-gather`` (Megatron requires the distributed optimizer for it, and the same
-refusal names it), and ``--profile`` without ``--use-pytorch-profiler`` (nsys). ``elastic`` refuses ``--overlap-param-gather`` for
-itself and keeps ``--overlap-grad-reduce`` (the buckets reduce during its last backward).
+dropped: half precision (CUDA-only in megatron-core) and ``--profile`` without
+``--use-pytorch-profiler`` (nsys). Both schedules keep the distributed optimizer with
+``--overlap-grad-reduce`` and ``--overlap-param-gather`` (fp32 on a CPU).
 ``--rampup-batch-size`` is refused for every schedule (the document batches are of a fixed
 size); Llama-3's ``--attention-backend fused`` is kept (on CPU it runs the CPU kernel); its
 ``--log-throughput`` is kept where megatron-core counts FLOPs over the documents'
 lengths (0.19) and refused where it cannot (0.17). ``elastic`` also refuses
-``--grad-reduce-in-bf16`` and the distributed optimizer (no test proves them under it).
+``--grad-reduce-in-bf16`` (no test proves it under it).
 Both schedules then train the same documents from the same seed. GPT-3's example leaves
 dropout at Megatron's default (0.1): two schedules that pack the same documents into different
 rows draw different masks, so the test sets ``--hidden-dropout 0 --attention-dropout 0`` for it
@@ -105,7 +104,7 @@ def llama3(data, tokenizer, checkpoints, tensorboard, cache):
     ]
 
 
-CPU_HALF = ("--bf16, --fp16 and --use-distributed-optimizer need CUDA", torch.cuda.is_available())
+CPU_HALF = ("--bf16 and --fp16 need CUDA", torch.cuda.is_available())
 #: ``(flag, values it takes, (the refusal naming it, whether it is kept here), schedules)``:
 #: a flag dropped where it is refused.
 DROPS = {
@@ -116,14 +115,6 @@ DROPS = {
     ],
     "llama3": [
         ("--bf16", 0, CPU_HALF, ("1f1b", "elastic")),
-        ("--overlap-param-gather", 0, ("drop --overlap-param-gather with the distributed "
-                                       "optimizer", torch.cuda.is_available()), ("1f1b",)),
-        ("--use-distributed-optimizer", 0, CPU_HALF, ("1f1b", "elastic")),
-        ("--overlap-param-gather", 0, ("--overlap-param-gather is not supported by "
-                                       "--pipeline-schedule elastic", False), ("elastic",)),
-        ("--use-distributed-optimizer", 0, ("--use-distributed-optimizer is not supported by "
-                                            "--pipeline-schedule elastic",
-                                            not torch.cuda.is_available()), ("elastic",)),
         ("--grad-reduce-in-bf16", 0, ("--grad-reduce-in-bf16 is not supported by "
                                       "--pipeline-schedule elastic", False), ("elastic",)),
         ("--log-throughput", 0, ("--log-throughput: this megatron-core release counts FLOPs",

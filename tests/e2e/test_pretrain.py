@@ -108,17 +108,29 @@ def test_tensor_parallel_ranks_read_the_same_documents(tmp_path):
                                rtol=1e-4, atol=0)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "elastic"])
-def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule):
+#: Megatron's distributed optimizer over two data-parallel replicas (PP=1), its reduce-scatter
+#: and parameter all-gather overlapped; its checkpoint is Megatron's distributed format.
+DISTOPT_DP2 = ["--pipeline-model-parallel-size", "1", "--use-distributed-optimizer",
+               "--overlap-grad-reduce", "--overlap-param-gather", "--ckpt-format", "torch_dist"]
+
+
+@pytest.mark.parametrize("schedule,flags,dropout", [
+    ("1f1b", [], "0.1"), ("elastic", [], "0.1"),
+    pytest.param("elastic", DISTOPT_DP2, "0", id="elastic-dp2-distributed-optimizer")])
+def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule, flags, dropout):
     """Megatron-LM's ``--save DIR --load DIR`` idiom: the first launch finds DIR empty and
     starts fresh (Megatron's warning), exits at iteration 3 with a checkpoint; the same command
     line resumes there and prints the losses of an uninterrupted run. With dropout on, so the
     checkpoint must carry the random states (Megatron's: host, device and its tensor-parallel
-    tracker's) that the masks of the iterations after the resume are drawn from."""
+    tracker's) that the masks of the iterations after the resume are drawn from. Under the
+    distributed optimizer (two data-parallel replicas) the checkpoint carries each replica's
+    shard of the optimizer state; dropout is off there: without --data-parallel-random-init
+    Megatron's checkpoint keeps the random states of data-parallel rank 0 only, and elastic's
+    replicas, which run different chunks, draw different numbers of masks."""
     with_dropout = [flag for flag in TINY]
     for name in ("--hidden-dropout", "--attention-dropout"):
-        with_dropout[with_dropout.index(name) + 1] = "0.1"
-    common = [*with_dropout, "--train-iters", "6", "--pipeline-schedule", schedule]
+        with_dropout[with_dropout.index(name) + 1] = dropout
+    common = [*with_dropout, "--train-iters", "6", "--pipeline-schedule", schedule, *flags]
     whole = tmp_path / "whole.jsonl"
     torchrun(2, SCRIPT, [*common, "--metrics-jsonl", str(whole)])
     save = tmp_path / "ckpt"
@@ -147,7 +159,7 @@ def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule)
      "raise it to at least"),
     (["--pipeline-schedule", "sppo", "--sppo-memory-gb", "0.0001"],
      "GB per GPU, more than --sppo-memory-gb 0.0001; the smallest budget that fits is"),
-    pytest.param(["--bf16"], "--bf16, --fp16 and --use-distributed-optimizer need CUDA",
+    pytest.param(["--bf16"], "--bf16 and --fp16 need CUDA",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only refusal")),
 ])
 def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, message):

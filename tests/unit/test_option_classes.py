@@ -204,23 +204,15 @@ def test_flags_refused_for_one_reason_are_named_together():
 
 
 def test_the_flags_megatron_accepts_only_beside_a_refused_one_are_named_with_it(monkeypatch):
-    """Following a refusal leads into no further refusal: dropping the distributed optimizer
-    on a CPU leaves --overlap-param-gather (and its optimizer-step variant), which Megatron-LM
-    accepts only with it, so the same refusal names them; a refused option's dependents are
-    named beside it (here: with a class whose refusal of ``cuda_graph_impl`` alone would
-    leave --rl-training-cuda-graphs)."""
+    """Following a refusal leads into no further refusal: a refused option's dependents
+    (options Megatron-LM accepts only beside it) are named beside it (here: with a class whose
+    refusal of ``cuda_graph_impl`` alone would leave --rl-training-cuda-graphs), and followed
+    through (dropping the distributed optimizer would leave --overlap-param-gather and its
+    optimizer-step variant)."""
     parser = arguments.build_parser()
     dests = set(_options(parser))
     assert all(dest in dests and {n[0] if isinstance(n, tuple) else n for n in needers} <= dests
                for dest, needers in option_classes.NEEDED_BY.items())
-    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    overlap = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
-    with pytest.raises(arguments.Refusals) as refused:
-        arguments.check_command_line([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
-                                      "--pipeline-schedule", "1f1b", *overlap])
-    assert "need CUDA" in str(refused.value) and \
-        "and drop --overlap-param-gather with the distributed optimizer" in str(refused.value)
     given = {"cuda_graph_impl": ("--cuda-graph-impl", "local"),
              "rl_training_cuda_graphs": ("--rl-training-cuda-graphs", True)}
     monkeypatch.setattr(option_classes, "REFUSED",
@@ -291,3 +283,18 @@ def test_the_classes_name_only_schedules_that_exist_or_the_tests_register():
     known = set(registry.schedule_names()) | {"*", "gpipe"}
     assert named <= known, named - known
     assert inspect.isfunction(option_classes.refusals)
+
+
+def test_the_distributed_optimizer_runs_without_cuda_and_half_precision_does_not(monkeypatch):
+    """On a machine without CUDA the distributed optimizer and its overlaps are accepted (fp32:
+    the CPU compatibility layer lets megatron-core build its shards of CPU tensors), under
+    Megatron's 1F1B and a document schedule; --bf16 is refused as needing CUDA."""
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    distopt = ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"]
+    for schedule in ("1f1b", "elastic"):
+        arguments.check_command_line([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                                      "--pipeline-schedule", schedule, *distopt])
+    with pytest.raises(arguments.Refusals, match="--bf16 and --fp16 need CUDA"):
+        arguments.check_command_line([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                                      "--pipeline-schedule", "1f1b", *distopt, "--bf16"])

@@ -152,8 +152,6 @@ def test_context_parallel_1f1b_ir_needs_the_per_token_loss(monkeypatch):
 #: Options the document schedules refuse (Megatron's own schedules run them with Megatron's
 #: code): each with the flags that set it.
 DOCUMENT_REFUSED = {
-    "overlap_param_gather": ["--overlap-grad-reduce", "--overlap-param-gather",
-                             "--use-distributed-optimizer"],
     "defer_embedding_wgrad_compute": ["--defer-embedding-wgrad-compute"],
     "num_layers_per_virtual_pipeline_stage": ["--num-layers-per-virtual-pipeline-stage", "1"],
 }

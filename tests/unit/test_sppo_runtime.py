@@ -175,9 +175,12 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--sppo-memory-gb", "-1"], "--sppo-memory-gb must be > 0"),
     (["--sppo-multiplex", "--tensor-model-parallel-size", "2"],
      "--sppo-multiplex runs with --tensor-model-parallel-size 1"),
+    (["--sppo-multiplex", "--use-distributed-optimizer", "--overlap-grad-reduce",
+      "--overlap-param-gather"], "--overlap-param-gather is not supported with --sppo-multiplex"),
 ])
 def test_check_args_refuses_what_sppo_cannot_run(flags, message, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "8" if "--tensor-model-parallel-size" in flags else "4")
+    monkeypatch.setenv("WORLD_SIZE", "8" if {"--tensor-model-parallel-size",
+                                             "--use-distributed-optimizer"} & set(flags) else "4")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron asks it of TP on CUDA
     with pytest.raises(ValueError, match=message):
         parse([*TINY, *flags])
