@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as _schedules
 
-from megatron.plugin import flop_count
+from megatron.plugin import flop_count, random_states
 from megatron.plugin.batches import MicroBatches, pack_micro_batches, padding_fraction
 from megatron.plugin.drawing import DrawCommand, Drawable
 from megatron.plugin.layers.devices import collective_device
@@ -180,7 +180,8 @@ class DocumentSchedule:
     other than Megatron's may compute its loss on any stage; the same sum Megatron forms), with
     a training step's report next to it (:mod:`megatron.plugin.reporting`); :attr:`reporter`
     keeps the latest record and :attr:`last_input` the latest schedule input (plans, offload
-    records: for inspection).
+    records: for inspection). After a training step every data-parallel replica takes rank 0's
+    random states (:mod:`megatron.plugin.random_states`).
     """
 
     def __init__(self, name: str, pp_size=None, vp_size=None):
@@ -220,6 +221,8 @@ class DocumentSchedule:
         with self.reporter.measure(device_window=not args.log_memory_to_tensorboard):
             losses = self.schedule(data_iterator=prepared, model=model, num_microbatches=count,
                                    forward_only=forward_only, **kwargs)
+        if not forward_only:
+            random_states.follow_first_replica(args.data_parallel_random_init)
         totals = _pipeline_totals(losses)
         record = self.reporter.finish(totals, reported, count, args, forward_only)
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):

@@ -116,7 +116,7 @@ DISTOPT_DP2 = ["--pipeline-model-parallel-size", "1", "--use-distributed-optimiz
 
 @pytest.mark.parametrize("schedule,flags,dropout", [
     ("1f1b", [], "0.1"),
-    pytest.param("elastic", DISTOPT_DP2, "0", id="elastic-dp2-distributed-optimizer")])
+    pytest.param("elastic", DISTOPT_DP2, "0.1", id="elastic-dp2-distributed-optimizer")])
 def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule, flags, dropout):
     """Megatron-LM's ``--save DIR --load DIR`` idiom: the first launch finds DIR empty and
     starts fresh (Megatron's warning), exits at iteration 3 with a checkpoint; the same command
@@ -125,10 +125,10 @@ def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule,
     tracker's) that the masks of the iterations after the resume are drawn from (``elastic``,
     ``helix`` and ``sppo`` resume with dropout on in ``test_recovery.py``, which checks the same
     losses after a kill or a requeue). Under the distributed optimizer (two data-parallel
-    replicas) the checkpoint carries each replica's shard of the optimizer state; dropout is off
-    there: without --data-parallel-random-init Megatron's checkpoint keeps the random states of
-    data-parallel rank 0 only, and elastic's replicas, which run different chunks, draw
-    different numbers of masks."""
+    replicas) the checkpoint carries each replica's shard of the optimizer state; Megatron's
+    checkpoint keeps the random states of data-parallel rank 0 only, and elastic's replicas run
+    different chunks and draw different numbers of masks: every replica takes rank 0's states
+    after each step (:mod:`megatron.plugin.random_states`)."""
     with_dropout = [flag for flag in TINY]
     for name in ("--hidden-dropout", "--attention-dropout"):
         with_dropout[with_dropout.index(name) + 1] = dropout
