@@ -65,7 +65,9 @@ TP_SP = {"default": "golden:pp2_tp2_sp", "1f1b": "golden:pp2_tp2_sp",
          "1f1b-ir": "golden:pp2_tp2_sp_ir", "elastic": "golden:pp2_tp2_sp_elastic",
          "seq1f1b": "golden:pp2_tp2_sp_seq1f1b", "helix": "golden:pp2_tp2_sp_helix",
          "sppo": "golden:pp2_tp2_sp_sppo_n4_offload"}
-CP = {"1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic",
+CP = {"default": "golden:pp2_ulysses2_1f1b", "1f1b": "golden:pp2_ulysses2_1f1b",
+      "interleaved": "golden:pp2_vp2_ulysses2_interleaved",
+      "1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic",
       "seq1f1b": "golden:pp2_ulysses2_seq1f1b", "sppo": "golden:pp2_ulysses2_sppo_n6_offload"}
 ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
                "interleaved": "golden:pp2_vp2_rope_interleaved",
@@ -176,10 +178,6 @@ HONOURED: dict[str, Honoured] = {
     "tensor_model_parallel_size": Honoured(TP_SP, _NO_TEST),
     "sequence_parallel": Honoured(TP_SP, _NO_TEST),
     "context_parallel_size": Honoured(CP, _NO_TEST, refusals={
-        **{name: "--context-parallel-size > 1 is not supported with Megatron's own schedules "
-                 "here (ring attention needs Transformer Engine); use 1, or an IR schedule "
-                 "(elastic, seq1f1b, 1f1b-ir, sppo), where it is Ulysses"
-           for name in ("default", "1f1b", "interleaved")},
         "helix": "helix runs each attention on one stage; --context-parallel-size > 1 is not "
                  "supported with it (use elastic for Ulysses)"}),
     # The rope / SwiGLU / RMSNorm model (Llama's).

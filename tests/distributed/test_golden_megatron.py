@@ -192,6 +192,12 @@ VARIANTS = {
                                      "--context-parallel-size", "2", *SEQ1F1B]),
         "pp2_ulysses2_ir": (4, ["--pipeline-model-parallel-size", "2",
                                 "--context-parallel-size", "2", "--pipeline-schedule", "1f1b-ir"]),
+        "pp2_ulysses2_1f1b": (4, ["--pipeline-model-parallel-size", "2",
+                                  "--context-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
+        "pp2_vp2_ulysses2_interleaved": (4, ["--pipeline-model-parallel-size", "2",
+                                             "--context-parallel-size", "2",
+                                             "--num-layers-per-virtual-pipeline-stage", "1",
+                                             "--pipeline-schedule", "interleaved"]),
         # A schedule registered from outside the source tree (OUTSIDE_SCHEDULES).
         "pp2_gpipe_outside": (2, ["--pipeline-model-parallel-size", "2",
                                   "--pipeline-schedule", "gpipe"]),
