@@ -60,16 +60,18 @@ class MicroBatch:
                           self.share, weights)
 
     def context_share(self, rank: int, size: int) -> "MicroBatch":
-        """This context-parallel rank's contiguous ``1/size`` of the tokens (Ulysses); the
-        segments keep describing whole rows."""
+        """This context-parallel rank's contiguous ``1/size`` of the tokens (Ulysses), each
+        tensor a contiguous copy (rows of several are viewed flat); the segments keep
+        describing whole rows."""
         seq = self.seq_length
         if seq % size:
             raise ValueError(f"a {seq}-token row cannot be split over {size} context-parallel "
                              f"ranks")
         part = slice(rank * seq // size, (rank + 1) * seq // size)
-        weights = None if self.loss_weights is None else self.loss_weights[:, part]
-        return MicroBatch(self.tokens[:, part], self.labels[:, part], self.loss_mask[:, part],
-                          self.position_ids[:, part], self.segments, self.share, weights)
+        share = lambda t: None if t is None else t[:, part].contiguous()  # noqa: E731
+        return MicroBatch(share(self.tokens), share(self.labels), share(self.loss_mask),
+                          share(self.position_ids), self.segments, self.share,
+                          share(self.loss_weights))
 
     def layout(self, kv_store=None, record_kv=False) -> PackedDocuments:
         return PackedDocuments(segments=self.segments, position_ids=self.position_ids,

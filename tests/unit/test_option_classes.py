@@ -241,13 +241,13 @@ def test_the_flags_megatron_accepts_only_beside_a_refused_one_are_named_with_it(
 
 
 def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
-    # 1f1b-ir runs Megatron's micro-batches: under context parallelism only the per-token
-    # loss is the same at every degree.
+    # 1f1b-ir runs Megatron's micro-batches: under context parallelism Megatron's default
+    # loss needs rows of 2 x CP equal chunks, or the per-token loss.
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = [arg for arg in TINY_MODEL if arg != "--calculate-per-token-loss"]
     with pytest.raises(ValueError) as refused:
         arguments.check_command_line([*argv, "--pipeline-model-parallel-size", "2",
-                                      "--context-parallel-size", "2",
+                                      "--context-parallel-size", "2", "--seq-length", "66",
                                       "--pipeline-schedule", "1f1b-ir",
                                       "--multi-latent-attention"],
                                      training=True)

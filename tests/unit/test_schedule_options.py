@@ -105,19 +105,20 @@ def test_every_honoured_pair_has_its_golden_layout():
 
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Megatron's default loss: schedule -> the golden layout trained without
-#: ``--calculate-per-token-loss`` (``default`` picks Megatron's 1F1B). ``interleaved`` is
-#: Megatron's own code and ``1f1b-ir`` Megatron's micro-batches through Megatron's
-#: ``forward_step`` (equal to 1F1B under the per-token loss, golden); ``helix`` runs
+#: ``--calculate-per-token-loss`` (``default`` picks Megatron's 1F1B). ``1f1b-ir`` runs
+#: Megatron's micro-batches through Megatron's ``forward_step`` (equal to 1F1B under the
+#: per-token loss, golden); ``helix`` runs
 #: Megatron's micro-batches too, the others weight tokens themselves.
 DEFAULT_LOSS_LAYOUTS = {
     "default": "pp2_default_loss_mbs2",
     "1f1b": "pp2_default_loss_mbs2",
+    "interleaved": "pp2_vp2_ulysses2_interleaved_default_loss",
     "elastic": "pp2_elastic_default_loss_mbs2",
     "seq1f1b": "pp2_seq1f1b_default_loss_mbs2",
     "sppo": "pp2_ulysses2_sppo_default_loss_mbs2",
     "helix": "pp2_helix_default_loss",
 }
-DEFAULT_LOSS_UNGOLDEN = {"interleaved", "1f1b-ir"}
+DEFAULT_LOSS_UNGOLDEN = {"1f1b-ir"}
 
 
 @pytest.mark.parametrize("schedule", registry.schedule_names())
@@ -136,17 +137,21 @@ def test_megatron_default_loss_is_accepted_with_its_golden_layout(schedule, monk
         ("1f1b" if schedule == "default" else schedule), tag
 
 
-def test_context_parallel_1f1b_ir_needs_the_per_token_loss(monkeypatch):
-    """Megatron's micro-batches under Ulysses: the default loss would divide each
-    context-parallel rank's share by that share's token count, so it is refused by name."""
+@pytest.mark.parametrize("schedule", ["default", "1f1b", "interleaved", "1f1b-ir"])
+def test_context_parallel_default_loss_needs_megatrons_chunks(schedule, monkeypatch):
+    """Megatron's micro-batches under context parallelism: Megatron's default loss weighs each
+    token by the share of its 2 x CP chunks of a row the token falls in, so a --seq-length
+    those chunks do not divide is refused by name (the per-token loss needs no chunks)."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = [flag for flag in BASE if flag != PER_TOKEN_LOSS]
-    with pytest.raises(ValueError, match="add --calculate-per-token-loss"):
-        arguments.parse([*argv, "--context-parallel-size", "2", "--pipeline-schedule",
-                         "1f1b-ir"])
-    args = arguments.parse([*argv, "--context-parallel-size", "2", "--pipeline-schedule",
-                            "elastic"])
-    assert args.context_parallel_size == 2
+    longer = ["--seq-length", "66", "--max-position-embeddings", "128"]
+    flags = [*_layout_flags(schedule), "--context-parallel-size", "2", "--pipeline-schedule",
+             schedule]
+    assert arguments.parse([*argv, *flags]).context_parallel_size == 2
+    with pytest.raises(ValueError, match="--seq-length 66 must be divisible by 4; change it, "
+                                         "or add --calculate-per-token-loss"):
+        arguments.parse([*argv, *flags, *longer])
+    assert arguments.parse([*BASE, *flags, *longer]).seq_length == 66
 
 
 #: Options the document schedules refuse (Megatron's own schedules run them with Megatron's
