@@ -219,21 +219,6 @@ def check_training_args(args: argparse.Namespace) -> None:
         raise Refusals(messages)
 
 
-def _context_parallel_loss(args):
-    spec = registry.spec(args.pipeline_schedule)
-    megatron_micro_batches = registry.is_megatron(args.pipeline_schedule) \
-        or spec.prepare_input is None
-    cp = args.context_parallel_size
-    if (megatron_micro_batches and cp > 1 and not args.calculate_per_token_loss
-            and args.seq_length % (2 * cp)):
-        return (f"--pipeline-schedule {args.pipeline_schedule} runs Megatron's micro-batches, "
-                f"whose default loss with --context-parallel-size {cp} is the mean of the "
-                f"token means of Megatron's context-parallel shares, each 2 of 2 x {cp} equal "
-                f"chunks of a row: --seq-length {args.seq_length} must be divisible by "
-                f"{2 * cp}; change it, or add --calculate-per-token-loss")
-    return None
-
-
 def _pipeline_timeout(args):
     return "--pipeline-timeout-s must be > 0 seconds" if args.pipeline_timeout_s <= 0 else None
 
@@ -368,7 +353,7 @@ def _schedule_checks(args):
 
 #: The checks across options (what one option's class cannot say): each returns what to
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
-RULES = (_context_parallel_loss, _pipeline_timeout, _ulysses_heads, _schedule_checks,
+RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
          _tensorboard, _throughput)

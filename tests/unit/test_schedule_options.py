@@ -138,20 +138,20 @@ def test_megatron_default_loss_is_accepted_with_its_golden_layout(schedule, monk
 
 
 @pytest.mark.parametrize("schedule", ["default", "1f1b", "interleaved", "1f1b-ir"])
-def test_context_parallel_default_loss_needs_megatrons_chunks(schedule, monkeypatch):
-    """Megatron's micro-batches under context parallelism: Megatron's default loss weighs each
-    token by the share of its 2 x CP chunks of a row the token falls in, so a --seq-length
-    those chunks do not divide is refused by name (the per-token loss needs no chunks)."""
+def test_context_parallel_takes_megatrons_default_loss_with_its_micro_batches(schedule,
+                                                                               monkeypatch):
+    """Megatron's micro-batches under Ulysses: the default loss weighs each token as
+    Megatron's own context-parallel split does (megatron/plugin/context_loss.py), so it is
+    accepted; Megatron-LM's validation refuses a --seq-length that its 2 x CP chunks do not
+    divide, whatever the loss."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = [flag for flag in BASE if flag != PER_TOKEN_LOSS]
-    longer = ["--seq-length", "66", "--max-position-embeddings", "128"]
     flags = [*_layout_flags(schedule), "--context-parallel-size", "2", "--pipeline-schedule",
              schedule]
     assert arguments.parse([*argv, *flags]).context_parallel_size == 2
-    with pytest.raises(ValueError, match="--seq-length 66 must be divisible by 4; change it, "
-                                         "or add --calculate-per-token-loss"):
-        arguments.parse([*argv, *flags, *longer])
-    assert arguments.parse([*BASE, *flags, *longer]).seq_length == 66
+    with pytest.raises(AssertionError, match="multiple of 2 \\* context-parallel-size"):
+        arguments.parse([*BASE, *flags, "--seq-length", "66", "--max-position-embeddings",
+                         "128"])
 
 
 #: Options the document schedules refuse (Megatron's own schedules run them with Megatron's
