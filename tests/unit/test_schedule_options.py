@@ -154,6 +154,22 @@ def test_context_parallel_takes_megatrons_default_loss_with_its_micro_batches(sc
                          "128"])
 
 
+def test_cp_comm_type_accepts_the_values_that_run_ulysses(monkeypatch):
+    """The document attention runs Ulysses all-to-all for every --cp-comm-type: a2a and
+    Megatron's default p2p, one value or one per layer, are accepted; allgather and a2a+p2p
+    are refused naming what to pass."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = [*BASE, "--context-parallel-size", "2", "--pipeline-schedule", "1f1b"]
+    assert arguments.parse([*argv, "--cp-comm-type", "a2a"]).cp_comm_type == ["a2a"]
+    per_layer = ["a2a", "p2p", "p2p", "a2a"]
+    assert arguments.parse([*argv, "--cp-comm-type", *per_layer]).cp_comm_type == per_layer
+    for value in (["allgather"], ["a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1"],
+                  ["a2a", "allgather", "a2a", "a2a"]):
+        with pytest.raises(ValueError, match="--cp-comm-type .* is not supported .* pass "
+                                             "--cp-comm-type a2a"):
+            arguments.parse([*argv, "--cp-comm-type", *value])
+
+
 #: Options the document schedules refuse (Megatron's own schedules run them with Megatron's
 #: code): each with the flags that set it.
 DOCUMENT_REFUSED = {
