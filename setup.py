@@ -41,7 +41,9 @@ setup(
         # HuggingFace and GPT-2 BPE tokenizers (tests/e2e/test_megatron_examples.py).
         # tensorboard: Megatron-LM's TensorBoard writer (torch.utils.tensorboard) needs it; the
         # tests read its event files back (--tensorboard-dir is refused without it).
-        "test": ["pytest>=8", "pytest-timeout", "tokenizers", "transformers", "tensorboard"],
+        # pytest-xdist: scripts/test.sh spreads the unit tier over the cores.
+        "test": ["pytest>=8", "pytest-timeout", "pytest-xdist", "tokenizers", "transformers",
+                 "tensorboard"],
         # On CUDA clusters. NVIDIA apex is built from source (see README); the PyPI package
         # named "apex" is an unrelated project and must never be installed. Transformer Engine
         # is not listed: the layer spec is Megatron's local one with the document attention,

@@ -6,9 +6,15 @@
   pipeline, with the same number of checkpointed layers on every stage and chunk, the smallest
   that fits the worst in-flight window. ``S = ceil(longest / k)`` with ``k`` tuned over the same
   slice counts, and the forward lookahead over the same values, as the elastic planner by the
-  same pipeline-time estimate.
+  same pipeline-time estimate. Where ``k = 1`` is tried and every document fits one of
+  Megatron-LM's rows, Megatron's micro-batches are one more candidate, as for the elastic
+  planner (:func:`~elastic_pipe.sequence_processor.megatron_chunking`): with ``k = 1`` the
+  chunk size is the longest document, and a batch of documents much shorter than
+  ``--seq-length`` would otherwise run in many more units than Megatron-LM's.
 - ``1f1b_packed``: whole documents packed first-fit-decreasing into micro-batches of at most
   the context length, one 1F1B pipeline, uniform checkpointing as above.
+- :func:`megatron_1f1b`: Megatron-LM's 1F1B on its own micro-batches, nothing recomputed (what
+  the training script's ``default`` and ``1f1b`` run; the short-document comparisons).
 - ``elastic_full_ckpt``: the elastic plan with every layer checkpointed.
 - ``elastic_no_grouping``: the elastic planner restricted to one pipeline.
 
@@ -25,7 +31,8 @@ from longctx.cost_model import CostModel
 from elastic_pipe.plan_types import Plan, PipelinePlan
 from elastic_pipe.scheduler import (PipelineCase, SchedulerConfig, check_lengths, pipeline_case,
                                     pipeline_cases)
-from elastic_pipe.sequence_processor import chunk_balance, layout, slice_candidates
+from elastic_pipe.sequence_processor import (ChunkingConfig, chunk_balance, layout,
+                                             megatron_chunking, slice_candidates)
 
 
 def uniform_plan(cost: CostModel, case: PipelineCase, num_slices: int) -> Plan | None:
@@ -86,8 +93,13 @@ def seq1f1b(lengths: Sequence[int], cost: CostModel, config: SchedulerConfig) ->
     check_lengths(lengths)
     longest = max(lengths)
     best = None
-    for k in slice_candidates(longest, config.chunking):
-        chunks = fixed_chunks(lengths, math.ceil(longest / k))
+    counts = slice_candidates(longest, config.chunking)
+    candidates = [(k, fixed_chunks(lengths, math.ceil(longest / k))) for k in counts]
+    megatron = megatron_chunking(list(enumerate(lengths)), cost, config.chunking) \
+        if 1 in counts else None
+    if megatron is not None:
+        candidates.append((1, megatron.chunks))
+    for k, chunks in candidates:
         for case in pipeline_cases(cost, chunks, config.lookaheads):
             plan = uniform_plan(cost, case, k)
             if plan is not None and (best is None or
@@ -104,6 +116,23 @@ def packed_1f1b(lengths: Sequence[int], cost: CostModel, context: int) -> Plan |
                          f"truncate the lengths first")
     items = [Piece(doc, 0, 0, length, final=True) for doc, length in enumerate(lengths)]
     return uniform_plan(cost, pipeline_case(cost, first_fit(items, context), 0), 1)
+
+
+def megatron_1f1b(lengths: Sequence[int], cost: CostModel, seq_length: int,
+                  micro_batch_size: int = 1) -> Plan:
+    """Megatron-LM's own 1F1B as the ``default`` and ``1f1b`` schedules run it here: its
+    micro-batches (best-fit-decreasing rows of ``seq_length`` inputs, ``micro_batch_size``
+    rows each) in one 1F1B pipeline, nothing recomputed (whatever the budget says: Megatron
+    plans no memory)."""
+    check_lengths(lengths)
+    config = ChunkingConfig(seq_length=seq_length, micro_batch_size=micro_batch_size)
+    chunking = megatron_chunking(list(enumerate(lengths)), cost, config)
+    if chunking is None:
+        raise ValueError(f"a document of {max(lengths)} tokens exceeds --seq-length "
+                         f"{seq_length}; truncate the lengths first")
+    case = pipeline_case(cost, chunking.chunks, 0)
+    nothing = tuple((0,) * case.problem.chunks for _ in case.problem.layers)
+    return single_pipeline_plan(cost, case, nothing, 1)
 
 
 def full_checkpointing(plan: Plan, cost: CostModel) -> Plan | None:

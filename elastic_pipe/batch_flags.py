@@ -12,6 +12,7 @@ from longctx.cost_model import CostModel, ParallelConfig
 from longctx.hardware import load_profile, profiles_help
 from longctx.model_flags import add_model_arguments, model_config
 from elastic_pipe.scheduler import SchedulerConfig
+from elastic_pipe.sequence_processor import ChunkingConfig
 from elastic_pipe.workloads import WORKLOADS, dataset_lengths, read_lengths, sample, truncate
 
 
@@ -71,5 +72,6 @@ def planning_inputs(args: argparse.Namespace) -> PlanningInputs:
     parallel = ParallelConfig(pp=args.pp, sp=args.sp, tp=args.tp, dp=args.dp,
                               memory_gb=args.memory_gb or hardware.hbm_gb)
     return PlanningInputs(lengths, truncated, CostModel(model_config(args), hardware, parallel),
-                          SchedulerConfig(solver_time_limit=args.solver_time_limit,
+                          SchedulerConfig(ChunkingConfig(seq_length=args.seq_length),
+                                          solver_time_limit=args.solver_time_limit,
                                           workers=args.workers))

@@ -22,7 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CP-SAT deterministic time limit per candidate pipeline, seconds")
     g.add_argument("--elastic-slices", default="auto", type=slices_flag,
                    help="slices of the longest document: N, or auto (tried 1, 2, 3, 4, 6, ... "
-                        "while a slice keeps --elastic-min-slice-tokens)")
+                        "while a slice keeps --elastic-min-slice-tokens; where 1 is tried and "
+                        "every document fits --seq-length, Megatron's own micro-batches are a "
+                        "candidate too)")
     g.add_argument("--elastic-min-slice-tokens", type=int, default=4096,
                    help="smallest first slice the automatic slice count goes down to")
     g.add_argument("--elastic-refit-interval", type=interval_flag, default=0,
@@ -52,6 +54,8 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
         raise ValueError("--elastic-solver-time-limit must be > 0 seconds")
     chunking = ChunkingConfig(min_slice_tokens=args.elastic_min_slice_tokens,
                               slice_counts=None if args.elastic_slices == "auto"
-                              else (args.elastic_slices,))
+                              else (args.elastic_slices,),
+                              seq_length=args.seq_length,
+                              micro_batch_size=args.micro_batch_size)
     return SchedulerConfig(chunking=chunking, solver_time_limit=args.elastic_solver_time_limit,
                            workers=1)

@@ -21,9 +21,26 @@ For a slice count ``N``:
    6, 8, 12, ... while the longest slice keeps at least ``min_slice_tokens`` tokens). The caller
    scores every candidate (the scheduler's memory-aware pipeline estimate) and keeps the best,
    the smaller ``N`` and perturbation winning ties.
+6. *Megatron's micro-batches.* When ``N = 1`` is among the slice counts (always under the
+   automatic range) and every document fits one of Megatron-LM's rows (``seq_length``), the
+   micro-batches Megatron-LM's own schedules would run on these documents
+   (:func:`megatron_chunking`) are scored last, as one more candidate.
 
 Where the paper is vague: the perturbation is applied to the packing thresholds only, not to the
 mesh; the "finest split" is the largest automatic ``N``.
+
+Choice made for short documents (step 6): Algorithm 1 sizes every packed chunk by the longest
+document's first slice, so a batch whose documents are all much shorter than ``--seq-length``
+is cut into many more, smaller units than Megatron-LM runs for it (``tests/unit/
+test_short_documents.py``'s batches of documents under a quarter of a 4K context: 15-18 chunks
+against Megatron's 5 micro-batches). Each unit pays
+fixed costs that the cost model prices (the profile's per-layer ``beta`` per chunk, collective
+latencies, the spec-derived kernel-efficiency curve of small chunks) but that the candidate
+space could not avoid: none of its thresholds reaches a micro-batch. Scoring Megatron's own
+micro-batches as a candidate bounds the plan by them: its predicted time is never above what
+the same estimate gives Megatron's micro-batches (per-stage uniform checkpointing: none where
+they fit), and it keeps any plan that estimate finds faster. A fixed ``N > 1`` is the slice
+count asked for and gets no such candidate: it cuts the longest document however short.
 """
 from __future__ import annotations
 
@@ -32,6 +49,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from megatron.plugin.packing import micro_batch_rows
 
 from longctx.chunks import Chunk, Piece
 from longctx.cost_model import CostModel
@@ -47,6 +66,11 @@ class ChunkingConfig:
     """Slice counts to try; ``None`` tries 1, 2, 3, 4, 6, 8, 12, ... down to the finest split."""
     perturbations: tuple[float, ...] = (0.0, 0.15)
     """Relative enlargements of the packing thresholds to try for each ``N``."""
+    seq_length: int | None = None
+    """Inputs of one of Megatron-LM's packed rows (``--seq-length``): with it, Megatron's
+    micro-batches are a candidate (step 6); ``None``: not tried."""
+    micro_batch_size: int = 1
+    """Rows of one of Megatron-LM's micro-batches (``--micro-batch-size``)."""
 
     def __post_init__(self):
         if self.min_slice_tokens < 1:
@@ -57,6 +81,10 @@ class ChunkingConfig:
         if not self.perturbations or min(self.perturbations) < 0:
             raise ValueError(f"perturbations must be a non-empty tuple of factors >= 0, "
                              f"got {self.perturbations}")
+        if self.seq_length is not None and self.seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1 or None, got {self.seq_length}")
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
 
 
 @dataclass(frozen=True)
@@ -177,16 +205,40 @@ def _pack(items: list[Piece], cost: CostModel, time_limit: float,
     return [Chunk(tuple(members[b])) for b in ranked]
 
 
+def megatron_chunking(docs: Sequence[tuple[int, int]], cost: CostModel,
+                      config: ChunkingConfig) -> Chunking | None:
+    """Step 6: the micro-batches Megatron-LM's schedules run on ``docs`` (``(index, length)``),
+    one chunk each -- its best-fit-decreasing rows of ``config.seq_length`` inputs
+    (:func:`megatron.plugin.packing.micro_batch_rows`), ``config.micro_batch_size`` rows a
+    chunk -- heaviest first; ``None`` without a ``seq_length`` or when a document is longer."""
+    if config.seq_length is None or max(length for _, length in docs) > config.seq_length:
+        return None
+    rows = micro_batch_rows([length for _, length in docs], config.seq_length,
+                            config.micro_batch_size)
+    members = [[docs[i] for row in batch for i in row] for batch in rows]
+    work = [cost.chunk_constant + sum(cost.piece_work(0, length) for _, length in batch)
+            for batch in members]
+    order = sorted(range(len(members)), key=lambda b: (-work[b], min(members[b])))
+    chunks = tuple(Chunk(tuple(Piece(doc, 0, 0, length, final=True)
+                               for doc, length in sorted(members[b])))
+                   for b in order)
+    longest = max(length for _, length in docs)
+    return Chunking(chunks, 1, (0, longest), max(work),
+                    config.seq_length * config.micro_batch_size)
+
+
 def best_chunking(docs: Sequence[tuple[int, int]], cost: CostModel, config: ChunkingConfig,
                   score: Callable[[list[Chunk]], float]) -> tuple[Chunking, float]:
-    """Algorithm 1 with ``N`` and the perturbation tuned: the candidate of lowest ``score``.
+    """Algorithm 1 with ``N`` and the perturbation tuned, then Megatron's micro-batches where
+    ``N = 1`` was tried (step 6): the candidate of lowest ``score``, the first of equals.
 
     ``score`` returns ``math.inf`` for chunkings that do not fit in memory; when every candidate
     scores ``inf`` the finest one is returned with ``inf`` (the caller decides what to report).
     """
     longest = max(length for _, length in docs)
     best, best_score, finest = None, math.inf, None
-    for n in slice_candidates(longest, config):
+    counts = slice_candidates(longest, config)
+    for n in counts:
         for perturbation in config.perturbations:
             chunking = make_chunks(docs, n, cost, perturbation)
             value = score(list(chunking.chunks))
@@ -194,6 +246,11 @@ def best_chunking(docs: Sequence[tuple[int, int]], cost: CostModel, config: Chun
                 best, best_score = chunking, value
             if perturbation == min(config.perturbations):
                 finest = chunking
+    megatron = megatron_chunking(docs, cost, config) if 1 in counts else None
+    if megatron is not None:
+        value = score(list(megatron.chunks))
+        if value < best_score:
+            best, best_score = megatron, value
     return (best, best_score) if best is not None else (finest, math.inf)
 
 def relative_std(values: Sequence[float]) -> float:

@@ -25,11 +25,15 @@ keeps, as the training loop's meter counts it (autograd's saved tensors and the 
   FP32; the input ``x`` when it came from another stage (from this stage it is the boundary's
   output, counted there); the shipped QKV weight (and bias) per received copy; on the
   boundary's own stage the weight is the parameter's storage, counted once while any of that
-  layer's local attentions holds it;
+  layer's local attentions holds it; with ``--qk-layernorm`` the Q and K norms' statistics
+  (their inputs are views of the projection's output), their normalized inputs where the
+  norm is a composite and, without RoPE, their outputs (the attention saves the normed Q and
+  K; with RoPE the rotated ones, counted already), per received copy also the norms' weights;
 - *under* ``--helix-recompute-without-attention``: a boundary keeps only what it received
   (``res``, and ``o`` from another stage); its ``RECOMPUTE`` rebuilds the rest right before
   the backward. An attention keeps ``x`` (the boundary no longer does), the weight, ``o`` and
-  the log-sum-exp; its backward projects Q/K/V again (a workspace of ``S q``);
+  the log-sum-exp; its backward projects Q/K/V again (a workspace of ``S q``, and of what
+  the Q and K norms keep);
 - *under* ``--helix-mlp-chunk-size R``: the MLP block (pre-MLP norm, MLP, dropout-add) keeps
   only its input; its backward rebuilds one chunk of ``R`` positions at a time, a workspace of
   that chunk's share of the block less what the backward released before reaching it (the
@@ -114,6 +118,9 @@ class HelixShape:
     recompute: bool
     mlp_chunk_rows: int | None
     """Rows of this rank's sequence-parallel shard per MLP chunk (``None``: no chunking)."""
+    qk_norm_rows: int = 0
+    """Rows per token the Q and K norms normalise (``(heads + groups) / tp``; 0: no
+    ``--qk-layernorm``)."""
     moe_bytes: int = 0
     """Bytes per token a mixture-of-experts MLP keeps beyond its input, in place of the dense
     ``mlp_first + mlp_second`` (:func:`longctx.cost_model.mlp_saved_per_token`: permuted
@@ -192,9 +199,22 @@ class HelixMemory(CostDefaults):
         rotated = s.tokens * ((s.qkv + s.attention) // 2 + 4 * s.rope_dim) if s.rope_dim else 0
         return (s.tokens * s.qkv + rotated) * s.element_bytes
 
+    def _qk_norm(self) -> float:
+        """What the Q and K norms keep beyond the projection's output (their input): their
+        statistics, their normalized inputs where the norm is a composite and, without RoPE,
+        their outputs."""
+        s = self.shape
+        row = (s.attention // s.heads) * s.element_bytes
+        copies = int(s.norm_normalized) + int(not s.rope_dim)
+        return s.tokens * s.qk_norm_rows * (s.norm_statistics * _FP32 + copies * row)
+
     def _weight(self) -> float:
         s = self.shape
-        return (s.qkv * s.hidden + (s.qkv if s.qkv_bias else 0)) * s.element_bytes
+        bias = s.qkv if s.qkv_bias else 0
+        # The Q and K norms' weights, and their biases unless RMSNorm (one statistic).
+        norms = 2 * (s.attention // s.heads) * (1 if s.norm_statistics == 1 else 2) \
+            if s.qk_norm_rows else 0
+        return (s.qkv * s.hidden + bias + norms) * s.element_bytes
 
     def _loss(self) -> float:
         """The cross entropy's FP32 logits, masks and targets (one chunk's, and the labels,
@@ -223,7 +243,7 @@ class HelixMemory(CostDefaults):
         if action.kind is Kind.ATTN_F:
             local_x = self.flow.attention_stage(index, action.unit) == index % self.flow.pp
             kept = self._output() + s.tokens * s.heads * _FP32
-            kept += 0.0 if s.recompute else self._qkv()
+            kept += 0.0 if s.recompute else self._qkv() + self._qk_norm()
             if s.recompute or not local_x:
                 kept += self._hidden()
             if not local_x or (action.stage, action.unit, index) in self.weight_holders:
@@ -240,7 +260,7 @@ class HelixMemory(CostDefaults):
     def workspace_bytes(self, action: Action) -> float:
         s = self.shape
         if action.kind is Kind.ATTN_B and s.recompute:
-            return self._qkv()
+            return self._qkv() + self._qk_norm()
         if action.kind is not Kind.BACKWARD:
             return 0.0
         index = part_index(action.part)
@@ -322,6 +342,7 @@ def helix_shape(config, args, device_type: str) -> HelixShape:
         if args.position_embedding_type == "rope" else 0,
         qkv_bias=bool(config.add_bias_linear or config.add_qkv_bias),
         recompute=args.helix_recompute_without_attention, mlp_chunk_rows=rows,
+        qk_norm_rows=(heads + groups) // tp if config.qk_layernorm else 0,
         moe_bytes=_moe_bytes(config, args))
 
 

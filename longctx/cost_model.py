@@ -51,8 +51,10 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
 ``sp tp``:
 
 - not checkpointed: ``(9h + 2f) e`` (``34h`` bytes for ``f = 4h`` in BF16: LayerNorm inputs,
-  Q/K/V, attention output, projection input, MLP input, activations before and after GeLU,
-  dropout masks); a gated MLP keeps its ``2f`` wide first projection, ``(9h + 3f) e``. What an
+  Q/K/V, attention output, projection input, MLP input, activations before and after GeLU);
+  a gated MLP keeps its ``2f`` wide first projection, ``(9h + 3f) e``; hidden dropout adds two
+  masks, ``2h m`` (``m``: 1 byte on CUDA, ``e`` on a CPU,
+  :attr:`~longctx.models.ModelConfig.dropout_mask_bytes`). What an
   implementation saves beyond that (an unfused RMSNorm, RoPE outside the attention kernel) is
   not counted; a measured profile's coefficients count it;
 - with ``--qk-layernorm`` the Q and K norms keep their inputs, ``2h e`` (the keys counted as
@@ -282,8 +284,8 @@ class CostModel:
             self.kv_per_token, self.dkv_per_token = measured.kv, measured.dkv
             self.embedding_per_token, self.logits_per_token = measured.embedding, measured.head
         else:
-            # Two hidden-dropout masks of one byte an element, when that dropout is on.
-            masks = 2 * h if model.hidden_dropout else 0
+            # Two hidden-dropout masks, when that dropout is on.
+            masks = 2 * h * model.dropout_mask_bytes if model.hidden_dropout else 0
             self.full_per_token = (e * 9 * h + qk_norm_saved_per_token(model)
                                    + mlp_saved_per_token(model) + masks) / shard
             self.ckpt_per_token = e * h / shard

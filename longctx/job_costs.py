@@ -83,6 +83,7 @@ def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
                         args.ffn_hidden_size, vocab_size,
                         dtype=str(args.params_dtype).removeprefix("torch."),
                         gated_mlp=args.swiglu, hidden_dropout=args.hidden_dropout > 0,
+                        dropout_mask_bytes=1 if cuda else args.params_dtype.itemsize,
                         num_experts=args.num_experts or 0, moe_router_topk=args.moe_router_topk,
                         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                         qk_layernorm=args.qk_layernorm)

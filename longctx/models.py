@@ -34,7 +34,11 @@ class ModelConfig:
     """SwiGLU-style MLP: the first projection is ``2f`` wide (gate and value), ``f`` after."""
     hidden_dropout: bool = False
     """Dropout after the attention and after the MLP (Megatron's ``--hidden-dropout`` > 0):
-    each keeps a one-byte mask per element for its backward."""
+    each keeps a mask of ``dropout_mask_bytes`` per element for its backward."""
+    dropout_mask_bytes: int = 1
+    """Bytes a dropout mask keeps per element: 1 on CUDA (torch's fused dropout keeps a
+    boolean mask), the element size on a CPU (torch keeps the scaled noise in the input's
+    dtype)."""
     num_experts: int = 0
     """Routed experts of every layer's mixture-of-experts MLP (Megatron's ``--num-experts``);
     0: a dense MLP of ``ffn_hidden_size``."""

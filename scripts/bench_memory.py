@@ -5,7 +5,8 @@
 
 Launches ``pretrain_gpt_elastic.py`` once per schedule on ``--pp`` ranks (one pipeline; on
 CUDA one GPU a rank in bf16, on CPU gloo ranks in fp32), under Megatron-LM's default dropout
-0.1, on ``--mock-data`` documents up to ``--seq-length`` tokens with a GPT of ``--num-layers``
+0.1, on ``--mock-data`` documents up to ``--seq-length`` tokens (or the train split of a
+``--data-path`` dataset whose token ids lie below 257) with a GPT of ``--num-layers``
 x ``--hidden-size``, three iterations each, and reads the last iteration of its
 ``--metrics-jsonl`` (per-stage figures: the largest stage's): the plan's predicted activation
 bytes (elastic, seq1f1b, sppo and helix make one), the bytes autograd saved for backward (the training
@@ -18,6 +19,16 @@ With ``--trace-dir`` each run also traces its third iteration with Megatron-LM's
 that launches kernels slower than the device runs them leaves it idle in between).
 The allocator's peak includes the model, its gradients and the optimizer state, so it is
 reported beside the saved bytes, not compared with the plan.
+
+The first schedule listed is the baseline (Megatron-LM's, ``default`` or ``1f1b``): a last line
+gives every other schedule's tokens/s and units over its. ``--predict PROFILE`` (a shipped
+hardware profile or a profile JSON, several comma-separated) adds what the planners' simulator
+predicts for the same batch (the last iteration's documents) and model: each
+schedule's iteration seconds, units and speed over Megatron-LM's 1F1B on its own micro-batches
+(``elastic`` and ``seq1f1b`` planned as the training run plans them, ``default`` and ``1f1b``
+as :func:`elastic_pipe.baselines.megatron_1f1b`; ``sppo`` and ``helix`` are not predicted
+here); with ``--predict-only`` nothing is trained, so a CPU gives the figures of a GPU's
+profile.
 """
 import argparse
 import gzip
@@ -33,6 +44,12 @@ import torch
 from profiler_trace import PROFILE_FLAGS, device_busy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEED = 1234
+VOCAB = 257
+#: The model's vocabulary: NullTokenizer's VOCAB ids and its end-of-document id, padded to
+#: Megatron-LM's multiple of 128 (--make-vocab-size-divisible-by).
+PADDED_VOCAB = -(-(VOCAB + 1) // 128) * 128
+MEGATRON = ("default", "1f1b")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,11 +60,21 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=1024)
     parser.add_argument("--num-attention-heads", type=int, default=16)
-    parser.add_argument("--slices", type=int, default=8,
-                        help="--elastic-slices and --sppo-subsequences")
+    parser.add_argument("--slices", type=slices_flag, default=8,
+                        help="--elastic-slices and --sppo-subsequences: N or auto")
+    parser.add_argument("--data-path", default=None,
+                        help="a Megatron dataset prefix to train on (its train split, --split "
+                             "100,0,0) instead of --mock-data")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
     parser.add_argument("--json", default=None)
+
+
+def slices_flag(value: str):
+    """``--slices``: ``auto`` (both schedules' own choice) or a positive integer."""
+    if value != "auto" and not (value.isdigit() and int(value) > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive integer or 'auto', got {value!r}")
+    return value if value == "auto" else int(value)
 
 
 def parse_args(argv=None):
@@ -58,7 +85,14 @@ def parse_args(argv=None):
                              "helix with --pp 2 or more (it needs two stages)")
     parser.add_argument("--trace-dir", default=None,
                         help="keep a profiler trace of each run here (CUDA)")
+    parser.add_argument("--predict", default=None,
+                        help="hardware profiles (comma-separated names or JSON files) to "
+                             "predict the batch's iteration time with")
+    parser.add_argument("--predict-only", action="store_true",
+                        help="train nothing: only the --predict figures")
     args = parser.parse_args(argv)
+    if args.predict_only and not args.predict:
+        parser.error("--predict-only needs --predict PROFILE")
     if args.schedules is None:
         args.schedules = "default,elastic,seq1f1b,sppo" + (",helix" if args.pp >= 2 else "")
     return args
@@ -76,8 +110,8 @@ def training_command(args, schedule: str, metrics: str, iters: int) -> list[str]
         "--micro-batch-size", "1", "--global-batch-size", str(args.global_batch_size),
         "--lr", "1e-4", "--train-iters", str(iters), "--log-interval", "1",
         "--eval-interval", "1000", "--eval-iters", "0", "--calculate-per-token-loss",
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", "257", "--mock-data",
-        "--seed", "1234", "--pipeline-model-parallel-size", str(args.pp),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB), *data_flags(args),
+        "--seed", str(SEED), "--pipeline-model-parallel-size", str(args.pp),
         "--pipeline-schedule", schedule, "--metrics-jsonl", metrics]
     if torch.cuda.is_available():
         command.append("--bf16")
@@ -88,6 +122,84 @@ def training_command(args, schedule: str, metrics: str, iters: int) -> list[str]
     return command
 
 
+def data_flags(args) -> list[str]:
+    return ["--data-path", args.data_path, "--split", "100,0,0"] if args.data_path \
+        else ["--mock-data"]
+
+
+def batch_lengths(args) -> tuple[int, ...]:
+    """The document lengths (inputs) of the last iteration's batch, as the runs read it."""
+    from megatron.plugin.sources import build_document_sources
+
+    flags = argparse.Namespace(mock_data=not args.data_path, data_path=[args.data_path],
+                               split="100,0,0", seed=SEED, mmap_bin_files=True, eval_iters=0,
+                               global_batch_size=args.global_batch_size,
+                               seq_length=args.seq_length)
+    source = build_document_sources(flags, VOCAB)["train"]
+    last = iterations(args, args.trace_dir is not None) - 1
+    return tuple(len(doc) - 1 for doc in source.documents(last))
+
+
+def iterations(args, trace: bool) -> int:
+    """Training iterations of each run (four when traced: the third is traced)."""
+    return max(args.iters, 4) if trace else args.iters
+
+
+def predictions(args, profile: str) -> dict:
+    """``{schedule: {"iteration_s", "units"}}``: the simulator's figures for the last
+    iteration's batch priced with ``profile``, for the schedules planned here (module doc)."""
+    from elastic_pipe.baselines import megatron_1f1b
+    from elastic_pipe.evaluation import plan_schedule
+    from elastic_pipe.lowering import simulate_plan
+    from elastic_pipe.scheduler import SchedulerConfig
+    from elastic_pipe.sequence_processor import ChunkingConfig
+    from longctx.cost_model import CostModel, ParallelConfig
+    from longctx.hardware import load_profile
+    from longctx.models import ModelConfig
+
+    lengths = batch_lengths(args)
+    hardware = load_profile(profile)
+    model = ModelConfig("bench", args.num_layers, args.hidden_size, args.num_attention_heads,
+                        4 * args.hidden_size, PADDED_VOCAB, hidden_dropout=True,
+                        dtype="bfloat16" if torch.cuda.is_available() else "float32")
+    parallel = ParallelConfig(pp=args.pp, memory_gb=hardware.hbm_gb)
+    cost = CostModel(model, hardware, parallel)
+    chunking = ChunkingConfig(slice_counts=None if args.slices == "auto" else (args.slices,),
+                              seq_length=args.seq_length)
+    config = SchedulerConfig(chunking, workers=1)
+    found = {}
+    for schedule in args.schedules.split(","):
+        if schedule in MEGATRON:
+            plan = megatron_1f1b(lengths, cost, args.seq_length)
+        elif schedule in ("elastic", "seq1f1b"):
+            plan = plan_schedule(lengths, schedule, model, hardware, parallel, config)
+        else:
+            continue
+        found[schedule] = {"iteration_s": simulate_plan(plan, cost)[1].iteration_time,
+                           "units": len(plan.chunks())}
+    return found
+
+
+def print_predictions(profile: str, found: dict) -> None:
+    base = next((found[name] for name in MEGATRON if name in found), None)
+    cells = [f"{name} {entry['units']} units {entry['iteration_s'] * 1e3:.1f} ms"
+             + (f" {base['iteration_s'] / entry['iteration_s']:.2f}x" if base else "")
+             for name, entry in found.items()]
+    print(f"predicted with {profile}: " + " | ".join(cells), flush=True)
+
+
+def print_ratios(results: dict) -> None:
+    """Each schedule's tokens/s and units over the first schedule's (the baseline)."""
+    measured = {name: r for name, r in results.items() if "error" not in r}
+    if len(measured) < 2:
+        return
+    base_name, base = next(iter(measured.items()))
+    cells = [f"{name} x{r['tokens_per_s'] / base['tokens_per_s']:.2f} tokens/s, "
+             f"{r['num_microbatches']} / {base['num_microbatches']} units"
+             for name, r in measured.items() if name != base_name]
+    print(f"over {base_name}: " + "; ".join(cells), flush=True)
+
+
 def run_schedule(args, schedule: str, workdir: str, extra=(), trace: bool = False) -> dict:
     """One training run of ``schedule`` (with ``extra`` flags); its last metrics record, or
     the error's tail. With ``trace``, the third iteration is traced: ``trace_path`` names the
@@ -95,7 +207,7 @@ def run_schedule(args, schedule: str, workdir: str, extra=(), trace: bool = Fals
     rundir = os.path.join(workdir, schedule)
     os.makedirs(rundir, exist_ok=True)
     metrics = os.path.join(rundir, "metrics.jsonl")
-    iters = max(args.iters, 4) if trace else args.iters
+    iters = iterations(args, trace)
     command = training_command(args, schedule, metrics, iters) + list(extra)
     if trace:
         command += PROFILE_FLAGS
@@ -132,7 +244,7 @@ def main(argv=None):
     args = parse_args(argv)
     results = {}
     with tempfile.TemporaryDirectory() as workdir:
-        for schedule in args.schedules.split(","):
+        for schedule in [] if args.predict_only else args.schedules.split(","):
             results[schedule] = result = run_schedule(args, schedule, workdir,
                                                       trace=args.trace_dir is not None)
             if "error" in result:
@@ -156,9 +268,15 @@ def main(argv=None):
             if ratio and args.pp > 1:
                 stages = " ".join(f"{r:.2f}" for r in result["measured_over_planned_per_stage"])
                 print(f"{'':8s} measured/planned per stage: {stages}", flush=True)
+    print_ratios(results)
+    predicted = {}
+    for profile in args.predict.split(",") if args.predict else []:
+        predicted[profile] = predictions(args, profile)
+        print_predictions(profile, predicted[profile])
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     report = {"argv": sys.argv[1:], "device": device,
-              "torch": torch.__version__, "setup": vars(args), "schedules": results}
+              "torch": torch.__version__, "setup": vars(args), "schedules": results,
+              "predicted": predicted}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -2,7 +2,7 @@
 
     python scripts/bench_schedules.py [--iters 3] [--seq-length 8192] [--global-batch-size 8]
         [--hidden-size 64] [--num-attention-heads 4] [--profile PROFILE.json] [--no-refit]
-        [--json OUT]
+        [--data-path PREFIX] [--json OUT]
 
 1. Unless ``--profile`` is given, ``scripts/profile_costs.py`` measures the bench's layer, its
    embedding and its head on this machine (one thread, the bench's dropout 0) and writes a
@@ -14,7 +14,8 @@
    and the layer coefficients are refitted to them once (``elastic_pipe/refit.py``, what
    ``--elastic-refit-interval`` does in training) before the timed iterations are planned and
    predicted; the refit line is printed.
-2. The script launches itself on 2 CPU ranks (PP=2, one thread each) with the embedded corpus:
+2. The script launches itself on 2 CPU ranks (PP=2, one thread each) with the embedded corpus
+   (or the train split of ``--data-path``, a dataset of token ids below 257):
    one model and optimizer; every iteration draws one global batch of documents and runs it
    with each schedule in turn (elastic, seq1f1b, 1f1b), after one warm-up round, so drift of
    the machine hits all alike. Measured per schedule: median iteration time, tokens/s, and the
@@ -25,10 +26,12 @@
    layout). The batch is planned (packed, for ``1f1b``) before the timed span, as a training
    run's background planner does it off the critical path; the median planning wall time is
    reported as ``prepare_s``, not counted in the iteration time.
-3. Predicted iteration time: the plan of that batch (for ``1f1b``, the documents packed
-   first-fit-decreasing into ``--seq-length`` rows, one 1F1B pipeline) replayed by the
-   simulator with the same cost model; the median over the iterations is reported beside the
-   measured one.
+3. Predicted iteration time: the plan of that batch (for ``1f1b``, Megatron-LM's own
+   micro-batches in one 1F1B pipeline, :func:`elastic_pipe.baselines.megatron_1f1b`) replayed
+   by the simulator with the same cost model; the median over the iterations is reported
+   beside the measured one.
+
+Each schedule's units (micro-batches or chunks) per batch are reported too (the median).
 
 Prints one line per schedule and the ratios; ``--json OUT`` writes
 ``{"argv": [...], "schedules": {NAME: {"tokens_per_s", "peak_activation_bytes",
@@ -58,6 +61,8 @@ def model_flags(options, profile: str) -> list[str]:
             "--max-position-embeddings", str(seq_length), "--micro-batch-size", "1",
             "--global-batch-size", str(options.global_batch_size), "--train-iters", "1000",
             "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0", *CORPUS_FLAGS,
+            *(["--data-path", options.data_path, "--split", "100,0,0"]
+              if options.data_path else []),
             "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "elastic",
             "--hardware-profile", profile,
             "--elastic-min-slice-tokens", str(options.min_slice_tokens),
@@ -66,7 +71,7 @@ def model_flags(options, profile: str) -> list[str]:
 
 def predicted(name, documents, args, model) -> tuple[float, list[float]]:
     """Simulated iteration time and per-stage activation peak of this batch under ``name``."""
-    from elastic_pipe.baselines import packed_1f1b
+    from elastic_pipe.baselines import megatron_1f1b
     from longctx.cost_model import CostModel
     from elastic_pipe.evaluation import plan_schedule
     from elastic_pipe.lowering import activation_peaks, simulate_plan
@@ -78,7 +83,7 @@ def predicted(name, documents, args, model) -> tuple[float, list[float]]:
     if name == "1f1b":  # Megatron's 1F1B recomputes nothing, whatever --memory-gb says
         cost = CostModel(cost.model, cost.hardware,
                          dataclasses.replace(cost.parallel, memory_gb=UNBOUNDED_GB))
-        plan = packed_1f1b(lengths, cost, args.seq_length)
+        plan = megatron_1f1b(lengths, cost, args.seq_length, args.micro_batch_size)
     else:
         plan = plan_schedule(tuple(lengths), name, cost.model, cost.hardware, cost.parallel,
                              scheduler_config(args))
@@ -100,7 +105,7 @@ def worker(argv) -> int:
         args.elastic_refit_interval = iters + 2
     model = job.model
     results = {name: {"times": [], "tokens": [], "peaks": [], "predicted": [], "planned": [],
-                       "prepare": [], "padding": []}
+                       "prepare": [], "padding": [], "units": []}
                for name in SCHEDULES}
     summary = None
     for i in range(iters + 1):
@@ -119,6 +124,7 @@ def worker(argv) -> int:
             entry["peaks"].append(peaks)
             entry["prepare"].append(result["prepare_s"])
             entry["padding"].append(result.get("padding_fraction", 0.0))
+            entry["units"].append(result["num_microbatches"])
             if dist.get_rank() == 0:
                 seconds, peaks = predicted(name, documents, args, model)
                 entry["predicted"].append(seconds)
@@ -138,6 +144,7 @@ def worker(argv) -> int:
                 "predicted_iteration_s": statistics.median(entry["predicted"]),
                 "prepare_s": statistics.median(entry["prepare"]),
                 "padding_fraction": statistics.mean(entry["padding"]),
+                "units": statistics.median(entry["units"]),
             }
         print(json.dumps({"schedules": report, "refit": summary}))
     dist.destroy_process_group()
@@ -174,6 +181,8 @@ def main() -> int:
                         help="--elastic-memory-gb of elastic and seq1f1b (default: the CPU "
                              "default, which needs no checkpointing here)")
     parser.add_argument("--profile", help="measured profile JSON (default: measure now)")
+    parser.add_argument("--data-path", help="a Megatron dataset prefix to draw the batches from "
+                                            "(its train split; default: the embedded corpus)")
     parser.add_argument("--no-refit", dest="refit", action="store_false",
                         help="plan and predict with the profile alone (default: refit its layer "
                              "coefficients to the warm-up round's measured action times)")
@@ -213,16 +222,23 @@ def main() -> int:
               f"{entry['peak_activation_bytes'] / 2**20:.1f} MiB per stage "
               f"{mib(entry['peak_activation_bytes_per_stage'])}, planned "
               f"{mib(entry['planned_activation_bytes_per_stage'])} | padding "
-              f"{100 * entry['padding_fraction']:.1f}% | planned in "
+              f"{100 * entry['padding_fraction']:.1f}% | {entry['units']:g} units | planned in "
               f"{entry['prepare_s']:.2f} s (not timed)")
     elastic = report["elastic"]
     for base in ("seq1f1b", "1f1b"):
         speed = elastic["tokens_per_s"] / report[base]["tokens_per_s"]
         memory = elastic["peak_activation_bytes"] / report[base]["peak_activation_bytes"]
         print(f"elastic / {base}: tokens/s x{speed:.3f}, peak activation x{memory:.3f}")
+    for name in ("elastic", "seq1f1b"):
+        speed = report[name]["tokens_per_s"] / report["1f1b"]["tokens_per_s"]
+        predicted = (report["1f1b"]["predicted_iteration_s"]
+                     / report[name]["predicted_iteration_s"])
+        print(f"{name} / 1f1b: tokens/s x{speed:.3f} (predicted x{predicted:.3f}), units "
+              f"{report[name]['units']:g} / {report['1f1b']['units']:g}")
     if options.json:
         write_json(options.json, {"schedules": report, "setup": {
             "seq_length": options.seq_length, "global_batch_size": options.global_batch_size,
+            "data_path": options.data_path,
             "iterations": options.iters, "pp": 2, "profile": fit, "refit": out["refit"]}})
     return 0
 

@@ -8,7 +8,9 @@
 #                         against the plan, the allocator's peak, tokens/s side by side
 #   offload_trace.*       SPPO's offload and reload copies against compute, from a profiler trace
 #   memory_short.*        the same on 32 short documents (up to 4K tokens), where the document
-#                         schedules must not lose to Megatron-LM's own schedule; each run's
+#                         schedules must not lose to Megatron-LM's own schedule (slice counts
+#                         their own: a fixed count cuts the longest document however short),
+#                         with their units and the simulator's prediction beside; each run's
 #                         profiler trace in traces_short/ with how busy it kept the device
 #   memory_128k.*         Megatron-LM's schedule, elastic and seq1f1b on documents up to 128K
 # helix is not among them: it places layer parts on other stages and needs PP >= 2 (two GPUs);
@@ -37,7 +39,8 @@ part memory_32k python3 scripts/bench_memory.py --seq-length 32768 --timeout 150
 part offload_trace python3 scripts/trace_offload.py --timeout 150 --json "$out/offload_trace.json" \
   --trace "$out/offload_trace.json.gz"
 part memory_short python3 scripts/bench_memory.py --seq-length 4096 --global-batch-size 32 \
-  --slices 2 --timeout 120 --json "$out/memory_short.json" --trace-dir "$out/traces_short"
+  --slices auto --predict h100,h200 --timeout 120 --json "$out/memory_short.json" \
+  --trace-dir "$out/traces_short"
 part memory_128k python3 scripts/bench_memory.py --seq-length 131072 --global-batch-size 2 \
   --schedules default,elastic,seq1f1b --slices 16 --timeout 150 --json "$out/memory_128k.json"
 exit "$failed"

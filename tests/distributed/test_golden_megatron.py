@@ -123,6 +123,12 @@ def more_schedules(name: str) -> dict:
                                                 "1", "--pipeline-schedule", "interleaved"])}
 
 
+#: The model-shape flags the rope variant takes beside RoPE, SwiGLU and RMSNorm.
+MODEL_SHAPE = ["--kv-channels", "12", "--group-query-attention", "--num-query-groups", "2",
+               "--rotary-percent", "0.5", "--rotary-base", "5000", "--ffn-hidden-size", "72",
+               "--empty-unused-memory-level", "2"]
+
+
 #: model variant -> (model flags, {layout tag: (ranks, parallel flags)}). Each variant has its
 #: own initial weights and its own single-process reference.
 VARIANTS = {
@@ -317,10 +323,15 @@ VARIANTS = {
         "pp2_moe_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
     }),
+    # Llama's shape, with the model-shape flags of Megatron-LM's GPT configurations off their
+    # defaults: 4 heads of 12 channels (48, not the hidden size 32) in 2 query groups, RoPE on
+    # half of each head's channels at another base (the K/V of a split document's earlier
+    # slices carry their true positions), an MLP of 72 (not Megatron's SwiGLU default 64) and
+    # Megatron's emptying of the allocator's cache around the step.
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--apply-layernorm-1p",
                              "--disable-bias-linear",
-                             "--untie-embeddings-and-output-weights"], {
+                             "--untie-embeddings-and-output-weights", *MODEL_SHAPE], {
         "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
         "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
         **more_schedules("rope"),
@@ -331,8 +342,11 @@ VARIANTS = {
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
     # are not a multiple of p x folds = 4 train with empty slots. One document is also the
     # case of SPPO's multiplexed partitioning (see MUX_EXPECTED), whose helpers borrow the
-    # owner's layer weights, the Q/K norms' too (the model has them: --qk-layernorm, RMSNorm).
-    "one_microbatch": (["--golden-docs", "1", "--qk-layernorm", "--normalization", "RMSNorm"], {
+    # owner's layer weights, the Q/K norms' too (the model has them: --qk-layernorm, RMSNorm),
+    # and gather the K/V of 2 query groups of 12 channels for the owner's share.
+    "one_microbatch": (["--golden-docs", "1", "--qk-layernorm", "--normalization", "RMSNorm",
+                        "--group-query-attention", "--num-query-groups", "2",
+                        "--kv-channels", "12"], {
         "pp2_helix_m1": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_sppo_mux_n4": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                 "--sppo-subsequences", "4", "--sppo-offload", "off",

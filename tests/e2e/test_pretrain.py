@@ -323,8 +323,9 @@ def test_helix_continues_a_1f1b_checkpoint_like_1f1b_and_ships_weights(tmp_path)
 
 
 @pytest.mark.parametrize("ranks,layout", [
-    (2, []), (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])],
-    ids=["pp2", "pp2_tp2_sp"])
+    (2, ["--qk-layernorm", "--normalization", "RMSNorm"]),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])],
+    ids=["pp2_qk_norm", "pp2_tp2_sp"])
 def test_helix_recomputation_draws_the_dropout_masks_of_the_forward(tmp_path, ranks, layout):
     """With dropout on, ``--helix-recompute-without-attention`` rebuilds the parts around the
     attention before their backward: its dropout must draw the masks the forward drew, so the
@@ -332,7 +333,8 @@ def test_helix_recomputation_draws_the_dropout_masks_of_the_forward(tmp_path, ra
     parallelism those parts draw from the model-parallel RNG state (as layers do inside
     Megatron's ``TransformerBlock``), whose replay the recomputation must restore too. Both
     runs' planned activation bytes (:mod:`helix.memory`) are within 10% of what the training
-    loop's meter measures on each stage, every iteration."""
+    loop's meter measures on each stage, every iteration; at PP=2 with Q/K norms (RMSNorm: on a
+    CPU a composite that also keeps its normalized input)."""
     flags = [flag for flag in TINY]
     for name in ("--hidden-dropout", "--attention-dropout"):
         flags[flags.index(name) + 1] = "0.1"

@@ -48,3 +48,35 @@ def test_a_mixture_of_experts_mlp_keeps_the_cost_models_bytes_instead_of_the_den
     dense = HelixMemory(HelixShape(**SHAPE), flow)
     moe = HelixMemory(HelixShape(**SHAPE, moe_bytes=experts), flow)
     assert moe._mlp_block(1024) - dense._mlp_block(1024) == 1024 * (experts - (256 + 256) * 4)
+
+
+def test_qk_norms_keep_their_statistics_copies_and_weights():
+    """With ``--qk-layernorm`` an attention keeps, per token and Q or K head (8 rows here), the
+    norm's FP32 statistics and the normed output (no RoPE: the attention saves it); with RoPE
+    the rotated copies it saves are counted already; a composite RMSNorm also keeps its
+    normalized input. A received copy carries the norms' weights (and LayerNorm's biases).
+    The bytes are held to the training loop's meter by
+    ``tests/e2e/test_pretrain.py::test_helix_recomputation_draws_the_dropout_masks_of_the_forward``."""
+    flow = HelixFlow(2, 4, 2, 4)
+    attention = [a for row in planned_helix(2, 4, 4, 2) for a in row if a.kind is Kind.ATTN_F]
+    plain = HelixMemory(HelixShape(**SHAPE), flow)
+    variants = {
+        "layernorm": ({}, 1024 * 8 * (2 * 4 + 16 * 4)),
+        "layernorm_rope": ({"rope_dim": 16}, 1024 * 8 * 2 * 4),
+        "rmsnorm_cpu": ({"norm_statistics": 1, "norm_normalized": True},
+                        1024 * 8 * (4 + 2 * 16 * 4))}
+    for name, (changes, expected) in variants.items():
+        shape = {**SHAPE, **changes}
+        without = HelixMemory(HelixShape(**shape), flow)
+        normed = HelixMemory(HelixShape(**shape, qk_norm_rows=8), flow)
+        assert normed._qk_norm() == expected, name
+        weights = 2 * 16 * (1 if shape["norm_statistics"] == 1 else 2) * 4
+        assert normed._weight() - without._weight() == weights, name
+        for action in attention:
+            assert normed.activation_bytes(action) - without.activation_bytes(action) in (
+                expected, expected + weights), (name, action)
+    recomputing = HelixMemory(HelixShape(**{**SHAPE, "recompute": True}, qk_norm_rows=8), flow)
+    backward = next(a for row in planned_helix(2, 4, 4, 2, True) for a in row
+                    if a.kind is Kind.ATTN_B)
+    assert recomputing.workspace_bytes(backward) == recomputing._qkv() + 1024 * 8 * 72
+    assert plain._qk_norm() == 0

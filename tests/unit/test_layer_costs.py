@@ -166,3 +166,23 @@ def test_the_qk_norm_term_is_what_the_q_and_k_layernorms_save(one_rank, dtype):
     assert measured == qk_norm_saved_per_token(
         ModelConfig("qk", 6, H, HEADS, FFN, 100, qk_layernorm=True, **shape))
     assert qk_norm_saved_per_token(ModelConfig("plain", 6, H, HEADS, FFN, 100, **shape)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_dropout_term_is_what_the_hidden_dropouts_save_on_this_device(one_rank, tmp_path,
+                                                                          dtype):
+    """Megatron's default ``--hidden-dropout 0.1``: a layer saves exactly the cost model's two
+    masks more than without dropout, at the bytes per element of the device it runs on (a
+    CPU keeps the scaled noise in the layer's dtype; CUDA a one-byte mask)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    common = dict(num_layers=1, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                  attention_dropout=0.0, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    measured = saved_bytes_per_token(TransformerConfig(**common, hidden_dropout=0.1), None) \
+        - saved_bytes_per_token(TransformerConfig(**common, hidden_dropout=0.0), None)
+    shape = dict(dtype=str(dtype).removeprefix("torch."), dropout_mask_bytes=dtype.itemsize)
+    cost = CostModel(ModelConfig("dropout", 6, H, HEADS, FFN, 100, hidden_dropout=True, **shape),
+                     hand_profile(tmp_path), ParallelConfig(pp=2))
+    plain = CostModel(ModelConfig("plain", 6, H, HEADS, FFN, 100, **shape),
+                      hand_profile(tmp_path), ParallelConfig(pp=2))
+    assert measured == cost.full_per_token - plain.full_per_token == 2 * H * dtype.itemsize

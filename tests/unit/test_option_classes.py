@@ -145,6 +145,10 @@ def test_planner_flags_reach_the_planner(monkeypatch):
                             "--pipeline-schedule", "elastic", "--elastic-solver-time-limit",
                             "0.5", "--elastic-reserved-gb", "0.25", "--elastic-memory-gb", "8"])
     assert scheduler_config(args).solver_time_limit == 0.5
+    # Megatron's micro-batches, the planners' candidate for documents that fit (#26)
+    chunking = scheduler_config(args).chunking
+    assert (chunking.seq_length, chunking.micro_batch_size) == \
+        (args.seq_length, args.micro_batch_size)
     cost = cost_model_from_args(args, 256, args.elastic_memory_gb, args.elastic_reserved_gb)
     assert cost.parallel.reserved_gb == 0.25
 
