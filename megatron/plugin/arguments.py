@@ -219,19 +219,6 @@ def check_training_args(args: argparse.Namespace) -> None:
         raise Refusals(messages)
 
 
-def _per_token_loss(args):
-    spec = registry.spec(args.pipeline_schedule)
-    if (spec is not None and not registry.is_megatron(args.pipeline_schedule)
-            and spec.prepare_input is None and args.context_parallel_size > 1
-            and not args.calculate_per_token_loss):
-        return (f"--pipeline-schedule {args.pipeline_schedule} with --context-parallel-size > 1 "
-                "runs Megatron's micro-batches, whose default loss divides each "
-                "context-parallel rank's share by that share's own token count (a different "
-                "loss at every degree): add --calculate-per-token-loss, or use elastic, seq1f1b "
-                "or sppo, which weight every token as at one context-parallel rank")
-    return None
-
-
 def _pipeline_timeout(args):
     return "--pipeline-timeout-s must be > 0 seconds" if args.pipeline_timeout_s <= 0 else None
 
@@ -360,7 +347,7 @@ def _schedule_checks(args):
 
 #: The checks across options (what one option's class cannot say): each returns what to
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
-RULES = (_per_token_loss, _pipeline_timeout, _ulysses_heads, _schedule_checks,
+RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
          _tensorboard, _throughput)

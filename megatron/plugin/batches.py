@@ -14,15 +14,17 @@ and what the flag masks is the EOD tokens inside a document.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Sequence
 
 import numpy as np
 import torch
 from megatron.core import parallel_state
+from megatron.core.utils import get_model_config
 from megatron.training import get_args, get_tokenizer
 
+from megatron.plugin.context_loss import megatron_share_weights
 from megatron.plugin.layers.layout import PackedDocuments, Segment
 from megatron.plugin.loss_checks import validate_loss
 from megatron.plugin.packing import micro_batch_rows
@@ -59,16 +61,18 @@ class MicroBatch:
                           self.share, weights)
 
     def context_share(self, rank: int, size: int) -> "MicroBatch":
-        """This context-parallel rank's contiguous ``1/size`` of the tokens (Ulysses); the
-        segments keep describing whole rows."""
+        """This context-parallel rank's contiguous ``1/size`` of the tokens (Ulysses), each
+        tensor a contiguous copy (rows of several are viewed flat); the segments keep
+        describing whole rows."""
         seq = self.seq_length
         if seq % size:
             raise ValueError(f"a {seq}-token row cannot be split over {size} context-parallel "
                              f"ranks")
         part = slice(rank * seq // size, (rank + 1) * seq // size)
-        weights = None if self.loss_weights is None else self.loss_weights[:, part]
-        return MicroBatch(self.tokens[:, part], self.labels[:, part], self.loss_mask[:, part],
-                          self.position_ids[:, part], self.segments, self.share, weights)
+        share = lambda t: None if t is None else t[:, part].contiguous()  # noqa: E731
+        return MicroBatch(share(self.tokens), share(self.labels), share(self.loss_mask),
+                          share(self.position_ids), self.segments, self.share,
+                          share(self.loss_weights))
 
     def layout(self, kv_store=None, record_kv=False) -> PackedDocuments:
         return PackedDocuments(segments=self.segments, position_ids=self.position_ids,
@@ -194,18 +198,22 @@ def loss_tokens(doc: np.ndarray) -> int:
 def forward_step(data_iterator, model, kv_store=None, record_kv=False):
     """Megatron ``forward_step_func``: next micro-batch through ``model`` (this rank's share of
     its tokens under Ulysses sequence parallelism; the layout stays whole), its loss masked at
-    end-of-document inputs under ``--eod-mask-loss``."""
+    end-of-document inputs under ``--eod-mask-loss``. One of Megatron's micro-batches (no
+    ``loss_weights``) under context parallelism and Megatron's default loss weighs its tokens
+    as Megatron's own context-parallel split does (:mod:`megatron.plugin.context_loss`)."""
     batch: MicroBatch = next(data_iterator)
     device = next(model.parameters()).device
     batch = batch.to(device)
     layout = batch.layout(kv_store, record_kv)
+    eod = eod_mask_token()
+    if eod is not None:
+        batch = replace(batch, loss_mask=batch.loss_mask
+                        * (batch.tokens != eod).to(batch.loss_mask.dtype))
     cp = parallel_state.get_context_parallel_world_size()
     if cp > 1:
+        if batch.loss_weights is None and not get_model_config(model).calculate_per_token_loss:
+            batch = replace(batch, loss_weights=megatron_share_weights(batch.loss_mask, cp))
         batch = batch.context_share(parallel_state.get_context_parallel_rank(), cp)
     output = model(batch.tokens, batch.position_ids, None, labels=batch.labels,
                    packed_seq_params=layout)
-    loss_mask = batch.loss_mask
-    eod = eod_mask_token()
-    if eod is not None:
-        loss_mask = loss_mask * (batch.tokens != eod).to(loss_mask.dtype)
-    return output, partial(loss_func, loss_mask, loss_weights=batch.loss_weights)
+    return output, partial(loss_func, batch.loss_mask, loss_weights=batch.loss_weights)

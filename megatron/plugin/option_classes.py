@@ -65,13 +65,22 @@ TP_SP = {"default": "golden:pp2_tp2_sp", "1f1b": "golden:pp2_tp2_sp",
          "1f1b-ir": "golden:pp2_tp2_sp_ir", "elastic": "golden:pp2_tp2_sp_elastic",
          "seq1f1b": "golden:pp2_tp2_sp_seq1f1b", "helix": "golden:pp2_tp2_sp_helix",
          "sppo": "golden:pp2_tp2_sp_sppo_n4_offload"}
-CP = {"1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic",
+CP = {"default": "golden:pp2_ulysses2_1f1b", "1f1b": "golden:pp2_ulysses2_1f1b",
+      "interleaved": "golden:pp2_vp2_ulysses2_interleaved_default_loss",
+      "1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic",
       "seq1f1b": "golden:pp2_ulysses2_seq1f1b", "sppo": "golden:pp2_ulysses2_sppo_n6_offload"}
 ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
                "interleaved": "golden:pp2_vp2_rope_interleaved",
                "1f1b-ir": "golden:pp2_rope_ir", "seq1f1b": "golden:pp2_rope_seq1f1b",
                "elastic": "golden:pp2_dp2_elastic", "helix": "golden:pp2_dp2_helix",
                "sppo": "golden:pp2_dp2_sppo_n5_offload"}
+#: ``--cp-comm-type a2a`` (Ulysses, what runs here for every value) beside Ulysses layouts.
+CP_COMM = {"default": "golden:pp2_ulysses2_default_loss_mbs2",
+           "1f1b": "golden:pp2_ulysses2_default_loss_mbs2",
+           "interleaved": "golden:pp2_vp2_ulysses2_interleaved_default_loss",
+           "1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic",
+           "seq1f1b": "golden:pp2_ulysses2_seq1f1b",
+           "sppo": "golden:pp2_ulysses2_sppo_n6_offload"}
 #: The rope model's layouts take the model-shape flags of Megatron-LM's GPT configurations too:
 #: kv_channels other than hidden / heads, grouped-query attention, partial RoPE at another base,
 #: the MLP's width and the allocator's cache emptied around the step. Not Megatron's fused cross
@@ -189,11 +198,20 @@ HONOURED: dict[str, Honoured] = {
     "micro_batch_size": Honoured(MBS, _NO_TEST),
     "tensor_model_parallel_size": Honoured(TP_SP, _NO_TEST),
     "sequence_parallel": Honoured(TP_SP, _NO_TEST),
+    # Megatron's --cp-comm-type names how its attention exchanges K/V between the
+    # context-parallel ranks (p2p: a ring, its default; a2a: Ulysses all-to-all; allgather;
+    # a2a+p2p: all-to-all inside --hierarchical-context-parallel-sizes groups, a ring across);
+    # the attention's result is the same for each. The document attention runs Ulysses for
+    # every value (megatron/plugin/layers/attention.py): a2a is what runs, and p2p gets the
+    # same loss and gradients with Ulysses' communication (4 all-to-alls per layer) and
+    # memory (each rank attends over whole rows for heads / CP heads) instead of a ring's.
+    "cp_comm_type": Honoured(
+        CP_COMM, "the document attention exchanges Q, K and V by Ulysses all-to-all whatever "
+                 "--cp-comm-type names (the result of attention is the same); allgather and "
+                 "a2a+p2p name communication it does not build: pass --cp-comm-type a2a (or "
+                 "leave Megatron's default p2p, which runs the same Ulysses)",
+        values=("p2p", "a2a")),
     "context_parallel_size": Honoured(CP, _NO_TEST, refusals={
-        **{name: "--context-parallel-size > 1 is not supported with Megatron's own schedules "
-                 "here (ring attention needs Transformer Engine); use 1, or an IR schedule "
-                 "(elastic, seq1f1b, 1f1b-ir, sppo), where it is Ulysses"
-           for name in ("default", "1f1b", "interleaved")},
         "helix": "helix runs each attention on one stage; --context-parallel-size > 1 is not "
                  "supported with it (use elastic for Ulysses)"}),
     # The rope / SwiGLU / RMSNorm model (Llama's).
@@ -596,8 +614,7 @@ REFUSED: dict[str, str] = {
         yarn_original_max_position_embeddings
     """, _ATTENTION),
     **_each("""
-        cp_comm_type hierarchical_context_parallel_sizes hybrid_context_parallel
-        max_seqlen_per_dp_cp_rank
+        hierarchical_context_parallel_sizes hybrid_context_parallel max_seqlen_per_dp_cp_rank
     """, _CP_KIND),
     **_each("""
         accumulate_allreduce_grads_in_fp32 activation_func_clamp_value
@@ -741,7 +758,7 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
                                "option of this megatron-core release: "
                                "megatron/plugin/option_classes.py must name it inert, honoured "
                                "or refused before it is accepted): drop it", []).append(flag)
-        elif honoured.values is not None and _named(value) not in honoured.values:
+        elif honoured.values is not None and not _among(value, honoured.values):
             shown = " ".join(map(str, value)) if isinstance(value, list) else _named(value)
             reasons.setdefault(f"{flag} {shown} is not supported by pretrain_gpt_elastic.py "
                                f"(it honours {' and '.join(map(str, honoured.values))}): "
@@ -758,6 +775,12 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
         messages.append(f"{_together(left)} accepted by Megatron-LM only beside a flag refused "
                         f"above: drop {' and '.join(left)} with it")
     return messages
+
+
+def _among(value, values) -> bool:
+    """Whether ``value`` is one of ``values`` (a list, as Megatron's per-layer
+    ``--cp-comm-type``: each of its items)."""
+    return all(_named(item) in values for item in (value if isinstance(value, list) else [value]))
 
 
 def _named(value):

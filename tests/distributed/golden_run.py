@@ -53,8 +53,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from megatron.plugin import cpu_compat, launch
-from megatron.plugin.batches import (forward_step, loss_tokens, micro_batch, micro_batch_rows,
-                                     pack_row)
+from megatron.plugin.batches import (eod_mask_token, forward_step, loss_tokens, micro_batch,
+                                     micro_batch_rows, pack_row)
 from megatron.plugin.document_data import GlobalBatch
 
 
@@ -71,8 +71,11 @@ def golden_documents(count: int, seq_length: int, vocab: int, seed: int):
 
 
 #: Micro-batch sizes of the default-loss references (the layouts trained without
-#: ``--calculate-per-token-loss`` name one of them).
+#: ``--calculate-per-token-loss`` name one of them), and the context-parallel sizes of those
+#: under Megatron's own schedules, whose default loss depends on the degree
+#: (:mod:`megatron.plugin.context_loss`).
 DEFAULT_LOSS_MICRO_BATCH_SIZES = (1, 2)
+DEFAULT_LOSS_CONTEXT_PARALLEL_SIZES = (2,)
 
 
 def golden_arguments(parser):
@@ -431,6 +434,10 @@ def run(args):
         torch.save({"loss_sum": loss_sum, "tokens": tokens,
                     "grads": default_loss_gradients(model, docs, args.seq_length, size)},
                    os.path.join(args.golden_dir, f"reference_default_mbs{size}.pt"))
+        for cp in DEFAULT_LOSS_CONTEXT_PARALLEL_SIZES:
+            torch.save({"loss_sum": loss_sum, "tokens": tokens,
+                        "grads": default_loss_gradients(model, docs, args.seq_length, size, cp)},
+                       os.path.join(args.golden_dir, f"reference_default_mbs{size}_cp{cp}.pt"))
     initial = {name: p.detach().clone() for name, p in module.named_parameters()}
     for tag in args.golden_tags:
         load_model(os.path.join(args.golden_dir, f"grads_{tag}"), model)
@@ -489,33 +496,67 @@ def reference_step(model, optimizer, initial: dict, grads: dict) -> dict:
 def weighted_gradients(model, docs, weights):
     """``(loss sum, tokens, gradients of the sum of each document's loss sum times its
     weight)``, every document alone through the single-process model (Megatron DDP's hooks
-    accumulate into ``main_grad``; no sync in one process)."""
+    accumulate into ``main_grad``; no sync in one process). A document's weight is a number,
+    or an array of one weight per input (each token's loss times its own weight)."""
     model[0].zero_grad_buffer()
     module = model[0].module
     loss_sum, tokens = 0.0, 0
     for doc, weight in zip(docs, weights):
-        output, loss_fn = forward_step(iter([micro_batch([pack_row([doc])])]), module)
-        doc_loss, doc_tokens, _ = loss_fn(output)
-        (doc_loss * weight).backward()
-        loss_sum += float(doc_loss)
+        batch = micro_batch([pack_row([doc])])
+        if isinstance(weight, np.ndarray):
+            batch.loss_weights = torch.from_numpy(weight).view(1, -1)
+        output, loss_fn = forward_step(iter([batch]), module)
+        doc_loss, doc_tokens, report = loss_fn(output)
+        if isinstance(weight, np.ndarray):
+            # loss_func returns the weighted sum times the document's token count
+            (doc_loss / max(int(doc_tokens), 1)).backward()
+        else:
+            (doc_loss * weight).backward()
+        loss_sum += float(report["lm loss"][0])
         tokens += int(doc_tokens)
     grads = {name: p.main_grad.detach().clone().view_as(p)
              for name, p in module.named_parameters()}
     return loss_sum, tokens, grads
 
 
-def default_loss_gradients(model, docs, seq_length: int, micro_batch_size: int) -> dict:
+def default_loss_gradients(model, docs, seq_length: int, micro_batch_size: int,
+                           context_parallel: int = 1) -> dict:
     """Gradients of Megatron's default loss at one data-parallel rank: the documents grouped
     into the micro-batches Megatron's schedules receive (the project's packing,
     ``micro_batch_rows``), the mean over those micro-batches of each one's token mean,
     computed here from per-document loss sums (each document alone); a micro-batch's tokens are
-    its loss tokens (``--eod-mask-loss`` masks the end-of-document inputs)."""
+    its loss tokens (``--eod-mask-loss`` masks the end-of-document inputs).
+
+    With ``context_parallel`` ranks, Megatron's: each row of a micro-batch cut into
+    ``2 x context_parallel`` chunks, rank ``r`` holding chunks ``r`` and ``2 x cp - 1 - r`` of
+    every row, a micro-batch's loss the mean over the ranks of their shares' token means; here
+    each document's tokens take the weight of the share their row positions fall in."""
     lengths = [len(doc) - 1 for doc in docs]
     counted = [loss_tokens(doc) for doc in docs]
     batches = micro_batch_rows(lengths, seq_length, micro_batch_size)
-    weights = [0.0] * len(docs)
+    if context_parallel == 1:
+        weights = [0.0] * len(docs)
+        for rows in batches:
+            members = [index for row in rows for index in row]
+            for index in members:
+                weights[index] = 1.0 / (sum(counted[i] for i in members) * len(batches))
+        return weighted_gradients(model, docs, weights)[2]
+    chunk = seq_length // (2 * context_parallel)
+    share_of = [min(c, 2 * context_parallel - 1 - c) for c in range(2 * context_parallel)]
+    eod = eod_mask_token()
+    counts = [np.ones(n) if eod is None else (doc[:-1] != eod).astype(np.float64)
+              for doc, n in zip(docs, lengths)]
+    weights = [None] * len(docs)
     for rows in batches:
-        members = [index for row in rows for index in row]
-        for index in members:
-            weights[index] = 1.0 / (sum(counted[i] for i in members) * len(batches))
+        shares, tokens = {}, np.zeros(context_parallel)
+        for row in rows:
+            start = 0
+            for index in row:
+                positions = np.arange(start, start + lengths[index])
+                shares[index] = np.array([share_of[p // chunk] for p in positions])
+                np.add.at(tokens, shares[index], counts[index])
+                start += lengths[index]
+        for index, share in shares.items():
+            weights[index] = 1.0 / (np.maximum(tokens[share], 1) * context_parallel
+                                    * len(batches))
     return weighted_gradients(model, docs, weights)[2]

@@ -71,6 +71,9 @@ BLOCK = ["--recompute-granularity", "full", "--recompute-method", "block",
          "--recompute-num-layers", "1"]
 SELECTIVE = ["--recompute-granularity", "selective"]
 MBS2 = ["--micro-batch-size", "2"]
+#: Megatron's name for Ulysses context parallelism, which the document attention runs for every
+#: ``--cp-comm-type`` (the layouts without it run Megatron's default, p2p).
+A2A = ["--cp-comm-type", "a2a"]
 #: Megatron's overlapped gradient reduction with buckets of 10000 parameters (the first stage of
 #: the tiny model at PP=2 holds about 38000): several buckets, reduced as the backward goes.
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "10000"]
@@ -190,7 +193,7 @@ VARIANTS = {
                                    "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                    *ELASTIC]),
         "pp2_ulysses2_elastic": (4, ["--pipeline-model-parallel-size", "2",
-                                     "--context-parallel-size", "2", *ELASTIC]),
+                                     "--context-parallel-size", "2", *A2A, *ELASTIC]),
         "tp2_sp_ulysses2_elastic": (4, ["--tensor-model-parallel-size", "2",
                                         "--sequence-parallel", "--context-parallel-size", "2",
                                         *ELASTIC]),
@@ -199,9 +202,21 @@ VARIANTS = {
                                    "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                    *SEQ1F1B]),
         "pp2_ulysses2_seq1f1b": (4, ["--pipeline-model-parallel-size", "2",
-                                     "--context-parallel-size", "2", *SEQ1F1B]),
+                                     "--context-parallel-size", "2", *A2A, *SEQ1F1B]),
         "pp2_ulysses2_ir": (4, ["--pipeline-model-parallel-size", "2",
-                                "--context-parallel-size", "2", "--pipeline-schedule", "1f1b-ir"]),
+                                "--context-parallel-size", "2", *A2A,
+                                "--pipeline-schedule", "1f1b-ir"]),
+        # Megatron's own schedules with Ulysses context parallelism; its default loss too
+        # (DEFAULT_LOSS), which weighs each token as Megatron's 2 x CP chunks of a row do.
+        "pp2_ulysses2_1f1b": (4, ["--pipeline-model-parallel-size", "2",
+                                  "--context-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
+        "pp2_ulysses2_default_loss_mbs2": (4, ["--pipeline-model-parallel-size", "2",
+                                               "--context-parallel-size", "2", *A2A,
+                                               "--pipeline-schedule", "1f1b", *MBS2]),
+        "pp2_vp2_ulysses2_interleaved_default_loss": (4, [
+            "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", *A2A,
+            "--num-layers-per-virtual-pipeline-stage", "1",
+            "--pipeline-schedule", "interleaved"]),
         # A schedule registered from outside the source tree (OUTSIDE_SCHEDULES).
         "pp2_gpipe_outside": (2, ["--pipeline-model-parallel-size", "2",
                                   "--pipeline-schedule", "gpipe"]),
@@ -240,7 +255,7 @@ VARIANTS = {
                                            "--sequence-parallel", *SPPO,
                                            "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
         "pp2_ulysses2_sppo_n6_offload": (4, ["--pipeline-model-parallel-size", "2",
-                                             "--context-parallel-size", "2", *SPPO,
+                                             "--context-parallel-size", "2", *A2A, *SPPO,
                                              "--sppo-subsequences", "6", "--sppo-offload", "1"]),
         # Megatron's default loss (DEFAULT_LOSS): Megatron's own 1F1B, then the schedules that
         # weight each token as Megatron's packing does (context parallelism included).
@@ -377,7 +392,12 @@ PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: they name (``reference_default_mbs<N>.pt``, golden_run.py).
 DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_seq1f1b_default_loss_mbs2", "pp2_ulysses2_sppo_default_loss_mbs2",
-                "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2"}
+                "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2",
+                "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss"}
+#: The schedules that run Megatron's micro-batches: their default loss under context
+#: parallelism is Megatron's at that degree (``reference_default_mbs<N>_cp<C>.pt``); the
+#: document schedules' is Megatron's at one context-parallel rank.
+MEGATRON_MICRO_BATCHES = ("1f1b", "interleaved", "1f1b-ir")
 
 
 def loss_flags(common: list, tag: str) -> list:
@@ -390,6 +410,10 @@ def reference_file(tag: str, flags: list) -> str:
     if tag not in DEFAULT_LOSS:
         return "reference.pt"
     size = flags[flags.index("--micro-batch-size") + 1] if "--micro-batch-size" in flags else "1"
+    cp = flags[flags.index("--context-parallel-size") + 1] \
+        if "--context-parallel-size" in flags else "1"
+    if cp != "1" and flags[flags.index("--pipeline-schedule") + 1] in MEGATRON_MICRO_BATCHES:
+        return f"reference_default_mbs{size}_cp{cp}.pt"
     return f"reference_default_mbs{size}.pt"
 
 

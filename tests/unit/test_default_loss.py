@@ -118,3 +118,60 @@ def test_each_micro_batch_weighs_one_over_the_micro_batches():
             if members:
                 assert sum(weights[i] * lengths[i] for i in members) == \
                     pytest.approx(1 / per_replica)
+
+
+def _zigzag(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Megatron's ``get_batch_on_this_cp_rank``: chunks ``rank`` and ``2 cp - 1 - rank`` of
+    ``2 cp`` equal ones."""
+    chunk = seq // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ulysses_shares_weighted_as_megatrons_chunks_give_megatrons_cp_loss(cp):
+    """Megatron's default loss under context parallelism (megatron/plugin/context_loss.py):
+    rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r`` of every row, its loss its sum over its
+    token count; DDP averages the ranks. The project's contiguous Ulysses shares, weighted by
+    ``megatron_share_weights``, through ``loss_func`` and Megatron's division by each share's
+    own count, give that loss; with padding at the rows' ends it differs from the micro-batch's
+    token mean (the loss at one rank), which it equals when every share counts alike."""
+    from megatron.plugin.batches import MicroBatch
+    from megatron.plugin.context_loss import megatron_share_weights
+
+    rng = np.random.default_rng(cp)
+    rows, seq = 3, 8 * cp
+    losses = torch.tensor(rng.random((rows, seq)))
+    mask = torch.ones(rows, seq)
+    mask[0, seq - 2 * cp - 1:] = 0  # padding
+    mask[2, seq // 3:] = 0
+    mask[1, 1] = 0  # an end-of-document input under --eod-mask-loss
+
+    def megatron(mask):
+        return sum(float((losses[:, _zigzag(seq, cp, r)] * mask[:, _zigzag(seq, cp, r)]).sum())
+                   / max(float(mask[:, _zigzag(seq, cp, r)].sum()), 1) for r in range(cp)) / cp
+
+    def ulysses(mask):
+        zeros = torch.zeros(rows, seq, dtype=torch.long)
+        batch = MicroBatch(zeros, zeros, mask, zeros, (), None, megatron_share_weights(mask, cp))
+        total = 0.0
+        for rank in range(cp):
+            share = batch.context_share(rank, cp)
+            part = slice(rank * seq // cp, (rank + 1) * seq // cp)
+            loss, tokens, _ = loss_func(share.loss_mask, losses[:, part].contiguous(),
+                                        share.loss_weights)
+            total += float(loss) / max(int(tokens), 1) / cp
+        return total
+
+    assert ulysses(mask) == pytest.approx(megatron(mask), rel=1e-6)
+    token_mean = float((losses * mask).sum() / mask.sum())
+    assert megatron(mask) != pytest.approx(token_mean, rel=1e-4)
+    full = torch.ones(rows, seq)
+    assert ulysses(full) == pytest.approx(float(losses.mean()), rel=1e-6)
+
+
+def test_megatrons_chunks_must_divide_the_row():
+    from megatron.plugin.context_loss import megatron_share_weights
+
+    with pytest.raises(ValueError, match="must be divisible by 4"):
+        megatron_share_weights(torch.ones(1, 6), 2)

@@ -237,18 +237,16 @@ def test_the_flags_megatron_accepts_only_beside_a_refused_one_are_named_with_it(
 
 
 def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
-    # 1f1b-ir runs Megatron's micro-batches: under context parallelism only the per-token
-    # loss is the same at every degree.
+    # Ulysses splits the heads: one query group cannot be split over two ranks.
     monkeypatch.setenv("WORLD_SIZE", "4")
-    argv = [arg for arg in TINY_MODEL if arg != "--calculate-per-token-loss"]
     with pytest.raises(ValueError) as refused:
-        arguments.check_command_line([*argv, "--pipeline-model-parallel-size", "2",
-                                      "--context-parallel-size", "2",
-                                      "--pipeline-schedule", "1f1b-ir",
-                                      "--multi-latent-attention"],
+        arguments.check_command_line([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                                      "--context-parallel-size", "2", "--group-query-attention",
+                                      "--num-query-groups", "1", "--pipeline-schedule",
+                                      "1f1b-ir", "--multi-latent-attention"],
                                      training=True)
     text = str(refused.value)
-    for named in ("add --calculate-per-token-loss", "--multi-latent-attention is not supported",
+    for named in ("choose a degree that divides them", "--multi-latent-attention is not supported",
                   "--eval-interval is not set"):
         assert named in text, text
 

@@ -105,19 +105,20 @@ def test_every_honoured_pair_has_its_golden_layout():
 
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Megatron's default loss: schedule -> the golden layout trained without
-#: ``--calculate-per-token-loss`` (``default`` picks Megatron's 1F1B). ``interleaved`` is
-#: Megatron's own code and ``1f1b-ir`` Megatron's micro-batches through Megatron's
-#: ``forward_step`` (equal to 1F1B under the per-token loss, golden); ``helix`` runs
+#: ``--calculate-per-token-loss`` (``default`` picks Megatron's 1F1B). ``1f1b-ir`` runs
+#: Megatron's micro-batches through Megatron's ``forward_step`` (equal to 1F1B under the
+#: per-token loss, golden); ``helix`` runs
 #: Megatron's micro-batches too, the others weight tokens themselves.
 DEFAULT_LOSS_LAYOUTS = {
     "default": "pp2_default_loss_mbs2",
     "1f1b": "pp2_default_loss_mbs2",
+    "interleaved": "pp2_vp2_ulysses2_interleaved_default_loss",
     "elastic": "pp2_elastic_default_loss_mbs2",
     "seq1f1b": "pp2_seq1f1b_default_loss_mbs2",
     "sppo": "pp2_ulysses2_sppo_default_loss_mbs2",
     "helix": "pp2_helix_default_loss",
 }
-DEFAULT_LOSS_UNGOLDEN = {"interleaved", "1f1b-ir"}
+DEFAULT_LOSS_UNGOLDEN = {"1f1b-ir"}
 
 
 @pytest.mark.parametrize("schedule", registry.schedule_names())
@@ -136,17 +137,37 @@ def test_megatron_default_loss_is_accepted_with_its_golden_layout(schedule, monk
         ("1f1b" if schedule == "default" else schedule), tag
 
 
-def test_context_parallel_1f1b_ir_needs_the_per_token_loss(monkeypatch):
-    """Megatron's micro-batches under Ulysses: the default loss would divide each
-    context-parallel rank's share by that share's token count, so it is refused by name."""
+@pytest.mark.parametrize("schedule", ["default", "1f1b", "interleaved", "1f1b-ir"])
+def test_context_parallel_takes_megatrons_default_loss_with_its_micro_batches(schedule,
+                                                                               monkeypatch):
+    """Megatron's micro-batches under Ulysses: the default loss weighs each token as
+    Megatron's own context-parallel split does (megatron/plugin/context_loss.py), so it is
+    accepted; Megatron-LM's validation refuses a --seq-length that its 2 x CP chunks do not
+    divide, whatever the loss."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = [flag for flag in BASE if flag != PER_TOKEN_LOSS]
-    with pytest.raises(ValueError, match="add --calculate-per-token-loss"):
-        arguments.parse([*argv, "--context-parallel-size", "2", "--pipeline-schedule",
-                         "1f1b-ir"])
-    args = arguments.parse([*argv, "--context-parallel-size", "2", "--pipeline-schedule",
-                            "elastic"])
-    assert args.context_parallel_size == 2
+    flags = [*_layout_flags(schedule), "--context-parallel-size", "2", "--pipeline-schedule",
+             schedule]
+    assert arguments.parse([*argv, *flags]).context_parallel_size == 2
+    with pytest.raises(AssertionError, match="multiple of 2 \\* context-parallel-size"):
+        arguments.parse([*BASE, *flags, "--seq-length", "66", "--max-position-embeddings",
+                         "128"])
+
+
+def test_cp_comm_type_accepts_the_values_that_run_ulysses(monkeypatch):
+    """The document attention runs Ulysses all-to-all for every --cp-comm-type: a2a and
+    Megatron's default p2p, one value or one per layer, are accepted; allgather and a2a+p2p
+    are refused naming what to pass."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = [*BASE, "--context-parallel-size", "2", "--pipeline-schedule", "1f1b"]
+    assert arguments.parse([*argv, "--cp-comm-type", "a2a"]).cp_comm_type == ["a2a"]
+    per_layer = ["a2a", "p2p", "p2p", "a2a"]
+    assert arguments.parse([*argv, "--cp-comm-type", *per_layer]).cp_comm_type == per_layer
+    for value in (["allgather"], ["a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "1"],
+                  ["a2a", "allgather", "a2a", "a2a"]):
+        with pytest.raises(ValueError, match="--cp-comm-type .* is not supported .* pass "
+                                             "--cp-comm-type a2a"):
+            arguments.parse([*argv, "--cp-comm-type", *value])
 
 
 #: Options the document schedules refuse (Megatron's own schedules run them with Megatron's
