@@ -401,13 +401,18 @@ def _cuda_is_identity(module_name: str):
         torch.Tensor.cuda, torch.nn.Module.cuda = originals
 
 
+def _class_attribute(name: str) -> tuple[str, type, str]:
+    """``(module name, class, attribute name)`` of ``"module:Class.attribute"``."""
+    module_name, _, attr = name.partition(":")
+    class_name, _, attribute = attr.partition(".")
+    return module_name, getattr(importlib.import_module(module_name), class_name), attribute
+
+
 def _wrap_methods() -> None:
     for name in _METHODS:
         if name in _originals:
             continue
-        module_name, _, attr = name.partition(":")
-        class_name, method_name = attr.split(".")
-        cls = getattr(importlib.import_module(module_name), class_name)
+        module_name, cls, method_name = _class_attribute(name)
         method = getattr(cls, method_name)
         _originals[name] = method
 
@@ -449,9 +454,7 @@ def _name_types_as_cuda() -> None:
     for name in _TYPE_NAMED_METHODS:
         if name in _originals:
             continue
-        module_name, _, attr = name.partition(":")
-        class_name, method_name = attr.split(".")
-        cls = getattr(importlib.import_module(module_name), class_name)
+        module_name, cls, method_name = _class_attribute(name)
         original = cls.__dict__[method_name]
         _originals[name] = original
 
@@ -520,8 +523,6 @@ def _patch_rng_tracker() -> None:
     for name, twin in _TRACKER_METHODS.items():
         if name in _originals:
             continue
-        module_name, _, attr = name.partition(":")
-        cls_name, _, method = attr.partition(".")
-        cls = getattr(importlib.import_module(module_name), cls_name)
+        _, cls, method = _class_attribute(name)
         _originals[name] = cls.__dict__[method]
         setattr(cls, method, twin)
