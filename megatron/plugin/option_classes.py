@@ -347,7 +347,8 @@ HONOURED: dict[str, Honoured] = {
     # The project's own options.
     "pipeline_schedule": Honoured({"*": "golden:pp2"}, ""),
     "pipeline_timeout_s": Honoured(
-        {"*": "tests/e2e/test_hangs.py::test_a_stopped_rank_under_the_executor_is_named"}, ""),
+        {"*": "tests/e2e/test_hangs.py::"
+              "test_a_stopped_rank_is_named_under_the_executor_and_megatrons_schedule"}, ""),
     "metrics_jsonl": Honoured(
         {"*": "tests/e2e/test_pretrain.py::test_training_logs_megatron_lines_and_metrics"}, ""),
     # Megatron-LM's FLOP count, told each training step's document lengths

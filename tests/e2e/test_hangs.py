@@ -7,6 +7,7 @@ Two paths of waiting: the executor's transfers (every schedule of the project ru
 schedules and every collective, which time out after ``--distributed-timeout-minutes``
 (``1f1b`` here, the rank stopped being the first).
 """
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -70,25 +71,30 @@ def stop_a_rank(tmp_path, schedule: str, flags: list[str], rank: int,
 COLLECTIVES = ["--distributed-timeout-minutes", "1"]
 
 
-def test_a_stopped_rank_under_the_executor_is_named(tmp_path):
-    """Aimed at a pipeline transfer (10 s timeout); a stop that lands in a gradient collective
-    instead must end the job after the collectives' minute, naming that operation."""
+def test_a_stopped_rank_is_named_under_the_executor_and_megatrons_schedule(tmp_path):
+    """Both jobs at once (each spends most of its time waiting for its timeout). Under the
+    executor the stop is aimed at a pipeline transfer (10 s timeout); a stop that lands in a
+    gradient collective instead must end the job after the collectives' minute, naming that
+    operation. Under Megatron's schedule the stopped first rank leaves the other waiting in a
+    collective."""
     # 96 documents a batch: the forward-backward takes ~90% of an iteration (~0.3 s on 2 CPU
     # cores), so the aim is far wider than the stop's latency.
-    output, took = stop_a_rank(tmp_path, "elastic", ["--global-batch-size", "96",
-                                                     "--pipeline-timeout-s", "10",
-                                                     *COLLECTIVES], 1, mid_schedule=True)
-    assert "rank 0 timed out waiting; rank(s) 1 stopped answering" in output, output[-3000:]
-    if "Timed out waiting 60000ms" in output:
+    for name in ("executor", "megatron"):
+        (tmp_path / name).mkdir()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        executor = pool.submit(stop_a_rank, tmp_path / "executor", "elastic",
+                               ["--global-batch-size", "96", "--pipeline-timeout-s", "10",
+                                *COLLECTIVES], 1, mid_schedule=True)
+        megatron = pool.submit(stop_a_rank, tmp_path / "megatron", "1f1b", COLLECTIVES, 0)
+        output, took = executor.result()
+        assert "rank 0 timed out waiting; rank(s) 1 stopped answering" in output, output[-3000:]
+        if "Timed out waiting 60000ms" in output:
+            assert took < 60 + 60
+        else:
+            assert "pipeline rank 0: " in output and "(peer stage 1) did not complete within " \
+                "10.0s" in output, output[-3000:]
+            assert took < 10 + 60
+        output, took = megatron.result()
+        assert "Timed out waiting 60000ms" in output, output[-3000:]
+        assert "rank 1 timed out waiting; rank(s) 0 stopped answering" in output
         assert took < 60 + 60
-    else:
-        assert "pipeline rank 0: " in output and "(peer stage 1) did not complete within " \
-            "10.0s" in output, output[-3000:]
-        assert took < 10 + 60
-
-
-def test_a_stopped_rank_under_megatrons_schedule_is_named(tmp_path):
-    output, took = stop_a_rank(tmp_path, "1f1b", COLLECTIVES, 0)
-    assert "Timed out waiting 60000ms" in output, output[-3000:]
-    assert "rank 1 timed out waiting; rank(s) 0 stopped answering" in output
-    assert took < 60 + 60
