@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import logging
 import os
 import sys
 import traceback
@@ -34,6 +35,8 @@ from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
 from megatron.plugin.pipeline import p2p, run_settings
+
+log = logging.getLogger(__name__)
 
 MODEL_TYPE = ModelType.encoder_or_decoder
 
@@ -274,7 +277,7 @@ def _parses_in_initialize() -> bool:
 def _after_parsing(args) -> None:
     arguments.check_args(args)
     if args.rank == 0:
-        print(sample_meaning(args), flush=True)
+        log.info(sample_meaning(args))
     run_settings.configure(args.pipeline_timeout_s, args.trace_dir)
     registry.use_schedule(args.pipeline_schedule)
 
