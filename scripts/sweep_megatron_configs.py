@@ -261,11 +261,11 @@ def _sweep_one(name: str, model_args: dict, schedule: str, workdir: str) -> dict
 
 
 def advised_drops(message: str) -> list[str]:
-    """The flags a refusal asks to remove: those it is about (:func:`subjects`; a refused
-    value is replaced by the default that way) and those after "drop"."""
+    """The flags a refusal asks to remove, each once: those it is about (:func:`subjects`; a
+    refused value is replaced by the default that way) and those after "drop"."""
     named = [flag for flag in subjects(message) if flag.startswith("--")]
     named += re.findall(r"drop (--[a-z0-9-]+(?:(?:, | and | or )--[a-z0-9-]+)*)", message)
-    return [flag for text in named for flag in _FLAG.findall(text)]
+    return list(dict.fromkeys(flag for text in named for flag in _FLAG.findall(text)))
 
 
 def chained(first: list[str], after: list[str]) -> list[str]:

@@ -92,12 +92,14 @@ def test_subjects_are_the_flags_before_the_reason():
 
 
 def test_following_the_advice_drops_what_a_refusal_names_and_finds_what_it_led_into():
-    cpu = ("--bf16, --fp16 and --use-distributed-optimizer need CUDA (why): drop them on a "
-           "machine without a GPU, and drop --overlap-param-gather and "
-           "--overlap-param-gather-with-optimizer-step with the distributed optimizer (why)")
-    assert advised_drops(cpu) == ["--bf16", "--fp16", "--use-distributed-optimizer",
-                                  "--overlap-param-gather",
-                                  "--overlap-param-gather-with-optimizer-step"]
+    cpu = ("--bf16 and --fp16 need CUDA (why): drop them on a machine without a GPU (fp32 "
+           "trains there)")
+    assert advised_drops(cpu) == ["--bf16", "--fp16"]
+    companions = ("--overlap-param-gather and --overlap-param-gather-with-optimizer-step "
+                  "accepted by Megatron-LM only beside a flag refused above: drop "
+                  "--overlap-param-gather and --overlap-param-gather-with-optimizer-step with it")
+    assert advised_drops(companions) == ["--overlap-param-gather",
+                                         "--overlap-param-gather-with-optimizer-step"]
     assert advised_drops("helix interleaves layer parts itself: drop "
                          "--num-layers-per-virtual-pipeline-stage") == [
         "--num-layers-per-virtual-pipeline-stage"]
