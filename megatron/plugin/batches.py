@@ -69,7 +69,10 @@ class MicroBatch:
             raise ValueError(f"a {seq}-token row cannot be split over {size} context-parallel "
                              f"ranks")
         part = slice(rank * seq // size, (rank + 1) * seq // size)
-        share = lambda t: None if t is None else t[:, part].contiguous()  # noqa: E731
+
+        def share(t):
+            return None if t is None else t[:, part].contiguous()
+
         return MicroBatch(share(self.tokens), share(self.labels), share(self.loss_mask),
                           share(self.position_ids), self.segments, self.share,
                           share(self.loss_weights))
