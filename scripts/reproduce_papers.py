@@ -633,7 +633,7 @@ def sppo() -> list[dict]:
         found = longest_length(MEGATRON, model, gpus, layout)
         why, ledger = None, {}
         if found > published:
-            why, ledger = megatron_memory(model, gpus, layout, published,
+            why, ledger = megatron_memory(profile, model, gpus, layout, published,
                                           longest_length(MEGATRON, model, gpus, layout,
                                                          paper_terms.fragmented(profile)))
         rows.append(row("SPPO", f"longest sequence, {MEGATRON}, {model.name}, {gpus} GPUs, "
@@ -662,12 +662,13 @@ def sppo() -> list[dict]:
 
 
 FRAGMENTATION = "the caching allocator's fragmentation at GMLake's A100-80GB mean"
-FRAGMENTATION_SOURCE = ("GMLake (ASPLOS 2024, arXiv 2401.08156): 15% of the reservation on "
-                        "average over eight LLMs; paper_terms.fragmented")
+FRAGMENTATION_SOURCE = (f"GMLake (ASPLOS 2024, arXiv 2401.08156): "
+                        f"{paper_terms.GMLAKE_FRAGMENTATION:.0%} of the reservation on average "
+                        f"over eight LLMs; paper_terms.fragmented")
 
 
-def megatron_memory(model, gpus: int, layout: tuple[int, int], published_k: int,
-                    longest_fragmented_k: float) -> tuple[dict, dict]:
+def megatron_memory(profile: HardwareProfile, model, gpus: int, layout: tuple[int, int],
+                    published_k: int, longest_fragmented_k: float) -> tuple[dict, dict]:
     """Why Megatron-LM's simulated longest sequence exceeds the paper's, and the memory ledger
     at the paper's length (one GPU's peak, GB): the device memory the simulation leaves free,
     the TP + SP full-sequence buffers and the loss's buffers already in it, NCCL's buffers
@@ -677,7 +678,6 @@ def megatron_memory(model, gpus: int, layout: tuple[int, int], published_k: int,
     from sppo_offload.costs import subsequence_chunks
     from sppo_offload.solver import MEGATRON, SolverConfig, solve
 
-    profile = testbed("sppo-a100")
     config = SolverConfig(gpus=gpus, memory_gb=80.0, layout=layout)
     tokens = published_k * 1024
     plain = solve(MEGATRON, tokens, model, profile, config)
@@ -696,7 +696,8 @@ def megatron_memory(model, gpus: int, layout: tuple[int, int], published_k: int,
         "nccl_communicators": paper_terms.megatron_communicators(*layout),
         "reserved": cost.parallel.reserved_gb,
         "model_state": (cost.static_bytes(last) / GB - cost.parallel.reserved_gb)}}
-    why = term(FRAGMENTATION + " (15% of the reservation), GB at the paper's length",
+    why = term(f"{FRAGMENTATION} ({paper_terms.GMLAKE_FRAGMENTATION:.0%} of the reservation), "
+               f"GB at the paper's length",
                (max(fragments.peak_memory_bytes) - max(plain.peak_memory_bytes)) / GB, "GB",
                longest_fragmented_k, FRAGMENTATION_SOURCE)
     return why, ledger
