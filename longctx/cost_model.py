@@ -119,9 +119,10 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
     of the two directions and the one charged. The gathers go into megatron-core's global
     memory buffer (``parallel_state.get_global_memory_buffer``, kept for the whole run at the
     largest size asked for), one of the two while a layer runs. While the loss's backward
-    runs it is held beside the loss buffers, which the larger-of rule below leaves out; the
-    FP32 logits, charged here until the stage's backward ends though megatron-core frees
-    them once the loss's backward is done, cover it at the stage's peak;
+    runs it is held beside the loss buffers too, which the larger-of rule below does not
+    charge: the model under-counts that moment by up to ``e`` bytes per token of
+    ``[tokens / (sp cp), h]`` (and over-counts the layers' backwards after it by the FP32
+    logits, which megatron-core frees once the loss's backward is done);
   - *loss buffers* on the last stage, ``e V / (sp tp cp)`` bytes per token when the model's
     dtype is below FP32: the output layer's logits in the model's dtype live beside the FP32
     copy the vocab-parallel cross entropy makes of them (megatron-core
