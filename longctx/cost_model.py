@@ -106,7 +106,8 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   divide it back out;
 - workspace, what a running stage holds beyond its stash (the simulator adds it on top of the
   stash while a forward, backward or recomputation runs; the elastic planner's budget sets
-  aside the batch's largest on each stage), as Megatron-LM's layers allocate it:
+  aside the batch's largest on each stage), as Megatron-LM's layers allocate it, through the
+  same caching allocator as the activations (times ``1 + allocator_overhead`` too):
 
   - *TP + SP full-sequence buffers*, ``2 e`` bytes per token of ``[tokens / (sp cp), h]``
     when ``tp > 1``: a column-parallel linear all-gathers its input into a full-sequence
@@ -115,7 +116,13 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
     all-gathers it again for the weight gradient (``total_input``) while it holds the
     full-sequence input gradient ``grad_output @ weight`` (``grad_input``) that it then
     reduce-scatters: two full ``[tokens, h]`` buffers at once, the backward's being the larger
-    of the two directions and the one charged;
+    of the two directions and the one charged. The gathers go into megatron-core's global
+    memory buffer (``parallel_state.get_global_memory_buffer``, kept for the whole run at the
+    largest size asked for), one of the two while a layer runs. While the loss's backward
+    runs it is held beside the loss buffers too, which the larger-of rule below does not
+    charge: the model under-counts that moment by up to ``e`` bytes per token of
+    ``[tokens / (sp cp), h]`` (and over-counts the layers' backwards after it by the FP32
+    logits, which megatron-core frees once the loss's backward is done);
   - *loss buffers* on the last stage, ``e V / (sp tp cp)`` bytes per token when the model's
     dtype is below FP32: the output layer's logits in the model's dtype live beside the FP32
     copy the vocab-parallel cross entropy makes of them (megatron-core
@@ -418,14 +425,14 @@ class CostModel:
         if p.tp == 1:
             return 0.0
         return 2 * self.model.element_bytes * chunk.tokens * self.model.hidden_size \
-            / (p.sp * p.cp)
+            / (p.sp * p.cp) * self.allocator
 
     def loss_workspace(self, chunk: Chunk) -> float:
         """Bytes the last stage's loss holds beyond its FP32 logits (module doc)."""
         m, p = self.model, self.parallel
         if m.element_bytes >= 4:
             return 0.0
-        return m.element_bytes * m.vocab_size * chunk.tokens / (p.sp * p.tp * p.cp)
+        return m.element_bytes * m.vocab_size * chunk.tokens / (p.sp * p.tp * p.cp) * self.allocator
 
     def stage_workspace(self, stage: int, chunk: Chunk) -> float:
         """Bytes ``stage`` holds beyond its stash while it runs ``chunk``: the larger of a

@@ -28,8 +28,8 @@ differs -- the papers' testbeds do -- says so in a profile of its own):
   switch); SPPO's GPUs offload at once, so each gets ``host_link_gbps / gpus_per_host_link``
   (:attr:`HardwareProfile.host_gbps_per_gpu`).
 - ``allocator_overhead``: device bytes the caching allocator holds beyond the live activations
-  (fragmentation), as a fraction of them: the cost model charges ``1 + allocator_overhead``
-  device bytes per activation byte.
+  and workspace buffers (fragmentation), as a fraction of them: the cost model charges
+  ``1 + allocator_overhead`` device bytes per activation or workspace byte.
 - ``kernel_efficiency``: ``[[tokens, fraction], ...]``, the share of the large-chunk compute
   throughput a layer reaches on a chunk of ``tokens`` tokens per GPU (short chunks leave the
   GEMM and attention kernels below their peak). Interpolated linearly in ``log2(tokens)``,

@@ -15,11 +15,47 @@ from the papers' systems, computed from the same cost model (for ``reproduce_pap
   micro-batch against ``L`` layers).
 - **All-to-all seconds** of a plan: each micro-batch's Ulysses all-to-alls on each stage, in
   its forward, backward and recomputed forwards (the cost model's layer collectives).
+- **The caching allocator's fragmentation** (the SPPO rows' Megatron-LM, which like every
+  PyTorch program allocates through it): device bytes reserved beyond the live ones. GMLake
+  (Guo et al., ASPLOS 2024, arXiv 2401.08156, abstract) measures it on A100-80GB GPUs over eight
+  LLMs trained with recomputation, offloading and distributed training: stitching the
+  fragments cuts 15% of the reserved memory on average (up to 33%), so PyTorch's allocator
+  leaves at least that share of its reservation unused. The mean is priced, as the fraction
+  ``f`` of reserved memory: ``f / (1 - f)`` reserved bytes per live byte (the profile's
+  ``allocator_overhead``) on every activation, buffer and workspace byte; model state is
+  allocated once and is left out. The choice: the mean, not the maximum, of the workloads
+  GMLake measured; none of them is the papers' (Megatron-LM's full recomputation at 0.5-2M
+  tokens).
+- **NCCL's buffers** of the communicators Megatron-LM runs collectives on in a layout (for
+  the rows' detail). NCCL keeps a buffer per channel for each ring or tree connection (NCCL's
+  documentation, ``NCCL_BUFFSIZE``: 4 MiB a buffer by default; NVIDIA/nccl#1450: each channel
+  its own buffer for collectives, one shared buffer for send/receive), more memory per
+  communicator, linear in its channels, and for a ring two connections whatever its size
+  (NVIDIA/nccl#864, the maintainers' answer). Measured on A100s over NVLink
+  (NVIDIA/nccl#964): 544 MiB for a communicator of two GPUs and 688 MiB for one of more, once
+  it has run an all-reduce; the rows take those figures for inter-node groups too (the choice:
+  no figure is published for them). Megatron-LM's communicators that carry collectives or
+  transfers every iteration: tensor parallelism's (``sp`` > 1), the pipeline's send/receive
+  (``pp`` > 1) and the model-parallel group's gradient-norm all-reduce (``sp pp`` > 1; with
+  one data-parallel replica, as Table 4's layouts, the data-parallel group has one GPU). The
+  cost model's ``reserved_gb`` (2 GB) already stands for them, with the CUDA context: the
+  detail shows the two side by side.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from longctx import collectives
 from longctx.cost_model import CostModel
+from longctx.hardware import HardwareProfile
+
+GMLAKE_FRAGMENTATION = 0.15
+"""Share of the caching allocator's reserved memory left unused, GMLake's A100-80GB mean
+(module doc)."""
+NCCL_COMMUNICATOR_MIB = {2: 544, 3: 688}
+"""MiB one NCCL communicator holds once it has run a collective, by its GPUs (two; three or
+more), NVIDIA/nccl#964 on A100s over NVLink (module doc)."""
+MIB = 1 << 20
 
 
 def zero3_layer_traffic_s(cost: CostModel, gpus: int) -> tuple[float, float]:
@@ -78,3 +114,25 @@ def flexsp_terms(plan, gpus: int) -> dict[str, float]:
         zero3 += slowest[0] + slowest[1] - plain
         a2a += slowest[2]
     return {"s": seconds, "zero3_s": zero3, "a2a_s": a2a}
+
+
+def fragmented(hardware: HardwareProfile,
+               fraction: float = GMLAKE_FRAGMENTATION) -> HardwareProfile:
+    """``hardware`` with the allocator leaving ``fraction`` of its reservation unused: an
+    ``allocator_overhead`` of ``fraction / (1 - fraction)`` reserved bytes per live byte."""
+    if not 0 <= fraction < 1:
+        raise ValueError(f"fragmentation must be in [0, 1), got {fraction}")
+    return dataclasses.replace(hardware, allocator_overhead=fraction / (1 - fraction))
+
+
+def megatron_communicators(sp: int, pp: int) -> dict[str, int]:
+    """GPUs of each communicator Megatron-LM runs collectives or transfers on every iteration
+    at tensor + sequence parallelism ``sp`` and ``pp`` stages, one replica (module doc)."""
+    groups = {"tensor parallel": sp, "pipeline send/receive": pp, "gradient norm": sp * pp}
+    return {name: ranks for name, ranks in groups.items() if ranks > 1}
+
+
+def nccl_buffer_bytes(sp: int, pp: int) -> float:
+    """Device bytes of NCCL's buffers on one GPU of that layout (module doc)."""
+    return sum(NCCL_COMMUNICATOR_MIB[min(ranks, 3)] * MIB
+               for ranks in megatron_communicators(sp, pp).values())

@@ -180,6 +180,16 @@ def test_the_loss_holds_the_logits_in_the_model_dtype_beside_their_fp32_copy():
     assert CostModel(fp32, profile(), ParallelConfig(pp=2, tp=2)).loss_workspace(chunk) == 0
 
 
+def test_the_allocator_overhead_applies_to_the_workspace_as_to_the_activations():
+    """Buffers allocated while a layer or the loss runs go through the same caching allocator:
+    an overhead of 0.25 makes TP 2's two full-sequence buffers of 1024 tokens 2 x 1024 x 64 x 2
+    x 1.25 = 327680 bytes, and the loss's BF16 logits 1024 x 100 / 2 x 2 x 1.25 = 128000."""
+    chunk = one_piece(1024)
+    cost = CostModel(TINY, profile(allocator_overhead=0.25), ParallelConfig(pp=1, tp=2))
+    assert cost.layer_workspace(chunk) == 2 * 1024 * 64 * 2 * 1.25 == 327680
+    assert cost.loss_workspace(chunk) == 1024 * 100 / 2 * 2 * 1.25 == 128000
+
+
 def test_ring_attention_is_exposed_only_beyond_the_attention_it_overlaps():
     """CP 4 over a 100 GB/s link (4 GPUs, one node): each GPU holds a quarter of the chunk's
     tokens and of its work; the ring passes a K/V block of tokens / 4 x 2h x 2 bytes three
