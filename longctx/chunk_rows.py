@@ -52,14 +52,14 @@ def chunk_row(chunk: Chunk, documents, doc_ids, multiple: int) -> tuple:
 def chunk_batch(chunk: Chunk, documents, doc_ids, multiple: int,
                 weights=None) -> MicroBatch:
     """The micro-batch of one chunk's row (:func:`chunk_row`); with ``weights`` (per document
-    of ``documents``: :func:`~megatron.plugin.default_loss.unit_weights`) every token carries
-    its document's as its loss weight, padding none."""
+    of ``documents``, one per input: :func:`~megatron.plugin.default_loss.unit_weights`) every
+    token carries its input's as its loss weight, padding none."""
     batch = micro_batch([chunk_row(chunk, documents, doc_ids, multiple)])
     if weights is None:
         return batch
     row = np.zeros((1, batch.seq_length), dtype=np.float32)
     start = 0
     for piece in chunk.pieces:
-        row[0, start:start + piece.tokens] = weights[doc_ids[piece.doc]]
+        row[0, start:start + piece.tokens] = weights[doc_ids[piece.doc]][piece.start:piece.end]
         start += piece.tokens
     return dataclasses.replace(batch, loss_weights=torch.from_numpy(row))

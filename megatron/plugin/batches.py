@@ -190,12 +190,18 @@ def eod_mask_token() -> int | None:
     return get_tokenizer().eod if args.eod_mask_loss else None
 
 
+def document_loss_mask(doc: np.ndarray) -> np.ndarray:
+    """The loss mask of a document of ``n + 1`` tokens: ``n`` ones, a zero at each input
+    ``--eod-mask-loss`` masks (as :func:`forward_step` masks it)."""
+    eod = eod_mask_token()
+    inputs = np.asarray(doc)[:-1]
+    return np.ones(len(inputs)) if eod is None else (inputs != eod).astype(np.float64)
+
+
 def loss_tokens(doc: np.ndarray) -> int:
     """The loss tokens of a document of ``n + 1`` tokens: its ``n`` inputs, less those
     ``--eod-mask-loss`` masks."""
-    eod = eod_mask_token()
-    inputs = np.asarray(doc)[:-1]
-    return len(inputs) - (0 if eod is None else int(np.count_nonzero(inputs == eod)))
+    return int(document_loss_mask(doc).sum())
 
 
 def forward_step(data_iterator, model, kv_store=None, record_kv=False):

@@ -1,5 +1,7 @@
-"""Megatron-LM's default loss under context parallelism, for the schedules that run Megatron's
-micro-batches (``default``, ``1f1b``, ``interleaved``, ``1f1b-ir``).
+"""Megatron-LM's default loss under context parallelism as per-token weights of Megatron's
+micro-batches: the schedules that run those micro-batches (``default``, ``1f1b``,
+``interleaved``, ``1f1b-ir``) weigh their tokens with them, and the document schedules give each
+token the weight of its position in Megatron's packed row (:mod:`megatron.plugin.default_loss`).
 
 Megatron's meaning (megatron-core 0.19, ``pretrain_gpt.py``): ``get_batch_on_this_cp_rank``
 cuts every row of a micro-batch into ``2 x CP`` equal chunks and gives context-parallel rank

@@ -65,10 +65,14 @@ TP_SP = {"default": "golden:pp2_tp2_sp", "1f1b": "golden:pp2_tp2_sp",
          "1f1b-ir": "golden:pp2_tp2_sp_ir", "elastic": "golden:pp2_tp2_sp_elastic",
          "seq1f1b": "golden:pp2_tp2_sp_seq1f1b", "helix": "golden:pp2_tp2_sp_helix",
          "sppo": "golden:pp2_tp2_sp_sppo_n4_offload"}
+#: Under the document schedules the proofs of context parallelism train Megatron's default loss,
+#: whose value depends on the degree (each token weighed as Megatron's split of its packed row
+#: weighs it, :mod:`megatron.plugin.default_loss`), against Megatron's value at that degree.
 CP = {"default": "golden:pp2_ulysses2_1f1b", "1f1b": "golden:pp2_ulysses2_1f1b",
       "interleaved": "golden:pp2_vp2_ulysses2_interleaved_default_loss",
-      "1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic",
-      "seq1f1b": "golden:pp2_ulysses2_seq1f1b", "sppo": "golden:pp2_ulysses2_sppo_n6_offload"}
+      "1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic_default_loss",
+      "seq1f1b": "golden:pp2_ulysses2_seq1f1b_default_loss_mbs2",
+      "sppo": "golden:pp2_ulysses2_sppo_default_loss_mbs2"}
 ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
                "interleaved": "golden:pp2_vp2_rope_interleaved",
                "1f1b-ir": "golden:pp2_rope_ir", "seq1f1b": "golden:pp2_rope_seq1f1b",
@@ -78,8 +82,9 @@ ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
 CP_COMM = {"default": "golden:pp2_ulysses2_default_loss_mbs2",
            "1f1b": "golden:pp2_ulysses2_default_loss_mbs2",
            "interleaved": "golden:pp2_vp2_ulysses2_interleaved_default_loss",
-           "1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic",
-           "seq1f1b": "golden:pp2_ulysses2_seq1f1b",
+           "1f1b-ir": "golden:pp2_ulysses2_ir",
+           "elastic": "golden:pp2_ulysses2_elastic_default_loss",
+           "seq1f1b": "golden:pp2_ulysses2_seq1f1b_default_loss_mbs2",
            "sppo": "golden:pp2_ulysses2_sppo_n6_offload"}
 #: The rope model's layouts take the model-shape flags of Megatron-LM's GPT configurations too:
 #: kv_channels other than hidden / heads, grouped-query attention, partial RoPE at another base,

@@ -71,9 +71,8 @@ def golden_documents(count: int, seq_length: int, vocab: int, seed: int):
 
 
 #: Micro-batch sizes of the default-loss references (the layouts trained without
-#: ``--calculate-per-token-loss`` name one of them), and the context-parallel sizes of those
-#: under Megatron's own schedules, whose default loss depends on the degree
-#: (:mod:`megatron.plugin.context_loss`).
+#: ``--calculate-per-token-loss`` name one of them), and the context-parallel sizes of those,
+#: whose default loss depends on the degree (:mod:`megatron.plugin.context_loss`).
 DEFAULT_LOSS_MICRO_BATCH_SIZES = (1, 2)
 DEFAULT_LOSS_CONTEXT_PARALLEL_SIZES = (2,)
 

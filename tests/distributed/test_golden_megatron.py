@@ -49,12 +49,12 @@ ELASTIC_EXPECTED = {
     "pp4_elastic_adaptive": ({"split", "hybrid", "batched"}, "adaptive"),
     "pp2_seq1f1b_uniform": ({"split", "hybrid"}, "uniform"),
     "pp2_tp2_sp_elastic": ({"split", "hybrid", "batched"}, "none"),
-    "pp2_ulysses2_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_ulysses2_elastic_default_loss": ({"split", "hybrid", "batched"}, "none"),
     "pp2_dp2_elastic": ({"split", "hybrid", "batched"}, "none"),
     "tp2_sp_ulysses2_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp4_seq1f1b": ({"split", "hybrid"}, "none"),
     "pp2_tp2_sp_seq1f1b": ({"split", "hybrid"}, "none"),
-    "pp2_ulysses2_seq1f1b": ({"split", "hybrid"}, "none"),
+    "pp2_ulysses2_seq1f1b_default_loss_mbs2": ({"split", "hybrid"}, "none"),
     "pp2_gqa_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_ulysses2_gqa_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_elastic_default_loss_mbs2": ({"split", "hybrid", "batched"}, "none"),
@@ -192,8 +192,12 @@ VARIANTS = {
         "pp2_tp2_sp_elastic": (4, ["--pipeline-model-parallel-size", "2",
                                    "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                    *ELASTIC]),
-        "pp2_ulysses2_elastic": (4, ["--pipeline-model-parallel-size", "2",
-                                     "--context-parallel-size", "2", *A2A, *ELASTIC]),
+        # Ulysses with Megatron's default loss at CP = 2 (DEFAULT_LOSS; seq1f1b's below with
+        # two rows per micro-batch): each token weighed by the chunk pair of Megatron's row it
+        # falls in. The other Ulysses layouts of elastic keep the per-token loss.
+        "pp2_ulysses2_elastic_default_loss": (4, ["--pipeline-model-parallel-size", "2",
+                                                  "--context-parallel-size", "2", *A2A,
+                                                  *ELASTIC]),
         "tp2_sp_ulysses2_elastic": (4, ["--tensor-model-parallel-size", "2",
                                         "--sequence-parallel", "--context-parallel-size", "2",
                                         *ELASTIC]),
@@ -201,8 +205,9 @@ VARIANTS = {
         "pp2_tp2_sp_seq1f1b": (4, ["--pipeline-model-parallel-size", "2",
                                    "--tensor-model-parallel-size", "2", "--sequence-parallel",
                                    *SEQ1F1B]),
-        "pp2_ulysses2_seq1f1b": (4, ["--pipeline-model-parallel-size", "2",
-                                     "--context-parallel-size", "2", *A2A, *SEQ1F1B]),
+        "pp2_ulysses2_seq1f1b_default_loss_mbs2": (4, ["--pipeline-model-parallel-size", "2",
+                                                       "--context-parallel-size", "2", *A2A,
+                                                       *SEQ1F1B, *MBS2]),
         "pp2_ulysses2_ir": (4, ["--pipeline-model-parallel-size", "2",
                                 "--context-parallel-size", "2", *A2A,
                                 "--pipeline-schedule", "1f1b-ir"]),
@@ -389,15 +394,13 @@ DISTOPT_TAGS = ["pp2_dp2_distopt_1f1b", "pp2_dp2_distopt_ir", "pp2_dp2_distopt_e
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Layouts trained with Megatron's default loss: the fixture leaves ``PER_TOKEN_LOSS`` off their
 #: command line, and they are compared with the reference of that loss at the micro-batch size
-#: they name (``reference_default_mbs<N>.pt``, golden_run.py).
+#: and context-parallel degree they name (``reference_default_mbs<N>.pt``, at ``C`` > 1
+#: ``reference_default_mbs<N>_cp<C>.pt``: golden_run.py), under every schedule.
 DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_seq1f1b_default_loss_mbs2", "pp2_ulysses2_sppo_default_loss_mbs2",
                 "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2",
-                "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss"}
-#: The schedules that run Megatron's micro-batches: their default loss under context
-#: parallelism is Megatron's at that degree (``reference_default_mbs<N>_cp<C>.pt``); the
-#: document schedules' is Megatron's at one context-parallel rank.
-MEGATRON_MICRO_BATCHES = ("1f1b", "interleaved", "1f1b-ir")
+                "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss",
+                "pp2_ulysses2_elastic_default_loss", "pp2_ulysses2_seq1f1b_default_loss_mbs2"}
 
 
 def loss_flags(common: list, tag: str) -> list:
@@ -412,9 +415,8 @@ def reference_file(tag: str, flags: list) -> str:
     size = flags[flags.index("--micro-batch-size") + 1] if "--micro-batch-size" in flags else "1"
     cp = flags[flags.index("--context-parallel-size") + 1] \
         if "--context-parallel-size" in flags else "1"
-    if cp != "1" and flags[flags.index("--pipeline-schedule") + 1] in MEGATRON_MICRO_BATCHES:
-        return f"reference_default_mbs{size}_cp{cp}.pt"
-    return f"reference_default_mbs{size}.pt"
+    return f"reference_default_mbs{size}.pt" if cp == "1" else \
+        f"reference_default_mbs{size}_cp{cp}.pt"
 
 
 #: One golden case per schedule. With ``LONGCTX_GOLDEN_SMOKE=1`` only these run: CI's pass

@@ -1,35 +1,59 @@
 """Megatron's default loss as per-token weights (megatron/plugin/default_loss.py): documents cut
 into units of a schedule's own, each unit's loss divided as Megatron's ``forward_step`` divides
 it and the context-parallel shares averaged as Megatron's DDP averages them, give Megatron's
-mean over its micro-batches of their token means."""
+mean over its micro-batches of their token means, at every context-parallel degree the mean over
+the ranks of Megatron's shares' token means."""
 from argparse import Namespace
 
 import numpy as np
 import pytest
 import torch
 
+from megatron.plugin import batches as batches_module
 from megatron.plugin import default_loss
-from megatron.plugin.batches import loss_func, micro_batch_rows
+from megatron.plugin.batches import loss_func, micro_batch_rows, pack_micro_batches
+from megatron.plugin.context_loss import megatron_share_weights
 from longctx.chunk_rows import chunk_batch
 from longctx.chunks import Chunk, Piece
 
 SEQ = 16
+#: The end-of-document token of the tests that mask it (``--eod-mask-loss``).
+EOD = 0
 
 
-def _documents(rng, count):
+def _documents(rng, count, vocab=50):
     lengths = rng.integers(2, SEQ + 2, size=count)
-    return [rng.integers(0, 50, size=n).astype(np.int64) for n in lengths]
+    return [rng.integers(0, vocab, size=n).astype(np.int64) for n in lengths]
 
 
-def _megatron_loss(token_losses, lengths, micro_batch_size, dp):
-    """Megatron's default loss over its packing, averaged over the replicas."""
+def _zigzag(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Megatron's ``get_batch_on_this_cp_rank``: chunks ``rank`` and ``2 cp - 1 - rank`` of
+    ``2 cp`` equal ones."""
+    chunk = seq // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
+def _megatron_loss(token_losses, masks, micro_batch_size, dp, cp):
+    """Megatron's default loss over its packing at ``cp`` context-parallel ranks, averaged over
+    the replicas: each micro-batch's rows filled document after document, the mean over the
+    ranks of each rank's two chunks' token mean, averaged over the micro-batches."""
+    lengths = [len(mask) for mask in masks]
     batches = micro_batch_rows(lengths, SEQ, micro_batch_size, dp)
     total = 0.0
     for rows in batches:
-        members = [i for row in rows for i in row]
-        tokens = sum(lengths[i] for i in members)
-        if tokens:
-            total += sum(float(token_losses[i].sum()) for i in members) / tokens
+        losses = torch.zeros(micro_batch_size, SEQ, dtype=torch.float64)
+        mask = torch.zeros(micro_batch_size, SEQ, dtype=torch.float64)
+        for row, members in enumerate(rows):
+            start = 0
+            for i in members:
+                losses[row, start:start + lengths[i]] = torch.from_numpy(token_losses[i])
+                mask[row, start:start + lengths[i]] = torch.from_numpy(masks[i])
+                start += lengths[i]
+        for rank in range(cp):
+            part = _zigzag(SEQ, cp, rank)
+            tokens = float(mask[:, part].sum())
+            total += float((losses[:, part] * mask[:, part]).sum()) / max(tokens, 1) / cp
     return total / len(batches)
 
 
@@ -52,13 +76,17 @@ def _units(lengths, rng):
     return units
 
 
-@pytest.mark.parametrize("micro_batch_size,dp,cp", [(1, 1, 1), (2, 1, 1), (1, 2, 1),
-                                                    (2, 2, 2), (3, 1, 2)])
-def test_weighted_units_give_megatrons_default_loss(micro_batch_size, dp, cp, monkeypatch):
-    rng = np.random.default_rng(7 + micro_batch_size + dp + cp)
-    documents = _documents(rng, 11)
+@pytest.mark.parametrize("micro_batch_size,dp,cp,eod", [
+    (1, 1, 1, False), (2, 1, 1, False), (1, 2, 1, False), (2, 1, 1, True), (2, 2, 2, False),
+    (3, 1, 2, False), (1, 1, 2, True), (2, 2, 2, True), (1, 1, 4, False), (2, 1, 4, True)])
+def test_weighted_units_give_megatrons_default_loss(micro_batch_size, dp, cp, eod, monkeypatch):
+    rng = np.random.default_rng(7 + micro_batch_size + dp + cp + eod)
+    documents = _documents(rng, 11, vocab=4 if eod else 50)
     lengths = [len(doc) - 1 for doc in documents]
     token_losses = [rng.random(n) for n in lengths]
+    monkeypatch.setattr(batches_module, "eod_mask_token", lambda: EOD if eod else None)
+    masks = [np.ones(n) if not eod else (doc[:-1] != EOD).astype(np.float64)
+             for doc, n in zip(documents, lengths)]
     monkeypatch.setattr(default_loss.parallel_state, "get_data_parallel_world_size", lambda: dp)
     monkeypatch.setattr(default_loss.parallel_state, "get_context_parallel_world_size",
                         lambda: cp)
@@ -73,6 +101,8 @@ def test_weighted_units_give_megatrons_default_loss(micro_batch_size, dp, cp, mo
         weights = default_loss.unit_weights(args, documents, len(units))
         for unit in units:
             batch = chunk_batch(unit, documents, ids, multiple=cp, weights=weights)
+            if eod:  # as forward_step masks the end-of-document inputs
+                batch.loss_mask = batch.loss_mask * (batch.tokens != EOD)
             losses = np.zeros(batch.seq_length)
             start = 0
             for piece in unit.pieces:
@@ -86,8 +116,41 @@ def test_weighted_units_give_megatrons_default_loss(micro_batch_size, dp, cp, mo
                                             share.loss_weights)
                 # Megatron's forward_step without --calculate-per-token-loss.
                 total += float(loss) / max(int(tokens), 1) / len(units) / (dp * cp)
-    expected = _megatron_loss(token_losses, lengths, micro_batch_size, dp)
+    expected = _megatron_loss(token_losses, masks, micro_batch_size, dp, cp)
     assert total == pytest.approx(expected, rel=1e-5)
+    if cp > 1:  # the degree changes Megatron's value here (padded rows): not CP = 1's
+        assert expected != pytest.approx(
+            _megatron_loss(token_losses, masks, micro_batch_size, dp, 1), rel=1e-4)
+
+
+@pytest.mark.parametrize("micro_batch_size,dp", [(1, 1), (2, 1), (2, 2), (3, 1)])
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("eod", [False, True])
+def test_token_weights_are_those_of_megatrons_micro_batches(micro_batch_size, dp, cp, eod):
+    """Token by token, the weights equal what Megatron's ``1f1b`` at the same degree gives the
+    same batch: the micro-batches Megatron's schedules run here (``pack_micro_batches``), each
+    weighed by ``context_loss.megatron_share_weights`` and divided by ``CP x M``."""
+    rng = np.random.default_rng(100 * cp + 10 * micro_batch_size + dp + eod)
+    for count in (1, 5, 13):
+        documents = _documents(rng, count, vocab=4 if eod else 50)
+        masks = [np.ones(len(doc) - 1) if not eod else (doc[:-1] != EOD).astype(np.float64)
+                 for doc in documents]
+        weights = default_loss.token_weights(masks, SEQ, micro_batch_size, dp, cp)
+        packed = pack_micro_batches(documents, SEQ, micro_batch_size, dp)
+        layout = micro_batch_rows([len(doc) - 1 for doc in documents], SEQ, micro_batch_size,
+                                  dp)
+        per_replica = len(packed) // dp
+        seen = set()
+        for batch, rows in zip(packed, layout):
+            mask = batch.loss_mask * (batch.tokens != EOD) if eod else batch.loss_mask
+            expected = megatron_share_weights(mask, cp) / (cp * per_replica)
+            for row, members in enumerate(rows):
+                for index, segment in zip(members, batch.segments[row]):
+                    np.testing.assert_allclose(
+                        weights[index], expected[row, segment.start:segment.stop].numpy(),
+                        rtol=1e-12)
+                    seen.add(index)
+        assert seen == set(range(count))
 
 
 def test_the_reported_loss_stays_the_plain_sum():
@@ -120,14 +183,6 @@ def test_each_micro_batch_weighs_one_over_the_micro_batches():
                     pytest.approx(1 / per_replica)
 
 
-def _zigzag(seq: int, cp: int, rank: int) -> torch.Tensor:
-    """Megatron's ``get_batch_on_this_cp_rank``: chunks ``rank`` and ``2 cp - 1 - rank`` of
-    ``2 cp`` equal ones."""
-    chunk = seq // (2 * cp)
-    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
-
-
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ulysses_shares_weighted_as_megatrons_chunks_give_megatrons_cp_loss(cp):
     """Megatron's default loss under context parallelism (megatron/plugin/context_loss.py):
@@ -137,7 +192,6 @@ def test_ulysses_shares_weighted_as_megatrons_chunks_give_megatrons_cp_loss(cp):
     own count, give that loss; with padding at the rows' ends it differs from the micro-batch's
     token mean (the loss at one rank), which it equals when every share counts alike."""
     from megatron.plugin.batches import MicroBatch
-    from megatron.plugin.context_loss import megatron_share_weights
 
     rng = np.random.default_rng(cp)
     rows, seq = 3, 8 * cp
@@ -171,7 +225,5 @@ def test_ulysses_shares_weighted_as_megatrons_chunks_give_megatrons_cp_loss(cp):
 
 
 def test_megatrons_chunks_must_divide_the_row():
-    from megatron.plugin.context_loss import megatron_share_weights
-
     with pytest.raises(ValueError, match="must be divisible by 4"):
         megatron_share_weights(torch.ones(1, 6), 2)
