@@ -67,7 +67,6 @@ PATCHED_MODULES = {
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "consistency-check tensors",
     "megatron.core.tensor_parallel.random": "RNG tracker seeding (device generator states)",
     "megatron.core.transformer.moe.router": "MoE router weights moved to the device",
-    "megatron.core.transformer.moe.token_dispatcher": "the all-to-all dispatcher's copy stream",
     "megatron.core.timers": "synchronize around timed spans",
     "megatron.core.rerun_state_machine": "RNG states saved for a rerun",
     "megatron.training.initialize": "device count and selection, seeds",
@@ -95,8 +94,7 @@ def _is_cuda(device) -> bool:
 
 
 class _NullStream:
-    """Stands in for ``torch.cuda.Stream``: waits are no-ops, usable as a context; an event
-    it records is itself (its ``synchronize`` returns at once)."""
+    """Stands in for ``torch.cuda.Stream``: waits are no-ops, usable as a context."""
 
     def __init__(self, *args, **kwargs):
         del args, kwargs
@@ -106,10 +104,6 @@ class _NullStream:
 
     def synchronize(self):
         return None
-
-    def record_event(self, event=None):
-        del event
-        return self
 
 
 class _CudaShim:

@@ -115,9 +115,6 @@ MUX_EXPECTED = {
 #: embedding and the loss each counted as a layer (each stage builds 2 of 4).
 UNEVEN = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
 ACCOUNTED = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
-#: Expert parallelism over two ranks (the MoE layouts of four ranks: two data-parallel
-#: replicas of PP=2, whose tokens the experts exchange).
-EP2 = ["--expert-model-parallel-size", "2"]
 #: The schedules that run Megatron's layer map (``name`` of a layout tag, flags).
 FOUR_SCHEDULES = (("1f1b", ["--pipeline-schedule", "1f1b"]),
                   ("ir", ["--pipeline-schedule", "1f1b-ir"]), ("elastic", ELASTIC),
@@ -333,22 +330,10 @@ VARIANTS = {
     # is per token, so cutting and packing documents keeps every token's experts. Under the
     # schedules that run Megatron's layer map, the embedding and the loss count as layers of
     # the split (4 + 2 over 2 stages: 2 transformer layers each).
-    # Under Megatron's own 1F1B and 1f1b-ir, expert parallelism over the two data-parallel
-    # replicas (2 experts on each rank, the tokens exchanged by Megatron's all-to-all
-    # dispatcher, or by its default all-gather one), and expert tensor parallelism over them
-    # (each expert's weights split in two, the tokens all-gathered).
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
              "--disable-bias-linear"], {
-        "pp2_dp2_ep2_a2a_moe_accounted_1f1b": (4, [
-            "--pipeline-model-parallel-size", "2", *ACCOUNTED, *EP2,
-            "--moe-token-dispatcher-type", "alltoall", "--pipeline-schedule", "1f1b"]),
-        "pp2_dp2_ep2_moe_accounted_ir": (4, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
-                                             *EP2, "--pipeline-schedule", "1f1b-ir"]),
-        "pp2_dp2_etp2_moe_1f1b": (4, ["--pipeline-model-parallel-size", "2",
-                                      "--expert-tensor-parallel-size", "2",
-                                      "--pipeline-schedule", "1f1b"]),
         **{f"pp2_moe_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
-                                             *flags]) for name, flags in FOUR_SCHEDULES[2:]},
+                                             *flags]) for name, flags in FOUR_SCHEDULES},
         "pp2_vp2_moe_interleaved": (2, ["--pipeline-model-parallel-size", "2",
                                         "--num-layers-per-virtual-pipeline-stage", "1",
                                         "--pipeline-schedule", "interleaved"]),

@@ -241,19 +241,15 @@ def test_uneven_splits_are_refused_where_stages_must_be_equal(schedule, flags, r
         arguments.parse([*BASE, "--pipeline-schedule", schedule, *flags])
 
 
-#: Mixture-of-experts options that depend on how many tokens one call holds, or on every
-#: data-parallel replica calling the MoE layers alike, or that no test proves, refused by name
-#: under a document schedule (dropless routing is honoured: golden).
+#: Mixture-of-experts options that depend on how many tokens one call holds, or that no test
+#: proves, refused by name under a document schedule (dropless routing is honoured: golden).
 MOE_REFUSED = [
     (["--moe-expert-capacity-factor", "1.0"], "an expert's capacity counts the tokens of one "
                                               "forward call"),
     (["--moe-pad-expert-input-to-capacity"], "drop the flag (dropless routing"),
     (["--moe-aux-loss-coeff", "0.01"], "leave --moe-aux-loss-coeff at 0"),
     (["--moe-router-enable-expert-bias"], "each schedule pads differently"),
-    (["--expert-model-parallel-size", "2"], "elastic plans each replica's documents apart"),
-    (["--expert-tensor-parallel-size", "2"], "the calls would not pair up. Drop "
-                                             "--expert-tensor-parallel-size"),
-    (["--moe-token-dispatcher-type", "flex"], "(it honours allgather and alltoall)"),
+    (["--expert-model-parallel-size", "2"], "use --expert-model-parallel-size 1"),
     ([], "add --disable-bias-linear"),
     (["--context-parallel-size", "2"], "use --tensor-model-parallel-size 1 and "
                                        "--context-parallel-size 1 with MoE layers"),
