@@ -164,9 +164,18 @@ OVERLAP = {"1f1b-ir": "golden:pp2_dp2_overlap_ir", "elastic": "golden:pp2_dp2_ov
 #: all-gather (two data-parallel replicas of PP=2; the golden test also compares the updated
 #: parameters with those of the reference's step, and checks that a later bucket's all-gather
 #: is in flight when the first layer's forward starts).
-DISTOPT = {"default": "golden:pp2_dp2_distopt_1f1b", "1f1b": "golden:pp2_dp2_distopt_1f1b",
-           "1f1b-ir": "golden:pp2_dp2_distopt_ir", "elastic": "golden:pp2_dp2_distopt_elastic",
-           "seq1f1b": "golden:pp2_dp2_distopt_seq1f1b", "sppo": "golden:pp2_dp2_distopt_sppo"}
+DISTOPT = {"default": "golden:pp2_dp2_dplast_distopt_1f1b",
+           "1f1b": "golden:pp2_dp2_dplast_distopt_1f1b",
+           "1f1b-ir": "golden:pp2_dp2_dplast_distopt_ir",
+           "elastic": "golden:pp2_dp2_dplast_distopt_elastic",
+           "seq1f1b": "golden:pp2_dp2_dplast_distopt_seq1f1b",
+           "sppo": "golden:pp2_dp2_dplast_distopt_sppo"}
+#: Megatron's rank order with the data-parallel dimension last (``--use-tp-pp-dp-mapping``):
+#: the distributed-optimizer layouts run in it (PP=2 x DP=2, where the order moves every
+#: rank's pipeline and data-parallel peers; the golden test checks the groups), the other
+#: pp2_dp2 layouts in Megatron's default order. The project asks megatron-core's
+#: ``parallel_state`` for every group and peer, so no code of it depends on the order.
+DP_LAST = {**DISTOPT, "helix": "golden:pp2_dp2_dplast_distopt_helix"}
 _HELIX_OVERLAP = (
     "{flag} is not supported by --pipeline-schedule helix: it runs each layer part's backward "
     "apart, so a rank's last backward holds one part's parameters, and Megatron's DDP, which "
@@ -261,8 +270,8 @@ HONOURED: dict[str, Honoured] = {
                                  "1f1b": DISTOPT["1f1b"]}, _NO_TEST, refusals={
         "helix": "--ddp-bucket-size sizes the buckets that --overlap-grad-reduce reduces during "
                  "the backward, which helix does not run: drop it"}),
-    "use_distributed_optimizer": Honoured({**DISTOPT, "helix": "golden:pp2_dp2_distopt_helix"},
-                                          _NO_TEST),
+    "use_distributed_optimizer": Honoured(DP_LAST, _NO_TEST),
+    "use_tp_pp_dp_mapping": Honoured(DP_LAST, _NO_TEST),
     "overlap_param_gather": Honoured(DISTOPT, _NO_TEST, refusals={"helix": (
         "--overlap-param-gather is not supported by --pipeline-schedule helix: helix ships a "
         "layer's weights to the attention's stage before that layer's own forward, which is "
@@ -669,7 +678,7 @@ REFUSED: dict[str, str] = {
         overlap_param_gather_with_optimizer_step pin_cpu_grads pin_cpu_params
         tensor_parallel_num_weight_shards torch_fsdp2_reshard_after_forward
         use_layer_wise_param_layout use_megatron_fsdp use_precision_aware_optimizer
-        use_torch_fsdp2 use_torch_optimizer_for_cpu_offload use_tp_pp_dp_mapping
+        use_torch_fsdp2 use_torch_optimizer_for_cpu_offload
     """, _FSDP),
     **_each("""
         allow_ambiguous_pad_tokens batch_size 
@@ -696,9 +705,11 @@ REFUSED: dict[str, str] = {
     "moe_router_enable_expert_bias": "the expert bias is updated from the tokens routed in the "
                                      "step, padding included, and each schedule pads "
                                      "differently; drop --moe-router-enable-expert-bias",
-    "expert_model_parallel_size": "no test proves expert parallelism yet (its token "
-                                  "all-to-all is untested under gloo); use "
-                                  "--expert-model-parallel-size 1",
+    "expert_model_parallel_size": "no test proves expert parallelism yet (torch's gloo runs "
+                                  "its token dispatchers' collectives, all_to_all_single with "
+                                  "uneven splits, all_gather_into_tensor and "
+                                  "reduce_scatter_tensor, but no golden layout passes with it); "
+                                  "use --expert-model-parallel-size 1",
 }
 
 

@@ -24,7 +24,9 @@ Modes:
   forward pre-hooks, recording the all-gathers against the first forwards:
   ``gather_<tag>_<rank>.json``); the reference compares them with Megatron's optimizer stepping
   the single-process model with the run's gradients (``params_<tag>.pt``).
-  Finally record which CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
+  Every rank records the global ranks of its pipeline and data-parallel groups
+  (``groups_<tag>_<rank>.json``). Finally record which CPU-compatibility patches were
+  exercised (``hits_<tag>_<rank>.json``). Under Megatron's
   native ``1f1b`` the order in which its loop called ``forward_step`` / ``backward_step`` on
   each rank is recorded too (``order_<tag>_<rank>.json``), an independent oracle for the IR
   generator of 1F1B.
@@ -417,6 +419,12 @@ def run(args):
                 json.dump({"pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
                            "pp": args.pipeline_model_parallel_size,
                            "microbatches": num_microbatches, "order": order}, f)
+        name = f"groups_{args.golden_tag}_{dist.get_rank()}.json"
+        with open(os.path.join(args.golden_dir, name), "w") as f:
+            json.dump({"pipeline": dist.get_process_group_ranks(
+                           parallel_state.get_pipeline_model_parallel_group()),
+                       "data": dist.get_process_group_ranks(
+                           parallel_state.get_data_parallel_group())}, f)
         hits = {module: dict(counter) for module, counter in cpu_compat.HITS.items()}
         name = f"hits_{args.golden_tag}_{dist.get_rank()}.json"
         with open(os.path.join(args.golden_dir, name), "w") as f:

@@ -81,6 +81,10 @@ OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "10000"]
 #: Megatron's distributed optimizer with its reduce-scatter overlapped with the backward and
 #: its parameter all-gather with the next forward (the buckets of OVERLAP).
 DISTOPT = ["--use-distributed-optimizer", *OVERLAP, "--overlap-param-gather"]
+#: Megatron's rank order with the data-parallel dimension last (tp-cp-ep-pp-dp): at PP=2 x DP=2
+#: the pipelines are ranks 0, 1 and 2, 3 instead of 0, 2 and 1, 3 (RANK_ORDERS); the other
+#: pp2_dp2 layouts keep Megatron's default order.
+DP_LAST = ["--use-tp-pp-dp-mapping"]
 
 SPPO = ["--pipeline-schedule", "sppo"]
 #: tag -> (subsequences of the longest document, offload ratio of the run or None for off).
@@ -285,14 +289,16 @@ VARIANTS = {
         "pp2_dp2_overlap_sppo": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                      "--sppo-subsequences", "4", "--sppo-offload", "0.5",
                                      *OVERLAP]),
-        # The distributed optimizer, two data-parallel replicas (DISTOPT_TAGS).
-        **{f"pp2_dp2_distopt_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
-                                           *DISTOPT]) for name, flags in FOUR_SCHEDULES},
-        "pp2_dp2_distopt_sppo": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
-                                     "--sppo-subsequences", "4", "--sppo-offload", "0.5",
-                                     *DISTOPT]),
-        "pp2_dp2_distopt_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX,
-                                      "--use-distributed-optimizer"]),
+        # The distributed optimizer, two data-parallel replicas (DISTOPT_TAGS), the ranks in
+        # Megatron's data-parallel-last order.
+        **{f"pp2_dp2_dplast_distopt_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
+                                                  *DISTOPT, *DP_LAST])
+           for name, flags in FOUR_SCHEDULES},
+        "pp2_dp2_dplast_distopt_sppo": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                            "--sppo-subsequences", "4", "--sppo-offload", "0.5",
+                                            *DISTOPT, *DP_LAST]),
+        "pp2_dp2_dplast_distopt_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX,
+                                             "--use-distributed-optimizer", *DP_LAST]),
     }),
     # Grouped-query attention: 4 heads share 2 K/V groups, also in the K/V context of a split
     # document's later slices (masked attention over context + slice) and under Ulysses.
@@ -389,8 +395,8 @@ VARIANTS = {
 }
 OVERLAP_TAGS = ["pp2_dp2_overlap_ir", "pp2_dp2_overlap_elastic", "pp2_dp2_overlap_seq1f1b",
                 "pp2_dp2_overlap_sppo", "pp2_sppo_mux_n4_overlap"]
-DISTOPT_TAGS = ["pp2_dp2_distopt_1f1b", "pp2_dp2_distopt_ir", "pp2_dp2_distopt_elastic",
-                "pp2_dp2_distopt_seq1f1b", "pp2_dp2_distopt_sppo", "pp2_dp2_distopt_helix"]
+DISTOPT_TAGS = [f"pp2_dp2_dplast_distopt_{name}"
+                for name in ("1f1b", "ir", "elastic", "seq1f1b", "sppo", "helix")]
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Layouts trained with Megatron's default loss: the fixture leaves ``PER_TOKEN_LOSS`` off their
 #: command line, and they are compared with the reference of that loss at the micro-batch size
@@ -756,3 +762,31 @@ def test_parameter_gather_overlaps_the_first_forward(golden, tag):
         if record["pp_rank"] == 0:
             assert groups >= 2, record
             assert forwards[0][1].startswith("embedding") and forwards[0][2], events
+
+
+#: The pipelines and data-parallel groups (global ranks) of PP=2 x DP=2 in Megatron's default
+#: order (tp-cp-ep-dp-pp) and with --use-tp-pp-dp-mapping (tp-cp-ep-pp-dp).
+RANK_ORDERS = {"default": {"pipeline": [[0, 2], [1, 3]], "data": [[0, 1], [2, 3]]},
+               "dp_last": {"pipeline": [[0, 1], [2, 3]], "data": [[0, 2], [1, 3]]}}
+PP2_DP2_TAGS = sorted(tag for _, layouts in VARIANTS.values()
+                      for tag, (ranks, flags) in layouts.items()
+                      if ranks == 4 and tag.startswith("pp2_dp2"))
+
+
+@pytest.mark.parametrize("tag", PP2_DP2_TAGS)
+def test_ranks_are_placed_in_the_order_asked(golden, tag):
+    """The PP=2 x DP=2 runs placed their ranks as Megatron's order asks: with
+    --use-tp-pp-dp-mapping the pipelines are consecutive ranks, without it the data-parallel
+    replicas are (so the golden checks above cover both placements)."""
+    need(tag)
+    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
+    order = "dp_last" if DP_LAST[0] in VARIANTS[variant][1][tag][1] else "default"
+    found = {"pipeline": set(), "data": set()}
+    for rank in range(4):
+        with open(golden / variant / f"groups_{tag}_{rank}.json") as f:
+            record = json.load(f)
+        for kind in found:
+            assert rank in record[kind], (rank, record)
+            found[kind].add(tuple(record[kind]))
+    assert {kind: sorted(map(list, groups)) for kind, groups in found.items()} \
+        == RANK_ORDERS[order]
