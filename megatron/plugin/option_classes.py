@@ -100,9 +100,9 @@ QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "elastic": "golden:pp2_qk_eod_uneven_elastic",
                "seq1f1b": "golden:pp2_qk_eod_uneven_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
                "sppo": "golden:pp2_qk_eod_sppo_n4_offload"}
-#: Dropless mixture of experts (Megatron's MoE layer, no auxiliary loss); under the schedules
-#: that run Megatron's layer map its layouts count the embedding and the loss as layers of
-#: the split (:data:`ACCOUNTED`).
+#: Dropless mixture of experts (Megatron's MoE layer; its auxiliary loss: :data:`MOE_AUX`);
+#: under the schedules that run Megatron's layer map its layouts count the embedding and the
+#: loss as layers of the split (:data:`ACCOUNTED`).
 MOE = {"default": "golden:pp2_moe_accounted_1f1b", "1f1b": "golden:pp2_moe_accounted_1f1b",
        "interleaved": "golden:pp2_vp2_moe_interleaved", "1f1b-ir": "golden:pp2_moe_accounted_ir",
        "elastic": "golden:pp2_moe_accounted_elastic",
