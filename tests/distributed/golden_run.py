@@ -439,15 +439,15 @@ def run(args):
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": reference},
                os.path.join(args.golden_dir, "reference.pt"))
     for size in DEFAULT_LOSS_MICRO_BATCH_SIZES:
-        torch.save({"loss_sum": loss_sum, "tokens": tokens,
-                    "grads": default_loss_gradients(model, docs, args.seq_length, size)},
+        default = default_loss_gradients(model, docs, args.seq_length, size)
+        torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": default},
                    os.path.join(args.golden_dir, f"reference_default_mbs{size}.pt"))
         for cp in DEFAULT_LOSS_CONTEXT_PARALLEL_SIZES:
             torch.save({"loss_sum": loss_sum, "tokens": tokens,
                         "grads": default_loss_gradients(model, docs, args.seq_length, size, cp)},
                        os.path.join(args.golden_dir, f"reference_default_mbs{size}_cp{cp}.pt"))
         if args.golden_aux_loss_coeff:
-            save_aux_references(model, docs, args, size, loss_sum, tokens, reference)
+            save_aux_references(model, docs, args, size, loss_sum, tokens, reference, default)
     initial = {name: p.detach().clone() for name, p in module.named_parameters()}
     for tag in args.golden_tags:
         load_model(os.path.join(args.golden_dir, f"grads_{tag}"), model)
@@ -463,16 +463,16 @@ def run(args):
 
 
 def save_aux_references(model, docs, args, size: int, loss_sum: float, tokens: int,
-                        per_token: dict) -> None:
+                        per_token: dict, default: dict) -> None:
     """The references with Megatron's auxiliary load-balancing loss over the micro-batches of
-    ``size`` rows: the per-token loss's (``per_token``, its gradients) plus the auxiliary
-    term's, and Megatron's default loss's plus the auxiliary term's."""
+    ``size`` rows: the per-token loss's gradients ``per_token`` plus the auxiliary term's, and
+    Megatron's default loss's (``default``, at that micro-batch size) plus the auxiliary
+    term's."""
     coeff = args.golden_aux_loss_coeff
     aux = aux_loss_gradients(model, docs, args.seq_length, size, coeff, per_token=True)
     torch.save({"loss_sum": loss_sum, "tokens": tokens,
                 "grads": {name: grad + aux[name] / tokens for name, grad in per_token.items()}},
                os.path.join(args.golden_dir, f"reference_aux_mbs{size}.pt"))
-    default = default_loss_gradients(model, docs, args.seq_length, size)
     aux = aux_loss_gradients(model, docs, args.seq_length, size, coeff, per_token=False)
     torch.save({"loss_sum": loss_sum, "tokens": tokens,
                 "grads": {name: grad + aux[name] for name, grad in default.items()}},
