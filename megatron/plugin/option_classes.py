@@ -105,14 +105,26 @@ QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "elastic": "golden:pp2_qk_eod_uneven_elastic",
                "seq1f1b": "golden:pp2_qk_eod_uneven_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
                "sppo": "golden:pp2_qk_eod_sppo_n4_offload"}
-#: Dropless mixture of experts (Megatron's MoE layer, no auxiliary loss); under the schedules
-#: that run Megatron's layer map its layouts count the embedding and the loss as layers of
-#: the split (:data:`ACCOUNTED`).
+#: Dropless mixture of experts (Megatron's MoE layer; its auxiliary loss: :data:`MOE_AUX`);
+#: under the schedules that run Megatron's layer map its layouts count the embedding and the
+#: loss as layers of the split (:data:`ACCOUNTED`).
 MOE = {"default": "golden:pp2_moe_accounted_1f1b", "1f1b": "golden:pp2_moe_accounted_1f1b",
        "interleaved": "golden:pp2_vp2_moe_interleaved", "1f1b-ir": "golden:pp2_moe_accounted_ir",
        "elastic": "golden:pp2_moe_accounted_elastic",
        "seq1f1b": "golden:pp2_moe_accounted_seq1f1b", "helix": "golden:pp2_moe_helix",
        "sppo": "golden:pp2_moe_sppo_n4_offload"}
+#: Megatron's auxiliary load-balancing loss (``aux_loss``) where the router's calls are
+#: Megatron's micro-batches: the moe layouts of Megatron's schedules and 1f1b-ir pass it (under
+#: interleaved with Megatron's default loss), against a reference that computes it over the same
+#: micro-batches.
+MOE_AUX = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir")}
+_AUX_PER_UNIT = (
+    "Megatron's auxiliary load-balancing loss is a formula over each call of the router, "
+    "which Megatron's schedules make once per micro-batch; this schedule calls it once per "
+    "unit of its own (packed chunk, slice, subsequence, MLP chunk), so the loss would depend "
+    "on how the schedule cuts the batch, and no test proves a definition of it there: use "
+    "--pipeline-schedule 1f1b, interleaved or 1f1b-ir with --moe-aux-loss-coeff, or leave it "
+    "at 0 (dropless routing without it is exact under every schedule)")
 #: Megatron's uneven pipeline splits (its layer map, ``get_num_layers_to_build``), where the
 #: schedule runs that map: a first stage of 1 and a last of 3 layers; the embedding and the
 #: loss each counted as a layer.
@@ -243,6 +255,7 @@ HONOURED: dict[str, Honoured] = {
     "eod_mask_loss": Honoured(QK_NORM_EOD, _NO_TEST),
     **{name: Honoured(MOE, _NO_TEST) for name in (
         "num_experts", "moe_router_topk", "moe_ffn_hidden_size")},
+    "moe_aux_loss_coeff": Honoured(MOE_AUX, _AUX_PER_UNIT),
     "group_query_attention": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     "num_query_groups": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     **{name: Honoured(MODEL_SHAPE, _NO_TEST) for name in (
@@ -579,7 +592,7 @@ REFUSED: dict[str, str] = {
         moe_permute_fusion_into_hybridep moe_router_bias_update_rate moe_router_dtype
         moe_router_force_biased
         moe_router_force_load_balancing moe_router_fusion moe_router_group_topk
-        moe_router_load_balancing_type moe_router_num_groups moe_router_padding_for_fp8
+        moe_router_num_groups moe_router_padding_for_fp8
         moe_router_padding_for_quantization moe_router_pre_softmax
         moe_router_quantile_balancing_ema moe_router_score_function 
         moe_router_topk_scaling_factor moe_routing_trace_capture_hidden_states
@@ -698,10 +711,13 @@ REFUSED: dict[str, str] = {
          "schedules cut the batch into other calls (slices, packed chunks, subsequences), so "
          "which tokens are dropped would depend on the schedule: drop the flag (dropless "
          "routing, exact under every schedule)"),
-    "moe_aux_loss_coeff": "Megatron's auxiliary load-balancing loss is computed per "
-                          "micro-batch, and the document schedules run other units; leave "
-                          "--moe-aux-loss-coeff at 0 (dropless routing without it is exact "
-                          "under every schedule)",
+    "moe_router_load_balancing_type": (
+        "only Megatron's default aux_loss is proven (per micro-batch, under the schedules that "
+        "run Megatron's micro-batches); seq_aux_loss (per row of a micro-batch: rows of packed "
+        "documents here), global_aux_loss (tokens per expert averaged over the step's "
+        "micro-batches so far and the data-parallel ranks), sinkhorn, quantile_balancing and "
+        "none are not: drop --moe-router-load-balancing-type (leave --moe-aux-loss-coeff at 0 "
+        "for no auxiliary loss)"),
     "moe_router_enable_expert_bias": "the expert bias is updated from the tokens routed in the "
                                      "step, padding included, and each schedule pads "
                                      "differently; drop --moe-router-enable-expert-bias",

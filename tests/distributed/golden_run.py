@@ -33,7 +33,10 @@ Modes:
 * ``reference`` (1 process): the single-process reference over whole documents, each document
   alone (no packing): per-token loss and gradients (``reference.pt``), and the gradients of
   Megatron's default loss (``reference_default_mbs<N>.pt`` for micro-batch sizes
-  :data:`DEFAULT_LOSS_MICRO_BATCH_SIZES`; see :func:`default_loss_gradients`); then, for every
+  :data:`DEFAULT_LOSS_MICRO_BATCH_SIZES`; see :func:`default_loss_gradients`); with
+  ``--golden-aux-loss-coeff C`` also both losses plus Megatron's auxiliary load-balancing loss
+  at coefficient ``C`` over Megatron's micro-batches of each size (``reference_aux_mbs<N>.pt``,
+  ``reference_default_mbs<N>_aux.pt``; see :func:`aux_loss_gradients`); then, for every
   tag given, load that run's gradient checkpoint into the single-process layout. Everything is
   written with ``torch.save`` for the test to compare.
 
@@ -53,6 +56,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
+from megatron.core.utils import get_model_config
 
 from megatron.plugin import cpu_compat, launch
 from megatron.plugin.batches import (eod_mask_token, forward_step, loss_tokens, micro_batch,
@@ -89,6 +93,10 @@ def golden_arguments(parser):
     group.add_argument("--golden-eod-every", type=int, default=0,
                        help="put the tokenizer's end-of-document token at every K-th input of "
                             "each document (from the third on; 0: nowhere)")
+    group.add_argument("--golden-aux-loss-coeff", type=float, default=0.0,
+                       help="reference mode: also write the references with Megatron's "
+                            "auxiliary load-balancing loss at this coefficient (the layouts "
+                            "that name them pass it as --moe-aux-loss-coeff)")
     return parser
 
 
@@ -438,13 +446,15 @@ def run(args):
     torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": reference},
                os.path.join(args.golden_dir, "reference.pt"))
     for size in DEFAULT_LOSS_MICRO_BATCH_SIZES:
-        torch.save({"loss_sum": loss_sum, "tokens": tokens,
-                    "grads": default_loss_gradients(model, docs, args.seq_length, size)},
+        default = default_loss_gradients(model, docs, args.seq_length, size)
+        torch.save({"loss_sum": loss_sum, "tokens": tokens, "grads": default},
                    os.path.join(args.golden_dir, f"reference_default_mbs{size}.pt"))
         for cp in DEFAULT_LOSS_CONTEXT_PARALLEL_SIZES:
             torch.save({"loss_sum": loss_sum, "tokens": tokens,
                         "grads": default_loss_gradients(model, docs, args.seq_length, size, cp)},
                        os.path.join(args.golden_dir, f"reference_default_mbs{size}_cp{cp}.pt"))
+        if args.golden_aux_loss_coeff:
+            save_aux_references(model, docs, args, size, loss_sum, tokens, reference, default)
     initial = {name: p.detach().clone() for name, p in module.named_parameters()}
     for tag in args.golden_tags:
         load_model(os.path.join(args.golden_dir, f"grads_{tag}"), model)
@@ -457,6 +467,88 @@ def run(args):
             torch.save({"initial": initial, "expected": expected, "updated": params},
                        os.path.join(args.golden_dir, f"params_{tag}.pt"))
 
+
+
+def save_aux_references(model, docs, args, size: int, loss_sum: float, tokens: int,
+                        per_token: dict, default: dict) -> None:
+    """The references with Megatron's auxiliary load-balancing loss over the micro-batches of
+    ``size`` rows: the per-token loss's gradients ``per_token`` plus the auxiliary term's, and
+    Megatron's default loss's (``default``, at that micro-batch size) plus the auxiliary
+    term's."""
+    coeff = args.golden_aux_loss_coeff
+    aux = aux_loss_gradients(model, docs, args.seq_length, size, coeff, per_token=True)
+    torch.save({"loss_sum": loss_sum, "tokens": tokens,
+                "grads": {name: grad + aux[name] / tokens for name, grad in per_token.items()}},
+               os.path.join(args.golden_dir, f"reference_aux_mbs{size}.pt"))
+    aux = aux_loss_gradients(model, docs, args.seq_length, size, coeff, per_token=False)
+    torch.save({"loss_sum": loss_sum, "tokens": tokens,
+                "grads": {name: grad + aux[name] for name, grad in default.items()}},
+               os.path.join(args.golden_dir, f"reference_default_mbs{size}_aux.pt"))
+
+
+@contextlib.contextmanager
+def recording_router_logits(module):
+    """For the duration, every MoE router of ``module`` appends the logits of each call,
+    ``[tokens, experts]``, to its list in the yielded ``{router: [logits, ...]}``."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    recorded = {router: [] for router in module.modules() if isinstance(router, TopKRouter)}
+
+    def recording(router, gating):
+        def gate(hidden):
+            logits = gating(hidden)
+            recorded[router].append(logits.reshape(-1, logits.shape[-1]))
+            return logits
+        return gate
+
+    for router in recorded:
+        router.gating = recording(router, router.gating)
+    try:
+        yield recorded
+    finally:
+        for router in recorded:
+            del router.gating
+
+
+def switch_balancing_loss(logits: torch.Tensor, topk: int, coeff: float) -> torch.Tensor:
+    """The Switch Transformer's load-balancing loss of ``T`` tokens' router ``logits``
+    ``[T, E]`` (Megatron's ``aux_loss`` with softmax scores): ``coeff x E`` times the sum over
+    the experts of the share of the ``T x topk`` routings each receives times its mean score."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    routed = torch.zeros_like(scores).scatter(1, scores.topk(topk, dim=1).indices, 1.0)
+    count, experts = scores.shape
+    share = routed.sum(dim=0) / (count * topk)
+    return coeff * experts * torch.sum(share * scores.mean(dim=0))
+
+
+def aux_loss_gradients(model, docs, seq_length: int, micro_batch_size: int, coeff: float,
+                       per_token: bool) -> dict:
+    """Gradients of Megatron's auxiliary load-balancing loss over the micro-batches Megatron's
+    schedules receive (the project's packing, ``micro_batch_rows``: ``micro_batch_size`` rows
+    of ``seq_length`` inputs, padding included, which the router routes like any token), as
+    its router computes it per call, summed over the MoE layers: each micro-batch's loss of all
+    its tokens' logits, here recorded from each document run alone and from each row's padding
+    run alone (the padding is a segment of its own: zeros at positions from 0). Scaled as
+    Megatron scales it before its finalize step: by the micro-batch's token count under the
+    per-token loss (the gradients are then divided by the step's loss tokens, as the loss's),
+    by one over the number of micro-batches under the default loss."""
+    model[0].zero_grad_buffer()
+    module = model[0].module
+    topk = get_model_config(module).moe_router_topk
+    lengths = [len(doc) - 1 for doc in docs]
+    batches = micro_batch_rows(lengths, seq_length, micro_batch_size)
+    for rows in batches:
+        pieces = [docs[index] for row in rows for index in row]
+        pads = [seq_length - sum(lengths[index] for index in row) for row in rows]
+        pieces += [np.zeros(pad + 1, dtype=np.int64) for pad in pads if pad]
+        with recording_router_logits(module) as recorded:
+            for piece in pieces:
+                forward_step(iter([micro_batch([pack_row([piece])])]), module)
+        loss = sum(switch_balancing_loss(torch.cat(calls), topk, coeff)
+                   for calls in recorded.values())
+        (loss * (len(rows) * seq_length if per_token else 1.0 / len(batches))).backward()
+    return {name: p.main_grad.detach().clone().view_as(p)
+            for name, p in module.named_parameters()}
 
 
 def updated_parameters(model, args, vocab: int) -> None:

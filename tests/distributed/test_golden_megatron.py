@@ -115,6 +115,11 @@ MUX_EXPECTED = {
 #: embedding and the loss each counted as a layer (each stage builds 2 of 4).
 UNEVEN = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
 ACCOUNTED = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+#: Megatron's auxiliary load-balancing loss at the coefficient Megatron-LM recommends to
+#: start from; the moe variant's reference adds it over Megatron's micro-batches
+#: (``golden_run.aux_loss_gradients``) for the layouts that pass it.
+AUX_LOSS_COEFF = "0.01"
+AUX = ["--moe-aux-loss-coeff", AUX_LOSS_COEFF]
 #: The schedules that run Megatron's layer map (``name`` of a layout tag, flags).
 FOUR_SCHEDULES = (("1f1b", ["--pipeline-schedule", "1f1b"]),
                   ("ir", ["--pipeline-schedule", "1f1b-ir"]), ("elastic", ELASTIC),
@@ -331,17 +336,20 @@ VARIANTS = {
                                                      *ELASTIC, *MBS2]),
     }),
     # Dropless mixture of experts: Megatron's MoE layer (4 local experts, top-3 routing, no
-    # auxiliary loss, no biases, as Megatron-LM's MoE configurations) in every layer. Routing
-    # is per token, so cutting and packing documents keeps every token's experts. Under the
-    # schedules that run Megatron's layer map, the embedding and the loss count as layers of
-    # the split (4 + 2 over 2 stages: 2 transformer layers each).
+    # biases, as Megatron-LM's MoE configurations) in every layer. Routing is per token, so
+    # cutting and packing documents keeps every token's experts. Under the schedules that run
+    # Megatron's micro-batches, Megatron's auxiliary load-balancing loss too (AUX; under
+    # interleaved with Megatron's default loss). Under the schedules that run Megatron's layer
+    # map, the embedding and the loss count as layers of the split (4 + 2 over 2 stages: 2
+    # transformer layers each).
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
-             "--disable-bias-linear"], {
+             "--disable-bias-linear", "--golden-aux-loss-coeff", AUX_LOSS_COEFF], {
         **{f"pp2_moe_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
-                                             *flags]) for name, flags in FOUR_SCHEDULES},
+                                             *flags, *(AUX if name in ("1f1b", "ir") else [])])
+           for name, flags in FOUR_SCHEDULES},
         "pp2_vp2_moe_interleaved": (2, ["--pipeline-model-parallel-size", "2",
                                         "--num-layers-per-virtual-pipeline-stage", "1",
-                                        "--pipeline-schedule", "interleaved"]),
+                                        "--pipeline-schedule", "interleaved", *AUX]),
         "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_moe_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
@@ -406,7 +414,8 @@ DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_seq1f1b_default_loss_mbs2", "pp2_ulysses2_sppo_default_loss_mbs2",
                 "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2",
                 "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss",
-                "pp2_ulysses2_elastic_default_loss", "pp2_ulysses2_seq1f1b_default_loss_mbs2"}
+                "pp2_ulysses2_elastic_default_loss", "pp2_ulysses2_seq1f1b_default_loss_mbs2",
+                "pp2_vp2_moe_interleaved"}
 
 
 def loss_flags(common: list, tag: str) -> list:
@@ -415,14 +424,17 @@ def loss_flags(common: list, tag: str) -> list:
 
 
 def reference_file(tag: str, flags: list) -> str:
-    """The reference a layout is compared with."""
-    if tag not in DEFAULT_LOSS:
-        return "reference.pt"
+    """The reference a layout is compared with (with Megatron's auxiliary loss over its
+    micro-batches where the layout passes ``AUX``)."""
     size = flags[flags.index("--micro-batch-size") + 1] if "--micro-batch-size" in flags else "1"
+    aux = AUX[0] in flags
+    if tag not in DEFAULT_LOSS:
+        return f"reference_aux_mbs{size}.pt" if aux else "reference.pt"
     cp = flags[flags.index("--context-parallel-size") + 1] \
         if "--context-parallel-size" in flags else "1"
-    return f"reference_default_mbs{size}.pt" if cp == "1" else \
-        f"reference_default_mbs{size}_cp{cp}.pt"
+    if cp != "1":
+        return f"reference_default_mbs{size}_cp{cp}.pt"
+    return f"reference_default_mbs{size}{'_aux' if aux else ''}.pt"
 
 
 #: One golden case per schedule. With ``LONGCTX_GOLDEN_SMOKE=1`` only these run: CI's pass
@@ -534,6 +546,23 @@ def assert_gradient_close(got: torch.Tensor, expected: torch.Tensor, name: str) 
     assert excess.max() <= 1, (
         f"{name}: {int((excess > 1).sum())} of {expected.numel()} entries off, worst at flat "
         f"index {worst}: {got.flatten()[worst]:.6e} vs {expected.flatten()[worst]:.6e}")
+
+
+def test_the_aux_loss_moves_the_router_gradients(golden):
+    """The auxiliary loss's share of the references the MoE layouts with ``AUX`` are compared
+    with (per-token and default loss) is far above the comparison's bound in every router's
+    gradient: a run that dropped or mis-scaled it would fail there."""
+    need(*(tag for tag, (_, flags) in VARIANTS["moe"][1].items() if AUX[0] in flags))
+    root = golden / "moe"
+    for plain, aux in [("reference.pt", "reference_aux_mbs1.pt"),
+                       ("reference_default_mbs1.pt", "reference_default_mbs1_aux.pt")]:
+        without = torch.load(root / plain)["grads"]
+        with_aux = torch.load(root / aux)["grads"]
+        routers = [name for name in without if name.endswith("router.weight")]
+        assert len(routers) == 4, routers
+        for name in routers:
+            share = (with_aux[name] - without[name]).norm() / without[name].norm()
+            assert share > 100 * NORM_RTOL, f"{aux}, {name}: the auxiliary loss moves it {share:.1e}"
 
 
 @pytest.mark.parametrize("native,ir", [("pp2", "pp2_ir"), ("pp4", "pp4_ir"),

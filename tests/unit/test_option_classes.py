@@ -107,6 +107,7 @@ def _golden_parser():
     parser = arguments.build_parser()
     parser.add_argument("--golden-docs")
     parser.add_argument("--golden-eod-every")
+    parser.add_argument("--golden-aux-loss-coeff")
     return parser
 
 
