@@ -8,8 +8,10 @@ every rank so that all of them fit the same figures and keep planning identicall
 
 Model of one stage forward of chunk ``c`` on stage ``s`` with ``L_s`` layers, after the cost
 model's own figures for the collectives and for the work outside the layers (embedding on the
-first stage, head on the last: :meth:`CostModel.end_forward`, measured or FLOP-derived) are
-subtracted, so that neither is counted twice::
+first stage, head on the last: :meth:`CostModel.end_forward`, measured or FLOP-derived) and
+the profile's host time of an action outside its layers (``host_action_s``, which the cost
+model adds to every stage forward and backward) are subtracted, so that none is counted
+twice::
 
     t = L_s (alpha1 Q_c + alpha2 S_c + beta)
 
@@ -26,7 +28,9 @@ needs at least four distinct chunk shapes, otherwise the profile is kept and the
 logged; the refitted profile is marked ``"measured"`` with a note saying where it came from;
 each refit uses only the iterations since the previous one (the model follows the machine);
 the executor waits for the device around each timed action (CUDA launches are asynchronous).
-The fit extrapolates: from large chunks alone the per-chunk constant ``beta`` is not pinned
+The host terms are the profile's, not refitted: the layers' host time is inside the measured
+times and lands in the fitted coefficients (mostly ``beta``), where the cost model's
+``max(host, device)`` does not count it again. The fit extrapolates: from large chunks alone the per-chunk constant ``beta`` is not pinned
 down (it may come out 0), the planner may then cut finer than it should for one interval,
 and the next refit, which sees those small chunks, corrects it.
 """
@@ -88,10 +92,10 @@ def refit(cost: CostModel, seen: Iterable[Observation]) -> tuple[HardwareProfile
     for o in seen:
         layers = cost.layers(o.stage)
         rows.append([layers * o.quadratic, layers * o.tokens, layers])
-        collectives = layers * (cost.comm_per_token * o.tokens + cost.comm_latency)
-        forward.append(max(o.forward_s - collectives - cost.end_forward(o.stage, o.tokens),
-                           1e-9))
-        backward.append(max(o.backward_s - collectives - cost.end_backward(o.stage, o.tokens),
+        outside = layers * (cost.comm_per_token * o.tokens + cost.comm_latency) \
+            + cost.host_action
+        forward.append(max(o.forward_s - outside - cost.end_forward(o.stage, o.tokens), 1e-9))
+        backward.append(max(o.backward_s - outside - cost.end_backward(o.stage, o.tokens),
                             1e-9))
     a, y = np.asarray(rows), np.asarray(forward)
     x = nnls(a / y[:, None], np.ones_like(y))

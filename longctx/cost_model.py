@@ -39,6 +39,23 @@ Time (seconds, per GPU; every GPU of a stage's sequence-parallel group does the 
   layer's attention: only what exceeds it is exposed; the backward passes K/V and their
   gradients, twice the bytes, against ``backward_factor`` times the attention;
 - recomputing a checkpointed layer costs one more forward of it, collectives included (eq. 11);
+- host time (the profile's ``host_*`` fields): a layer call costs the host
+  ``host_layer_forward_s`` (``host_layer_backward_s`` for its backward), and every forward or
+  backward action of a unit on a stage ``host_action_s`` outside its layers (the executor's
+  Python: dispatch, extension hooks, plan bookkeeping, Megatron's ``forward_step`` /
+  ``backward_step``). How host and device time combine (the choice made here): where the host
+  only launches (``host_asynchronous``, CUDA) it runs ahead of the device, so a layer call
+  costs ``max(host, device)`` -- a short chunk whose kernels finish faster than the host
+  launches them is host-bound; on a CPU the host does the work itself, so a layer costs the
+  sum -- which a measured layer fit already is (its ``beta`` holds the per-call host work, timed
+  on the same thread), so under a measured synchronous profile the layer's host term is not
+  added a second time, under a spec-derived one it is. The action's own host time is serial in
+  both (the host does it between the launches of two actions, and the next action's kernels
+  wait for it): each stage forward and stage backward adds ``host_action_s``; a recomputation
+  (an action of its own in the executor) is priced by its layers only, as the CP-SAT
+  checkpointing prices it per layer, an under-count of one ``host_action_s`` per recomputed
+  unit. The planners' balancing
+  term :meth:`CostModel.piece_work` leaves host time out (the per-unit terms count it);
 - the last stage also runs the output layer (``2 h V`` FLOPs per token forward) and keeps the
   logits; the embedding lookup of stage 0 is free -- unless the profile is measured with
   ``end_coefficients``: then the first stage adds the embedding's and the last stage the final
@@ -238,6 +255,21 @@ class CostModel:
             raise ValueError(f"layers per stage {self._layers} do not place {model.num_layers} "
                              f"layers on pp={parallel.pp} stages")
         self.signature_cache = lru_cache(maxsize=SIGNATURE_CACHE_SIZE)(self._chunk_costs)
+        self._set_host_times()
+
+    def _set_host_times(self) -> None:
+        """Host seconds per layer call and per action, and whether they overlap the device
+        (module doc)."""
+        hardware = self.hardware
+        self.host_overlaps = hardware.host_asynchronous
+        in_fit = not self.host_overlaps and hardware.layer_coefficients is not None
+        self.host_layer = (0.0, 0.0) if in_fit else (hardware.host_layer_forward_s,
+                                                      hardware.host_layer_backward_s)
+        self.host_action = hardware.host_action_s
+
+    def _with_host(self, device: float, host: float) -> float:
+        """One layer call's time from its device and host seconds (module doc)."""
+        return max(device, host) if self.host_overlaps else device + host
 
     def _set_layer_times(self, shard: int) -> None:
         """Eq. 1's per-layer coefficients: the profile's fit, or derived from the spec."""
@@ -357,13 +389,14 @@ class CostModel:
         return self._costs(chunk)[1]
 
     def layer_forward(self, chunk: Chunk) -> float:
-        """Forward of one layer: compute plus collectives; also the recompute time (eq. 11)."""
+        """Forward of one layer: compute plus collectives, combined with the host's time of
+        the call (module doc); also the recompute time (eq. 11)."""
         compute, comm = self._costs(chunk)[:2]
-        return compute + comm
+        return self._with_host(compute + comm, self.host_layer[0])
 
     def layer_backward(self, chunk: Chunk) -> float:
-        return self.hardware.backward_factor * self.layer_compute(chunk) + \
-            self._costs(chunk)[4]
+        device = self.hardware.backward_factor * self.layer_compute(chunk) + self._costs(chunk)[4]
+        return self._with_host(device, self.host_layer[1])
 
     def end_forward(self, stage: int, tokens: int) -> float:
         """Forward work of ``stage`` outside its layers on a chunk of ``tokens`` tokens: the
@@ -389,12 +422,15 @@ class CostModel:
         return time
 
     def stage_forward(self, stage: int, chunk: Chunk) -> float:
+        """The forward action of ``chunk`` on ``stage``: its layers, its ends and the action's
+        host time."""
         return self.layers(stage) * self.layer_forward(chunk) + \
-            self.end_forward(stage, chunk.tokens)
+            self.end_forward(stage, chunk.tokens) + self.host_action
 
     def stage_backward(self, stage: int, chunk: Chunk) -> float:
+        """Backward counterpart of :meth:`stage_forward`."""
         return self.layers(stage) * self.layer_backward(chunk) + \
-            self.end_backward(stage, chunk.tokens)
+            self.end_backward(stage, chunk.tokens) + self.host_action
 
     def stage_time(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
         """Forward + backward + recomputation of ``checkpointed`` layers of ``stage``."""

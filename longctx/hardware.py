@@ -38,6 +38,15 @@ differs -- the papers' testbeds do -- says so in a profile of its own):
   per-chunk ``beta`` and its per-token ``alpha2`` were fitted on the machine's own small and
   large chunks), so the two are refused together. ``scripts/profile_costs.py`` prints the curve
   it measures, to put into a spec-derived profile of the same machine.
+- Host time (:mod:`longctx.cost_model` says how it combines with device
+  time): ``host_layer_forward_s`` and ``host_layer_backward_s``, the host's seconds per layer
+  call (the Python of the module's forward, autograd's bookkeeping and the kernel launches of
+  one layer, on a chunk whatever its size); ``host_action_s``, the host's seconds per forward
+  or backward action of a unit on a stage outside its layers (the executor's dispatch,
+  extension hooks, plan bookkeeping, Megatron's ``forward_step``/``backward_step`` wrappers);
+  ``host_asynchronous``, whether the device runs what the host launched while the host goes on
+  (CUDA: true) or the host computes it itself (CPU: false). ``scripts/profile_costs.py``
+  measures the first three; the shipped profiles keep 0 where no measurement is cited.
 """
 from __future__ import annotations
 
@@ -213,6 +222,14 @@ class HardwareProfile:
     """Allocator-held device bytes per live activation byte beyond it, in [0, 1)."""
     kernel_efficiency: tuple[tuple[int, float], ...] | None = None
     """Share of large-chunk compute throughput by tokens per GPU (module doc); ``None``: 1."""
+    host_layer_forward_s: float = 0.0
+    """Host seconds of one layer's forward call (module doc)."""
+    host_layer_backward_s: float = 0.0
+    """Host seconds of one layer's backward (module doc)."""
+    host_action_s: float = 0.0
+    """Host seconds of one forward or backward action outside its layers (module doc)."""
+    host_asynchronous: bool = True
+    """The device runs launched work while the host goes on (CUDA); false on a CPU."""
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -227,7 +244,8 @@ class HardwareProfile:
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"profile {self.name}: {name} must be in (0, 1], "
                                  f"got {getattr(self, name)}")
-        for name in ("layer_overhead_s", "intra_node_latency_s", "inter_node_latency_s"):
+        for name in ("layer_overhead_s", "intra_node_latency_s", "inter_node_latency_s",
+                     "host_layer_forward_s", "host_layer_backward_s", "host_action_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"profile {self.name}: {name} must be >= 0, "
                                  f"got {getattr(self, name)}")

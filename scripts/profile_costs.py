@@ -66,6 +66,16 @@ What is measured and how (every choice made here):
 - Allocator overhead (CUDA only): the caching allocator's reserved bytes over the allocated
   bytes at their peaks, minus 1, over the whole grid: written as ``allocator_overhead``. On a
   CPU there is no caching allocator to measure and the base profile's figure is inherited.
+- Host time (:mod:`longctx.cost_model` says how it combines with the device's):
+  ``host_layer_forward_s`` / ``host_layer_backward_s`` are the median time of the layers'
+  forward / backward on a slice of ``HOST_TOKENS`` tokens, per layer, with the clock stopped
+  when the host returns (before waiting for the device: on CUDA the launches, on a CPU the
+  whole, tiny, work). ``host_action_s`` is the executor's own work per action: one-stage 1F1B
+  of ``HOST_UNITS`` units run by the pipeline executor over a one-weight stand-in model with
+  Megatron's ``forward_step``/``backward_step``, less the stand-in's forwards and backwards
+  timed alone, divided by the actions (median of ``--repeats`` after a warm-up); the
+  schedules' extension hooks (document chunks, offloading) are not in it.
+  ``host_asynchronous`` is true on CUDA.
 - Report: per grid point the measured forward/backward, the fitted forward and its relative
   error; then the max and mean relative error (printed as ``fit relative error: max ... mean``).
 - Output JSON: every field of ``--base-profile`` (a shipped profile name or a JSON path), then
@@ -100,7 +110,12 @@ from longctx.cost_model import mlp_gemm_per_token
 from longctx.fitting import nnls
 
 MEASURED_FIELDS = ("name", "machine", "source", "backward_factor", "layer_coefficients",
-                   "activation_coefficients", "end_coefficients", "notes")
+                   "activation_coefficients", "end_coefficients", "host_layer_forward_s",
+                   "host_layer_backward_s", "host_action_s", "host_asynchronous", "notes")
+#: Tokens of the slice the host's per-layer-call time is taken on (device work negligible).
+HOST_TOKENS = 8
+#: Units of the no-op executor run that times the host's per-action work.
+HOST_UNITS = 64
 #: Measured where the device allows it (see :func:`allocator_overhead`).
 ALLOCATOR_FIELD = "allocator_overhead"
 
@@ -235,8 +250,11 @@ def _run(layers, x, layout):
     return x
 
 
-def measure_point(layers, hidden, tokens, context, repeats, device, dtype, seed=0):
-    """Median ``(forward_s, backward_s)`` of all layers on slice ``(tokens, context)``."""
+def measure_point(layers, hidden, tokens, context, repeats, device, dtype, seed=0,
+                  host_only=False):
+    """Median ``(forward_s, backward_s)`` per layer on slice ``(tokens, context)``; with
+    ``host_only`` the clock stops when the host has issued the work, before waiting for the
+    device (the same on a CPU)."""
     import torch
 
     from megatron.plugin.layers.layout import PackedDocuments, Segment
@@ -264,17 +282,86 @@ def measure_point(layers, hidden, tokens, context, repeats, device, dtype, seed=
         _sync(device)
         start = time.perf_counter()
         out = _run(layers, inp, layout)
+        issued = time.perf_counter()
         _sync(device)
         middle = time.perf_counter()
         torch.autograd.backward(out, grad)
+        issued_back = time.perf_counter()
         _sync(device)
         end = time.perf_counter()
         if step:
-            forwards.append(middle - start)
-            backwards.append(end - middle)
+            forwards.append((issued if host_only else middle) - start)
+            backwards.append((issued_back if host_only else end) - middle)
     store.clear()
     n = len(layers)
     return statistics.median(forwards) / n, statistics.median(backwards) / n
+
+
+def host_layer_times(layers, hidden, repeats, device, dtype, seed=0):
+    """Host ``(forward_s, backward_s)`` of one layer call: the layers on a slice of
+    :data:`HOST_TOKENS` tokens, whose device work is negligible beside the launches, timed up
+    to the host's return (:func:`measure_point` with ``host_only``)."""
+    return measure_point(layers, hidden, HOST_TOKENS, 0, repeats, device, dtype, seed=seed,
+                         host_only=True)
+
+
+def host_action_time(device, units: int, repeats: int) -> float:
+    """Host seconds of one forward or backward action outside its layers: the executor
+    (:func:`megatron.plugin.pipeline.executor.run_schedule`) runs ``units`` forwards and
+    backwards of a one-stage 1F1B over a one-weight stand-in model, the median of
+    ``repeats`` runs after a warm-up; the stand-in's own forward and backward, timed alone the
+    same number of times, are taken off. No extension runs (a schedule's hooks add to it)."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron.plugin.pipeline import executor
+    from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
+    from megatron.plugin.pipeline.stage_context import StageContext
+
+    class Stage(torch.nn.Linear):
+        """A one-weight stand-in for a pipeline stage: what the executor needs of a model."""
+
+        def set_input_tensor(self, tensor):
+            """Megatron's ``forward_step`` hands it the received input (none here)."""
+
+    stage = Stage(1, 1, bias=False).to(device)
+    stage.config = TransformerConfig(num_layers=1, hidden_size=4, num_attention_heads=1)
+    x = torch.ones(1, 1, device=device)
+
+    def loss_func(output):
+        return output.sum(), {}
+
+    def step(data_iterator, model):
+        return model(x), loss_func
+
+    actions = one_f_one_b(1, units)[0]
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+
+    def run_executor():
+        ctx = StageContext(forward_step_func=step, data_iterator=None, model=stage,
+                           num_microbatches=units, shape_of=None, pp_group=pp_group,
+                           pg_collection=groups, is_first_stage=True, is_last_stage=True)
+        executor.run_schedule(list(actions), ctx)
+
+    def run_model():
+        for _ in range(units):
+            stage(x).sum().backward()
+
+    seconds = []
+    for run in (run_executor, run_model):
+        times = []
+        for step_index in range(repeats + 1):  # step 0 is the warm-up
+            _sync(device)
+            start = time.perf_counter()
+            run()
+            _sync(device)
+            if step_index:
+                times.append(time.perf_counter() - start)
+        seconds.append(statistics.median(times))
+    return max(0.0, seconds[0] - seconds[1]) / (2 * units)
 
 
 def one_layer_model(config, device):
@@ -459,7 +546,7 @@ def base_profile_dict(name_or_path: str) -> dict:
 
 def build_profile(base: dict, base_name: str, description: str, coefficients, backward_factor,
                   hidden_size: int, grid: str, fit_error: tuple[float, float],
-                  activations: dict, ends: dict, overhead: float | None = None,
+                  activations: dict, ends: dict, host: dict, overhead: float | None = None,
                   mlp: str = "dense") -> dict:
     """The measured profile's JSON object (see the module docstring)."""
     alpha1, alpha2, beta = coefficients
@@ -478,6 +565,7 @@ def build_profile(base: dict, base_name: str, description: str, coefficients, ba
                                 hidden_size=hidden_size, sp=1, tp=1, mlp=mlp),
         activation_coefficients=activations,
         end_coefficients=ends,
+        **host,
     )
     inherited = [key for key in base if key not in measured and key != "kernel_efficiency"]
     notes = {
@@ -495,6 +583,16 @@ def build_profile(base: dict, base_name: str, description: str, coefficients, ba
                              "forward and backward of a one-layer GPTModel, cut by hooks, "
                              "median per token count; NNLS fit of seconds per token and per "
                              "chunk"),
+        "host_layer_forward_s": (f"measured: host time of one layer's forward call on "
+                                 f"{HOST_TOKENS} tokens, timed up to the host's return "
+                                 f"(median)"),
+        "host_layer_backward_s": "measured: the same for the layer's backward",
+        "host_action_s": (f"measured: the executor's run of a one-stage 1F1B of {HOST_UNITS} "
+                          f"units over a one-weight stand-in model, less the stand-in's own "
+                          f"forwards and backwards, per action (median); no extension hooks"),
+        "host_asynchronous": ("the device runs launched work while the host goes on (CUDA)"
+                              if host["host_asynchronous"] else
+                              "a CPU: the host computes the layers itself"),
         **({ALLOCATOR_FIELD: "measured: CUDA caching allocator's peak reserved over peak "
                              "allocated bytes over the grid, minus 1"} if overhead is not None
            else {}),
@@ -615,8 +713,16 @@ def main(argv=None) -> int:
         ends[key] = fit_linear(args.tokens, seconds)
         print(f"{key}: {ends[key][0] * 1e6:.4f} us per token + {ends[key][1] * 1e3:.3f} ms "
               f"(measured ms: {', '.join(f'{t * 1e3:.2f}' for t in seconds)})")
+    host_forward, host_backward = host_layer_times(
+        layers, args.hidden_size, args.repeats, device, config.params_dtype, seed=args.seed)
+    host = dict(host_layer_forward_s=host_forward, host_layer_backward_s=host_backward,
+                host_action_s=host_action_time(device, HOST_UNITS, args.repeats),
+                host_asynchronous=device.type == "cuda")
+    print(f"host per layer call: forward {host_forward * 1e3:.3f} ms, backward "
+          f"{host_backward * 1e3:.3f} ms; per action outside the layers "
+          f"{host['host_action_s'] * 1e3:.3f} ms")
     data = build_profile(base, args.base_profile, description, coefficients, factor,
-                         args.hidden_size, grid, fit_error, activations, ends, overhead,
+                         args.hidden_size, grid, fit_error, activations, ends, host, overhead,
                          shape.mlp_label)
     from longctx.hardware import profile_from_dict
 

@@ -115,9 +115,14 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
     for pair in (ends.embedding_forward, ends.embedding_backward, ends.head_forward,
                  ends.head_backward):
         assert min(pair) >= 0 and sum(pair) > 0
+    # host time measured; a CPU computes the layers itself (not asynchronous)
+    assert min(profile.host_layer_forward_s, profile.host_layer_backward_s,
+               profile.host_action_s) >= 0 and not profile.host_asynchronous
+    assert "measured" in profile.notes["host_action_s"]
     layers = 2 * costs.layer_forward(chunk)
     assert costs.stage_forward(0, chunk) == pytest.approx(
-        layers + ends.time(ends.embedding_forward, 128) + ends.time(ends.head_forward, 128))
+        layers + ends.time(ends.embedding_forward, 128) + ends.time(ends.head_forward, 128)
+        + profile.host_action_s)
     assert len(re.findall(r"^(embedding|head)_(forward|backward): ", result.stdout, re.M)) == 4
 
     # The measured efficiency curve is printed (for a spec-derived profile), ending at 1 at

@@ -1,7 +1,8 @@
 """Short documents (#26): on a batch whose documents all fit ``--seq-length``, ``elastic`` and
 ``seq1f1b`` plan no more units than Megatron-LM's micro-batches at PP = 1 and are never
-predicted slower than Megatron's 1F1B on them, at any PP; a fixed slice count keeps its
-meaning."""
+predicted slower than Megatron's 1F1B on them, at any PP; at PP = 2 with the host's time per
+action priced, more units than Megatron's only when predicted faster with it; a fixed slice
+count keeps its meaning."""
 import dataclasses
 import random
 
@@ -13,7 +14,7 @@ from elastic_pipe.baselines import megatron_1f1b, seq1f1b
 from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
 from elastic_pipe.sequence_processor import ChunkingConfig, megatron_chunking
 from longctx.cost_model import CostModel, ParallelConfig
-from longctx.hardware import load_profile
+from longctx.hardware import LayerCoefficients, load_profile
 from longctx.models import ModelConfig
 
 SEQ = 4096
@@ -110,3 +111,43 @@ def test_without_megatrons_candidate_short_documents_run_in_more_units():
     cost = cost_for(1)
     plain = dataclasses.replace(config(), chunking=ChunkingConfig())
     assert len(plan_elastic(lengths, cost, plain).chunks()) > len(megatron_units(lengths))
+
+
+#: The CPU bench's model (scripts/bench_schedules.py: 4 layers x hidden 64, fp32) and the eq. 1
+#: fit its run refitted to (benchmarks/results/bench_schedules_short.txt), on a synchronous host.
+CPU_MODEL = ModelConfig("cpu-bench", 4, 64, 4, 256, 257)
+CPU_SEQ = 1024
+
+
+def cpu_cost(host_action_s):
+    fit = LayerCoefficients(8.572e-08, 0.0, 1.688e-03, hidden_size=64, sp=1, tp=1)
+    hardware = dataclasses.replace(load_profile("a800"), source="measured",
+                                   layer_coefficients=fit, backward_factor=2.746,
+                                   host_asynchronous=False, host_action_s=host_action_s)
+    return CostModel(CPU_MODEL, hardware, ParallelConfig(pp=2, memory_gb=80))
+
+
+@pytest.mark.parametrize("host_action_s", [1e-4, 3e-3])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("schedule", ["elastic", "seq1f1b"])
+def test_at_pp2_more_units_than_megatron_only_when_faster_with_the_host_time(schedule, seed,
+                                                                             host_action_s):
+    """PP = 2 with a host time per action (1e-4 s: the executor's own work measured on this
+    CPU by ``scripts/profile_costs.py``; 3e-3 s: a slower host): every extra unit pays it
+    twice a stage, and a plan with more units than Megatron's micro-batches is chosen only when
+    predicted faster than Megatron's 1F1B with that cost counted in both."""
+    lengths = short_batch(seed, count=32, longest=CPU_SEQ)
+    cost = cpu_cost(host_action_s)
+    chosen = SchedulerConfig(ChunkingConfig(seq_length=CPU_SEQ), solver_time_limit=0.05,
+                             workers=1)
+    plan = (plan_elastic(lengths, cost, chosen) if schedule == "elastic"
+            else seq1f1b(lengths, cost, chosen))
+    megatron = megatron_1f1b(lengths, cost, CPU_SEQ, 1)
+    without_host = megatron_1f1b(lengths, cpu_cost(0.0), CPU_SEQ, 1)
+    units = len(micro_batch_rows(lengths, CPU_SEQ, 1))
+    # Megatron's 1F1B pays 2 x units actions a stage; on its critical path at least 2 x units
+    assert megatron.predicted_time_s >= without_host.predicted_time_s \
+        + 2 * units * host_action_s * (1 - 1e-9)
+    if len(plan.chunks()) > units:
+        assert plan.predicted_time_s < megatron.predicted_time_s
+    assert plan.predicted_time_s <= megatron.predicted_time_s * (1 + 1e-9)
