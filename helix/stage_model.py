@@ -3,7 +3,6 @@ it runs with (no cross-stage embedding group: the embedding and the head live on
 from __future__ import annotations
 
 import argparse
-import functools
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -12,9 +11,10 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from helix.model import HelixGPTModel
 from megatron.plugin.executor_call import megatron_process_groups
+from megatron.plugin.group_cache import cached_groups
 
 
-@functools.lru_cache(maxsize=1)
+@cached_groups(maxsize=1)
 def _own_rank_group():
     """A one-rank group for this rank (every rank creates all of them, as ``new_group``
     requires): finalize_model_grads' embedding group under helix, where the embedding and the

@@ -42,6 +42,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.plugin.layers.layout import Segment
 from megatron.plugin.batches import MicroBatch
+from megatron.plugin.group_cache import cached_groups
 from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.pipeline.chunks import DocumentChunks, chunk_backward
 from megatron.plugin.pipeline.extension import run_backward
@@ -89,7 +90,7 @@ class GroupShare:
         return [(full_key[:self.start], full_value[:self.start])]
 
 
-@functools.lru_cache(maxsize=4)
+@cached_groups(maxsize=4)
 def block_groups(pp_ranks: tuple[int, ...]) -> dict[int, tuple[object, tuple[int, ...]]]:
     """``block -> (process group, global ranks)`` of ``G_block`` for the pipeline of
     ``pp_ranks``, for the blocks of two members or more. Every rank takes part in creating the

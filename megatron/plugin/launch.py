@@ -29,12 +29,12 @@ from typing import Callable, Sequence
 import torch
 from megatron.core.enums import ModelType
 
-from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, hang_report,
-                             optimizer_state, registry)
+from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, group_cache,
+                             hang_report, optimizer_state, registry)
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
-from megatron.plugin.pipeline import p2p, run_settings
+from megatron.plugin.pipeline import run_settings
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +216,12 @@ def reset() -> None:
       variables, the micro-batch calculator, the global memory buffer, the model-parallel
       groups and the rerun state machine;
     * the checkpoint version and loaded iteration that Megatron's loader records;
-    * the pipeline links of the IR schedules (two-rank groups cached by this rank's pipeline;
-      a cache hit on some ranks but not on others would stall the group creation the others
-      enter);
+    * every process group but the default one, destroyed (Megatron's teardown forgets its
+      groups without destroying them, and on gloo each group keeps its own polling threads:
+      left alive, a launch of a few dozen layouts ran thousands of threads per rank and each
+      layout slowed the next), and the caches of the groups the schedules create themselves
+      (:mod:`megatron.plugin.group_cache`: a cache hit on some ranks but not on others would
+      stall the group creation the others enter);
     * Megatron's own ``get_forward_backward_func`` everywhere (:func:`initialize` selects the
       schedule again);
     * the CPU-compatibility counters (:data:`cpu_compat.HITS`): they count the next run only.
@@ -227,9 +230,7 @@ def reset() -> None:
     when one exists; under torchrun a new one would meet the old one's keys in the agent's
     store), what :func:`initialize` installs once and idempotently (the CPU compatibility layer,
     the dataset helpers), the registered schedules, and the schedules' caches of plans (pure
-    functions of their arguments). The process groups of the run stay alive, unused (Megatron's
-    teardown forgets them without destroying them; on gloo each holds two threads and its
-    connections). The random generators and Megatron's RNG tracker need no reset:
+    functions of their arguments). The random generators and Megatron's RNG tracker need no reset:
     :func:`initialize` seeds them again (``model_parallel_cuda_manual_seed`` resets the
     tracker's states)."""
     import torch.distributed as dist
@@ -241,7 +242,12 @@ def reset() -> None:
     destroy_global_state()
     checkpointing._CHECKPOINT_VERSION = None
     checkpointing.set_loaded_iteration(None)
-    p2p.pipeline_links.cache_clear()
+    group_cache.forget_all()
+    if dist.is_initialized():
+        default = dist.group.WORLD
+        for group in [group for group in dist.distributed_c10d._world.pg_map
+                      if group is not default]:
+            dist.destroy_process_group(group)
     registry.restore_megatron()
     cpu_compat.HITS.clear()
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron.plugin import group_cache
 from megatron.plugin.layers.kv_store import KVStore
-from megatron.plugin.pipeline import executor, ir, p2p, simulator, validation
+from megatron.plugin.pipeline import executor, ir, simulator, validation
 from megatron.plugin.pipeline.chunks import DocumentChunks
 from megatron.plugin.pipeline.offloading import Offloading
 from megatron.plugin.pipeline.ir import Action, Kind, format_schedule, parse, parse_schedule
@@ -129,7 +130,7 @@ def test_a_new_kind_runs_through_one_executor_row(noop, monkeypatch, tmp_path):
                            pg_collection=None, is_first_stage=True, is_last_stage=True)
         assert executor.run_schedule([parse("0NOOP0"), parse("0NOOP1")], ctx) == []
     finally:
-        p2p.pipeline_links.cache_clear()
+        group_cache.forget_all()
         dist.destroy_process_group()
     assert ran == [(0, "0NOOP0"), (1, "0NOOP1")]
     assert [event.name for event in ctx.events] == ["0NOOP0", "0NOOP1"]

@@ -41,7 +41,6 @@ complete).
 from __future__ import annotations
 
 import datetime
-import functools
 import itertools
 import time
 import zlib
@@ -49,6 +48,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from megatron.plugin.group_cache import cached_groups
 from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.pipeline.ir import Action
 from megatron.plugin.pipeline.p2p_watchdog import TransferWatchdog
@@ -92,7 +92,7 @@ def check_links(schedule, links: Links) -> None:
                     f"use (megatron.plugin.pipeline.p2p.every_link by default)")
 
 
-@functools.lru_cache(maxsize=4)
+@cached_groups(maxsize=4)
 def pipeline_links(pipeline: tuple[int, ...], links: Links) -> dict[tuple[int, int], object]:
     """``(source stage, destination stage) -> two-rank group`` for the declared ``links`` of the
     pipeline whose global ranks are ``pipeline`` that have this rank at one end (module doc).
