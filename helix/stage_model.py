@@ -11,7 +11,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
 from helix.model import HelixGPTModel
 from megatron.plugin.executor_call import megatron_process_groups
-from megatron.plugin.group_cache import cached_groups
+from megatron.plugin.pipeline.group_cache import cached_groups
 
 
 @cached_groups(maxsize=1)

@@ -42,7 +42,7 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.plugin.layers.layout import Segment
 from megatron.plugin.batches import MicroBatch
-from megatron.plugin.group_cache import cached_groups
+from megatron.plugin.pipeline.group_cache import cached_groups
 from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.pipeline.chunks import DocumentChunks, chunk_backward
 from megatron.plugin.pipeline.extension import run_backward

@@ -29,12 +29,12 @@ from typing import Callable, Sequence
 import torch
 from megatron.core.enums import ModelType
 
-from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, group_cache,
-                             hang_report, optimizer_state, registry)
+from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, hang_report,
+                             optimizer_state, registry)
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
-from megatron.plugin.pipeline import run_settings
+from megatron.plugin.pipeline import group_cache, run_settings
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ def reset() -> None:
       groups without destroying them, and on gloo each group keeps its own polling threads:
       left alive, a launch of a few dozen layouts ran thousands of threads per rank and each
       layout slowed the next), and the caches of the groups the schedules create themselves
-      (:mod:`megatron.plugin.group_cache`: a cache hit on some ranks but not on others would
+      (:mod:`megatron.plugin.pipeline.group_cache`: a cache hit on some ranks but not on others would
       stall the group creation the others enter);
     * Megatron's own ``get_forward_backward_func`` everywhere (:func:`initialize` selects the
       schedule again);

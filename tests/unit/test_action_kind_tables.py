@@ -9,9 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron.plugin import group_cache
 from megatron.plugin.layers.kv_store import KVStore
-from megatron.plugin.pipeline import executor, ir, simulator, validation
+from megatron.plugin.pipeline import executor, group_cache, ir, simulator, validation
 from megatron.plugin.pipeline.chunks import DocumentChunks
 from megatron.plugin.pipeline.offloading import Offloading
 from megatron.plugin.pipeline.ir import Action, Kind, format_schedule, parse, parse_schedule

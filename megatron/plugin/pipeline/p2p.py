@@ -48,7 +48,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from megatron.plugin.group_cache import cached_groups
+from megatron.plugin.pipeline.group_cache import cached_groups
 from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.pipeline.ir import Action
 from megatron.plugin.pipeline.p2p_watchdog import TransferWatchdog
