@@ -101,8 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]):
     """``(namespace, given)``: ``argv`` parsed, and ``dest -> (flag, value)`` of each option
-    it sets to a value other than its default. argparse exits 2 on a malformed command line
-    (unknown flag, bad value) as it does inside Megatron-LM's parser."""
+    it sets to a value other than its default. A one-item list is its item: Megatron-LM's
+    options that take several values (``nargs='+'``: ``--moe-router-load-balancing-type
+    aux_loss``, ``--moe-aux-loss-coeff``, ``--cp-comm-type``) have a single value as their
+    default and mean that value by a list of it alone (``validate_args`` unpacks some of them).
+    argparse exits 2 on a malformed command line (unknown flag, bad value) as it does inside
+    Megatron-LM's parser."""
     namespace = parser.parse_args(argv)
     saved = parser._defaults, [(action, action.default) for action in parser._actions]
     parser._defaults = {}
@@ -120,8 +124,13 @@ def given_options(parser: argparse.ArgumentParser, argv: Sequence[str]):
             flags.setdefault(action.dest, action.option_strings[0])
     defaults = {action.dest: parser.get_default(action.dest) for action in parser._actions}
     given = {dest: (flags[dest], getattr(namespace, dest)) for dest in named
-             if dest in flags and getattr(namespace, dest) != defaults.get(dest)}
+             if dest in flags and _single(getattr(namespace, dest)) != defaults.get(dest)}
     return namespace, given
+
+
+def _single(value):
+    """A one-item list's item; any other value itself."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
 
 
 class Refusals(ValueError):

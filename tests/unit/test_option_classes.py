@@ -129,6 +129,20 @@ def test_each_honoured_cell_names_a_test_that_passes_the_option(dest, schedule, 
         assert ran == schedule, (tag, ran)
 
 
+def test_a_one_item_list_of_the_default_is_the_default():
+    """Megatron-LM's several-valued options mean their single default by a list of it alone
+    (``--moe-router-load-balancing-type aux_loss``, given by Megatron-LM's MoE configs, is
+    Megatron's default): not given, so not refused; another value still is."""
+    parser = arguments.build_parser()
+    for values, expected in ((["aux_loss"], False), (["seq_aux_loss"], True),
+                             (["aux_loss", "seq_aux_loss"], True)):
+        _, given = arguments.given_options(
+            parser, ["--moe-router-load-balancing-type", *values])
+        assert ("moe_router_load_balancing_type" in given) is expected, values
+    _, given = arguments.given_options(parser, ["--moe-aux-loss-coeff", "0"])
+    assert "moe_aux_loss_coeff" not in given
+
+
 def test_only_defaults_are_honoured_without_a_proof():
     parser = arguments.build_parser()
     for dest, honoured in option_classes.HONOURED.items():
