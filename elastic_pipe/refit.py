@@ -30,9 +30,10 @@ each refit uses only the iterations since the previous one (the model follows th
 the executor waits for the device around each timed action (CUDA launches are asynchronous).
 The host terms are the profile's, not refitted: the layers' host time is inside the measured
 times and lands in the fitted coefficients (mostly ``beta``), where the cost model's
-``max(host, device)`` does not count it again. The fit extrapolates: from large chunks alone the per-chunk constant ``beta`` is not pinned
-down (it may come out 0), the planner may then cut finer than it should for one interval,
-and the next refit, which sees those small chunks, corrects it.
+``max(host, device)`` does not count it again. The fit extrapolates: from large chunks alone
+the per-chunk constant ``beta`` is not pinned down (it may come out 0), the planner may then
+cut finer than it should for one interval, and the next refit, which sees those small chunks,
+corrects it.
 """
 from __future__ import annotations
 

@@ -217,11 +217,11 @@ def reset() -> None:
       groups and the rerun state machine;
     * the checkpoint version and loaded iteration that Megatron's loader records;
     * every process group but the default one, destroyed (Megatron's teardown forgets its
-      groups without destroying them, and on gloo each group keeps its own polling threads:
-      left alive, a launch of a few dozen layouts ran thousands of threads per rank and each
-      layout slowed the next), and the caches of the groups the schedules create themselves
-      (:mod:`megatron.plugin.pipeline.group_cache`: a cache hit on some ranks but not on others would
-      stall the group creation the others enter);
+      groups without destroying them, and on gloo each group keeps its own polling threads,
+      which would add up over the layouts of a launch and slow every later one), and the
+      caches of the groups the schedules create themselves
+      (:mod:`megatron.plugin.pipeline.group_cache`: a cache hit on some ranks but not on others
+      would stall the group creation the others enter);
     * Megatron's own ``get_forward_backward_func`` everywhere (:func:`initialize` selects the
       schedule again);
     * the CPU-compatibility counters (:data:`cpu_compat.HITS`): they count the next run only.

@@ -562,7 +562,8 @@ def test_the_aux_loss_moves_the_router_gradients(golden):
         assert len(routers) == 4, routers
         for name in routers:
             share = (with_aux[name] - without[name]).norm() / without[name].norm()
-            assert share > 100 * NORM_RTOL, f"{aux}, {name}: the auxiliary loss moves it {share:.1e}"
+            assert share > 100 * NORM_RTOL, \
+                f"{aux}, {name}: the auxiliary loss moves it {share:.1e}"
 
 
 @pytest.mark.parametrize("native,ir", [("pp2", "pp2_ir"), ("pp4", "pp4_ir"),
