@@ -47,8 +47,9 @@ Rows:
   out); and the all-to-all's seconds of all fifteen cells (end-to-end seconds x share; the
   layers' forward and backward all-to-alls, no recomputation counted); the preset's 40 heads
   become 64 so that 32 divides them. The shares' why is their denominator (the simulated
-  all-to-all over the paper's end-to-end seconds); inside a node (SP 8), the all-to-all
-  bandwidth the paper's seconds imply beside the profile's NVLink peak.
+  all-to-all over the paper's end-to-end seconds, as the paper divides); inside a node (SP 8),
+  the all-to-all at the rate NCCL reaches on NVLink (:mod:`paper_terms`), in the seconds' why
+  and in the share's.
 - ``helixpipe``: helix (two folds, recomputation without attention) over the best baseline for
   GPT-1.3B, 3B and 7B (the paper's Table 3 shapes) at 128K on 64 GPUs (PP 8 nodes x TP 8 with
   sequence parallelism), 16 micro-batches (the paper's global batch of twice the pipeline
@@ -413,32 +414,39 @@ def figure9(cell: dict, profile: str) -> list[dict]:
 
 def table3() -> list[dict]:
     profile = testbed("infinipipe-a800")
+    nccl = paper_terms.nccl_nvlink(profile)
     # Ulysses over 32 GPUs needs a head count that 32 divides; the paper gives no shape, so the
     # preset's width with 64 heads of 80 (the all-to-all bytes do not depend on the split).
     model = dataclasses.replace(get_model("gpt-13b"), num_heads=64)
     rows = []
     for sp, cells in TABLE3.items():
         cost = CostModel(model, profile, ParallelConfig(pp=1, sp=sp))
+        at_nccl = CostModel(model, nccl, ParallelConfig(pp=1, sp=sp))
+        inside = sp <= profile.gpus_per_node
         for index, (context, (seconds, share)) in enumerate(zip(TABLE3_CONTEXTS, cells)):
             chunk = Chunk((Piece(0, 0, 0, context, True),))
             comm = 2 * cost.layer_collectives(chunk) * model.num_layers
+            comm_nccl = 2 * at_nccl.layer_collectives(chunk) * model.num_layers
             layers = (cost.layer_forward(chunk) + cost.layer_backward(chunk)) * model.num_layers
             if index == 0:
-                # The share's denominator is the paper's end-to-end time (L462); the simulated
-                # one is the layers' forward and backward only.
+                # The paper's share is of its end-to-end seconds (L462), the simulated one of
+                # the layers' forward and backward.
                 rows.append(row("InfiniPipe", f"Table 3: all-to-all share, 13B, Ulysses SP {sp}, "
                                 f"32K (L462-467)", share, comm / layers, profile.name, term(
-                                    "the share's denominator: the simulated layers' time "
-                                    "against the paper's end-to-end seconds", layers, "s",
-                                    comm / seconds, "InfiniPipe Table 3 (L462-467)")))
+                                    "the share of the paper's end-to-end seconds, not of the "
+                                    "simulated layers' time" + (
+                                        ", the all-to-all at NCCL's NVLink rate" if inside
+                                        else ""), layers, f"s the simulated layers take (the "
+                                    f"paper's end-to-end: {seconds:g} s)", comm_nccl / seconds,
+                                    "InfiniPipe Table 3 (L462-467)" + (
+                                        "; paper_terms.nccl_nvlink" if inside else ""))))
             rows.append(row("InfiniPipe", f"Table 3: all-to-all seconds (end-to-end x share), "
                             f"13B, Ulysses SP {sp}, {context // 1024}K (L462-467)",
                             seconds * share, comm, profile.name, term(
-                                "the all-to-all bandwidth the paper's seconds imply "
-                                "(NVLink's per-direction peak in the profile)",
-                                profile.intra_node_gbps * comm / (seconds * share), "GB/s",
-                                None, "longctx/profiles/a800.json intra_node_gbps")
-                            if sp <= profile.gpus_per_node else None))
+                                "NVLink at the rate NCCL reaches (20 of a link's 25 GB/s: "
+                                "128-byte payloads)", nccl.intra_node_gbps, "GB/s", comm_nccl,
+                                "NVIDIA/nccl-tests#149, #212; paper_terms.nccl_nvlink")
+                            if inside else None))
     return rows
 
 

@@ -32,10 +32,6 @@ FLEXSP_COMMS = (
     "ZeRO-3's gathers: its ZeRO + A2A is 3% of elastic's iteration where Fig. 9's is "
     "3.2 x 17% = 54% of InfiniPipe's; the paper does not give FlexSP's group sizes"
 )
-INSIDE_A_NODE = (
-    "inside a node the paper's seconds imply an all-to-all at about 145 GB/s against the "
-    "profile's 200 GB/s NVLink peak; no sourced NCCL efficiency to price it with"
-)
 FIGURE12 = ("follows the longest-length rows: Megatron-LM on 32 GPUs fits more here than in "
             "the paper; the allocator's fragmentation (the row's why) moves the ratio by at "
             "most 0.03")
@@ -73,18 +69,6 @@ OPEN = {
         "paper's does (L386); Fig. 10's data set is not stated",
     "elastic / FlexSP, 13B, 192K (Fig. 10, L384, the range's high end)":
         FLEXSP,
-    'Table 3: all-to-all share, 13B, Ulysses SP 8, 32K (L462-467)':
-        'its denominator accounts for SP 16 and 32, not SP 8: the SP 8 seconds are low too',
-    'Table 3: all-to-all seconds (end-to-end x share), 13B, Ulysses SP 8, 32K (L462-467)':
-        INSIDE_A_NODE,
-    'Table 3: all-to-all seconds (end-to-end x share), 13B, Ulysses SP 8, 48K (L462-467)':
-        INSIDE_A_NODE,
-    'Table 3: all-to-all seconds (end-to-end x share), 13B, Ulysses SP 8, 72K (L462-467)':
-        INSIDE_A_NODE,
-    'Table 3: all-to-all seconds (end-to-end x share), 13B, Ulysses SP 8, 108K (L462-467)':
-        INSIDE_A_NODE,
-    'Table 3: all-to-all seconds (end-to-end x share), 13B, Ulysses SP 8, 162K (L462-467)':
-        INSIDE_A_NODE,
     "SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the lowest, Table 4's layouts (Fig. 10, L272)":
         'no term computed: the simulated SPPO is about 1.46x Megatron-LM at every 7B length',
     "SPPO / Megatron-LM, 65B, 128 GPUs, 600K, Table 4's layouts (Fig. 10, L276)":
