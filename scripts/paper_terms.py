@@ -12,7 +12,10 @@ from the papers' systems, computed from the same cost model (for ``reproduce_pap
   computes, so what is exposed is the part of a layer's traffic that exceeds the layer's own
   forward, backward and recomputation: ``max(0, traffic - compute)`` per layer and
   micro-batch. Embedding and output-layer gathers are left out (the choice: they are once a
-  micro-batch against ``L`` layers).
+  micro-batch against ``L`` layers). InfiniPipe itself runs ZeRO-3 (its FSDP) over each
+  stage's SP group inside a node (L133, L331, L358); the same pricing over that group gives
+  its exposed traffic stage by stage (the choice: the paper does not say whether its FSDP
+  reduce-scatters every micro-batch's gradients, so as DeepSpeed does).
 - **All-to-all seconds** of a plan: each micro-batch's Ulysses all-to-alls on each stage, in
   its forward, backward and recomputed forwards (the cost model's layer collectives).
 - **NCCL's NVLink bandwidth** (InfiniPipe's Table 3 at Ulysses SP 8, whose all-to-alls stay
@@ -85,15 +88,14 @@ def zero3_layer_traffic_s(cost: CostModel, gpus: int) -> tuple[float, float]:
     return ring, ring
 
 
-def zero3_exposed_s(plan, cost: CostModel, gpus: int) -> float:
-    """ZeRO-3 traffic of a one-stage ``plan`` (:class:`elastic_pipe.plan_types.Plan`) not
-    hidden behind its layers' compute, seconds an iteration (module doc)."""
-    if cost.pp != 1:
-        raise ValueError(f"ZeRO-3 exposure is priced for one-stage plans, not pp={cost.pp}")
+def zero3_exposed_s(plan, cost: CostModel, gpus: int, stage: int = 0) -> float:
+    """ZeRO-3 traffic over ``gpus`` GPUs of ``stage`` of ``plan``
+    (:class:`elastic_pipe.plan_types.Plan`) not hidden behind its layers' compute, seconds an
+    iteration (module doc)."""
     gather, scatter = zero3_layer_traffic_s(cost, gpus)
-    layers = cost.layers(0)
+    layers = cost.layers(stage)
     exposed = 0.0
-    for chunk, checkpointed in zip(plan.chunks(), plan.ckpt_table()[0]):
+    for chunk, checkpointed in zip(plan.chunks(), plan.ckpt_table()[stage]):
         work = cost.layer_forward(chunk) + cost.layer_backward(chunk)
         plain = max(0.0, 2 * gather + scatter - work)
         again = max(0.0, 3 * gather + scatter - work - cost.layer_forward(chunk))
