@@ -429,6 +429,9 @@ def figure9(cell: dict, profile: str) -> list[dict]:
 def table3() -> list[dict]:
     profile = testbed("infinipipe-a800")
     nccl = paper_terms.nccl_nvlink(profile)
+    nvlink = term("NVLink at the rate NCCL reaches (20 of a link's 25 GB/s: 128-byte payloads)",
+                  nccl.intra_node_gbps, "GB/s", None,
+                  "NVIDIA/nccl-tests#149, #212; paper_terms.nccl_nvlink")
     # Ulysses over 32 GPUs needs a head count that 32 divides; the paper gives no shape, so the
     # preset's width with 64 heads of 80 (the all-to-all bytes do not depend on the split).
     model = dataclasses.replace(get_model("gpt-13b"), num_heads=64)
@@ -445,22 +448,19 @@ def table3() -> list[dict]:
             if index == 0:
                 # The paper's share is of its end-to-end seconds (L462), the simulated one of
                 # the layers' forward and backward.
+                denominator = term(
+                    "the share of the paper's end-to-end seconds, not of the simulated layers' "
+                    "time" + (", the all-to-all at NCCL's NVLink rate" if inside else ""), layers,
+                    f"s the simulated layers take (the paper's end-to-end: {seconds:g} s)",
+                    comm_nccl / seconds, "InfiniPipe Table 3 (L462-467)" +
+                    ("; paper_terms.nccl_nvlink" if inside else ""))
                 rows.append(row("InfiniPipe", f"Table 3: all-to-all share, 13B, Ulysses SP {sp}, "
-                                f"32K (L462-467)", share, comm / layers, profile.name, term(
-                                    "the share of the paper's end-to-end seconds, not of the "
-                                    "simulated layers' time" + (
-                                        ", the all-to-all at NCCL's NVLink rate" if inside
-                                        else ""), layers, f"s the simulated layers take (the "
-                                    f"paper's end-to-end: {seconds:g} s)", comm_nccl / seconds,
-                                    "InfiniPipe Table 3 (L462-467)" + (
-                                        "; paper_terms.nccl_nvlink" if inside else ""))))
+                                f"32K (L462-467)", share, comm / layers, profile.name,
+                                denominator))
             rows.append(row("InfiniPipe", f"Table 3: all-to-all seconds (end-to-end x share), "
                             f"13B, Ulysses SP {sp}, {context // 1024}K (L462-467)",
-                            seconds * share, comm, profile.name, term(
-                                "NVLink at the rate NCCL reaches (20 of a link's 25 GB/s: "
-                                "128-byte payloads)", nccl.intra_node_gbps, "GB/s", comm_nccl,
-                                "NVIDIA/nccl-tests#149, #212; paper_terms.nccl_nvlink")
-                            if inside else None))
+                            seconds * share, comm, profile.name,
+                            dict(nvlink, simulated_with=comm_nccl) if inside else None))
     return rows
 
 
