@@ -96,8 +96,9 @@ GQA = {"elastic": "golden:pp2_gqa_elastic", "seq1f1b": "golden:pp2_gqa_seq1f1b",
        "1f1b-ir": "golden:pp2_gqa_ir", "interleaved": "golden:pp2_vp2_gqa_interleaved",
        "helix": MODEL_SHAPE["helix"], "sppo": MODEL_SHAPE["sppo"]}
 #: The Q and K norms (``--qk-layernorm``, shipped to helix's attention stage with the QKV
-#: weight) and ``--eod-mask-loss``: one model variant proves both; under the schedules that
-#: run Megatron's layer map its layouts split the layers unevenly too (:data:`UNEVEN`).
+#: weight), ``--eod-mask-loss`` and interleaved RoPE (``--rotary-interleaved``): one model
+#: variant proves them; under the schedules that run Megatron's layer map its layouts split the
+#: layers unevenly too (:data:`UNEVEN`).
 QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "1f1b": "golden:pp2_qk_eod_uneven_1f1b",
                "interleaved": "golden:pp2_vp2_qk_eod_interleaved",
@@ -351,11 +352,18 @@ HONOURED: dict[str, Honoured] = {
        for name in ("sppo_host_memory_gb", "sppo_memory_gb")},
     # Megatron's persistent fused LayerNorm kernel (apex): the document layer spec's norms
     # never use it; Megatron's plain GPT (torch norms, run under ``default``) needs it off to
-    # load elastic's checkpoint.
+    # load elastic's checkpoint. Megatron-LM's configs without Transformer Engine give it.
     "no_persist_layer_norm": Honoured(
-        {"default": "tests/e2e/test_pretrain.py::"
-                    "test_elastic_checkpoint_is_a_megatron_checkpoint_of_a_plain_gpt"},
+        {**TP_SP, "default": "tests/e2e/test_pretrain.py::"
+                             "test_elastic_checkpoint_is_a_megatron_checkpoint_of_a_plain_gpt"},
         _NO_TEST),
+    # The tensor-parallel size of the experts' layers: without --num-experts no layer reads it,
+    # and it only sizes Megatron's expert groups (with MoE layers other than the tensor-parallel
+    # size it is refused: arguments.RULES). Megatron-LM's configs give it without experts.
+    "expert_tensor_parallel_size": Honoured(TP_SP, _NO_TEST),
+    # Interleaved RoPE (rotating channel pairs 2i, 2i + 1 rather than i, i + dim / 2), applied by
+    # the document attention at each token's true position with Megatron's own rotation.
+    "rotary_interleaved": Honoured(QK_NORM_EOD, _NO_TEST),
     # The document attention's kernels (megatron/plugin/layers/attention_kernels.py), the
     # same under every schedule: their softmax is fp32 whatever the inputs (so Megatron's query-key
     # layer scaling is the identity), --attention-backend picks the kernel (``local`` is
@@ -576,7 +584,7 @@ REFUSED: dict[str, str] = {
     """, _MLA),
     **_each("""
         ep_overlap_early_attn_memory_release 
-        expert_tensor_parallel_num_weight_shards expert_tensor_parallel_size
+        expert_tensor_parallel_num_weight_shards
         high_priority_a2a_comm_stream moe_apply_probs_on_input 
         moe_deepep_num_sms moe_enable_deepep moe_enable_routing_replay
         
@@ -635,7 +643,7 @@ REFUSED: dict[str, str] = {
         add_qkv_bias attention_output_gate
         batch_invariant_mode flash_attention_version flash_decode
         mrope_section no_rope_freq qk_clip qk_clip_alpha qk_clip_threshold qk_l2_norm
-        rope_scaling_factor rope_type rotary_interleaved
+        rope_scaling_factor rope_type
         rotary_seq_len_interpolation_factor softmax_type use_flash_attn use_rope_scaling
         use_rotary_position_embeddings window_attn_skip_freq window_size yarn_beta_fast
         yarn_beta_slow yarn_correction_range_round_to_int
