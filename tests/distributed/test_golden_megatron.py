@@ -124,6 +124,10 @@ AUX = ["--moe-aux-loss-coeff", AUX_LOSS_COEFF]
 #: tensor parallelism: the experts' tensor-parallel size without experts (it sizes Megatron's
 #: expert groups only) and apex's persistent LayerNorm kernel (the norms are torch's).
 UNREAD = ["--expert-tensor-parallel-size", "1", "--no-persist-layer-norm"]
+#: Megatron's interleaved schedule with its transfers overlapped in the warm-up and flush
+#: phases too, and micro-batches taken in groups of 4 per virtual stage (not PP = 2).
+TUNED_P2P = ["--overlap-p2p-communication-warmup-flush",
+             "--microbatch-group-size-per-virtual-pipeline-stage", "4"]
 #: The schedules that run Megatron's layer map (``name`` of a layout tag, flags).
 FOUR_SCHEDULES = (("1f1b", ["--pipeline-schedule", "1f1b"]),
                   ("ir", ["--pipeline-schedule", "1f1b-ir"]), ("elastic", ELASTIC),
@@ -332,7 +336,7 @@ VARIANTS = {
                                              *flags]) for name, flags in FOUR_SCHEDULES},
         "pp2_vp2_qk_eod_interleaved": (2, ["--pipeline-model-parallel-size", "2",
                                            "--num-layers-per-virtual-pipeline-stage", "1",
-                                           "--pipeline-schedule", "interleaved"]),
+                                           "--pipeline-schedule", "interleaved", *TUNED_P2P]),
         "pp2_qk_eod_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_qk_eod_helix_recompute": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
                                            "--helix-recompute-without-attention"]),
@@ -348,15 +352,17 @@ VARIANTS = {
     # Megatron's micro-batches, Megatron's auxiliary load-balancing loss too (AUX; under
     # interleaved with Megatron's default loss). Under the schedules that run Megatron's layer
     # map, the embedding and the loss count as layers of the split (4 + 2 over 2 stages: 2
-    # transformer layers each).
+    # transformer layers each; under interleaved over 2 x 3 virtual stages given by their
+    # count, the first holding only the embedding and the last only the loss).
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
              "--disable-bias-linear", "--golden-aux-loss-coeff", AUX_LOSS_COEFF], {
         **{f"pp2_moe_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
                                              *flags, *(AUX if name in ("1f1b", "ir") else [])])
            for name, flags in FOUR_SCHEDULES},
-        "pp2_vp2_moe_interleaved": (2, ["--pipeline-model-parallel-size", "2",
-                                        "--num-layers-per-virtual-pipeline-stage", "1",
-                                        "--pipeline-schedule", "interleaved", *AUX]),
+        "pp2_vp3_moe_accounted_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                                  "--num-virtual-stages-per-pipeline-rank", "3",
+                                                  *ACCOUNTED, "--pipeline-schedule",
+                                                  "interleaved", *AUX]),
         "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_moe_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
@@ -422,7 +428,7 @@ DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2",
                 "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss",
                 "pp2_ulysses2_elastic_default_loss", "pp2_ulysses2_seq1f1b_default_loss_mbs2",
-                "pp2_vp2_moe_interleaved"}
+                "pp2_vp3_moe_accounted_interleaved"}
 
 
 def loss_flags(common: list, tag: str) -> list:
