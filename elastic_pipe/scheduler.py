@@ -501,7 +501,7 @@ def _infeasible_message(docs, cost: CostModel, config: SchedulerConfig,
     best = {points[0]: 0.0}
     for index, b in enumerate(points[1:], 1):
         best[b] = min(max(best[a], need[(a, b)]) for a in points[:index])
-    have, need = cost.parallel.memory_gb, _round_up(best[points[-1]] / GB)
+    have, smallest = cost.parallel.memory_gb, _round_up(best[points[-1]] / GB)
     split = f"at the finest split (N={finest[(points[0], points[-1])]} for the longest document)"
     if config.fixed is not None:
         more = ("add pipeline stages or sequence parallelism, or shorten --seq-length"
@@ -510,9 +510,9 @@ def _infeasible_message(docs, cost: CostModel, config: SchedulerConfig,
                 "uniform), or drop the --recompute-* flags and let the planner choose per chunk")
         return (f"no plan fits {have:g} GB per GPU with the checkpointing table "
                 f"{config.fixed.flags()} fixes, even {split}; the smallest budget that fits it "
-                f"is {need:g} GB: raise --elastic-memory-gb, or {more}")
+                f"is {smallest:g} GB: raise --elastic-memory-gb, or {more}")
     return (f"no plan fits {have:g} GB per GPU even with full checkpointing {split}; the "
-            f"smallest budget that fits is {need:g} GB: raise the "
+            f"smallest budget that fits is {smallest:g} GB: raise the "
             f"memory budget (--memory-gb, or --elastic-memory-gb when training), add pipeline "
             f"stages or sequence parallelism, or shorten --seq-length")
 
