@@ -12,9 +12,25 @@ from the papers' systems, computed from the same cost model (for ``reproduce_pap
   computes, so what is exposed is the part of a layer's traffic that exceeds the layer's own
   forward, backward and recomputation: ``max(0, traffic - compute)`` per layer and
   micro-batch. Embedding and output-layer gathers are left out (the choice: they are once a
-  micro-batch against ``L`` layers).
+  micro-batch against ``L`` layers). InfiniPipe itself runs ZeRO-3 (its FSDP) over each
+  stage's SP group inside a node (L133, L331, L358); the same pricing over that group gives
+  its exposed traffic stage by stage (the choice: the paper does not say whether its FSDP
+  reduce-scatters every micro-batch's gradients, so as DeepSpeed does).
 - **All-to-all seconds** of a plan: each micro-batch's Ulysses all-to-alls on each stage, in
   its forward, backward and recomputed forwards (the cost model's layer collectives).
+- **NCCL's NVLink bandwidth** (InfiniPipe's Table 3 at Ulysses SP 8, whose all-to-alls stay
+  inside a node). The profiles price NVLink at its line rate a direction (the A800's 400 GB/s
+  both ways: eight NVLink 3 links of 25 GB/s a direction, 200 GB/s). NCCL's kernels move the
+  data with the SMs' stores, 128 bytes of payload a packet, and a link of 25 GB/s line rate
+  carries about 20 GB/s of them (NCCL's maintainer on A100's NVLink 3, NVIDIA/nccl-tests#149;
+  the same ~20% protocol overhead on NVLink 4, 370 of 450 GB/s, "observed as BusBw when running
+  non-allreduce operations", NVIDIA/nccl-tests#212). nccl-tests' all-to-all bus bandwidth is
+  its algorithm bandwidth times ``(n - 1) / n`` (NVIDIA/nccl-tests#130), the per-GPU rate
+  :mod:`longctx.collectives` divides a rank's NVLink bytes by, so inside a node NVLink is priced
+  at 20 / 25 of its line rate: 160 GB/s on the A800. The choices: the large-message figure (the
+  rows' all-to-alls move 40-200 MB a GPU); A100's further cap ("other bottlenecks on the GPUs",
+  ~230 of the 240 GB/s its twelve links carry, #149) is not applied, being a per-GPU limit
+  above the A800's 160 GB/s. The shipped profiles keep the line rate.
 - **The caching allocator's fragmentation** (the SPPO rows' Megatron-LM, which like every
   PyTorch program allocates through it): device bytes reserved beyond the live ones. GMLake
   (Guo et al., ASPLOS 2024, arXiv 2401.08156, abstract) measures it on A100-80GB GPUs over eight
@@ -56,6 +72,11 @@ NCCL_COMMUNICATOR_MIB = {2: 544, 3: 688}
 """MiB one NCCL communicator holds once it has run a collective, by its GPUs (two; three or
 more), NVIDIA/nccl#964 on A100s over NVLink (module doc)."""
 MIB = 1 << 20
+NVLINK_LINE_GBPS = 25.0
+"""GB/s one NVLink 3 or 4 link carries a direction at its line rate (module doc)."""
+NCCL_NVLINK_GBPS = 20.0
+"""GB/s of payload NCCL's SM-driven transfers reach on such a link, NVIDIA/nccl-tests#149
+(module doc)."""
 
 
 def zero3_layer_traffic_s(cost: CostModel, gpus: int) -> tuple[float, float]:
@@ -67,15 +88,14 @@ def zero3_layer_traffic_s(cost: CostModel, gpus: int) -> tuple[float, float]:
     return ring, ring
 
 
-def zero3_exposed_s(plan, cost: CostModel, gpus: int) -> float:
-    """ZeRO-3 traffic of a one-stage ``plan`` (:class:`elastic_pipe.plan_types.Plan`) not
-    hidden behind its layers' compute, seconds an iteration (module doc)."""
-    if cost.pp != 1:
-        raise ValueError(f"ZeRO-3 exposure is priced for one-stage plans, not pp={cost.pp}")
+def zero3_exposed_s(plan, cost: CostModel, gpus: int, stage: int = 0) -> float:
+    """ZeRO-3 traffic over ``gpus`` GPUs of ``stage`` of ``plan``
+    (:class:`elastic_pipe.plan_types.Plan`) not hidden behind its layers' compute, seconds an
+    iteration (module doc)."""
     gather, scatter = zero3_layer_traffic_s(cost, gpus)
-    layers = cost.layers(0)
+    layers = cost.layers(stage)
     exposed = 0.0
-    for chunk, checkpointed in zip(plan.chunks(), plan.ckpt_table()[0]):
+    for chunk, checkpointed in zip(plan.chunks(), plan.ckpt_table()[stage]):
         work = cost.layer_forward(chunk) + cost.layer_backward(chunk)
         plain = max(0.0, 2 * gather + scatter - work)
         again = max(0.0, 3 * gather + scatter - work - cost.layer_forward(chunk))
@@ -114,6 +134,13 @@ def flexsp_terms(plan, gpus: int) -> dict[str, float]:
         zero3 += slowest[0] + slowest[1] - plain
         a2a += slowest[2]
     return {"s": seconds, "zero3_s": zero3, "a2a_s": a2a}
+
+
+def nccl_nvlink(hardware: HardwareProfile) -> HardwareProfile:
+    """``hardware`` with NVLink at the rate NCCL reaches on it, ``NCCL_NVLINK_GBPS /
+    NVLINK_LINE_GBPS`` of the line rate (module doc)."""
+    rate = hardware.intra_node_gbps * NCCL_NVLINK_GBPS / NVLINK_LINE_GBPS
+    return dataclasses.replace(hardware, intra_node_gbps=rate)
 
 
 def fragmented(hardware: HardwareProfile,

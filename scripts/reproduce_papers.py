@@ -40,15 +40,19 @@ Rows:
   hidden behind each layer's compute. L360 (FlexSP over DeepSpeed and Megatron-LM "up to";
   the 1.69x over FlexSP, which the paper states for CommonCrawl at 48K, here GitHub-like) and
   Fig. 9's case study (13B, its context unstated: the 48K cell): the ZeRO + A2A share of
-  elastic's time, the baselines' ZeRO + A2A over elastic's, the speedups and the bubble bound.
+  elastic's time, the baselines' ZeRO + A2A over elastic's, the speedups and the bubble bound;
+  the shares' why is elastic's own ZeRO-3, over each stage's SP group inside a node (the
+  paper's InfiniPipe, L358), priced as the baselines' and added to elastic's time in every
+  speedup's why.
 - ``table3``: InfiniPipe's Table 3, the all-to-all share of GPT-13B's time under Ulysses SP of 8,
   16 and 32 GPUs at 32K tokens (one sequence): the layers' collectives over the layers' forward
   and backward (the embedding, head and ZeRO traffic of the paper's end-to-end time are left
   out); and the all-to-all's seconds of all fifteen cells (end-to-end seconds x share; the
   layers' forward and backward all-to-alls, no recomputation counted); the preset's 40 heads
   become 64 so that 32 divides them. The shares' why is their denominator (the simulated
-  all-to-all over the paper's end-to-end seconds); inside a node (SP 8), the all-to-all
-  bandwidth the paper's seconds imply beside the profile's NVLink peak.
+  all-to-all over the paper's end-to-end seconds, as the paper divides); inside a node (SP 8),
+  the all-to-all at the rate NCCL reaches on NVLink (:mod:`paper_terms`), in the seconds' why
+  and in the share's.
 - ``helixpipe``: helix (two folds, recomputation without attention) over the best baseline for
   GPT-1.3B, 3B and 7B (the paper's Table 3 shapes) at 128K on 64 GPUs (PP 8 nodes x TP 8 with
   sequence parallelism), 16 micro-batches (the paper's global batch of twice the pipeline
@@ -188,7 +192,8 @@ BASELINES = ("seq1f1b", "deepspeed", "megatron", "flexsp")
 def elastic_speedup(model: str, context: int, profile: HardwareProfile, documents: int,
                     seed: int) -> dict:
     """One seeded batch: elastic's and each baseline's simulated seconds, with the terms the
-    Ulysses baselines leave out (:mod:`paper_terms`)."""
+    simulation leaves out (:mod:`paper_terms`): the Ulysses baselines' ZeRO-3 over the cluster,
+    elastic's over each stage's SP group (averaged over the stages, as its all-to-all)."""
     from elastic_pipe.evaluation import baseline_plans, baseline_reports, report
     from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
     from elastic_pipe.workloads import github_like, truncate
@@ -202,8 +207,11 @@ def elastic_speedup(model: str, context: int, profile: HardwareProfile, document
     seq = baseline_reports({"seq1f1b": baseline_plans(lengths, cost, config, context, plan)
                             ["seq1f1b"]}, cost, with_schedule=False)["seq1f1b"]
     a2a = paper_terms.all_to_all_s(plan, cost)
+    zero3 = [paper_terms.zero3_exposed_s(plan, cost, cost.parallel.sp, stage)
+             for stage in range(cost.pp)]
     found = {"seed": seed, "elastic_s": ours["iteration_time_s"],
-             "elastic_a2a_s": sum(a2a) / len(a2a), "elastic_bubble": ours["bubble_ratio"],
+             "elastic_a2a_s": sum(a2a) / len(a2a), "elastic_zero3_s": sum(zero3) / len(zero3),
+             "elastic_bubble": ours["bubble_ratio"],
              "seq1f1b_s": None if seq.get("oom") else seq["iteration_time_s"],
              "longest_document": max(raw), "truncated": cut}
     if model != "gpt-7b":
@@ -296,8 +304,8 @@ def elastic_cell(model: str, context: int, profile: HardwareProfile, documents: 
         ratios = [r[f"{name}_s"] / r["elastic_s"] for r in runs if r[f"{name}_s"] is not None]
         cell[f"spread_{name}"] = [min(ratios), max(ratios)] if ratios else None
         if f"{name}_zero3_s" in cell and cell[f"{name}_s"] is not None:
-            cell[f"speedup_{name}_with_zero3"] = \
-                (cell[f"{name}_s"] + cell[f"{name}_zero3_s"]) / cell["elastic_s"]
+            cell[f"speedup_{name}_with_zero3"] = (cell[f"{name}_s"] + cell[f"{name}_zero3_s"]) \
+                / (cell["elastic_s"] + cell["elastic_zero3_s"])
     return cell
 
 
@@ -392,18 +400,25 @@ def figure9(cell: dict, profile: str) -> list[dict]:
     """Fig. 9's case study of 13B at a batch of 512 (L371-378), whose context the paper does
     not state: the 13B cell at 48K (L360's and Fig. 8's first context). "ZeRO + A2A" is the
     all-to-all seconds (each stage's, averaged over the stages for elastic) plus the exposed
-    ZeRO-3 seconds (elastic runs no ZeRO-3 here: the paper's InfiniPipe shards inside a node,
-    L358, which is not priced)."""
+    ZeRO-3 seconds. The cost model runs elastic without ZeRO-3; the paper's InfiniPipe shards
+    over each stage's SP group inside a node (L358), priced in the rows' why."""
     where = "13B, 48K (Fig. 9, L378)"
     elastic = cell["elastic_a2a_s"]
+    with_zero3 = elastic + cell["elastic_zero3_s"]
+    inside = ("elastic's ZeRO-3 over each stage's SP group inside a node not hidden behind "
+              "compute", cell["elastic_zero3_s"], "s an iteration (the stages' mean)")
+    source = "InfiniPipe L133, L331, L358; paper_terms.zero3_exposed_s"
     rows = [row("InfiniPipe", f"elastic's ZeRO + A2A share of its iteration, {where}", 0.17,
-                elastic / cell["elastic_s"], profile)]
+                elastic / cell["elastic_s"], profile,
+                term(*inside, with_zero3 / (cell["elastic_s"] + cell["elastic_zero3_s"]),
+                     source))]
     for name, label, cut, speedup in (("flexsp", "FlexSP", 3.2, 1.52),
                                       ("deepspeed", "DeepSpeed", 5.7, 1.71)):
         if cell[f"{name}_s"] is None:
             continue
+        theirs = cell[f"{name}_a2a_s"] + cell[f"{name}_zero3_s"]
         rows.append(row("InfiniPipe", f"{label}'s ZeRO + A2A over elastic's, {where}", cut,
-                        (cell[f"{name}_a2a_s"] + cell[f"{name}_zero3_s"]) / elastic, profile))
+                        theirs / elastic, profile, term(*inside, theirs / with_zero3, source)))
         rows.append(row("InfiniPipe", f"elastic / {label}, {where}", speedup,
                         cell[f"speedup_{name}"], profile, zero3_term([cell], name)))
     rows.append(bound_row("InfiniPipe", f"elastic's bubble ratio, {where}", ("<=", 0.20),
@@ -413,32 +428,39 @@ def figure9(cell: dict, profile: str) -> list[dict]:
 
 def table3() -> list[dict]:
     profile = testbed("infinipipe-a800")
+    nccl = paper_terms.nccl_nvlink(profile)
+    nvlink = term("NVLink at the rate NCCL reaches (20 of a link's 25 GB/s: 128-byte payloads)",
+                  nccl.intra_node_gbps, "GB/s", None,
+                  "NVIDIA/nccl-tests#149, #212; paper_terms.nccl_nvlink")
     # Ulysses over 32 GPUs needs a head count that 32 divides; the paper gives no shape, so the
     # preset's width with 64 heads of 80 (the all-to-all bytes do not depend on the split).
     model = dataclasses.replace(get_model("gpt-13b"), num_heads=64)
     rows = []
     for sp, cells in TABLE3.items():
         cost = CostModel(model, profile, ParallelConfig(pp=1, sp=sp))
+        at_nccl = CostModel(model, nccl, ParallelConfig(pp=1, sp=sp))
+        inside = sp <= profile.gpus_per_node
         for index, (context, (seconds, share)) in enumerate(zip(TABLE3_CONTEXTS, cells)):
             chunk = Chunk((Piece(0, 0, 0, context, True),))
             comm = 2 * cost.layer_collectives(chunk) * model.num_layers
+            comm_nccl = 2 * at_nccl.layer_collectives(chunk) * model.num_layers
             layers = (cost.layer_forward(chunk) + cost.layer_backward(chunk)) * model.num_layers
             if index == 0:
-                # The share's denominator is the paper's end-to-end time (L462); the simulated
-                # one is the layers' forward and backward only.
+                # The paper's share is of its end-to-end seconds (L462), the simulated one of
+                # the layers' forward and backward.
+                denominator = term(
+                    "the share of the paper's end-to-end seconds, not of the simulated layers' "
+                    "time" + (", the all-to-all at NCCL's NVLink rate" if inside else ""), layers,
+                    f"s the simulated layers take (the paper's end-to-end: {seconds:g} s)",
+                    comm_nccl / seconds, "InfiniPipe Table 3 (L462-467)" +
+                    ("; paper_terms.nccl_nvlink" if inside else ""))
                 rows.append(row("InfiniPipe", f"Table 3: all-to-all share, 13B, Ulysses SP {sp}, "
-                                f"32K (L462-467)", share, comm / layers, profile.name, term(
-                                    "the share's denominator: the simulated layers' time "
-                                    "against the paper's end-to-end seconds", layers, "s",
-                                    comm / seconds, "InfiniPipe Table 3 (L462-467)")))
+                                f"32K (L462-467)", share, comm / layers, profile.name,
+                                denominator))
             rows.append(row("InfiniPipe", f"Table 3: all-to-all seconds (end-to-end x share), "
                             f"13B, Ulysses SP {sp}, {context // 1024}K (L462-467)",
-                            seconds * share, comm, profile.name, term(
-                                "the all-to-all bandwidth the paper's seconds imply "
-                                "(NVLink's per-direction peak in the profile)",
-                                profile.intra_node_gbps * comm / (seconds * share), "GB/s",
-                                None, "longctx/profiles/a800.json intra_node_gbps")
-                            if sp <= profile.gpus_per_node else None))
+                            seconds * share, comm, profile.name,
+                            dict(nvlink, simulated_with=comm_nccl) if inside else None))
     return rows
 
 

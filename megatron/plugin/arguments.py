@@ -267,6 +267,17 @@ def _moe_model_parallel(args):
     return None
 
 
+def _moe_expert_tensor_parallel(args):
+    expert_tp = getattr(args, "expert_tensor_parallel_size", None)
+    if args.num_experts and expert_tp is not None \
+            and expert_tp != args.tensor_model_parallel_size:
+        return (f"--expert-tensor-parallel-size {expert_tp} with --num-experts: no test proves "
+                "experts split over another tensor-parallel size than the other layers yet: "
+                "drop --expert-tensor-parallel-size (the experts then take "
+                f"--tensor-model-parallel-size {args.tensor_model_parallel_size})")
+    return None
+
+
 def _cpu_half_precision(args):
     if not torch.cuda.is_available() and (args.bf16 or args.fp16):
         return ("--bf16 and --fp16 need CUDA (megatron-core's mixed-precision optimizers only "
@@ -357,7 +368,8 @@ def _schedule_checks(args):
 #: The checks across options (what one option's class cannot say): each returns what to
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
-         _moe_expert_biases, _moe_model_parallel, _cpu_half_precision, _cpu_timeout_after_init,
+         _moe_expert_biases, _moe_model_parallel, _moe_expert_tensor_parallel,
+         _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
          _tensorboard, _throughput)
 

@@ -96,8 +96,9 @@ GQA = {"elastic": "golden:pp2_gqa_elastic", "seq1f1b": "golden:pp2_gqa_seq1f1b",
        "1f1b-ir": "golden:pp2_gqa_ir", "interleaved": "golden:pp2_vp2_gqa_interleaved",
        "helix": MODEL_SHAPE["helix"], "sppo": MODEL_SHAPE["sppo"]}
 #: The Q and K norms (``--qk-layernorm``, shipped to helix's attention stage with the QKV
-#: weight) and ``--eod-mask-loss``: one model variant proves both; under the schedules that
-#: run Megatron's layer map its layouts split the layers unevenly too (:data:`UNEVEN`).
+#: weight), ``--eod-mask-loss`` and interleaved RoPE (``--rotary-interleaved``): one model
+#: variant proves them; under the schedules that run Megatron's layer map its layouts split the
+#: layers unevenly too (:data:`UNEVEN`).
 QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "1f1b": "golden:pp2_qk_eod_uneven_1f1b",
                "interleaved": "golden:pp2_vp2_qk_eod_interleaved",
@@ -107,9 +108,11 @@ QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "sppo": "golden:pp2_qk_eod_sppo_n4_offload"}
 #: Dropless mixture of experts (Megatron's MoE layer; its auxiliary loss: :data:`MOE_AUX`);
 #: under the schedules that run Megatron's layer map its layouts count the embedding and the
-#: loss as layers of the split (:data:`ACCOUNTED`).
+#: loss as layers of the split (:data:`ACCOUNTED`), under interleaved over 3 virtual stages
+#: given by their count (the first holds only the embedding, the last only the loss).
 MOE = {"default": "golden:pp2_moe_accounted_1f1b", "1f1b": "golden:pp2_moe_accounted_1f1b",
-       "interleaved": "golden:pp2_vp2_moe_interleaved", "1f1b-ir": "golden:pp2_moe_accounted_ir",
+       "interleaved": "golden:pp2_vp3_moe_accounted_interleaved",
+       "1f1b-ir": "golden:pp2_moe_accounted_ir",
        "elastic": "golden:pp2_moe_accounted_elastic",
        "seq1f1b": "golden:pp2_moe_accounted_seq1f1b", "helix": "golden:pp2_moe_helix",
        "sppo": "golden:pp2_moe_sppo_n4_offload"}
@@ -130,7 +133,8 @@ _AUX_PER_UNIT = (
 #: loss each counted as a layer.
 UNEVEN = {name: QK_NORM_EOD[name] for name in ("default", "1f1b", "1f1b-ir", "elastic",
                                                "seq1f1b")}
-ACCOUNTED = {name: MOE[name] for name in ("default", "1f1b", "1f1b-ir", "elastic", "seq1f1b")}
+ACCOUNTED = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir", "elastic",
+                                          "seq1f1b")}
 _UNEVEN_REFUSALS = {
     "helix": "helix places its layer parts by its own mapping (boundary b on stage b mod PP, "
              "equal stages): drop {flag}",
@@ -265,14 +269,24 @@ HONOURED: dict[str, Honoured] = {
     "recompute_granularity": Honoured(RECOMPUTE, _NO_TEST, refusals=_RECOMPUTE_REFUSALS),
     "recompute_method": Honoured(RECOMPUTE, _NO_TEST, refusals=_RECOMPUTE_REFUSALS),
     "recompute_num_layers": Honoured(RECOMPUTE, _NO_TEST, refusals=_RECOMPUTE_REFUSALS),
-    "num_layers_per_virtual_pipeline_stage": Honoured(
-        {"default": "golden:pp2_vp2_interleaved", "interleaved": "golden:pp2_vp2_interleaved"},
+    **{name: Honoured(
+        {"default": f"golden:{layout}", "interleaved": f"golden:{layout}"},
         "the document schedules run one model chunk per rank; drop the flag, or use "
         "'interleaved'", refusals={
-            "helix": "helix interleaves layer parts itself: drop "
-                     "--num-layers-per-virtual-pipeline-stage",
-            "sppo": "sppo runs one model chunk per rank: drop "
-                    "--num-layers-per-virtual-pipeline-stage"}),
+            "helix": f"helix interleaves layer parts itself: drop {flag}",
+            "sppo": f"sppo runs one model chunk per rank: drop {flag}"})
+       for name, flag, layout in (
+           ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage",
+            "pp2_vp2_interleaved"),
+           ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank",
+            "pp2_vp3_moe_accounted_interleaved"))},
+    # How Megatron's interleaved schedule orders its micro-batches and transfers.
+    **{name: Honoured(
+        {"default": "golden:pp2_vp2_qk_eod_interleaved",
+         "interleaved": "golden:pp2_vp2_qk_eod_interleaved"},
+        "it tunes Megatron's interleaved schedule (virtual pipeline stages), which this "
+        "schedule does not run; drop the flag, or use 'interleaved'")
+       for name in ("overlap_p2p_comm_warmup_flush", "microbatch_group_size_per_vp_stage")},
     # Megatron's data-parallel gradient reduction: overlapped with the backward under the IR
     # schedules too (megatron/plugin/pipeline/grad_sync.py); the distributed optimizer's
     # reduce-scatter and parameter all-gather through the same DDP hooks.
@@ -350,11 +364,18 @@ HONOURED: dict[str, Honoured] = {
        for name in ("sppo_host_memory_gb", "sppo_memory_gb")},
     # Megatron's persistent fused LayerNorm kernel (apex): the document layer spec's norms
     # never use it; Megatron's plain GPT (torch norms, run under ``default``) needs it off to
-    # load elastic's checkpoint.
+    # load elastic's checkpoint. Megatron-LM's configs without Transformer Engine give it.
     "no_persist_layer_norm": Honoured(
-        {"default": "tests/e2e/test_pretrain.py::"
-                    "test_elastic_checkpoint_is_a_megatron_checkpoint_of_a_plain_gpt"},
+        {**TP_SP, "default": "tests/e2e/test_pretrain.py::"
+                             "test_elastic_checkpoint_is_a_megatron_checkpoint_of_a_plain_gpt"},
         _NO_TEST),
+    # The tensor-parallel size of the experts' layers: without --num-experts no layer reads it,
+    # and it only sizes Megatron's expert groups (with MoE layers other than the tensor-parallel
+    # size it is refused: arguments.RULES). Megatron-LM's configs give it without experts.
+    "expert_tensor_parallel_size": Honoured(TP_SP, _NO_TEST),
+    # Interleaved RoPE (rotating channel pairs 2i, 2i + 1 rather than i, i + dim / 2), applied by
+    # the document attention at each token's true position with Megatron's own rotation.
+    "rotary_interleaved": Honoured(QK_NORM_EOD, _NO_TEST),
     # The document attention's kernels (megatron/plugin/layers/attention_kernels.py), the
     # same under every schedule: their softmax is fp32 whatever the inputs (so Megatron's query-key
     # layer scaling is the identity), --attention-backend picks the kernel (``local`` is
@@ -574,17 +595,16 @@ REFUSED: dict[str, str] = {
         q_lora_rank qk_head_dim qk_pos_emb_head_dim rotary_scaling_factor v_head_dim
     """, _MLA),
     **_each("""
-        ep_overlap_early_attn_memory_release 
-        expert_tensor_parallel_num_weight_shards expert_tensor_parallel_size
-        high_priority_a2a_comm_stream moe_apply_probs_on_input 
+        ep_overlap_early_attn_memory_release
+        expert_tensor_parallel_num_weight_shards
+        high_priority_a2a_comm_stream moe_apply_probs_on_input
         moe_deepep_num_sms moe_enable_deepep moe_enable_routing_replay
-        
         moe_flex_dispatcher_backend moe_flex_dispatcher_num_sms moe_grouped_gemm
         moe_hybridep_num_blocks_permute moe_hybridep_num_blocks_unpermute
         moe_hybridep_num_sms moe_hybridep_num_sms_preprocessing
         moe_hybridep_pad_uneven_dispatch_inputs moe_input_jitter_eps moe_latent_size
         moe_layer_freq moe_layer_recompute moe_mlp_glu_interleave_size
-        moe_ncclep_static_shape moe_ncclep_zero_copy 
+        moe_ncclep_static_shape moe_ncclep_zero_copy
         moe_pad_experts_for_cuda_graph_inference moe_paged_stash
         moe_paged_stash_buffer_size_factor_cpu moe_paged_stash_buffer_size_factor_cuda
         moe_paged_stash_page_size moe_per_layer_logging moe_permute_fusion
@@ -593,7 +613,7 @@ REFUSED: dict[str, str] = {
         moe_router_force_load_balancing moe_router_fusion moe_router_group_topk
         moe_router_num_groups moe_router_padding_for_fp8
         moe_router_padding_for_quantization moe_router_pre_softmax
-        moe_router_quantile_balancing_ema moe_router_score_function 
+        moe_router_quantile_balancing_ema moe_router_score_function
         moe_router_topk_scaling_factor moe_routing_trace_capture_hidden_states
         moe_shared_expert_gate moe_shared_expert_glu_interleave_size
         moe_shared_expert_intermediate_size moe_shared_expert_overlap
@@ -634,7 +654,7 @@ REFUSED: dict[str, str] = {
         add_qkv_bias attention_output_gate
         batch_invariant_mode flash_attention_version flash_decode
         mrope_section no_rope_freq qk_clip qk_clip_alpha qk_clip_threshold qk_l2_norm
-        rope_scaling_factor rope_type rotary_interleaved
+        rope_scaling_factor rope_type
         rotary_seq_len_interpolation_factor softmax_type use_flash_attn use_rope_scaling
         use_rotary_position_embeddings window_attn_skip_freq window_size yarn_beta_fast
         yarn_beta_slow yarn_correction_range_round_to_int
@@ -657,10 +677,7 @@ REFUSED: dict[str, str] = {
         use_fused_weighted_squared_relu use_mup
     """, _UNPROVEN_MODEL),
     **_each("""
-        
-        
-        microbatch_group_size_per_vp_stage num_virtual_stages_per_pipeline_rank
-        overlap_p2p_comm overlap_p2p_comm_warmup_flush pipeline_model_parallel_comm_backend
+        overlap_p2p_comm pipeline_model_parallel_comm_backend
         pipeline_model_parallel_layout scatter_gather_tensors_in_pipeline
         use_ring_exchange_p2p variable_seq_lengths
     """, _PIPELINE_LAYOUT),

@@ -126,6 +126,14 @@ ACCOUNTED = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in
 #: (``golden_run.aux_loss_gradients``) for the layouts that pass it.
 AUX_LOSS_COEFF = "0.01"
 AUX = ["--moe-aux-loss-coeff", AUX_LOSS_COEFF]
+#: Flags of Megatron-LM's configurations that no layer of these models reads, given beside
+#: tensor parallelism: the experts' tensor-parallel size without experts (it sizes Megatron's
+#: expert groups only) and apex's persistent LayerNorm kernel (the norms are torch's).
+UNREAD = ["--expert-tensor-parallel-size", "1", "--no-persist-layer-norm"]
+#: Megatron's interleaved schedule with its transfers overlapped in the warm-up and flush
+#: phases too, and micro-batches taken in groups of 4 per virtual stage (not PP = 2).
+TUNED_P2P = ["--overlap-p2p-communication-warmup-flush",
+             "--microbatch-group-size-per-virtual-pipeline-stage", "4"]
 #: The schedules that run Megatron's layer map (``name`` of a layout tag, flags).
 FOUR_SCHEDULES = (("1f1b", ["--pipeline-schedule", "1f1b"]),
                   ("ir", ["--pipeline-schedule", "1f1b-ir"]), ("elastic", ELASTIC),
@@ -155,12 +163,12 @@ VARIANTS = {
         "pp2": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
         "pp4": (4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "1f1b"]),
         "pp2_tp2_sp": (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size",
-                           "2", "--sequence-parallel", "--pipeline-schedule", "1f1b"]),
+                           "2", "--sequence-parallel", "--pipeline-schedule", "1f1b", *UNREAD]),
         "pp2_ir": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b-ir"]),
         "pp4_ir": (4, ["--pipeline-model-parallel-size", "4", "--pipeline-schedule", "1f1b-ir"]),
         "pp2_tp2_sp_ir": (4, ["--pipeline-model-parallel-size", "2",
                               "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                              "--pipeline-schedule", "1f1b-ir"]),
+                              "--pipeline-schedule", "1f1b-ir", *UNREAD]),
         "pp2_full_recompute": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
                                    "1f1b", "--recompute-granularity", "full",
                                    "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
@@ -171,7 +179,7 @@ VARIANTS = {
                                            "--tensor-model-parallel-size", "2",
                                            "--sequence-parallel",
                                            "--num-layers-per-virtual-pipeline-stage", "1",
-                                           "--pipeline-schedule", "interleaved"]),
+                                           "--pipeline-schedule", "interleaved", *UNREAD]),
         # Megatron's recompute options and micro-batch sizes, where a schedule accepts them
         # (tests/unit/test_schedule_options.py names the layout of each accepted pair).
         "pp2_block_recompute_mbs2": (2, ["--pipeline-model-parallel-size", "2",
@@ -212,7 +220,7 @@ VARIANTS = {
                                     "--elastic-memory-gb", "0.00095"]),
         "pp2_tp2_sp_elastic": (4, ["--pipeline-model-parallel-size", "2",
                                    "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                   *ELASTIC]),
+                                   *ELASTIC, *UNREAD]),
         # Ulysses with Megatron's default loss at CP = 2 (DEFAULT_LOSS; seq1f1b's below with
         # two rows per micro-batch): each token weighed by the chunk pair of Megatron's row it
         # falls in. The other Ulysses layouts of elastic keep the per-token loss.
@@ -225,7 +233,7 @@ VARIANTS = {
         "pp4_seq1f1b": (4, ["--pipeline-model-parallel-size", "4", *SEQ1F1B]),
         "pp2_tp2_sp_seq1f1b": (4, ["--pipeline-model-parallel-size", "2",
                                    "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                   *SEQ1F1B]),
+                                   *SEQ1F1B, *UNREAD]),
         "pp2_ulysses2_seq1f1b_default_loss_mbs2": (4, ["--pipeline-model-parallel-size", "2",
                                                        "--context-parallel-size", "2", *A2A,
                                                        *SEQ1F1B, *MBS2]),
@@ -257,7 +265,7 @@ VARIANTS = {
                                     "--helix-recompute-without-attention"]),
         "pp2_tp2_sp_helix": (4, ["--pipeline-model-parallel-size", "2",
                                  "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                 *HELIX]),
+                                 *HELIX, *UNREAD]),
         "pp2_helix_mbs2": (2, ["--pipeline-model-parallel-size", "2", *HELIX, *MBS2]),
         "pp2_helix_mlp_chunk": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
                                     "--helix-mlp-chunk-size", "24"]),
@@ -279,7 +287,8 @@ VARIANTS = {
         "pp2_tp2_sp_sppo_n4_offload": (4, ["--pipeline-model-parallel-size", "2",
                                            "--tensor-model-parallel-size", "2",
                                            "--sequence-parallel", *SPPO,
-                                           "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
+                                           "--sppo-subsequences", "4", "--sppo-offload", "0.5",
+                                           *UNREAD]),
         "pp2_ulysses2_sppo_n6_offload": (4, ["--pipeline-model-parallel-size", "2",
                                              "--context-parallel-size", "2", *A2A, *SPPO,
                                              "--sppo-subsequences", "6", "--sppo-offload", "1"]),
@@ -329,15 +338,17 @@ VARIANTS = {
     # LayerNorm's key bias shifts every score of a query alike and has no gradient to compare),
     # which helix ships with the QKV weight to the attention stage and gets the gradients of
     # back; the end-of-document token at every fifth input of each document, masked out of
-    # the loss (under Megatron's default loss too, where it changes each micro-batch's count).
+    # the loss (under Megatron's default loss too, where it changes each micro-batch's count);
+    # interleaved RoPE (channel pairs 2i, 2i + 1), also on the K/V context of later slices.
     # Under the schedules that run Megatron's layer map, the split is uneven too: 1 + 3 layers.
     "qk_norm_eod": (["--qk-layernorm", "--normalization", "RMSNorm", "--eod-mask-loss",
-                     "--golden-eod-every", "5"], {
+                     "--golden-eod-every", "5", "--position-embedding-type", "rope",
+                     "--rotary-interleaved"], {
         **{f"pp2_qk_eod_uneven_{name}": (2, ["--pipeline-model-parallel-size", "2", *UNEVEN,
                                              *flags]) for name, flags in FOUR_SCHEDULES},
         "pp2_vp2_qk_eod_interleaved": (2, ["--pipeline-model-parallel-size", "2",
                                            "--num-layers-per-virtual-pipeline-stage", "1",
-                                           "--pipeline-schedule", "interleaved"]),
+                                           "--pipeline-schedule", "interleaved", *TUNED_P2P]),
         "pp2_qk_eod_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_qk_eod_helix_recompute": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
                                            "--helix-recompute-without-attention"]),
@@ -353,15 +364,17 @@ VARIANTS = {
     # Megatron's micro-batches, Megatron's auxiliary load-balancing loss too (AUX; under
     # interleaved with Megatron's default loss). Under the schedules that run Megatron's layer
     # map, the embedding and the loss count as layers of the split (4 + 2 over 2 stages: 2
-    # transformer layers each).
+    # transformer layers each; under interleaved over 2 x 3 virtual stages given by their
+    # count, the first holding only the embedding and the last only the loss).
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
              "--disable-bias-linear", "--golden-aux-loss-coeff", AUX_LOSS_COEFF], {
         **{f"pp2_moe_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
                                              *flags, *(AUX if name in ("1f1b", "ir") else [])])
            for name, flags in FOUR_SCHEDULES},
-        "pp2_vp2_moe_interleaved": (2, ["--pipeline-model-parallel-size", "2",
-                                        "--num-layers-per-virtual-pipeline-stage", "1",
-                                        "--pipeline-schedule", "interleaved", *AUX]),
+        "pp2_vp3_moe_accounted_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                                  "--num-virtual-stages-per-pipeline-rank", "3",
+                                                  *ACCOUNTED, "--pipeline-schedule",
+                                                  "interleaved", *AUX]),
         "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_moe_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
@@ -427,7 +440,7 @@ DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2",
                 "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss",
                 "pp2_ulysses2_elastic_default_loss", "pp2_ulysses2_seq1f1b_default_loss_mbs2",
-                "pp2_vp2_moe_interleaved"}
+                "pp2_vp3_moe_accounted_interleaved"}
 
 
 def loss_flags(common: list, tag: str) -> list:

@@ -97,6 +97,37 @@ def test_rope_uses_true_positions():
     assert not torch.allclose(moved, plain)
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("percent", [1.0, 0.5])
+def test_rope_is_megatrons_rotation(interleaved, percent, monkeypatch):
+    """The document attention rotates Q and K as Megatron's GPT does (its ``RotaryEmbedding``
+    table and ``apply_rotary_pos_emb``), interleaved channel pairs (``--rotary-interleaved``)
+    and partial rotation included, then attends causally."""
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                               attention_dropout=0.0, hidden_dropout=0.0,
+                               rotary_interleaved=interleaved, apply_rope_fusion=False)
+    attn = DocumentAttention(config, layer_number=1,
+                             rope=RopeSettings(rotary_percent=percent)).eval()
+    tokens = 9
+    q, k, v = qkv(tokens, seed=2)
+    ours = attn(q, k, v)
+
+    # Megatron's table moves itself to the current CUDA device; here that is the CPU.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    table = RotaryEmbedding(kv_channels=DIM, rotary_percent=percent,
+                            rotary_interleaved=interleaved, use_cpu_initialization=True)
+    freqs = table.get_emb(tokens)
+    # Megatron's unfused rotation of [s, b, heads, dim] tensors reads no process group.
+    rq, rk = (apply_rotary_pos_emb(t, freqs, config, cp_group=object()) for t in (q, k))
+    heads_first = [t.permute(1, 2, 0, 3) for t in (rq, rk, v)]
+    reference = torch.nn.functional.scaled_dot_product_attention(*heads_first, is_causal=True)
+    reference = reference.permute(2, 0, 1, 3).reshape(tokens, 1, HEADS * DIM)
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+
+
 def test_missing_context_is_an_error():
     attn = make_attention()
     q, k, v = qkv(4)

@@ -1,7 +1,8 @@
-"""``scripts/paper_terms.py``'s memory terms against hand calculations: the allocator's
-fragmentation as reserved bytes per live byte, NCCL's buffers of Megatron-LM's communicators,
-and the memory ledger ``scripts/reproduce_papers.py`` gives Megatron-LM's longest-sequence
-rows."""
+"""``scripts/paper_terms.py``'s terms against hand calculations: NCCL's NVLink rate in an
+all-to-all inside a node, ZeRO-3's exposed traffic over a stage's GPUs, the allocator's fragmentation as reserved bytes per live byte,
+NCCL's buffers of Megatron-LM's communicators, and the memory ledger
+``scripts/reproduce_papers.py`` gives Megatron-LM's longest-sequence rows."""
+import dataclasses
 import sys
 
 import pytest
@@ -13,12 +14,60 @@ for folder in (REPO, f"{REPO}/scripts"):  # reproduce_papers imports paper_terms
 
 import reproduce_papers  # noqa: E402
 from scripts.paper_terms import (  # noqa: E402
-    MIB, fragmented, megatron_communicators, nccl_buffer_bytes)
+    MIB, fragmented, megatron_communicators, nccl_buffer_bytes, nccl_nvlink, zero3_exposed_s)
 
+from elastic_pipe.plan_types import PipelinePlan, Plan  # noqa: E402
 from longctx.chunks import Chunk, Piece  # noqa: E402
 from longctx.cost_model import CostModel, ParallelConfig  # noqa: E402
 from longctx.hardware import load_profile  # noqa: E402
 from longctx.models import get_model  # noqa: E402
+
+
+def test_nccl_nvlink_prices_an_all_to_all_inside_a_node_at_20_of_25_gb_s_a_link():
+    """The A800's 200 GB/s a direction at 20 / 25: 160 GB/s. Ulysses SP 8 inside a node on a
+    32K sequence: each GPU holds 4096 tokens x 5120 x 2 bytes = 41943040 bytes of each of
+    q, k, v and the output, sends 7/8 of them over NVLink, so one all-to-all takes
+    41943040 x 7/8 / 160e9 s plus the 10 us latency, four a layer's forward. Across two nodes
+    of 50 GB/s NICs (SP 16: half of each GPU's 20971520 bytes through its 6.25 GB/s share of
+    them, 20 us latency) the NICs decide and the NVLink rate changes nothing."""
+    a800 = load_profile("a800")
+    assert nccl_nvlink(a800).intra_node_gbps == pytest.approx(160.0)
+    assert nccl_nvlink(a800).inter_node_gbps == a800.inter_node_gbps
+    model = dataclasses.replace(get_model("gpt-13b"), num_heads=64)  # 16 divides it
+    chunk = Chunk((Piece(0, 0, 0, 32768, True),))
+    cost = CostModel(model, nccl_nvlink(a800), ParallelConfig(pp=1, sp=8))
+    one = 41943040 * 7 / 8 / 160e9 + 1e-5
+    assert cost.layer_collectives(chunk) == pytest.approx(4 * one)
+    nic = dataclasses.replace(a800, node_nic_gbps=50.0)
+    for hardware in (nic, nccl_nvlink(nic)):
+        across = CostModel(model, hardware, ParallelConfig(pp=1, sp=16))
+        assert across.layer_collectives(chunk) == pytest.approx(
+            4 * (20971520 * 8 / 16 / 6.25e9 + 2e-5))
+
+
+def test_zero3_over_a_stages_gpus_exposes_what_its_chunk_does_not_hide():
+    """InfiniPipe's ZeRO-3 over a stage's 8 GPUs inside a node: a 13B layer's 314639360
+    weights in BF16, 7/8 of them over 200 GB/s plus 10 us, a gather (and as much a
+    reduce-scatter). A 256-token chunk computes less than that: on stage 1 of 4 (10 layers),
+    3 of them recomputed, 7 layers expose 2 gathers + a scatter less their forward and backward,
+    3 expose a third gather less a second forward too; stage 0, nothing recomputed, 10 x the
+    first; a chunk long enough to hide it all exposes nothing."""
+    cost = CostModel(get_model("gpt-13b"), load_profile("a800"),
+                     ParallelConfig(pp=4, sp=8, memory_gb=80.0))
+
+    def plan(tokens, ckpt):
+        chunk = Chunk((Piece(0, 0, 0, tokens, True),))
+        pipeline = PipelinePlan((chunk,), (0,), tuple((c,) for c in ckpt), 0.0, "hand", 1, 1)
+        return Plan((pipeline,), 0.0, (0.0,) * 4, 0.0, 0.0, 0.0), chunk
+
+    ring = 314639360 * 2 * 7 / 8 / 200e9 + 1e-5
+    short, chunk = plan(256, (0, 3, 0, 0))
+    forward, backward = cost.layer_forward(chunk), cost.layer_backward(chunk)
+    plain, again = 3 * ring - forward - backward, 4 * ring - 2 * forward - backward
+    assert plain > 0 and again > 0
+    assert zero3_exposed_s(short, cost, 8, 1) == pytest.approx(7 * plain + 3 * again)
+    assert zero3_exposed_s(short, cost, 8, 0) == pytest.approx(10 * plain)
+    assert zero3_exposed_s(plan(32768, (0, 3, 0, 0))[0], cost, 8, 1) == 0.0
 
 
 def test_fragmentation_is_a_share_of_the_reservation():

@@ -259,7 +259,21 @@ MOE_REFUSED = [
     ([], "add --disable-bias-linear"),
     (["--context-parallel-size", "2"], "use --tensor-model-parallel-size 1 and "
                                        "--context-parallel-size 1 with MoE layers"),
+    (["--expert-tensor-parallel-size", "2"], "drop --expert-tensor-parallel-size (the experts "
+                                             "then take --tensor-model-parallel-size 1)"),
 ]
+
+
+@pytest.mark.parametrize("schedule", ["default", "elastic", "helix", "sppo"])
+def test_the_experts_tensor_parallel_size_is_taken_where_no_layer_has_experts(schedule,
+                                                                             monkeypatch):
+    """Without --num-experts the experts' tensor-parallel size sizes Megatron's expert groups
+    only (golden with tensor parallelism); with experts at their own size it is refused."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = [*BASE, "--pipeline-schedule", schedule, "--pipeline-model-parallel-size", "2",
+            "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--expert-tensor-parallel-size", "1"]
+    assert arguments.check_command_line(argv).expert_tensor_parallel_size == 1
 
 
 @pytest.mark.parametrize("flags,refusal", MOE_REFUSED)
