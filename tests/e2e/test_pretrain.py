@@ -413,15 +413,15 @@ def test_elastic_plans_predict_the_measured_activation_peaks(tmp_path):
     assert max(max(r["peak_activation_bytes_per_stage"]) for r in tight) < 0.8 * peak
 
 
-#: Megatron's full recomputation, the fixed checkpointing table of elastic and seq1f1b.
-FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-num-layers", "1",
-                  "--recompute-method"]
+#: Megatron's full recomputation of the first layer of each stage, the fixed checkpointing
+#: table of seq1f1b's run.
+BLOCK_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "block",
+                   "--recompute-num-layers", "1"]
 
 
 @pytest.mark.parametrize("schedule,flags", [
-    pytest.param("elastic", ["--elastic-slices", "4", *FULL_RECOMPUTE, "uniform"],
-                 id="elastic-uniform-recompute"),
-    pytest.param("seq1f1b", ["--elastic-slices", "4", *FULL_RECOMPUTE, "block"],
+    ("elastic", ["--elastic-slices", "4"]),
+    pytest.param("seq1f1b", ["--elastic-slices", "4", *BLOCK_RECOMPUTE],
                  id="seq1f1b-block-recompute"),
     ("sppo", ["--sppo-subsequences", "4"]),
     ("helix", ["--helix-recompute-without-attention", "--helix-mlp-chunk-size", "256",
@@ -443,10 +443,9 @@ def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     ``test_helix_recomputation_draws_the_dropout_masks_of_the_forward``. With
     mixture-of-experts layers (4 experts, top 2) the plan counts each token's expert copies,
     expert intermediates and router tensors instead of a dense MLP's; priced as a dense MLP,
-    the stages held 1.4x their plan. Elastic and seq1f1b run Megatron's full recomputation
-    (uniform: both layers of each stage, block 1: the first), whose fixed table the plan
-    prices: its saved stage inputs and the range rebuilt before each chunk's backward; the
-    elastic run with mixture-of-experts layers keeps the planner's own table (none here)."""
+    the stages held 1.4x their plan. Seq1f1b runs Megatron's full recomputation of the first
+    layer of each stage (block 1 of 2), whose fixed table the plan prices: the kept stage input
+    and the layer rebuilt before each chunk's backward."""
     out = tmp_path / "metrics.jsonl"
     no_dropout = {"--hidden-dropout", "--attention-dropout"}
     tiny = [flag for i, flag in enumerate(TINY)
