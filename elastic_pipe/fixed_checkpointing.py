@@ -62,12 +62,14 @@ class FixedCheckpointing:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise ValueError(f"--recompute-granularity full needs --recompute-method uniform or "
-                             f"block, got {self.method}")
+            raise ValueError("--recompute-granularity full needs a --recompute-method: pass "
+                             "uniform (every layer of each stage recomputed) or block (the "
+                             "first --recompute-num-layers of each stage)")
         if self.num_layers is None or self.num_layers < 1:
-            raise ValueError(f"--recompute-granularity full needs --recompute-num-layers N >= 1 "
-                             f"(uniform: layers per checkpointed group; block: leading layers "
-                             f"of each stage), got {self.num_layers}")
+            given = "" if self.num_layers is None else f" (got {self.num_layers})"
+            raise ValueError(f"--recompute-granularity full needs --recompute-num-layers N >= 1"
+                             f"{given}: the layers of one checkpointed group (uniform) or the "
+                             f"leading layers of each stage recomputed (block)")
 
     def layers(self, stage_layers: int) -> int:
         """Checkpointed leading layers of a stage of ``stage_layers`` layers, for every chunk."""

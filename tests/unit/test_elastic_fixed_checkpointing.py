@@ -125,9 +125,11 @@ def test_flags_make_the_table_or_none():
      "--recompute-granularity selective is not supported by --pipeline-schedule elastic: .*"
      "K and V"),
     (dict(recompute_granularity="full", recompute_num_layers=1),
-     "needs --recompute-method uniform or block"),
+     "needs a --recompute-method: pass uniform .* or block"),
     (dict(recompute_granularity="full", recompute_method="block"),
-     "needs --recompute-num-layers N >= 1"),
+     "needs --recompute-num-layers N >= 1: "),
+    (dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=0),
+     r"needs --recompute-num-layers N >= 1 \(got 0\)"),
 ])
 def test_what_cannot_be_honoured_is_refused_by_name(flags, message):
     with pytest.raises(ValueError, match=message):
