@@ -96,9 +96,9 @@ GQA = {"elastic": "golden:pp2_gqa_elastic", "seq1f1b": "golden:pp2_gqa_seq1f1b",
        "1f1b-ir": "golden:pp2_gqa_ir", "interleaved": "golden:pp2_vp2_gqa_interleaved",
        "helix": MODEL_SHAPE["helix"], "sppo": MODEL_SHAPE["sppo"]}
 #: The Q and K norms (``--qk-layernorm``, shipped to helix's attention stage with the QKV
-#: weight), ``--eod-mask-loss`` and interleaved RoPE (``--rotary-interleaved``): one model
-#: variant proves them; under the schedules that run Megatron's layer map its layouts split the
-#: layers unevenly too (:data:`UNEVEN`).
+#: weight), ``--eod-mask-loss``, interleaved RoPE (``--rotary-interleaved``) and the squared
+#: ReLU (``--squared-relu``): one model variant proves them; under the schedules that run
+#: Megatron's layer map its layouts split the layers unevenly too (:data:`UNEVEN`).
 QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "1f1b": "golden:pp2_qk_eod_uneven_1f1b",
                "interleaved": "golden:pp2_vp2_qk_eod_interleaved",
@@ -376,6 +376,8 @@ HONOURED: dict[str, Honoured] = {
     # Interleaved RoPE (rotating channel pairs 2i, 2i + 1 rather than i, i + dim / 2), applied by
     # the document attention at each token's true position with Megatron's own rotation.
     "rotary_interleaved": Honoured(QK_NORM_EOD, _NO_TEST),
+    # Megatron's MLP with its squared ReLU (``TransformerConfig.activation_func``).
+    "squared_relu": Honoured(QK_NORM_EOD, _NO_TEST),
     # The document attention's kernels (megatron/plugin/layers/attention_kernels.py), the
     # same under every schedule: their softmax is fp32 whatever the inputs (so Megatron's query-key
     # layer scaling is the identity), --attention-backend picks the kernel (``local`` is
@@ -673,7 +675,7 @@ REFUSED: dict[str, str] = {
         make_vocab_size_divisible_by mlp_chunks_for_prefill mlp_chunks_for_training
         mup_attn_scale_power mup_base_head_dim mup_base_hidden_size mup_embedding_mult
         mup_output_mult mup_width_mult onnx_safe openai_gelu
-        quick_geglu recompute_activations recompute_modules squared_relu
+        quick_geglu recompute_activations recompute_modules
         use_fused_weighted_squared_relu use_mup
     """, _UNPROVEN_MODEL),
     **_each("""

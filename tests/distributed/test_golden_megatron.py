@@ -339,11 +339,12 @@ VARIANTS = {
     # which helix ships with the QKV weight to the attention stage and gets the gradients of
     # back; the end-of-document token at every fifth input of each document, masked out of
     # the loss (under Megatron's default loss too, where it changes each micro-batch's count);
-    # interleaved RoPE (channel pairs 2i, 2i + 1), also on the K/V context of later slices.
+    # interleaved RoPE (channel pairs 2i, 2i + 1), also on the K/V context of later slices;
+    # the squared ReLU as the MLP's activation (helix's chunked MLP runs it too).
     # Under the schedules that run Megatron's layer map, the split is uneven too: 1 + 3 layers.
     "qk_norm_eod": (["--qk-layernorm", "--normalization", "RMSNorm", "--eod-mask-loss",
                      "--golden-eod-every", "5", "--position-embedding-type", "rope",
-                     "--rotary-interleaved"], {
+                     "--rotary-interleaved", "--squared-relu"], {
         **{f"pp2_qk_eod_uneven_{name}": (2, ["--pipeline-model-parallel-size", "2", *UNEVEN,
                                              *flags]) for name, flags in FOUR_SCHEDULES},
         "pp2_vp2_qk_eod_interleaved": (2, ["--pipeline-model-parallel-size", "2",
