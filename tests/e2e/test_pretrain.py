@@ -220,7 +220,7 @@ def test_bad_flags_are_refused_before_any_work(tmp_path, flags, message):
         save_flags, flags = save_flags[:2], []
     cp = int(flags[flags.index("--context-parallel-size") + 1]) \
         if "--context-parallel-size" in flags else 1
-    result = subprocess.run([sys.executable, SCRIPT, *TINY, "--train-iters", "2", *save_flags,
+    result = subprocess.run([sys.executable, SCRIPT, *TINY, "--train-iters", "3", *save_flags,
                              *flags], cwd=REPO, capture_output=True, text=True, timeout=120,
                             env=dict(os.environ, WORLD_SIZE=str(2 * cp)))
     assert result.returncode == 2
