@@ -56,8 +56,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import (get_current_global_batch_size,
                                                        get_num_microbatches)
-from megatron.core.transformer.moe.moe_utils import (compute_routing_scores_for_aux_loss,
-                                                     save_to_aux_losses_tracker)
+from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -217,12 +216,24 @@ class DocumentRouter(TopKRouter):
             weight = doc.tokens if config.calculate_per_token_loss else replicas / documents
             rows.append(counts * (coeff * per_token * weight))
             if doc.slice_index == 0:
-                save_to_aux_losses_tracker(
-                    "load_balancing_loss", torch.sum(sums * counts) * per_token * log_weight,
-                    self.layer_number, config.num_layers, reduce_group=self.tp_cp_group)
+                _track("load_balancing_loss", torch.sum(sums * counts) * per_token * log_weight,
+                       self.layer_number, config.num_layers, self.tp_cp_group)
         table = torch.stack(rows) * loss_scale
         grad = table[call.owner.clamp(min=0)] * (call.owner >= 0).unsqueeze(1)
         return grad.to(dtype)
+
+
+def _track(name: str, value: torch.Tensor, layer_number: int, num_layers: int, group) -> None:
+    """Add ``value`` to Megatron's auxiliary-loss tracker at ``layer_number``, summed over
+    ``group`` and averaged over the data-parallel replicas when reported (megatron-core
+    0.19's metrics tracker, or 0.17's tracker function)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import save_to_aux_losses_tracker
+        save_to_aux_losses_tracker(name, value, layer_number, num_layers, reduce_group=group)
+        return
+    get_moe_metrics_tracker().record(name, value, layer_number, num_layers, reduce_group=group)
 
 
 class _DocumentAuxGradient(torch.autograd.Function):
