@@ -148,3 +148,45 @@ def test_a_backward_before_all_slices_forwards_fails_loudly(one_rank, batch_of_t
                             packed_seq_params=first)
     with pytest.raises(RuntimeError, match="came before the forwards of all its slices"):
         out.sum().backward()
+
+
+@pytest.mark.parametrize("schedule", ["elastic", "seq1f1b"])
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("tight", [False, True])
+def test_every_slice_forward_runs_before_the_documents_first_backward(schedule, pp, tight):
+    """The order the per-document loss needs (a split document's counts are complete at its
+    first backward) in every rank's actions of the lowered plans, at PP = 2 and 4, with a
+    roomy budget and one tight enough to checkpoint layers: on every stage, every forward of
+    a chunk holding a slice of a document comes before every backward of such a chunk."""
+    from elastic_pipe.evaluation import plan_schedule
+    from elastic_pipe.lowering import lower
+    from elastic_pipe.scheduler import SchedulerConfig
+    from elastic_pipe.sequence_processor import ChunkingConfig
+    from longctx.chunk_rows import is_split
+    from longctx.cost_model import ParallelConfig
+    from longctx.hardware import load_profile
+    from longctx.models import ModelConfig
+    from megatron.plugin.pipeline.ir import Kind
+
+    lengths = (3000, 120, 64, 900, 40, 2200, 300, 16, 700, 50, 1800, 90)
+    config = SchedulerConfig(chunking=ChunkingConfig(min_slice_tokens=256, slice_counts=(3,)),
+                             workers=1)
+    memory_gb = {2: 0.04, 4: 0.02}[pp] if tight else 16.0
+    plan = plan_schedule(lengths, schedule, ModelConfig("tiny", 8, 64, 4, 256, 512),
+                         load_profile("a800"),
+                         ParallelConfig(pp=pp, memory_gb=memory_gb, reserved_gb=0), config)
+    assert (sum(map(sum, plan.ckpt_table())) > 0) == tight
+    holders: dict[int, set] = {}
+    for unit, chunk in enumerate(plan.chunks()):
+        for piece in chunk.pieces:
+            if is_split(piece):
+                holders.setdefault(piece.doc, set()).add(unit)
+    assert holders, "the batch must split a document"
+    for actions in lower(plan, pp):
+        for doc, units in holders.items():
+            forwards = [i for i, a in enumerate(actions)
+                        if a.kind is Kind.FORWARD and a.unit in units]
+            backwards = [i for i, a in enumerate(actions)
+                         if a.kind is Kind.BACKWARD and a.unit in units]
+            assert len(forwards) == len(backwards) == len(units)
+            assert max(forwards) < min(backwards), (schedule, pp, doc)
