@@ -54,7 +54,8 @@ def layer_spec(args: argparse.Namespace, num_layers: int, rope: RopeSettings | N
         return document_te_layer_spec(num_layers, rope, qk_layernorm=args.qk_layernorm)
     return document_layer_spec(num_layers, args.normalization, rope,
                                qk_layernorm=args.qk_layernorm, num_experts=args.num_experts,
-                               per_document_aux=args.pipeline_schedule in AUX_PER_DOCUMENT)
+                               per_document_aux=bool(args.num_experts)
+                               and args.pipeline_schedule in AUX_PER_DOCUMENT)
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,
