@@ -38,8 +38,8 @@ Runtime. Each call learns its rows' segments from the layout the layer passes (t
 document's ``N`` and ``P`` are the call's own. A document cut into slices runs them in separate
 calls: each slice's forward adds its tokens' ``N`` and ``P`` into a per-layer store under the
 document's key (also a forward without autograd, as checkpointed layers run, so that the counts
-exist before any backward); a recomputed forward (per-chunk checkpointing, Megatron's
-recomputation) is recognised by its layout object and counts nothing again. The gradient of a
+exist before any backward); a recomputed forward (the ``RECOMPUTE`` of per-chunk
+checkpointing) is recognised by its layout object and counts nothing again. The gradient of a
 slice's scores, ``coeff x w_d x E / (k x T_d^2) x N_{d,e}`` on each of its tokens (times the
 loss scale of ``grad_scale_func``), is computed at that slice's backward from the store: the
 document schedules run every slice's forward before the first of the document's backwards (a
@@ -140,6 +140,11 @@ class DocumentRouter(TopKRouter):
             for segment in segments:
                 if segment.padding:
                     continue
+                if segment.doc_key is not None and not segment.doc_tokens:
+                    raise RuntimeError(
+                        f"MoE layer {self.layer_number}: slice {segment.slice_index} of document "
+                        f"{segment.doc_key!r} carries no document length (Segment.doc_tokens); "
+                        f"the per-document auxiliary loss needs it")
                 owner[segment.start * rows + row:segment.stop * rows:rows] = len(documents)
                 documents.append(_Document(segment.doc_key, segment.slice_index,
                                            segment.doc_tokens or segment.length,
