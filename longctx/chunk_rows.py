@@ -41,12 +41,15 @@ def is_split(piece: Piece) -> bool:
 
 def chunk_row(chunk: Chunk, documents, doc_ids, multiple: int) -> tuple:
     """The packed row of one chunk (pieces in order), padded to a multiple of ``multiple``."""
-    docs, slices = [], []
+    docs, slices, totals = [], [], []
     for piece in chunk.pieces:
         doc = doc_ids[piece.doc]
         docs.append(documents[doc][piece.start:piece.end + 1])
-        slices.append((doc, piece.slice, piece.start) if is_split(piece) else (None, 0, 0))
-    return pack_row(docs, pad_to=math.ceil(chunk.tokens / multiple) * multiple, slices=slices)
+        split = is_split(piece)
+        slices.append((doc, piece.slice, piece.start) if split else (None, 0, 0))
+        totals.append(len(documents[doc]) - 1 if split else 0)
+    return pack_row(docs, pad_to=math.ceil(chunk.tokens / multiple) * multiple, slices=slices,
+                    doc_tokens=totals)
 
 
 def chunk_batch(chunk: Chunk, documents, doc_ids, multiple: int,

@@ -83,12 +83,15 @@ class MicroBatch:
 
 
 def pack_row(docs: Sequence[np.ndarray], pad_to: int | None = None,
-             slices: Sequence[tuple[object, int, int]] | None = None):
+             slices: Sequence[tuple[object, int, int]] | None = None,
+             doc_tokens: Sequence[int] | None = None):
     """One packed row from documents (each ``n + 1`` tokens), optionally padded.
 
     ``slices`` gives, per document, ``(doc_key, slice_index, context_length)`` for slices of
-    longer documents (positions then start at ``context_length``). Padding forms its own
-    segment, masked out of the loss. Returns ``(tokens, labels, mask, positions, segments)``.
+    longer documents (positions then start at ``context_length``), and ``doc_tokens`` the
+    inputs of the whole document each slice comes from (``Segment.doc_tokens``; 0 for a whole
+    document). Padding forms its own segment, masked out of the loss. Returns ``(tokens,
+    labels, mask, positions, segments)``.
     """
     tokens, labels, mask, positions, segments = [], [], [], [], []
     start = 0
@@ -102,7 +105,8 @@ def pack_row(docs: Sequence[np.ndarray], pad_to: int | None = None,
         labels.append(doc[1:])
         mask.append(np.ones(n, dtype=np.float32))
         positions.append(np.arange(offset, offset + n, dtype=np.int64))
-        segments.append(Segment(start, start + n, key, index))
+        whole = 0 if doc_tokens is None else int(doc_tokens[i])
+        segments.append(Segment(start, start + n, key, index, whole))
         start += n
     if pad_to is not None:
         if start > pad_to:
@@ -113,7 +117,7 @@ def pack_row(docs: Sequence[np.ndarray], pad_to: int | None = None,
             labels.append(np.zeros(pad, dtype=np.int64))
             mask.append(np.zeros(pad, dtype=np.float32))
             positions.append(np.arange(pad, dtype=np.int64))
-            segments.append(Segment(start, pad_to))
+            segments.append(Segment(start, pad_to, padding=True))
     return (np.concatenate(tokens), np.concatenate(labels), np.concatenate(mask),
             np.concatenate(positions), tuple(segments))
 

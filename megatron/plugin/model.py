@@ -11,6 +11,7 @@ from megatron.plugin import registry
 from megatron.plugin.layers.attention import RopeSettings, document_layer_spec
 from megatron.plugin.layers.te_layers import document_te_layer_spec
 from megatron.plugin.cpu_compat import megatron_core_version
+from megatron.plugin.option_classes import AUX_PER_DOCUMENT
 
 
 def model_config(args: argparse.Namespace) -> TransformerConfig:
@@ -53,12 +54,16 @@ def layer_spec(args: argparse.Namespace, num_layers: int, rope: RopeSettings | N
     (:func:`~megatron.plugin.layers.attention.document_layer_spec`) or its Transformer Engine
     layers (:func:`~megatron.plugin.layers.te_layers.document_te_layer_spec`), with the document
     attention and ``--qk-layernorm`` either way (the start-up refuses MoE layers with
-    Transformer Engine). A schedule's own ``build_model`` (helix) takes the local layer: the
-    start-up refuses Transformer Engine under it."""
+    Transformer Engine); MoE layers take their auxiliary loss per document under the
+    schedules of :data:`~megatron.plugin.option_classes.AUX_PER_DOCUMENT`. A schedule's own
+    ``build_model`` (helix) takes the local layer: the start-up refuses Transformer Engine
+    under it."""
     if args.transformer_impl == "transformer_engine":
         return document_te_layer_spec(num_layers, rope, qk_layernorm=args.qk_layernorm)
     return document_layer_spec(num_layers, args.normalization, rope,
-                               qk_layernorm=args.qk_layernorm, num_experts=args.num_experts)
+                               qk_layernorm=args.qk_layernorm, num_experts=args.num_experts,
+                               per_document_aux=bool(args.num_experts)
+                               and args.pipeline_schedule in AUX_PER_DOCUMENT)
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,

@@ -116,18 +116,26 @@ MOE = {"default": "golden:pp2_moe_accounted_1f1b", "1f1b": "golden:pp2_moe_accou
        "elastic": "golden:pp2_moe_accounted_elastic",
        "seq1f1b": "golden:pp2_moe_accounted_seq1f1b", "helix": "golden:pp2_moe_helix",
        "sppo": "golden:pp2_moe_sppo_n4_offload"}
-#: Megatron's auxiliary load-balancing loss (``aux_loss``) where the router's calls are
-#: Megatron's micro-batches: the moe layouts of Megatron's schedules and 1f1b-ir pass it (under
-#: interleaved with Megatron's default loss), against a reference that computes it over the same
-#: micro-batches.
-MOE_AUX = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir")}
+#: Megatron's auxiliary load-balancing loss (``aux_loss``): where the router's calls are
+#: Megatron's micro-batches, Megatron's own (the moe layouts of Megatron's schedules and 1f1b-ir
+#: pass it, under interleaved with Megatron's default loss, against a reference that computes
+#: it over the same micro-batches); under :data:`AUX_PER_DOCUMENT`, defined per document
+#: (:mod:`megatron.plugin.layers.document_router`; the elastic layout passes it with the
+#: per-token loss and the seq1f1b layout with Megatron's default loss, against a reference that
+#: computes it over whole documents).
+AUX_PER_DOCUMENT = ("elastic", "seq1f1b")
+MOE_AUX = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir",
+                                        *AUX_PER_DOCUMENT)}
 _AUX_PER_UNIT = (
     "Megatron's auxiliary load-balancing loss is a formula over each call of the router, "
-    "which Megatron's schedules make once per micro-batch; this schedule calls it once per "
-    "unit of its own (packed chunk, slice, subsequence, MLP chunk), so the loss would depend "
-    "on how the schedule cuts the batch, and no test proves a definition of it there: use "
-    "--pipeline-schedule 1f1b, interleaved or 1f1b-ir with --moe-aux-loss-coeff, or leave it "
-    "at 0 (dropless routing without it is exact under every schedule)")
+    "which Megatron's schedules make once per micro-batch; elastic and seq1f1b run it per "
+    "document (each document's own routings and scores, a split document's slices counted "
+    "together before their backwards), but this schedule calls the router on units of its "
+    "own (helix: MLP chunks of micro-batches that are not the document chunks; sppo: "
+    "subsequences whose multiplexed shares cut a slice over several ranks), for which no "
+    "test proves that definition: use --pipeline-schedule elastic, seq1f1b, 1f1b, "
+    "interleaved or 1f1b-ir with --moe-aux-loss-coeff, or leave it at 0 (dropless routing "
+    "without it is exact under every schedule)")
 #: Megatron's uneven pipeline splits (its layer map, ``get_num_layers_to_build``), where the
 #: schedule runs that map: a first stage of 1 and a last of 3 layers; the embedding and the
 #: loss each counted as a layer.

@@ -36,7 +36,9 @@ Modes:
   :data:`DEFAULT_LOSS_MICRO_BATCH_SIZES`; see :func:`default_loss_gradients`); with
   ``--golden-aux-loss-coeff C`` also both losses plus Megatron's auxiliary load-balancing loss
   at coefficient ``C`` over Megatron's micro-batches of each size (``reference_aux_mbs<N>.pt``,
-  ``reference_default_mbs<N>_aux.pt``; see :func:`aux_loss_gradients`); then, for every
+  ``reference_default_mbs<N>_aux.pt``; see :func:`aux_loss_gradients`) and defined per
+  document (``reference_docaux.pt``, ``reference_default_mbs1_docaux.pt``; see
+  :func:`document_aux_gradients`); then, for every
   tag given, load that run's gradient checkpoint into the single-process layout. Everything is
   written with ``torch.save`` for the test to compare.
 
@@ -474,8 +476,20 @@ def save_aux_references(model, docs, args, size: int, loss_sum: float, tokens: i
     """The references with Megatron's auxiliary load-balancing loss over the micro-batches of
     ``size`` rows: the per-token loss's gradients ``per_token`` plus the auxiliary term's, and
     Megatron's default loss's (``default``, at that micro-batch size) plus the auxiliary
-    term's."""
+    term's; at size 1 also both with the loss defined per document
+    (``reference_docaux.pt``, ``reference_default_mbs1_docaux.pt``:
+    :func:`document_aux_gradients`)."""
     coeff = args.golden_aux_loss_coeff
+    if size == 1:
+        aux = document_aux_gradients(model, docs, coeff, per_token=True)
+        torch.save({"loss_sum": loss_sum, "tokens": tokens,
+                    "grads": {name: grad + aux[name] / tokens
+                              for name, grad in per_token.items()}},
+                   os.path.join(args.golden_dir, "reference_docaux.pt"))
+        aux = document_aux_gradients(model, docs, coeff, per_token=False)
+        torch.save({"loss_sum": loss_sum, "tokens": tokens,
+                    "grads": {name: grad + aux[name] for name, grad in default.items()}},
+                   os.path.join(args.golden_dir, "reference_default_mbs1_docaux.pt"))
     aux = aux_loss_gradients(model, docs, args.seq_length, size, coeff, per_token=True)
     torch.save({"loss_sum": loss_sum, "tokens": tokens,
                 "grads": {name: grad + aux[name] / tokens for name, grad in per_token.items()}},
@@ -547,6 +561,26 @@ def aux_loss_gradients(model, docs, seq_length: int, micro_batch_size: int, coef
         loss = sum(switch_balancing_loss(torch.cat(calls), topk, coeff)
                    for calls in recorded.values())
         (loss * (len(rows) * seq_length if per_token else 1.0 / len(batches))).backward()
+    return {name: p.main_grad.detach().clone().view_as(p)
+            for name, p in module.named_parameters()}
+
+
+def document_aux_gradients(model, docs, coeff: float, per_token: bool) -> dict:
+    """Gradients of the auxiliary load-balancing loss defined per document (what ``elastic``
+    and ``seq1f1b`` run, ``megatron.plugin.layers.document_router``): each document run alone,
+    the Switch formula over its own tokens' logits at every MoE layer, summed over the layers;
+    weighted by the document's tokens under the per-token loss (the gradients are then divided
+    by the step's loss tokens, as the loss's), by one over the number of documents under the
+    default loss (one replica)."""
+    model[0].zero_grad_buffer()
+    module = model[0].module
+    topk = get_model_config(module).moe_router_topk
+    for doc in docs:
+        with recording_router_logits(module) as recorded:
+            forward_step(iter([micro_batch([pack_row([doc])])]), module)
+        loss = sum(switch_balancing_loss(torch.cat(calls), topk, coeff)
+                   for calls in recorded.values())
+        (loss * ((len(doc) - 1) if per_token else 1.0 / len(docs))).backward()
     return {name: p.main_grad.detach().clone().view_as(p)
             for name, p in module.named_parameters()}
 

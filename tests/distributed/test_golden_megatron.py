@@ -30,6 +30,7 @@ import torch
 from harness import TINY_MODEL, torchrun_each
 
 from megatron.plugin import cpu_compat
+from megatron.plugin.option_classes import AUX_PER_DOCUMENT
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 
 WORKER = "tests/distributed/golden_worker.py"
@@ -63,6 +64,7 @@ ELASTIC_EXPECTED = {
     "pp2_seq1f1b_default_loss_mbs2": ({"split", "hybrid"}, "none"),
     "pp2_qk_eod_uneven_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_moe_accounted_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_moe_accounted_seq1f1b": ({"split", "hybrid"}, "none"),
     "pp2_full_recompute_elastic": ({"split", "hybrid", "batched"}, "all"),
     "pp2_block_recompute_elastic": ({"split", "hybrid", "batched"}, "uniform"),
     "pp2_full_recompute_seq1f1b": ({"split", "hybrid"}, "all"),
@@ -123,7 +125,8 @@ UNEVEN = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-n
 ACCOUNTED = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
 #: Megatron's auxiliary load-balancing loss at the coefficient Megatron-LM recommends to
 #: start from; the moe variant's reference adds it over Megatron's micro-batches
-#: (``golden_run.aux_loss_gradients``) for the layouts that pass it.
+#: (``golden_run.aux_loss_gradients``) for the layouts of Megatron's schedules that pass it,
+#: and per document (``golden_run.document_aux_gradients``) for those of elastic and seq1f1b.
 AUX_LOSS_COEFF = "0.01"
 AUX = ["--moe-aux-loss-coeff", AUX_LOSS_COEFF]
 #: Flags of Megatron-LM's configurations that no layer of these models reads, given beside
@@ -361,16 +364,18 @@ VARIANTS = {
     }),
     # Dropless mixture of experts: Megatron's MoE layer (4 local experts, top-3 routing, no
     # biases, as Megatron-LM's MoE configurations) in every layer. Routing is per token, so
-    # cutting and packing documents keeps every token's experts. Under the schedules that run
-    # Megatron's micro-batches, Megatron's auxiliary load-balancing loss too (AUX; under
-    # interleaved with Megatron's default loss). Under the schedules that run Megatron's layer
+    # cutting and packing documents keeps every token's experts. Megatron's auxiliary
+    # load-balancing loss too (AUX): under the schedules that run Megatron's micro-batches
+    # Megatron's (under interleaved with Megatron's default loss), under elastic (split and
+    # packed documents) and seq1f1b (with Megatron's default loss) per document. Under the
+    # schedules that run Megatron's layer
     # map, the embedding and the loss count as layers of the split (4 + 2 over 2 stages: 2
     # transformer layers each; under interleaved over 2 x 3 virtual stages given by their
     # count, the first holding only the embedding and the last only the loss).
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
              "--disable-bias-linear", "--golden-aux-loss-coeff", AUX_LOSS_COEFF], {
         **{f"pp2_moe_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
-                                             *flags, *(AUX if name in ("1f1b", "ir") else [])])
+                                             *flags, *AUX])
            for name, flags in FOUR_SCHEDULES},
         "pp2_vp3_moe_accounted_interleaved": (2, ["--pipeline-model-parallel-size", "2",
                                                   "--num-virtual-stages-per-pipeline-rank", "3",
@@ -441,7 +446,7 @@ DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2",
                 "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss",
                 "pp2_ulysses2_elastic_default_loss", "pp2_ulysses2_seq1f1b_default_loss_mbs2",
-                "pp2_vp3_moe_accounted_interleaved"}
+                "pp2_vp3_moe_accounted_interleaved", "pp2_moe_accounted_seq1f1b"}
 
 
 def loss_flags(common: list, tag: str) -> list:
@@ -451,9 +456,16 @@ def loss_flags(common: list, tag: str) -> list:
 
 def reference_file(tag: str, flags: list) -> str:
     """The reference a layout is compared with (with Megatron's auxiliary loss over its
-    micro-batches where the layout passes ``AUX``)."""
+    micro-batches where the layout passes ``AUX``, or per document under the schedules that
+    define it so)."""
     size = flags[flags.index("--micro-batch-size") + 1] if "--micro-batch-size" in flags else "1"
     aux = AUX[0] in flags
+    schedule = flags[flags.index("--pipeline-schedule") + 1] \
+        if "--pipeline-schedule" in flags else "default"
+    if aux and schedule in AUX_PER_DOCUMENT:
+        assert size == "1", f"{tag}: the per-document references are at micro-batch size 1"
+        return "reference_default_mbs1_docaux.pt" if tag in DEFAULT_LOSS \
+            else "reference_docaux.pt"
     if tag not in DEFAULT_LOSS:
         return f"reference_aux_mbs{size}.pt" if aux else "reference.pt"
     cp = flags[flags.index("--context-parallel-size") + 1] \
@@ -576,12 +588,14 @@ def assert_gradient_close(got: torch.Tensor, expected: torch.Tensor, name: str) 
 
 def test_the_aux_loss_moves_the_router_gradients(golden):
     """The auxiliary loss's share of the references the MoE layouts with ``AUX`` are compared
-    with (per-token and default loss) is far above the comparison's bound in every router's
+    with (per-token and default loss; Megatron's and per document) is far above the comparison's bound in every router's
     gradient: a run that dropped or mis-scaled it would fail there."""
     need(*(tag for tag, (_, flags) in VARIANTS["moe"][1].items() if AUX[0] in flags))
     root = golden / "moe"
     for plain, aux in [("reference.pt", "reference_aux_mbs1.pt"),
-                       ("reference_default_mbs1.pt", "reference_default_mbs1_aux.pt")]:
+                       ("reference_default_mbs1.pt", "reference_default_mbs1_aux.pt"),
+                       ("reference.pt", "reference_docaux.pt"),
+                       ("reference_default_mbs1.pt", "reference_default_mbs1_docaux.pt")]:
         without = torch.load(root / plain)["grads"]
         with_aux = torch.load(root / aux)["grads"]
         routers = [name for name in without if name.endswith("router.weight")]

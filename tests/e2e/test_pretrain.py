@@ -428,7 +428,8 @@ BLOCK_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "blo
                "--seq-length", "1024", "--train-iters", "2", "--lr-warmup-iters", "1"]),
     pytest.param("elastic", ["--elastic-slices", "4", "--num-experts", "4",
                              "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
-                             "--disable-bias-linear", "--qk-layernorm"],
+                             "--disable-bias-linear", "--qk-layernorm",
+                             "--moe-aux-loss-coeff", "0.01"],
                  id="elastic-moe-qk-norm")])
 def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     """With Megatron-LM's default dropout (0.1 on the attention and the hidden states) the
@@ -443,9 +444,11 @@ def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     ``test_helix_recomputation_draws_the_dropout_masks_of_the_forward``. With
     mixture-of-experts layers (4 experts, top 2) the plan counts each token's expert copies,
     expert intermediates and router tensors instead of a dense MLP's; priced as a dense MLP,
-    the stages held 1.4x their plan. Seq1f1b runs Megatron's full recomputation of the first
-    layer of each stage (block 1 of 2), whose fixed table the plan prices: the kept stage input
-    and the layer rebuilt before each chunk's backward."""
+    the stages held 1.4x their plan; that run also trains Megatron's auxiliary load-balancing
+    loss per document (:mod:`megatron.plugin.layers.document_router`) under the dropout.
+    Seq1f1b runs Megatron's full recomputation of the first layer of each stage (block 1 of 2),
+    whose fixed table the plan prices: the kept stage input and the layer rebuilt before each
+    chunk's backward."""
     out = tmp_path / "metrics.jsonl"
     no_dropout = {"--hidden-dropout", "--attention-dropout"}
     tiny = [flag for i, flag in enumerate(TINY)

@@ -251,7 +251,6 @@ MOE_REFUSED = [
     (["--moe-expert-capacity-factor", "1.0"], "an expert's capacity counts the tokens of one "
                                               "forward call"),
     (["--moe-pad-expert-input-to-capacity"], "drop the flag (dropless routing"),
-    (["--moe-aux-loss-coeff", "0.01"], "this schedule calls it once per unit of its own"),
     (["--moe-router-load-balancing-type", "seq_aux_loss"], "only Megatron's default aux_loss "
                                                            "is proven"),
     (["--moe-router-enable-expert-bias"], "each schedule pads differently"),
@@ -288,21 +287,23 @@ def test_moe_options_outside_dropless_routing_are_refused_by_name(flags, refusal
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b",
                                       "helix", "sppo"])
-def test_the_aux_loss_is_taken_where_the_router_runs_megatrons_micro_batches(schedule,
-                                                                             monkeypatch):
+def test_the_aux_loss_is_taken_where_the_router_runs_micro_batches_or_documents(schedule,
+                                                                                monkeypatch):
     """Megatron's auxiliary load-balancing loss is a formula per router call: taken under the
-    schedules whose calls are Megatron's micro-batches (golden), refused by name under those
-    that call the router on units of their own."""
+    schedules whose calls are Megatron's micro-batches and, defined per document, under
+    elastic and seq1f1b (golden); refused by name, saying what is built, under those that call
+    the router on units of their own."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     argv = [*BASE, "--pipeline-schedule", schedule, "--num-experts", "4",
             "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"]
     if schedule == "interleaved":
         argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
-    if schedule in ("1f1b", "interleaved", "1f1b-ir"):
+    if schedule not in ("helix", "sppo"):
         assert arguments.check_command_line(argv).moe_aux_loss_coeff == [0.01]
         return
-    with pytest.raises(ValueError, match="--moe-aux-loss-coeff.*this schedule calls it once per "
-                                         "unit of its own"):
+    with pytest.raises(ValueError, match="--moe-aux-loss-coeff.*elastic and seq1f1b run it per "
+                                         "document.*this schedule calls the router on units of "
+                                         "its own"):
         arguments.check_command_line(argv)
 
 

@@ -271,11 +271,12 @@ def _sequence_to_heads(t: torch.Tensor, group) -> torch.Tensor:
 
 def document_layer_spec(num_layers: int, normalization: str = "LayerNorm",
                         rope: RopeSettings | None = None, qk_layernorm: bool = False,
-                        num_experts: int | None = None):
+                        num_experts: int | None = None, per_document_aux: bool = False):
     """Transformer-block spec: Megatron's local GPT layer with :class:`DocumentAttention` as
     core attention and :class:`~megatron.plugin.layers.norm.SequenceParallelNorm` norms (the Q
     and K norms too, with ``qk_layernorm``); with ``num_experts``, Megatron's MoE layer with its
-    local experts (``SequentialMLP``) in every layer.
+    local experts (``SequentialMLP``) in every layer, and with ``per_document_aux`` its router's
+    auxiliary loss per document (:mod:`megatron.plugin.layers.document_router`).
 
     ``num_layers`` is the number of layers this pipeline stage builds (Megatron's
     ``get_num_layers_to_build``).
@@ -296,5 +297,28 @@ def document_layer_spec(num_layers: int, normalization: str = "LayerNorm",
     if qk_layernorm:
         layer.self_attention.submodules.q_layernorm = SequenceParallelNorm
         layer.self_attention.submodules.k_layernorm = SequenceParallelNorm
+    if num_experts and per_document_aux:
+        spec = document_routed(spec)
     return TransformerBlockSubmodules(layer_specs=[spec] * num_layers,
                                       layer_norm=SequenceParallelNorm)
+
+
+def document_routed(spec):
+    """``spec`` (Megatron's MoE layer) with :class:`~megatron.plugin.layers.document_router.
+    DocumentRouter` as its router and the layer that hands the router its call's layout; the MoE
+    layer's spec is a ``ModuleSpec`` (megatron-core 0.17, 0.18) or a ``functools.partial``
+    (0.19), rebuilt either way rather than changed in place."""
+    import dataclasses
+    import functools
+
+    from megatron.plugin.layers.document_router import DocumentRoutedLayer, DocumentRouter
+
+    mlp = spec.submodules.mlp
+    if isinstance(mlp, functools.partial):
+        routed = dataclasses.replace(mlp.keywords["submodules"], router=DocumentRouter)
+        mlp = functools.partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": routed})
+    else:
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules,
+                                                                      router=DocumentRouter))
+    return dataclasses.replace(spec, module=DocumentRoutedLayer,
+                               submodules=dataclasses.replace(spec.submodules, mlp=mlp))

@@ -17,13 +17,17 @@ class Segment:
     """A run ``[start, stop)`` of one document's tokens inside a packed row.
 
     ``doc_key``/``slice_index`` name the document slice for the K/V store; ``doc_key=None``
-    means a whole document with no context (nothing is stored).
+    means a whole document with no context (nothing is stored). ``doc_tokens``: the whole
+    document's tokens when the segment is a slice of it (0: the segment is the whole document).
+    ``padding``: the run holds no document (filler of a padded row).
     """
 
     start: int
     stop: int
     doc_key: object = None
     slice_index: int = 0
+    doc_tokens: int = 0
+    padding: bool = False
 
     @property
     def length(self) -> int:
