@@ -121,6 +121,9 @@ MOE = {"default": "golden:pp2_moe_accounted_1f1b", "1f1b": "golden:pp2_moe_accou
 #: interleaved with Megatron's default loss), against a reference that computes it over the same
 #: micro-batches.
 MOE_AUX = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir")}
+EXPERTS = {"default": "golden:pp2_dp2_ep2_moe_accounted_1f1b",
+           "1f1b": "golden:pp2_dp2_ep2_moe_accounted_1f1b",
+           "1f1b-ir": "golden:pp2_dp2_ep2_a2a_moe_accounted_ir"}
 _AUX_PER_UNIT = (
     "Megatron's auxiliary load-balancing loss is a formula over each call of the router, "
     "which Megatron's schedules make once per micro-batch; this schedule calls it once per "
@@ -260,6 +263,8 @@ HONOURED: dict[str, Honoured] = {
     **{name: Honoured(MOE, _NO_TEST) for name in (
         "num_experts", "moe_router_topk", "moe_ffn_hidden_size")},
     "moe_aux_loss_coeff": Honoured(MOE_AUX, _AUX_PER_UNIT),
+    "expert_model_parallel_size": Honoured(EXPERTS, _NO_TEST),
+    "moe_token_dispatcher_type": Honoured(EXPERTS, _NO_TEST, values=("allgather", "alltoall")),
     "group_query_attention": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     "num_query_groups": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     **{name: Honoured(MODEL_SHAPE, _NO_TEST) for name in (
@@ -618,7 +623,7 @@ REFUSED: dict[str, str] = {
         moe_router_topk_scaling_factor moe_routing_trace_capture_hidden_states
         moe_shared_expert_gate moe_shared_expert_glu_interleave_size
         moe_shared_expert_intermediate_size moe_shared_expert_overlap
-        moe_single_grouped_bias moe_single_grouped_weight moe_token_dispatcher_type
+        moe_single_grouped_bias moe_single_grouped_weight
         moe_upcycling_granularity moe_use_upcycling moe_z_loss_coeff
         overlap_dispatch_backward_with_experts_wgrad
         overlap_moe_expert_parallel_comm use_grouped_gemm_for_dense_mlp
@@ -738,11 +743,6 @@ REFUSED: dict[str, str] = {
     "moe_router_enable_expert_bias": "the expert bias is updated from the tokens routed in the "
                                      "step, padding included, and each schedule pads "
                                      "differently; drop --moe-router-enable-expert-bias",
-    "expert_model_parallel_size": "no test proves expert parallelism yet (torch's gloo runs "
-                                  "its token dispatchers' collectives, all_to_all_single with "
-                                  "uneven splits, all_gather_into_tensor and "
-                                  "reduce_scatter_tensor, but no golden layout passes with it); "
-                                  "use --expert-model-parallel-size 1",
 }
 
 

@@ -359,6 +359,13 @@ VARIANTS = {
         **{f"pp2_moe_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
                                              *flags, *(AUX if name in ("1f1b", "ir") else [])])
            for name, flags in FOUR_SCHEDULES},
+        "pp2_dp2_ep2_moe_accounted_1f1b": (4, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
+                                               "--expert-model-parallel-size", "2",
+                                               "--pipeline-schedule", "1f1b"]),
+        "pp2_dp2_ep2_a2a_moe_accounted_ir": (4, ["--pipeline-model-parallel-size", "2",
+                                                 *ACCOUNTED, "--expert-model-parallel-size", "2",
+                                                 "--moe-token-dispatcher-type", "alltoall",
+                                                 "--pipeline-schedule", "1f1b-ir"]),
         "pp2_vp3_moe_accounted_interleaved": (2, ["--pipeline-model-parallel-size", "2",
                                                   "--num-virtual-stages-per-pipeline-rank", "3",
                                                   *ACCOUNTED, "--pipeline-schedule",
