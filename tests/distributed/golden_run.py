@@ -328,22 +328,25 @@ def recording_param_gather(model, events: list):
 
 def placement(model) -> dict:
     """The global ranks of this rank's pipeline, data-parallel, expert-parallel and experts'
-    tensor-parallel groups, the number of MoE layers it holds and the number of entries of
-    their experts' weights it holds (the parameters Megatron marks ``allreduce=False``)."""
+    tensor-parallel groups; the number of MoE layers it holds, the number of entries of their
+    experts' weights it holds, and how many of those Megatron marks ``allreduce=False``
+    (reduced over the expert data-parallel group, not the data-parallel one)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     def ranks(group):
         return dist.get_process_group_ranks(group)
 
-    modules = [module for chunk in model for module in chunk.module.modules()]
+    layers = [module for chunk in model for module in chunk.module.modules()
+              if isinstance(module, MoELayer)]
+    experts = [param for layer in layers for param in layer.experts.parameters()]
     return {"pipeline": ranks(parallel_state.get_pipeline_model_parallel_group()),
             "data": ranks(parallel_state.get_data_parallel_group()),
             "expert_model": ranks(parallel_state.get_expert_model_parallel_group()),
             "expert_tensor": ranks(parallel_state.get_expert_tensor_parallel_group()),
-            "moe_layers": sum(isinstance(module, MoELayer) for module in modules),
-            "expert_entries": sum(param.numel() for chunk in model
-                                  for param in chunk.module.parameters()
-                                  if not getattr(param, "allreduce", True))}
+            "moe_layers": len(layers),
+            "expert_entries": sum(param.numel() for param in experts),
+            "expert_entries_apart": sum(param.numel() for param in experts
+                                        if not getattr(param, "allreduce", True))}
 
 
 def command_lines(argv: list[str]) -> list[list[str]]:

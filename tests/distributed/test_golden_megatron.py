@@ -862,7 +862,9 @@ def test_experts_are_spread_over_the_ranks_asked(golden, tag):
     (per layer, the experts' fc1 and fc2 of hidden x ffn entries each) and its expert groups
     have EP and ETP ranks, carved from its data-parallel replicas: the expert-parallel runs
     place 2 of the 4 experts on each rank, the experts' tensor-parallel runs half of every
-    expert on each, so the gradients checked above are those of spread experts."""
+    expert on each, so the gradients checked above are those of spread experts. Spread
+    experts are all reduced apart from the other weights (Megatron's expert buckets), whole
+    ones with them."""
     need(tag)
     model_flags, layouts = VARIANTS["moe"]
     nprocs, flags = layouts[tag]
@@ -876,6 +878,8 @@ def test_experts_are_spread_over_the_ranks_asked(golden, tag):
         assert record["expert_entries"] * ep * etp == record["moe_layers"] * per_layer, record
         assert (len(record["expert_model"]), len(record["expert_tensor"])) == (ep, etp), record
         assert rank in record["expert_model"] and rank in record["expert_tensor"], record
-        if ep * etp > 1:
+        spread = ep * etp > 1
+        assert record["expert_entries_apart"] == (record["expert_entries"] if spread else 0)
+        if spread:
             assert sorted({*record["expert_model"], *record["expert_tensor"]}) \
                 == sorted(record["data"]), record
