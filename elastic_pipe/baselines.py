@@ -4,7 +4,8 @@
   longer than ``S`` cut into ``S``-token slices, tails and short documents packed
   first-fit-decreasing into ``S``-token chunks (never two tails together) -- in one 1F1B
   pipeline, with the same number of checkpointed layers on every stage and chunk, the smallest
-  that fits the worst in-flight window. ``S = ceil(longest / k)`` with ``k`` tuned over the same
+  that fits the worst in-flight window (or Megatron's ``--recompute-*`` table,
+  :mod:`elastic_pipe.fixed_checkpointing`). ``S = ceil(longest / k)`` with ``k`` tuned over the same
   slice counts, and the forward lookahead over the same values, as the elastic planner by the
   same pipeline-time estimate. Where ``k = 1`` is tried and every document fits one of
   Megatron-LM's rows, Megatron's micro-batches are one more candidate, as for the elastic
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from elastic_pipe import checkpointing
 from longctx.chunks import Chunk, Piece
 from longctx.cost_model import CostModel
+from elastic_pipe.fixed_checkpointing import FixedCheckpointing
 from elastic_pipe.plan_types import Plan, PipelinePlan
 from elastic_pipe.scheduler import (PipelineCase, SchedulerConfig, check_lengths, pipeline_case,
                                     pipeline_cases)
@@ -35,8 +37,15 @@ from elastic_pipe.sequence_processor import (ChunkingConfig, chunk_balance, layo
                                              megatron_chunking, slice_candidates)
 
 
-def uniform_plan(cost: CostModel, case: PipelineCase, num_slices: int) -> Plan | None:
-    """The pipeline ``case`` with the smallest global uniform checkpointing that fits."""
+def uniform_plan(cost: CostModel, case: PipelineCase, num_slices: int,
+                 fixed: FixedCheckpointing | None = None) -> Plan | None:
+    """The pipeline ``case`` with the smallest global uniform checkpointing that fits, or with
+    Megatron's fixed table ``fixed``; ``None`` when none fits."""
+    if fixed is not None:
+        table = fixed.table(case.problem.layers, case.problem.chunks)
+        if not checkpointing.fits(case.problem, table):
+            return None
+        return single_pipeline_plan(cost, case, table, num_slices, "fixed")
     for count in range(max(case.problem.layers) + 1):
         table = tuple((min(count, layers),) * case.problem.chunks
                       for layers in case.problem.layers)
@@ -45,12 +54,14 @@ def uniform_plan(cost: CostModel, case: PipelineCase, num_slices: int) -> Plan |
     return None
 
 
-def single_pipeline_plan(cost: CostModel, case: PipelineCase, table, num_slices: int) -> Plan:
-    """A plan of one uniformly checkpointed pipeline (predicted time and memory filled in)."""
+def single_pipeline_plan(cost: CostModel, case: PipelineCase, table, num_slices: int,
+                         status: str = "uniform") -> Plan:
+    """A plan of one uniformly checkpointed pipeline (predicted time and memory filled in);
+    ``status`` says how its table was found (``CheckpointSolution.status``)."""
     seconds = case.time(table) * checkpointing.TIME_UNIT
     peaks = checkpointing.memory_peaks(case.problem, table)
     time_rsd, length_rsd = chunk_balance(case.chunks, cost)
-    return Plan((PipelinePlan(case.chunks, case.backward, table, seconds, "uniform",
+    return Plan((PipelinePlan(case.chunks, case.backward, table, seconds, status,
                               num_slices, case.lookahead),),
                 seconds, checkpointing.peak_bytes(cost, case.problem, peaks),
                 time_rsd, length_rsd, 0.0)
@@ -101,7 +112,7 @@ def seq1f1b(lengths: Sequence[int], cost: CostModel, config: SchedulerConfig) ->
         candidates.append((1, megatron.chunks))
     for k, chunks in candidates:
         for case in pipeline_cases(cost, chunks, config.lookaheads):
-            plan = uniform_plan(cost, case, k)
+            plan = uniform_plan(cost, case, k, config.fixed)
             if plan is not None and (best is None or
                                      plan.predicted_time_s < best.predicted_time_s):
                 best = plan

@@ -95,7 +95,10 @@ class CheckpointSolution:
     """``sum_t C_t`` in microseconds."""
     status: str
     """``optimal``, ``feasible`` (time limit hit), ``trivial`` (no checkpointing fits, no
-    solve), ``full`` (time limit hit without a solution: full checkpointing)."""
+    solve), ``full`` (time limit hit without a solution: full checkpointing); the scheduler's
+    tables without a solve: ``bounded``, ``uniform`` (:data:`elastic_pipe.scheduler.
+    FALLBACK_REASONS`) and ``fixed`` (Megatron's ``--recompute-*`` table,
+    :mod:`elastic_pipe.fixed_checkpointing`)."""
 
 
 def build_problem(cost: CostModel, chunks: list[Chunk],

@@ -94,6 +94,12 @@ def plan_schedule(lengths: tuple[int, ...], name: str, model: ModelConfig,
     if name != "seq1f1b":
         raise ValueError(f"unknown schedule {name!r}; valid: {', '.join(RUNTIME_SCHEDULES)}")
     plan = baselines.seq1f1b(list(lengths), cost, config)
+    if plan is None and config.fixed is not None:
+        raise ValueError(f"seq1f1b: no fixed chunk size fits {parallel.memory_gb:g} GB per "
+                         f"device with the checkpointing table {config.fixed.flags()} fixes; "
+                         f"raise --elastic-memory-gb, recompute more layers (--recompute-method "
+                         f"uniform recomputes every layer), or drop the --recompute-* flags and "
+                         f"let seq1f1b choose how many layers to recompute")
     if plan is None:
         raise ValueError(f"seq1f1b: no fixed chunk size fits {parallel.memory_gb:g} GB per "
                          f"device even with every layer checkpointed; raise the memory budget "

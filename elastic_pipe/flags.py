@@ -1,11 +1,12 @@
 """The flags of ``elastic`` and ``seq1f1b``, their checks, and the planner's configuration
-they make."""
+they make (with Megatron's ``--recompute-*`` flags: :mod:`elastic_pipe.fixed_checkpointing`)."""
 from __future__ import annotations
 
 import argparse
 
 from longctx.job_costs import CPU_MEMORY_GB
 
+from elastic_pipe.fixed_checkpointing import fixed_checkpointing
 from elastic_pipe.scheduler import SchedulerConfig
 from elastic_pipe.sequence_processor import ChunkingConfig
 
@@ -58,4 +59,4 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
                               seq_length=args.seq_length,
                               micro_batch_size=args.micro_batch_size)
     return SchedulerConfig(chunking=chunking, solver_time_limit=args.elastic_solver_time_limit,
-                           workers=1)
+                           workers=1, fixed=fixed_checkpointing(args))

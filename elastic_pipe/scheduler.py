@@ -39,7 +39,10 @@ Where the paper is vague:
   solves; solves are memoised by their integer problem (chunk signatures, in-flight sets,
   budgets). Worker faults never change the plan: solves not answered within a wall-clock guard
   (four times their limit plus ten seconds) are solved in this process instead, and a pool
-  broken by a dead worker is replaced by planning in this process, each with a warning.
+  broken by a dead worker is replaced by planning in this process, each with a warning;
+- with Megatron's ``--recompute-granularity full`` (``SchedulerConfig.fixed``) the table is the
+  one its flags fix (:mod:`elastic_pipe.fixed_checkpointing`): every candidate is chunked,
+  priced and kept with it (status ``fixed``) and none is solved.
 
 Branch and bound keeps the plan. The plan P that solving every open candidate gives is no slower
 than the incumbent (the best plan over the candidates' upper times), and every plan through a
@@ -66,6 +69,7 @@ from dataclasses import dataclass, field
 from elastic_pipe import checkpointing
 from elastic_pipe.bounds import makespan_floor
 from elastic_pipe.checkpointing import CheckpointProblem, CheckpointSolution
+from elastic_pipe.fixed_checkpointing import FixedCheckpointing
 from longctx.chunks import Chunk
 from longctx.cost_model import GB, CostModel
 from elastic_pipe.pipeline_order import backward_order, inflight_sets, makespan, rank_orders
@@ -111,6 +115,9 @@ class SchedulerConfig:
     (:func:`~megatron.plugin.pipeline.schedule_1f1b.one_f_one_b`): 0 keeps the smallest
     windows; a larger one overlaps a split document's prefill with the backwards before it and
     holds more chunks for longer."""
+    fixed: FixedCheckpointing | None = None
+    """Megatron's ``--recompute-*`` table (:mod:`elastic_pipe.fixed_checkpointing`): every
+    candidate is priced and planned with it, CP-SAT chooses nothing; ``None``: CP-SAT chooses."""
 
     def __post_init__(self):
         if self.group_cuts < 1:
@@ -177,15 +184,24 @@ def pipeline_cases(cost: CostModel, chunks: Sequence[Chunk],
     return cases
 
 
-def estimate(cost: CostModel, chunks: Sequence[Chunk],
-             lookaheads: Sequence[int]) -> tuple[float, int]:
-    """Predicted seconds of one pipeline with per-stage uniform checkpointing (inf: OOM) and
-    the lookahead giving it: the fastest of ``lookaheads``, the first of equals (lookaheads
-    giving the same orders are timed once)."""
+def start_table(problem: CheckpointProblem, fixed: FixedCheckpointing | None):
+    """The table a candidate is priced with before any solve: Megatron's fixed table where it
+    fits, the smallest per-stage uniform one without it; ``None`` when it does not fit."""
+    if fixed is None:
+        return checkpointing.uniform_table(problem)
+    table = fixed.table(problem.layers, problem.chunks)
+    return table if checkpointing.fits(problem, table) else None
+
+
+def estimate(cost: CostModel, chunks: Sequence[Chunk], lookaheads: Sequence[int],
+             fixed: FixedCheckpointing | None = None) -> tuple[float, int]:
+    """Predicted seconds of one pipeline with its :func:`start_table` (inf: OOM) and the
+    lookahead giving it: the fastest of ``lookaheads``, the first of equals (lookaheads giving
+    the same orders are timed once)."""
     best, timed = (math.inf, lookaheads[0]), {}
     for case in pipeline_cases(cost, chunks, lookaheads):
         if case.orders not in timed:
-            table = checkpointing.uniform_table(case.problem)
+            table = start_table(case.problem, fixed)
             timed[case.orders] = (math.inf if table is None
                                   else case.time(table) * checkpointing.TIME_UNIT)
         if timed[case.orders] < best[0]:
@@ -318,7 +334,7 @@ def group_chunking(docs: Sequence[tuple[int, int]], cost: CostModel,
     chosen = {}
 
     def score(chunks: list[Chunk]) -> float:
-        value, chosen[tuple(chunks)] = estimate(cost, chunks, config.lookaheads)
+        value, chosen[tuple(chunks)] = estimate(cost, chunks, config.lookaheads, config.fixed)
         return value
 
     chunking, value = best_chunking(docs, cost, config.chunking, score)
@@ -397,21 +413,22 @@ def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
              time.perf_counter() - started)
     cases = {key: pipeline_case(cost, candidates[key][0].chunks, candidates[key][1])
              for key in keys}
-    uniform = {key: checkpointing.uniform_table(cases[key].problem) for key in keys}
+    uniform = {key: start_table(cases[key].problem, config.fixed) for key in keys}
     upper = {key: cases[key].time(uniform[key]) for key in keys}
     lower = {key: cases[key].time(_zeros(cases[key].problem)) for key in keys}
     incumbent, _ = _shortest(points, upper)
     reach_lower, _ = _shortest(points, lower)
     rest_lower, _ = _shortest(points[::-1], {(b, a): v for (a, b), v in lower.items()})
-    worth = [key for key in keys if upper[key] > lower[key] and
+    worth = [key for key in keys if config.fixed is None and upper[key] > lower[key] and
              reach_lower.get(key[0], math.inf) + lower[key] + rest_lower.get(key[1], math.inf)
              < incumbent[len(docs)]]
     floor = {key: upper[key] for key in keys}
     floor.update({key: max(lower[key], makespan_floor(list(cases[key].orders),
                                                       cases[key].problem))
                   for key in worth})
-    solved = {key: (CheckpointSolution(uniform[key], upper[key], "trivial" if
-                                       upper[key] == lower[key] else "bounded"), upper[key])
+    solved = {key: (CheckpointSolution(uniform[key], upper[key],
+                                       _unsolved_status(config, upper[key], lower[key])),
+                    upper[key])
               for key in keys}
     answered = solve_open(cases, uniform, upper, floor, worth, points, config, pool, progress)
     solved.update(answered)
@@ -440,6 +457,13 @@ def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
                 tuple(fallbacks))
 
 
+def _unsolved_status(config: SchedulerConfig, upper: int, lower: int) -> str:
+    """How the table of a candidate left unsolved was found (``CheckpointSolution.status``)."""
+    if config.fixed is not None:
+        return "fixed"
+    return "trivial" if upper == lower else "bounded"
+
+
 def _zeros(problem: CheckpointProblem) -> tuple[tuple[int, ...], ...]:
     return tuple((0,) * problem.chunks for _ in problem.layers)
 
@@ -458,8 +482,9 @@ def _shortest(points: list[int], cost: dict) -> tuple[dict, dict]:
 def _infeasible_message(docs, cost: CostModel, config: SchedulerConfig,
                         points: list[int]) -> str:
     """Why no plan fits, with the smallest per-GPU memory that fits: every candidate group at
-    its finest split with full checkpointing and the smallest lookahead, the grouping whose
-    largest need is smallest."""
+    its finest split with full checkpointing (with Megatron's fixed table under
+    ``config.fixed``) and the smallest lookahead, the grouping whose largest need is
+    smallest."""
     need, finest = {}, {}
     for a in range(len(points)):
         for b in range(a + 1, len(points)):
@@ -467,17 +492,27 @@ def _infeasible_message(docs, cost: CostModel, config: SchedulerConfig,
             slices = slice_candidates(group[0][1], config.chunking)[-1]
             problem = pipeline_case(cost, make_chunks(group, slices, cost).chunks,
                                     min(config.lookaheads)).problem
-            peaks = checkpointing.memory_peaks(problem, checkpointing.full_table(problem))
+            table = checkpointing.full_table(problem) if config.fixed is None \
+                else config.fixed.table(problem.layers, problem.chunks)
+            peaks = checkpointing.memory_peaks(problem, table)
             need[(points[a], points[b])] = max(checkpointing.peak_bytes(
                 cost, problem, [peak + 1 for peak in peaks]))
             finest[(points[a], points[b])] = slices
     best = {points[0]: 0.0}
     for index, b in enumerate(points[1:], 1):
         best[b] = min(max(best[a], need[(a, b)]) for a in points[:index])
-    have = cost.parallel.memory_gb
-    return (f"no plan fits {have:g} GB per GPU even with full checkpointing at the finest "
-            f"split (N={finest[(points[0], points[-1])]} for the longest document); the "
-            f"smallest budget that fits is {_round_up(best[points[-1]] / GB):g} GB: raise the "
+    have, smallest = cost.parallel.memory_gb, _round_up(best[points[-1]] / GB)
+    split = f"at the finest split (N={finest[(points[0], points[-1])]} for the longest document)"
+    if config.fixed is not None:
+        more = ("add pipeline stages or sequence parallelism, or shorten --seq-length"
+                if config.fixed.method == "uniform" else
+                "recompute more layers (a larger --recompute-num-layers, or --recompute-method "
+                "uniform), or drop the --recompute-* flags and let the planner choose per chunk")
+        return (f"no plan fits {have:g} GB per GPU with the checkpointing table "
+                f"{config.fixed.flags()} fixes, even {split}; the smallest budget that fits it "
+                f"is {smallest:g} GB: raise --elastic-memory-gb, or {more}")
+    return (f"no plan fits {have:g} GB per GPU even with full checkpointing {split}; the "
+            f"smallest budget that fits is {smallest:g} GB: raise the "
             f"memory budget (--memory-gb, or --elastic-memory-gb when training), add pipeline "
             f"stages or sequence parallelism, or shorten --seq-length")
 

@@ -27,7 +27,9 @@ dtype (otherwise the run stops). With ``--elastic-refit-interval K`` the ranks r
 executor's forward and backward times and, every ``K`` training iterations, refit the profile's
 eq. 1 coefficients and backward factor to them (:mod:`elastic_pipe.run_costs`); the log shows
 the fit and its error. The flags and their checks are :mod:`elastic_pipe.flags`; the drawing of
-one batch's plan (``build_ir``) is :mod:`elastic_pipe.drawing`.
+one batch's plan (``build_ir``) is :mod:`elastic_pipe.drawing`. Megatron's
+``--recompute-granularity full`` fixes the plan's checkpointing table
+(:mod:`elastic_pipe.fixed_checkpointing`; the model itself then recomputes nothing).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 from longctx import job_costs
 
 from elastic_pipe.drawing import DRAW_ARGUMENTS, plan_builder
+from elastic_pipe.fixed_checkpointing import check_args
 from elastic_pipe.flags import add_arguments
 from elastic_pipe.planned_batch import PlannedBatch, input_functions
 from elastic_pipe.run_costs import MEASURED
@@ -74,6 +77,7 @@ def _spec(name: str) -> ScheduleSpec:
     prepare_input, prefetch_input = input_functions(name)
     return ScheduleSpec(name, run=_run, input_type=PlannedBatch,
                         argument_groups=(job_costs.add_arguments, add_arguments),
+                        check_args=check_args, plans_recomputation=True,
                         prepare_input=prepare_input, prefetch_input=prefetch_input,
                         report=_report, build_ir=plan_builder(name),
                         draw_arguments=DRAW_ARGUMENTS, draw_units=False)

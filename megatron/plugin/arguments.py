@@ -214,11 +214,40 @@ def megatron_defaults() -> dict:
 
 def training_refusals(args: argparse.Namespace) -> list[str]:
     """What Megatron-LM's training loop needs beyond its validation (the training script)."""
+    messages = []
     if args.eval_interval is None:
-        return ["--eval-interval is not set (megatron-core 0.18 and later have no default and "
-                "Megatron-LM's loop divides by it): pass --eval-interval N, with --eval-iters 0 "
-                "to skip evaluation"]
-    return []
+        messages.append("--eval-interval is not set (megatron-core 0.18 and later have no "
+                        "default and Megatron-LM's loop divides by it): pass --eval-interval N, "
+                        "with --eval-iters 0 to skip evaluation")
+    return messages + _learning_rate_schedule(args)
+
+
+def _learning_rate_schedule(args: argparse.Namespace) -> list[str]:
+    """What Megatron-LM's learning-rate scheduler asserts when the model and optimizer are
+    built (``OptimizerParamScheduler``, after the checkpoint and the data are set up), said at
+    start-up: the warm-up ends before the decay does, and the rates are ordered."""
+    messages = []
+    unit, decay_flag, warmup_flag = (("iterations", "--lr-decay-iters", "--lr-warmup-iters")
+                                     if args.train_samples is None else
+                                     ("samples", "--lr-decay-samples", "--lr-warmup-samples"))
+    total = args.train_iters if args.train_samples is None else args.train_samples
+    decay = getattr(args, decay_flag[2:].replace("-", "_")) or total
+    if args.lr_warmup_fraction is not None:
+        warmup, given = args.lr_warmup_fraction * (decay or 0), "--lr-warmup-fraction"
+    else:
+        warmup, given = getattr(args, warmup_flag[2:].replace("-", "_")), warmup_flag
+    if decay is not None and warmup is not None and warmup >= decay:
+        messages.append(f"the learning rate warms up over {warmup:g} {unit} ({given}) but "
+                        f"decays over {decay:g} ({decay_flag}, else the training length): "
+                        f"Megatron-LM's scheduler needs the warm-up shorter; lower {given} or "
+                        f"raise {decay_flag}")
+    if args.lr is not None and args.min_lr is not None and args.min_lr > args.lr:
+        messages.append(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: Megatron-LM's "
+                        "scheduler decays from --lr down to --min-lr; lower --min-lr")
+    if args.lr is not None and args.lr_warmup_init > args.lr:
+        messages.append(f"--lr-warmup-init {args.lr_warmup_init:g} is above --lr {args.lr:g}: "
+                        "the warm-up rises to --lr; lower --lr-warmup-init")
+    return messages
 
 
 def check_training_args(args: argparse.Namespace) -> None:

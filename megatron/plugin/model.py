@@ -28,10 +28,18 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     interleaved loop frees a stage's output while the asynchronous send of it may still be
     reading it, and the next stage receives garbage (0.18 waits for the send first). Keeping the
     outputs costs one activation per in-flight micro-batch and changes no number.
+
+    Under a schedule whose plan runs Megatron's full recomputation
+    (``ScheduleSpec.plans_recomputation``) the config asks for none: the plan checkpoints the
+    layers the flags name.
     """
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
+    spec = registry.spec(args.pipeline_schedule)
+    if spec is not None and spec.plans_recomputation:
+        config.recompute_granularity = config.recompute_method = None
+        config.recompute_num_layers = None
     if config.virtual_pipeline_model_parallel_size and args.distributed_backend == "gloo":
         config.batch_p2p_comm = False
     if (config.virtual_pipeline_model_parallel_size and config.overlap_p2p_comm

@@ -96,9 +96,9 @@ GQA = {"elastic": "golden:pp2_gqa_elastic", "seq1f1b": "golden:pp2_gqa_seq1f1b",
        "1f1b-ir": "golden:pp2_gqa_ir", "interleaved": "golden:pp2_vp2_gqa_interleaved",
        "helix": MODEL_SHAPE["helix"], "sppo": MODEL_SHAPE["sppo"]}
 #: The Q and K norms (``--qk-layernorm``, shipped to helix's attention stage with the QKV
-#: weight), ``--eod-mask-loss`` and interleaved RoPE (``--rotary-interleaved``): one model
-#: variant proves them; under the schedules that run Megatron's layer map its layouts split the
-#: layers unevenly too (:data:`UNEVEN`).
+#: weight), ``--eod-mask-loss``, interleaved RoPE (``--rotary-interleaved``) and the squared
+#: ReLU (``--squared-relu``): one model variant proves them; under the schedules that run
+#: Megatron's layer map its layouts split the layers unevenly too (:data:`UNEVEN`).
 QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "1f1b": "golden:pp2_qk_eod_uneven_1f1b",
                "interleaved": "golden:pp2_vp2_qk_eod_interleaved",
@@ -201,9 +201,14 @@ PRECISION = {name: GPU_CHECK for name in
 TE_SCHEDULES = ("default", "1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b")
 OPTIONS = "tests/unit/test_schedule_options.py::test_option_is_honoured_or_refused_by_name"
 ATTENTION_FLAGS = "tests/unit/test_attention_flags.py::"
+#: Under elastic and seq1f1b Megatron's full recomputation fixes the plan's checkpointing
+#: table (:mod:`elastic_pipe.fixed_checkpointing`; ``--recompute-granularity selective`` is
+#: refused there by the schedules' own check); each has a layout of either method.
 RECOMPUTE = {"default": "golden:pp2_full_recompute", "1f1b": "golden:pp2_full_recompute",
              "interleaved": "golden:pp2_vp2_interleaved_block_recompute",
-             "1f1b-ir": "golden:pp2_ir_block_recompute"}
+             "1f1b-ir": "golden:pp2_ir_block_recompute",
+             "elastic": "golden:pp2_full_recompute_elastic",
+             "seq1f1b": "golden:pp2_block_recompute_seq1f1b"}
 SELECTIVE = {"default": "golden:pp2_selective_recompute",
              "1f1b": "golden:pp2_selective_recompute",
              "interleaved": "golden:pp2_vp2_interleaved_selective_recompute",
@@ -242,15 +247,9 @@ PLANNER_KNOBS = "tests/unit/test_option_classes.py::test_planner_flags_reach_the
 _NO_TEST = ("no test proves it under this schedule yet: drop it, or use a schedule that has "
             "one")
 _RECOMPUTE_REFUSALS = {
-    "elastic": "elastic checkpoints layers per chunk itself (chosen within --elastic-memory-gb): "
-               "drop --recompute-granularity, --recompute-method and --recompute-num-layers, "
-               "and lower --elastic-memory-gb to make it recompute more",
-    "seq1f1b": "seq1f1b checkpoints layers per chunk itself (chosen within --elastic-memory-gb): "
-               "drop --recompute-granularity, --recompute-method and --recompute-num-layers, "
-               "and lower --elastic-memory-gb to make it recompute more",
     "sppo": "sppo keeps activations by offloading them, not by recomputation: drop "
             "--recompute-granularity, --recompute-method and --recompute-num-layers (elastic "
-            "and seq1f1b checkpoint per chunk)",
+            "and seq1f1b checkpoint per chunk, and honour them)",
     "helix": "helix recomputes its own layer parts: drop --recompute-granularity, "
              "--recompute-method and --recompute-num-layers and pass "
              "--helix-recompute-without-attention (pre/post-attention parts recomputed, "
@@ -430,6 +429,8 @@ HONOURED: dict[str, Honoured] = {
     # Interleaved RoPE (rotating channel pairs 2i, 2i + 1 rather than i, i + dim / 2), applied by
     # the document attention at each token's true position with Megatron's own rotation.
     "rotary_interleaved": Honoured(QK_NORM_EOD, _NO_TEST),
+    # Megatron's MLP with its squared ReLU (``TransformerConfig.activation_func``).
+    "squared_relu": Honoured(QK_NORM_EOD, _NO_TEST),
     # The document attention's kernels (megatron/plugin/layers/attention_kernels.py), the
     # same under every schedule: their softmax is fp32 whatever the inputs (so Megatron's query-key
     # layer scaling is the identity), --attention-backend picks the kernel (``local`` is
@@ -727,7 +728,7 @@ REFUSED: dict[str, str] = {
         make_vocab_size_divisible_by mlp_chunks_for_prefill mlp_chunks_for_training
         mup_attn_scale_power mup_base_head_dim mup_base_hidden_size mup_embedding_mult
         mup_output_mult mup_width_mult onnx_safe openai_gelu
-        quick_geglu recompute_activations recompute_modules squared_relu
+        quick_geglu recompute_activations recompute_modules
         use_fused_weighted_squared_relu use_mup
     """, _UNPROVEN_MODEL),
     **_each("""

@@ -15,6 +15,10 @@ the name and one way to run is optional):
    :mod:`megatron.plugin.option_classes`.
 3. ``build_model(args, config, vocab_size, layer_spec, **gpt_kwargs)``: this rank's model
    chunk, for a schedule that does not run ``GPTModel`` stages (helix places layer parts).
+   ``plans_recomputation``: the schedule runs Megatron's ``--recompute-granularity full`` as a
+   checkpointing table of its own plan (elastic and seq1f1b): the model is built without
+   Megatron's recomputation (its ``TransformerConfig`` has none), so that layers are not
+   checkpointed twice.
 4. ``prepare_input(documents, args, model) -> (input, units)``: its input for one global batch
    of documents, and the number of units (micro-batches, chunks) in it. Without it the
    schedule gets this data-parallel replica's documents packed into ``--seq-length``
@@ -82,6 +86,7 @@ class ScheduleSpec:
     argument_groups: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
     check_args: Callable[[argparse.Namespace], None] | None = None
     build_model: Callable | None = None
+    plans_recomputation: bool = False
     prepare_input: Callable | None = None
     prefetch_input: Callable | None = None
     report: Callable[[Any], dict] | None = None

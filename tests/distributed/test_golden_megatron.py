@@ -42,7 +42,9 @@ pytestmark = pytest.mark.timeout(2400)
 ELASTIC = ["--pipeline-schedule", "elastic", "--elastic-slices", "3"]
 SEQ1F1B = ["--pipeline-schedule", "seq1f1b", "--elastic-slices", "2"]
 #: tag -> what its plan must contain: chunk kinds, and the checkpointing ("none": no layer,
-#: "uniform": the same partial count everywhere, "adaptive": counts that differ by chunk).
+#: "uniform": the same partial count everywhere, "all": every layer of every stage,
+#: "adaptive": counts that differ by chunk). The layouts with Megatron's --recompute-* flags
+#: must have planned with the table those fix (status "fixed", no CP-SAT solve).
 ELASTIC_EXPECTED = {
     "pp2_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_elastic_adaptive": ({"split", "hybrid", "batched"}, "adaptive"),
@@ -61,6 +63,10 @@ ELASTIC_EXPECTED = {
     "pp2_seq1f1b_default_loss_mbs2": ({"split", "hybrid"}, "none"),
     "pp2_qk_eod_uneven_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_moe_accounted_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_full_recompute_elastic": ({"split", "hybrid", "batched"}, "all"),
+    "pp2_block_recompute_elastic": ({"split", "hybrid", "batched"}, "uniform"),
+    "pp2_full_recompute_seq1f1b": ({"split", "hybrid"}, "all"),
+    "pp2_block_recompute_seq1f1b": ({"split", "hybrid"}, "uniform"),
 }
 
 HELIX = ["--pipeline-schedule", "helix"]
@@ -202,6 +208,12 @@ VARIANTS = {
                                        "--pipeline-schedule", "1f1b-ir", *BLOCK]),
         "pp2_ir_selective_recompute": (2, ["--pipeline-model-parallel-size", "2",
                                            "--pipeline-schedule", "1f1b-ir", *SELECTIVE]),
+        # Megatron's full recomputation as the plan's fixed checkpointing table: uniform
+        # recomputes both layers of each stage, block the first of them, in every chunk.
+        **{f"pp2_{method}_recompute_{name}": (2, ["--pipeline-model-parallel-size", "2",
+                                                  *flags, *recompute])
+           for method, recompute in (("full", UNIFORM), ("block", BLOCK))
+           for name, flags in (("elastic", ELASTIC), ("seq1f1b", SEQ1F1B))},
         # Document chunks; the memory budgets (GB, tiny model) are chosen so that the plan
         # needs checkpointing: see ELASTIC_EXPECTED for what each run must exercise.
         "pp2_elastic": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
@@ -333,11 +345,12 @@ VARIANTS = {
     # which helix ships with the QKV weight to the attention stage and gets the gradients of
     # back; the end-of-document token at every fifth input of each document, masked out of
     # the loss (under Megatron's default loss too, where it changes each micro-batch's count);
-    # interleaved RoPE (channel pairs 2i, 2i + 1), also on the K/V context of later slices.
+    # interleaved RoPE (channel pairs 2i, 2i + 1), also on the K/V context of later slices;
+    # the squared ReLU as the MLP's activation (helix's chunked MLP runs it too).
     # Under the schedules that run Megatron's layer map, the split is uneven too: 1 + 3 layers.
     "qk_norm_eod": (["--qk-layernorm", "--normalization", "RMSNorm", "--eod-mask-loss",
                      "--golden-eod-every", "5", "--position-embedding-type", "rope",
-                     "--rotary-interleaved"], {
+                     "--rotary-interleaved", "--squared-relu"], {
         **{f"pp2_qk_eod_uneven_{name}": (2, ["--pipeline-model-parallel-size", "2", *UNEVEN,
                                              *flags]) for name, flags in FOUR_SCHEDULES},
         "pp2_vp2_qk_eod_interleaved": (2, ["--pipeline-model-parallel-size", "2",
@@ -654,8 +667,12 @@ def test_document_chunk_runs_exercise_what_they_claim(golden, tag):
     kinds, checkpointing = ELASTIC_EXPECTED[tag]
     assert kinds <= set(plan["kinds"]), plan["kinds"]
     counts = {c for row in plan["ckpt"] for c in row}
+    fixed = "--recompute-granularity" in VARIANTS[variant][1][tag][1]
+    assert (set(plan["status"]) == {"fixed"}) == fixed, plan["status"]
     if checkpointing == "none":
         assert counts == {0}
+    elif checkpointing == "all":
+        assert counts == {2}, "both layers of each stage (4 layers at PP=2)"
     elif checkpointing == "uniform":
         assert all(len(set(row)) == 1 for row in plan["ckpt"]) and counts != {0}
         assert max(counts) < 2, "uniform case must checkpoint part of the stage's layers"

@@ -5,6 +5,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import re
 import subprocess
 import sys
 import time
@@ -278,6 +279,37 @@ def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
     for named in ("choose a degree that divides them", "--multi-latent-attention is not supported",
                   "--eval-interval is not set"):
         assert named in text, text
+
+
+_LENGTH = TINY_MODEL.index("--train-iters")
+#: The tiny model's flags without its training length.
+_WITHOUT_LENGTH = TINY_MODEL[:_LENGTH] + TINY_MODEL[_LENGTH + 2:]
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--train-iters", "3", "--lr-warmup-iters", "3"],
+     "warms up over 3 iterations (--lr-warmup-iters) but decays over 3"),
+    (["--train-iters", "10", "--lr-decay-iters", "4", "--lr-warmup-iters", "5"],
+     "lower --lr-warmup-iters or raise --lr-decay-iters"),
+    (["--train-iters", "10", "--lr-warmup-fraction", "1.0"],
+     "warms up over 10 iterations (--lr-warmup-fraction)"),
+    (["--train-samples", "64", "--lr-warmup-samples", "80"],
+     "warms up over 80 samples (--lr-warmup-samples) but decays over 64"),
+    (["--train-iters", "10", "--min-lr", "1"], "lower --min-lr"),
+    (["--train-iters", "10", "--lr-warmup-init", "1"], "lower --lr-warmup-init"),
+])
+def test_a_learning_rate_schedule_megatron_would_assert_on_is_refused_at_start_up(flags, named):
+    """Megatron-LM's scheduler asserts these only once the model is built; here they are
+    named at start-up with what to change."""
+    argv = [*_WITHOUT_LENGTH, "--eval-interval", "1000", *flags]
+    with pytest.raises(ValueError, match=re.escape(named)):
+        arguments.check_command_line(argv, training=True)
+
+
+def test_a_learning_rate_schedule_that_warms_up_before_it_decays_starts():
+    argv = [*_WITHOUT_LENGTH, "--eval-interval", "1000", "--train-iters", "10",
+            "--lr-warmup-iters", "9", "--min-lr", "1e-5"]
+    assert arguments.check_command_line(argv, training=True).lr_warmup_iters == 9
 
 
 def test_an_unknown_schedule_is_refused_before_tokenizers_and_the_network():

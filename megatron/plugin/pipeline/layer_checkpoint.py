@@ -3,8 +3,9 @@
 InfiniPipe's plans checkpoint the first ``ckpt(p, k)`` layers of stage ``p``'s range for chunk
 ``k``, a different count for every chunk. Megatron's own recomputation (``--recompute-*``) is a
 fixed setting of the model and runs inside the backward, so it cannot serve a per-chunk table nor
-an explicit ``RECOMPUTE`` action. :class:`LeadingLayers` hooks the stage's
-``TransformerLayer`` modules instead:
+an explicit ``RECOMPUTE`` action (the schedules of such tables take its flags as a fixed table
+and build the model without it). :class:`LeadingLayers` hooks the stage's ``TransformerLayer``
+modules instead:
 
 * forward of a chunk with ``count > 0`` (:meth:`LeadingLayers.armed`): the input and keyword
   arguments of the first layer and the RNG state are kept (the input through
