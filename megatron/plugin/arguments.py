@@ -298,13 +298,23 @@ def _moe_model_parallel(args):
 
 def _moe_expert_tensor_parallel(args):
     expert_tp = getattr(args, "expert_tensor_parallel_size", None)
-    if args.num_experts and expert_tp is not None \
-            and expert_tp != args.tensor_model_parallel_size:
-        return (f"--expert-tensor-parallel-size {expert_tp} with --num-experts: no test proves "
-                "experts split over another tensor-parallel size than the other layers yet: "
-                "drop --expert-tensor-parallel-size (the experts then take "
-                f"--tensor-model-parallel-size {args.tensor_model_parallel_size})")
-    return None
+    if not args.num_experts or expert_tp is None \
+            or expert_tp == args.tensor_model_parallel_size:
+        return None
+    schedule = args.pipeline_schedule
+    if schedule == "default" and (args.num_layers_per_virtual_pipeline_stage
+                                  or args.num_virtual_stages_per_pipeline_rank):
+        schedule = "interleaved"  # what Megatron runs with virtual stages
+    if schedule in option_classes.EXPERT_TP:
+        return None
+    flag = "--expert-tensor-parallel-size"
+    if schedule in option_classes.EXPERT_REFUSALS:
+        return option_classes.EXPERT_REFUSALS[schedule].replace("{flag}", flag)
+    return (f"{flag} {expert_tp} with --num-experts is not supported by --pipeline-schedule "
+            f"{schedule}: no test proves experts split over another tensor-parallel size than "
+            f"the other layers under it yet: drop {flag} (the experts then take "
+            f"--tensor-model-parallel-size {args.tensor_model_parallel_size}), or use 1f1b or "
+            f"1f1b-ir")
 
 
 def _cpu_half_precision(args):

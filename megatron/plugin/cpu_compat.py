@@ -67,6 +67,7 @@ PATCHED_MODULES = {
     "megatron.core.dist_checkpointing.strategies.state_dict_saver": "consistency-check tensors",
     "megatron.core.tensor_parallel.random": "RNG tracker seeding (device generator states)",
     "megatron.core.transformer.moe.router": "MoE router weights moved to the device",
+    "megatron.core.transformer.moe.token_dispatcher": "all-to-all dispatcher's copy stream",
     "megatron.core.timers": "synchronize around timed spans",
     "megatron.core.rerun_state_machine": "RNG states saved for a rerun",
     "megatron.training.initialize": "device count and selection, seeds",
@@ -94,7 +95,9 @@ def _is_cuda(device) -> bool:
 
 
 class _NullStream:
-    """Stands in for ``torch.cuda.Stream``: waits are no-ops, usable as a context."""
+    """Stands in for ``torch.cuda.Stream``: waits are no-ops, usable as a context; the event it
+    records is the stream itself, whose ``synchronize`` returns at once (the CPU's work is done
+    when the call returns)."""
 
     def __init__(self, *args, **kwargs):
         del args, kwargs
@@ -104,6 +107,10 @@ class _NullStream:
 
     def synchronize(self):
         return None
+
+    def record_event(self, event=None):
+        del event
+        return self
 
 
 class _CudaShim:
@@ -326,6 +333,18 @@ def _no_device_arch() -> int:
     return 10
 
 
+def _host_values(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """CPU twin of ``maybe_move_tensor_to_cpu`` (the all-to-all dispatcher's copy of its token
+    counts to the host, which copies CUDA tensors only): a CPU tensor is on the host already,
+    and is returned as a NumPy array where asked (the split sizes of the all-to-all, which
+    the collective takes as a sequence of numbers, not as a tensor)."""
+    del record_stream
+    HITS["megatron.core.transformer.moe.token_dispatcher"]["maybe_move_tensor_to_cpu"] += 1
+    if as_numpy and torch.is_tensor(tensor):
+        return tensor.numpy()
+    return tensor
+
+
 #: ``"module:function"`` -> CPU twin, rebound in that module's namespace.
 _FUNCTIONS = {
     "megatron.training.arguments:get_device_arch_version": _no_device_arch,
@@ -333,6 +352,7 @@ _FUNCTIONS = {
     "megatron.core.optimizer.optimizer:clip_grad_by_total_norm_fp32": _clip_grad_by_total_norm,
     "megatron.core.tensor_parallel.random:_get_cuda_rng_state": _get_device_rng_state,
     "megatron.core.tensor_parallel.random:_set_cuda_rng_state": _set_device_rng_state,
+    "megatron.core.transformer.moe.token_dispatcher:maybe_move_tensor_to_cpu": _host_values,
 }
 
 

@@ -109,13 +109,51 @@ QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
 #: Dropless mixture of experts (Megatron's MoE layer; its auxiliary loss: :data:`MOE_AUX`);
 #: under the schedules that run Megatron's layer map its layouts count the embedding and the
 #: loss as layers of the split (:data:`ACCOUNTED`), under interleaved over 3 virtual stages
-#: given by their count (the first holds only the embedding, the last only the loss).
-MOE = {"default": "golden:pp2_moe_accounted_1f1b", "1f1b": "golden:pp2_moe_accounted_1f1b",
-       "interleaved": "golden:pp2_vp3_moe_accounted_interleaved",
-       "1f1b-ir": "golden:pp2_moe_accounted_ir",
+#: given by their count (the first holds only the embedding, the last only the loss). Under
+#: Megatron's schedules and 1f1b-ir its layouts spread the experts over ranks (:data:`EXPERTS`).
+MOE = {"default": "golden:pp2_dp2_ep2_a2a_moe_accounted_1f1b",
+       "1f1b": "golden:pp2_dp2_ep2_a2a_moe_accounted_1f1b",
+       "interleaved": "golden:pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved",
+       "1f1b-ir": "golden:pp2_dp2_ep2_moe_accounted_ir",
        "elastic": "golden:pp2_moe_accounted_elastic",
        "seq1f1b": "golden:pp2_moe_accounted_seq1f1b", "helix": "golden:pp2_moe_helix",
        "sppo": "golden:pp2_moe_sppo_n4_offload"}
+#: Expert parallelism (``--expert-model-parallel-size``: the experts spread over ranks carved
+#: from the data-parallel replicas, each token sent to its experts' ranks by Megatron's token
+#: dispatcher) where every replica calls each MoE layer equally often and in the same order:
+#: Megatron's schedules and 1f1b-ir, which run as many ``--seq-length`` micro-batches on every
+#: replica (two replicas of PP=2; under 1f1b and interleaved with the all-to-all dispatcher,
+#: under 1f1b-ir with the all-gather one).
+EXPERTS = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir")}
+#: Each expert's weights split over ``--expert-tensor-parallel-size`` ranks other than the
+#: tensor-parallel size of the other layers (``arguments.RULES`` reads this), the tokens
+#: gathered over them: two replicas of PP=2 (under 1f1b-ir with the all-to-all dispatcher).
+EXPERT_TP = {"default": "golden:pp2_dp2_etp2_moe_1f1b", "1f1b": "golden:pp2_dp2_etp2_moe_1f1b",
+             "1f1b-ir": "golden:pp2_dp2_etp2_a2a_moe_ir"}
+#: Megatron's all-to-all token dispatcher (its default is the all-gather one).
+DISPATCHER = {**{name: MOE[name] for name in ("default", "1f1b", "interleaved")},
+              "1f1b-ir": EXPERT_TP["1f1b-ir"]}
+_REPLICAS_APART = (
+    "{flag} is not supported by --pipeline-schedule {schedule}: with experts spread over "
+    "ranks, Megatron's token dispatcher exchanges tokens between the data-parallel replicas in "
+    "a collective (all-to-all or all-gather) at every call of an MoE layer, so every replica "
+    "has to call each MoE layer equally often and in the same order, and {schedule} {why}. "
+    "Drop {flag}, or use 1f1b or 1f1b-ir (as many --seq-length micro-batches on every "
+    "replica)")
+#: The refusal of spread experts under the schedules that run each replica's documents their
+#: own way (``{flag}``: the flag refused).
+EXPERT_REFUSALS = {schedule: _REPLICAS_APART.replace("{schedule}", schedule).replace("{why}", why)
+                   for schedule, why in (
+                       ("elastic", "plans each replica's documents apart (its own slices, "
+                                   "packed chunks and per-chunk recomputation), so the calls "
+                                   "would not pair up"),
+                       ("seq1f1b", "plans each replica's documents apart (its own slices and "
+                                   "per-chunk recomputation), so the calls would not pair up"),
+                       ("sppo", "cuts each replica's documents into its own subsequences, so "
+                                "the calls would not pair up"),
+                       ("helix", "runs each replica's own packed micro-batches, completed with "
+                                 "empty slots, through layer parts split across stages, and no "
+                                 "test proves that its MoE calls pair up across replicas"))}
 #: Megatron's auxiliary load-balancing loss (``aux_loss``): where the router's calls are
 #: Megatron's micro-batches, Megatron's own (the moe layouts of Megatron's schedules and 1f1b-ir
 #: pass it, under interleaved with Megatron's default loss, against a reference that computes
@@ -267,6 +305,20 @@ HONOURED: dict[str, Honoured] = {
     **{name: Honoured(MOE, _NO_TEST) for name in (
         "num_experts", "moe_router_topk", "moe_ffn_hidden_size")},
     "moe_aux_loss_coeff": Honoured(MOE_AUX, _AUX_PER_UNIT),
+    "expert_model_parallel_size": Honoured(EXPERTS, _NO_TEST, refusals=EXPERT_REFUSALS),
+    "moe_token_dispatcher_type": Honoured(
+        DISPATCHER, "no test proves the other dispatchers here (flex runs NVIDIA's DeepEP or "
+                    "HybridEP kernels): drop the flag (Megatron's default, the all-gather "
+                    "dispatcher, runs then), or pass allgather or alltoall under 1f1b, "
+                    "interleaved or 1f1b-ir",
+        refusals={schedule: f"--moe-token-dispatcher-type is not supported by "
+                            f"--pipeline-schedule {schedule}: it chooses how the ranks of "
+                            f"spread experts exchange tokens, which {schedule} does not run "
+                            f"(--expert-model-parallel-size and --expert-tensor-parallel-size "
+                            f"are refused there with MoE layers); with every expert whole on "
+                            f"every rank the dispatchers route alike: drop the flag"
+                  for schedule in EXPERT_REFUSALS},
+        values=("allgather", "alltoall")),
     "group_query_attention": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     "num_query_groups": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
     **{name: Honoured(MODEL_SHAPE, _NO_TEST) for name in (
@@ -287,7 +339,7 @@ HONOURED: dict[str, Honoured] = {
            ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage",
             "pp2_vp2_interleaved"),
            ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank",
-            "pp2_vp3_moe_accounted_interleaved"))},
+            "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved"))},
     # How Megatron's interleaved schedule orders its micro-batches and transfers.
     **{name: Honoured(
         {"default": "golden:pp2_vp2_qk_eod_interleaved",
@@ -378,8 +430,9 @@ HONOURED: dict[str, Honoured] = {
                              "test_elastic_checkpoint_is_a_megatron_checkpoint_of_a_plain_gpt"},
         _NO_TEST),
     # The tensor-parallel size of the experts' layers: without --num-experts no layer reads it,
-    # and it only sizes Megatron's expert groups (with MoE layers other than the tensor-parallel
-    # size it is refused: arguments.RULES). Megatron-LM's configs give it without experts.
+    # and it only sizes Megatron's expert groups; with MoE layers, other than the
+    # tensor-parallel size, it splits each expert (:data:`EXPERT_TP`, arguments.RULES).
+    # Megatron-LM's configs give it without experts.
     "expert_tensor_parallel_size": Honoured(TP_SP, _NO_TEST),
     # Interleaved RoPE (rotating channel pairs 2i, 2i + 1 rather than i, i + dim / 2), applied by
     # the document attention at each token's true position with Megatron's own rotation.
@@ -627,7 +680,7 @@ REFUSED: dict[str, str] = {
         moe_router_topk_scaling_factor moe_routing_trace_capture_hidden_states
         moe_shared_expert_gate moe_shared_expert_glu_interleave_size
         moe_shared_expert_intermediate_size moe_shared_expert_overlap
-        moe_single_grouped_bias moe_single_grouped_weight moe_token_dispatcher_type
+        moe_single_grouped_bias moe_single_grouped_weight
         moe_upcycling_granularity moe_use_upcycling moe_z_loss_coeff
         overlap_dispatch_backward_with_experts_wgrad
         overlap_moe_expert_parallel_comm use_grouped_gemm_for_dense_mlp
@@ -747,11 +800,6 @@ REFUSED: dict[str, str] = {
     "moe_router_enable_expert_bias": "the expert bias is updated from the tokens routed in the "
                                      "step, padding included, and each schedule pads "
                                      "differently; drop --moe-router-enable-expert-bias",
-    "expert_model_parallel_size": "no test proves expert parallelism yet (torch's gloo runs "
-                                  "its token dispatchers' collectives, all_to_all_single with "
-                                  "uneven splits, all_gather_into_tensor and "
-                                  "reduce_scatter_tensor, but no golden layout passes with it); "
-                                  "use --expert-model-parallel-size 1",
 }
 
 

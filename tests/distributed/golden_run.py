@@ -24,9 +24,9 @@ Modes:
   forward pre-hooks, recording the all-gathers against the first forwards:
   ``gather_<tag>_<rank>.json``); the reference compares them with Megatron's optimizer stepping
   the single-process model with the run's gradients (``params_<tag>.pt``).
-  Every rank records the global ranks of its pipeline and data-parallel groups
-  (``groups_<tag>_<rank>.json``). Finally record which CPU-compatibility patches were
-  exercised (``hits_<tag>_<rank>.json``). Under Megatron's
+  Every rank records the global ranks of its pipeline, data-parallel and expert groups, and
+  how much of the experts' weights it holds (``groups_<tag>_<rank>.json``). Finally record
+  which CPU-compatibility patches were exercised (``hits_<tag>_<rank>.json``). Under Megatron's
   native ``1f1b`` the order in which its loop called ``forward_step`` / ``backward_step`` on
   each rank is recorded too (``order_<tag>_<rank>.json``), an independent oracle for the IR
   generator of 1F1B.
@@ -328,6 +328,29 @@ def recording_param_gather(model, events: list):
             del group.start_param_sync, group.finish_param_sync
 
 
+def placement(model) -> dict:
+    """The global ranks of this rank's pipeline, data-parallel, expert-parallel and experts'
+    tensor-parallel groups; the number of MoE layers it holds, the number of entries of their
+    experts' weights it holds, and how many of those Megatron marks ``allreduce=False``
+    (reduced over the expert data-parallel group, not the data-parallel one)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    def ranks(group):
+        return dist.get_process_group_ranks(group)
+
+    layers = [module for chunk in model for module in chunk.module.modules()
+              if isinstance(module, MoELayer)]
+    experts = [param for layer in layers for param in layer.experts.parameters()]
+    return {"pipeline": ranks(parallel_state.get_pipeline_model_parallel_group()),
+            "data": ranks(parallel_state.get_data_parallel_group()),
+            "expert_model": ranks(parallel_state.get_expert_model_parallel_group()),
+            "expert_tensor": ranks(parallel_state.get_expert_tensor_parallel_group()),
+            "moe_layers": len(layers),
+            "expert_entries": sum(param.numel() for param in experts),
+            "expert_entries_apart": sum(param.numel() for param in experts
+                                        if not getattr(param, "allreduce", True))}
+
+
 def command_lines(argv: list[str]) -> list[list[str]]:
     """The command lines this launch runs: ``argv`` itself, or those of ``--golden-layouts``."""
     parser = argparse.ArgumentParser(allow_abbrev=False)
@@ -431,10 +454,7 @@ def run(args):
                            "microbatches": num_microbatches, "order": order}, f)
         name = f"groups_{args.golden_tag}_{dist.get_rank()}.json"
         with open(os.path.join(args.golden_dir, name), "w") as f:
-            json.dump({"pipeline": dist.get_process_group_ranks(
-                           parallel_state.get_pipeline_model_parallel_group()),
-                       "data": dist.get_process_group_ranks(
-                           parallel_state.get_data_parallel_group())}, f)
+            json.dump(placement(model), f)
         hits = {module: dict(counter) for module, counter in cpu_compat.HITS.items()}
         name = f"hits_{args.golden_tag}_{dist.get_rank()}.json"
         with open(os.path.join(args.golden_dir, name), "w") as f:

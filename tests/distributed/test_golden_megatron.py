@@ -137,6 +137,12 @@ UNREAD = ["--expert-tensor-parallel-size", "1", "--no-persist-layer-norm"]
 #: phases too, and micro-batches taken in groups of 4 per virtual stage (not PP = 2).
 TUNED_P2P = ["--overlap-p2p-communication-warmup-flush",
              "--microbatch-group-size-per-virtual-pipeline-stage", "4"]
+#: Expert parallelism over two ranks, each expert's weights split over two ranks (both carved
+#: from the data-parallel replicas, as Megatron carves them), and Megatron's all-to-all token
+#: dispatcher (its default is the all-gather one).
+EP2 = ["--expert-model-parallel-size", "2"]
+ETP2 = ["--expert-tensor-parallel-size", "2"]
+A2A_DISPATCH = ["--moe-token-dispatcher-type", "alltoall"]
 #: The schedules that run Megatron's layer map (``name`` of a layout tag, flags).
 FOUR_SCHEDULES = (("1f1b", ["--pipeline-schedule", "1f1b"]),
                   ("ir", ["--pipeline-schedule", "1f1b-ir"]), ("elastic", ELASTIC),
@@ -362,25 +368,35 @@ VARIANTS = {
         "pp2_qk_eod_elastic_default_loss_mbs2": (2, ["--pipeline-model-parallel-size", "2",
                                                      *ELASTIC, *MBS2]),
     }),
-    # Dropless mixture of experts: Megatron's MoE layer (4 local experts, top-3 routing, no
-    # biases, as Megatron-LM's MoE configurations) in every layer. Routing is per token, so
-    # cutting and packing documents keeps every token's experts. Megatron's auxiliary
-    # load-balancing loss too (AUX): under the schedules that run Megatron's micro-batches
-    # Megatron's (under interleaved with Megatron's default loss), under elastic (split and
-    # packed documents) and seq1f1b (with Megatron's default loss) per document. Under the
-    # schedules that run Megatron's layer
-    # map, the embedding and the loss count as layers of the split (4 + 2 over 2 stages: 2
-    # transformer layers each; under interleaved over 2 x 3 virtual stages given by their
-    # count, the first holding only the embedding and the last only the loss).
+    # Dropless mixture of experts: Megatron's MoE layer (4 experts, top-3 routing, no biases,
+    # as Megatron-LM's MoE configurations) in every layer. Routing is per token, so cutting and
+    # packing documents keeps every token's experts. Megatron's auxiliary load-balancing loss
+    # too (AUX): under the schedules that run Megatron's micro-batches Megatron's (under
+    # interleaved with Megatron's default loss), under elastic (split and packed documents) and
+    # seq1f1b (with Megatron's default loss) per document. Under Megatron's schedules and
+    # 1f1b-ir the experts spread over the two data-parallel replicas of PP=2 (EP2: 2 experts on
+    # each rank; its tokens exchanged by Megatron's all-to-all dispatcher, or by its default
+    # all-gather one) or each expert split over them (--expert-tensor-parallel-size 2, the
+    # tokens gathered over the pair). Under the schedules that run Megatron's layer map, the
+    # embedding and the loss count as layers of the split (4 + 2 over 2 stages: 2 transformer
+    # layers each; under interleaved over 2 x 3 virtual stages given by their count, the first
+    # holding only the embedding and the last only the loss).
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
              "--disable-bias-linear", "--golden-aux-loss-coeff", AUX_LOSS_COEFF], {
+        "pp2_dp2_ep2_a2a_moe_accounted_1f1b": (4, ["--pipeline-model-parallel-size", "2",
+                                                   *ACCOUNTED, *EP2, *A2A_DISPATCH,
+                                                   "--pipeline-schedule", "1f1b", *AUX]),
+        "pp2_dp2_ep2_moe_accounted_ir": (4, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
+                                             *EP2, "--pipeline-schedule", "1f1b-ir", *AUX]),
         **{f"pp2_moe_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
-                                             *flags, *AUX])
-           for name, flags in FOUR_SCHEDULES},
-        "pp2_vp3_moe_accounted_interleaved": (2, ["--pipeline-model-parallel-size", "2",
-                                                  "--num-virtual-stages-per-pipeline-rank", "3",
-                                                  *ACCOUNTED, "--pipeline-schedule",
-                                                  "interleaved", *AUX]),
+                                             *flags, *AUX]) for name, flags in FOUR_SCHEDULES[2:]},
+        "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved": (4, [
+            "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3",
+            *ACCOUNTED, *EP2, *A2A_DISPATCH, "--pipeline-schedule", "interleaved", *AUX]),
+        "pp2_dp2_etp2_moe_1f1b": (4, ["--pipeline-model-parallel-size", "2", *ETP2,
+                                      "--pipeline-schedule", "1f1b", *AUX]),
+        "pp2_dp2_etp2_a2a_moe_ir": (4, ["--pipeline-model-parallel-size", "2", *ETP2,
+                                        *A2A_DISPATCH, "--pipeline-schedule", "1f1b-ir", *AUX]),
         "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_moe_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
@@ -446,7 +462,7 @@ DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2",
                 "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss",
                 "pp2_ulysses2_elastic_default_loss", "pp2_ulysses2_seq1f1b_default_loss_mbs2",
-                "pp2_vp3_moe_accounted_interleaved", "pp2_moe_accounted_seq1f1b"}
+                "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved", "pp2_moe_accounted_seq1f1b"}
 
 
 def loss_flags(common: list, tag: str) -> list:
@@ -864,3 +880,36 @@ def test_ranks_are_placed_in_the_order_asked(golden, tag):
             found[kind].add(tuple(record[kind]))
     assert {kind: sorted(map(list, groups)) for kind, groups in found.items()} \
         == RANK_ORDERS[order]
+
+
+def _count(flags: list, flag: str, default: int = 1) -> int:
+    return int(flags[flags.index(flag) + 1]) if flag in flags else default
+
+
+@pytest.mark.parametrize("tag", sorted(VARIANTS["moe"][1]))
+def test_experts_are_spread_over_the_ranks_asked(golden, tag):
+    """Each rank of the moe runs holds 1 / (EP x ETP) of the experts' weights of its MoE layers
+    (per layer, the experts' fc1 and fc2 of hidden x ffn entries each) and its expert groups
+    have EP and ETP ranks, carved from its data-parallel replicas: the expert-parallel runs
+    place 2 of the 4 experts on each rank, the experts' tensor-parallel runs half of every
+    expert on each, so the gradients checked above are those of spread experts. Spread
+    experts are all reduced apart from the other weights (Megatron's expert buckets), whole
+    ones with them."""
+    need(tag)
+    model_flags, layouts = VARIANTS["moe"]
+    nprocs, flags = layouts[tag]
+    ep, etp = _count(flags, EP2[0]), _count(flags, ETP2[0])
+    per_layer = (_count(model_flags, "--num-experts") * 2 * _count(TINY_MODEL, "--hidden-size")
+                 * _count(model_flags, "--moe-ffn-hidden-size"))
+    for rank in range(nprocs):
+        with open(golden / "moe" / f"groups_{tag}_{rank}.json") as f:
+            record = json.load(f)
+        assert record["moe_layers"] > 0, record
+        assert record["expert_entries"] * ep * etp == record["moe_layers"] * per_layer, record
+        assert (len(record["expert_model"]), len(record["expert_tensor"])) == (ep, etp), record
+        assert rank in record["expert_model"] and rank in record["expert_tensor"], record
+        spread = ep * etp > 1
+        assert record["expert_entries_apart"] == (record["expert_entries"] if spread else 0)
+        if spread:
+            assert sorted({*record["expert_model"], *record["expert_tensor"]}) \
+                == sorted(record["data"]), record

@@ -130,6 +130,20 @@ def test_each_honoured_cell_names_a_test_that_passes_the_option(dest, schedule, 
         assert ran == schedule, (tag, ran)
 
 
+@pytest.mark.parametrize("schedule,proof", sorted(option_classes.EXPERT_TP.items()))
+def test_experts_split_over_their_own_tensor_parallel_size_name_a_layout_that_does(schedule,
+                                                                                   proof):
+    """The layouts that prove experts split over another tensor-parallel size than the other
+    layers (``arguments.RULES`` takes it where one is named) have MoE layers, pass that size and
+    run the schedule named."""
+    argv = _golden_argv()[proof.removeprefix("golden:")]
+    args, given = arguments.given_options(_golden_parser(), argv)
+    assert {"num_experts", "expert_tensor_parallel_size"} <= set(given)
+    assert args.expert_tensor_parallel_size != args.tensor_model_parallel_size
+    ran = argv[argv.index("--pipeline-schedule") + 1]
+    assert ran == ("1f1b" if schedule == "default" else schedule), (schedule, ran)
+
+
 def test_a_one_item_list_of_the_default_is_the_default():
     """Megatron-LM's several-valued options mean their single default by a list of it alone
     (``--moe-router-load-balancing-type aux_loss``, given by Megatron-LM's MoE configs, is

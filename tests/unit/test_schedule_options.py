@@ -254,12 +254,15 @@ MOE_REFUSED = [
     (["--moe-router-load-balancing-type", "seq_aux_loss"], "only Megatron's default aux_loss "
                                                            "is proven"),
     (["--moe-router-enable-expert-bias"], "each schedule pads differently"),
-    (["--expert-model-parallel-size", "2"], "use --expert-model-parallel-size 1"),
+    (["--expert-model-parallel-size", "2"], "elastic plans each replica's documents apart"),
+    (["--moe-token-dispatcher-type", "alltoall"], "it chooses how the ranks of spread experts "
+                                                  "exchange tokens"),
+    (["--moe-token-dispatcher-type", "flex"], "(it honours allgather and alltoall)"),
     ([], "add --disable-bias-linear"),
     (["--context-parallel-size", "2"], "use --tensor-model-parallel-size 1 and "
                                        "--context-parallel-size 1 with MoE layers"),
-    (["--expert-tensor-parallel-size", "2"], "drop --expert-tensor-parallel-size (the experts "
-                                             "then take --tensor-model-parallel-size 1)"),
+    (["--expert-tensor-parallel-size", "2"], "the calls would not pair up. Drop "
+                                             "--expert-tensor-parallel-size, or use 1f1b"),
 ]
 
 
@@ -273,6 +276,54 @@ def test_the_experts_tensor_parallel_size_is_taken_where_no_layer_has_experts(sc
             "--tensor-model-parallel-size", "2", "--sequence-parallel",
             "--expert-tensor-parallel-size", "1"]
     assert arguments.check_command_line(argv).expert_tensor_parallel_size == 1
+
+
+#: Experts spread over ranks (EP), split over ranks (ETP) and Megatron's all-to-all token
+#: dispatcher: taken where a golden layout proves them (two data-parallel replicas of PP=2),
+#: refused by name elsewhere: ``(flags, {schedule: refusal, or None where taken})``.
+SPREAD_EXPERTS = [
+    (["--expert-model-parallel-size", "2"], {
+        "default": None, "1f1b": None, "interleaved": None, "1f1b-ir": None,
+        "elastic": "elastic plans each replica's documents apart",
+        "seq1f1b": "seq1f1b plans each replica's documents apart",
+        "sppo": "sppo cuts each replica's documents into its own subsequences",
+        "helix": "no test proves that its MoE calls pair up across replicas"}),
+    (["--expert-tensor-parallel-size", "2"], {
+        "default": None, "1f1b": None, "1f1b-ir": None,
+        "interleaved": "no test proves experts split over another tensor-parallel size",
+        "seq1f1b": "Drop --expert-tensor-parallel-size, or use 1f1b or 1f1b-ir",
+        "helix": "Drop --expert-tensor-parallel-size, or use 1f1b or 1f1b-ir"}),
+    (["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"], {
+        "default": None, "1f1b": None, "interleaved": None, "1f1b-ir": None,
+        "sppo": "--moe-token-dispatcher-type is not supported by --pipeline-schedule sppo"}),
+]
+
+
+@pytest.mark.parametrize("flags,expected", SPREAD_EXPERTS)
+def test_spread_experts_are_taken_where_every_replica_calls_the_moe_layers_alike(
+        flags, expected, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for schedule, refusal in expected.items():
+        argv = [*BASE, "--pipeline-schedule", schedule, "--num-experts", "4",
+                "--disable-bias-linear", *flags]
+        if schedule == "interleaved":
+            argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
+        if refusal is None:
+            arguments.check_command_line(argv)
+            continue
+        with pytest.raises(ValueError, match=re.escape(refusal)):
+            arguments.check_command_line(argv)
+
+
+def test_experts_split_under_megatrons_virtual_stages_are_refused(monkeypatch):
+    """Under ``default`` with virtual stages Megatron runs its interleaved schedule, where no
+    test proves experts split over their own tensor-parallel size."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="--pipeline-schedule interleaved: no test proves"):
+        arguments.check_command_line([
+            *BASE, "--pipeline-schedule", "default", "--num-layers-per-virtual-pipeline-stage",
+            "1", "--num-experts", "4",
+            "--disable-bias-linear", "--expert-tensor-parallel-size", "2"])
 
 
 @pytest.mark.parametrize("flags,refusal", MOE_REFUSED)
