@@ -336,6 +336,8 @@ class CostModel:
             self.full_per_token, self.ckpt_per_token = measured.layer, measured.checkpointed
             self.kv_per_token, self.dkv_per_token = measured.kv, measured.dkv
             self.embedding_per_token, self.logits_per_token = measured.embedding, measured.head
+            # the measured head is the whole of it: logits, norm, output-layer input, loss
+            self.head_extra_per_token = 0.0
         else:
             self.full_per_token = layer_saved_per_token(model) / shard
             self.ckpt_per_token = e * h / shard
@@ -343,11 +345,11 @@ class CostModel:
             # Context dK/dV accumulate in fp32 (megatron.plugin.layers.kv_store).
             self.dkv_per_token = max(e, 4) * 2 * h / shard
             self.embedding_per_token = embedding_saved_per_token(model, parallel)
-            self.logits_per_token = 4 * model.vocab_size / shard \
-                + head_saved_per_token(model, parallel)
+            self.logits_per_token = 4 * model.vocab_size / shard
+            self.head_extra_per_token = head_saved_per_token(model, parallel)
         self.allocator = 1.0 + hardware.allocator_overhead
         for name in ("full_per_token", "ckpt_per_token", "kv_per_token", "dkv_per_token",
-                     "embedding_per_token", "logits_per_token"):
+                     "embedding_per_token", "logits_per_token", "head_extra_per_token"):
             setattr(self, name, getattr(self, name) * self.allocator)
 
     def _set_communication(self, shard: int) -> None:
@@ -495,7 +497,7 @@ class CostModel:
         if stage == 0:
             full += self.embedding_per_token * chunk.tokens
         if stage == self.pp - 1:
-            full += self.logits_per_token * chunk.tokens
+            full += (self.logits_per_token + self.head_extra_per_token) * chunk.tokens
         return full - checkpointed * self.layer_saving(chunk)
 
     def gradient_sum_bytes(self, stage: int, chunk: Chunk) -> float:
