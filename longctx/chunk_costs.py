@@ -59,6 +59,11 @@ class ChunkCosts:
         return tuple((unit, self.cost.gradient_sum_bytes(action.stage, self.chunks[unit]))
                      for unit in self._earlier[action.unit])
 
+    def backward_layers(self, action: Action) -> int:
+        """A backward runs its stage's layers one after the other, each making its own dK/dV
+        sums (the simulator's step rule)."""
+        return self.cost.layers(action.stage)
+
     def workspace_bytes(self, action: Action) -> float:
         """Bytes a running forward, backward or recomputation holds beyond the stash."""
         return self.cost.stage_workspace(action.stage, self.chunks[action.unit])

@@ -67,13 +67,19 @@ term, in elements of the model's dtype, ``e`` bytes each: 2 for BF16 and FP16, 4
 the run's ``params_dtype``, whichever profile prices the time), per token and layer, divided by
 ``sp tp``:
 
-- not checkpointed: ``(9h + 2f) e`` (``34h`` bytes for ``f = 4h`` in BF16: LayerNorm inputs,
-  Q/K/V, attention output, projection input, MLP input, activations before and after GeLU);
-  a gated MLP keeps its ``2f`` wide first projection, ``(9h + 3f) e``; hidden dropout adds two
-  masks, ``2h m`` (``m``: 1 byte on CUDA, ``e`` on a CPU,
-  :attr:`~longctx.models.ModelConfig.dropout_mask_bytes`). What an
-  implementation saves beyond that (an unfused RMSNorm, RoPE outside the attention kernel) is
-  not counted; a measured profile's coefficients count it;
+- not checkpointed: ``(8h + 2f) e`` (Korthikanti et al.'s ``34h`` bytes for ``f = 4h`` in
+  BF16 are these ``32h`` and the two 1-byte dropout masks): the two norms' inputs and outputs,
+  Q, K, V, the attention output (one tensor with the projection's input), the MLP's
+  activations before and after GeLU; a gated MLP keeps its ``2f`` wide first projection,
+  ``(8h + 3f) e``. Beside them, FP32 statistics: the two norms' mean and reciprocal
+  deviation, ``2 x 8`` bytes (a fused RMSNorm keeps one of the two; counted as LayerNorm),
+  and the attention's log-sum-exp per head, ``4 a`` bytes (what the blockwise and flash
+  kernels keep for their backward). Hidden dropout adds two masks, ``2h m`` (``m``: 1 byte on
+  CUDA, ``e`` on a CPU, :attr:`~longctx.models.ModelConfig.dropout_mask_bytes`). This is what
+  the saved-tensor meter counts on the project's layer to the byte
+  (``tests/unit/test_layer_costs.py``). What an implementation saves beyond that (an unfused
+  RMSNorm, RoPE outside the attention kernel) is not counted; a measured profile's
+  coefficients count it;
 - with ``--qk-layernorm`` the Q and K norms keep their inputs, ``2h e`` (the keys counted as
   wide as the queries), and two FP32 statistics per head each (:func:`qk_norm_saved_per_token`;
   exact for LayerNorm by the saved-tensor meter, ``tests/unit/test_layer_costs.py``);
@@ -99,7 +105,7 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
     second);
 
   the router's input is the pre-MLP norm output the dense accounting already counts among its
-  ``9h``. Its GEMMs do ``2 (4h^2 + h E + k (h w_e + h F))`` FLOPs per token (``alpha2``):
+  ``8h``. Its GEMMs do ``2 (4h^2 + h E + k (h w_e + h F))`` FLOPs per token (``alpha2``):
   each token passes through ``k`` experts, plus the router's ``h x E`` projection;
 - checkpointed: the layer input ``h e``; a piece with later slices also keeps its K/V ``2h e``
   (later slices attend to them and a recomputation must not rebuild them);
@@ -112,7 +118,15 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   transient of a chunk with ``k`` checkpointed layers is ``k`` layers' difference between the
   two states. The model charges the kept input per checkpointed layer: exact for ``k = 1``, an
   over-estimate of ``(k-1)`` inputs otherwise;
-- last stage: FP32 logits, ``4 V / tp`` bytes per local token; the embedding adds nothing;
+- first stage, the embedding (:func:`embedding_saved_per_token`): the int64 token ids and,
+  with learned absolute positions (Megatron-LM's default), the int64 position ids, ``16``
+  bytes per token of the whole sequence of a tensor-parallel group (both lookups run on it
+  before sequence parallelism scatters), and the embedding dropout's mask, ``h m``, under
+  hidden dropout;
+- last stage: FP32 logits, ``4 V / tp`` bytes per local token, and the head around them
+  (:func:`head_saved_per_token`): the final norm's input and statistics and the output
+  layer's input, ``2h e + 8``, and the loss's int64 targets, bool target mask and FP32 loss
+  mask, ``13`` bytes per token of the whole sequence of a tensor-parallel group;
 - a measured profile's ``activation_coefficients`` replace these per-token figures (layer,
   checkpointed input, K/V, dK/dV, embedding, head) with the bytes the profiler counted on the
   real layer and model with the training loop's meter (``scripts/profile_costs.py``); they
@@ -322,20 +336,20 @@ class CostModel:
             self.full_per_token, self.ckpt_per_token = measured.layer, measured.checkpointed
             self.kv_per_token, self.dkv_per_token = measured.kv, measured.dkv
             self.embedding_per_token, self.logits_per_token = measured.embedding, measured.head
+            # the measured head is the whole of it: logits, norm, output-layer input, loss
+            self.head_extra_per_token = 0.0
         else:
-            # Two hidden-dropout masks, when that dropout is on.
-            masks = 2 * h * model.dropout_mask_bytes if model.hidden_dropout else 0
-            self.full_per_token = (e * 9 * h + qk_norm_saved_per_token(model)
-                                   + mlp_saved_per_token(model) + masks) / shard
+            self.full_per_token = layer_saved_per_token(model) / shard
             self.ckpt_per_token = e * h / shard
             self.kv_per_token = e * 2 * h / shard
             # Context dK/dV accumulate in fp32 (megatron.plugin.layers.kv_store).
             self.dkv_per_token = max(e, 4) * 2 * h / shard
-            self.embedding_per_token = 0.0
+            self.embedding_per_token = embedding_saved_per_token(model, parallel)
             self.logits_per_token = 4 * model.vocab_size / shard
+            self.head_extra_per_token = head_saved_per_token(model, parallel)
         self.allocator = 1.0 + hardware.allocator_overhead
         for name in ("full_per_token", "ckpt_per_token", "kv_per_token", "dkv_per_token",
-                     "embedding_per_token", "logits_per_token"):
+                     "embedding_per_token", "logits_per_token", "head_extra_per_token"):
             setattr(self, name, getattr(self, name) * self.allocator)
 
     def _set_communication(self, shard: int) -> None:
@@ -483,7 +497,7 @@ class CostModel:
         if stage == 0:
             full += self.embedding_per_token * chunk.tokens
         if stage == self.pp - 1:
-            full += self.logits_per_token * chunk.tokens
+            full += (self.logits_per_token + self.head_extra_per_token) * chunk.tokens
         return full - checkpointed * self.layer_saving(chunk)
 
     def gradient_sum_bytes(self, stage: int, chunk: Chunk) -> float:
@@ -558,6 +572,48 @@ def mlp_gemm_per_token(model: ModelConfig) -> int:
         return h * model.mlp_width + h * model.ffn_hidden_size
     return h * model.num_experts + model.moe_router_topk * h * (model.expert_width
                                                                 + model.expert_ffn)
+
+
+NORM_STATISTICS = 8
+"""Bytes a norm keeps per token beyond its input: LayerNorm's FP32 mean and reciprocal
+deviation (a fused RMSNorm keeps only the second; counted as LayerNorm)."""
+
+INDEX_BYTES = 8
+"""Bytes of one int64 token id, position id or target index."""
+
+
+def layer_saved_per_token(model: ModelConfig) -> int:
+    """Bytes one token leaves saved in one layer (not sharded; module doc): ``8h e`` (the two
+    norms' inputs and outputs, Q, K, V, the attention output that is also the projection's
+    input), the two norms' statistics, the attention's FP32 softmax statistics (log-sum-exp)
+    per head, the MLP (:func:`mlp_saved_per_token`), the Q and K norms
+    (:func:`qk_norm_saved_per_token`) and the two hidden-dropout masks when that dropout is
+    on."""
+    h, e = model.hidden_size, model.element_bytes
+    masks = 2 * h * model.dropout_mask_bytes if model.hidden_dropout else 0
+    return (8 * h * e + 2 * NORM_STATISTICS + 4 * model.num_heads
+            + qk_norm_saved_per_token(model) + mlp_saved_per_token(model) + masks)
+
+
+def embedding_saved_per_token(model: ModelConfig, parallel: ParallelConfig) -> float:
+    """Bytes the embedding of the first stage keeps per token (on one GPU): the int64 token
+    ids and, with learned positions, the position ids (looked up on the whole sequence of a
+    tensor-parallel group), and the embedding dropout's mask (Megatron's ``--hidden-dropout``)
+    on the GPU's share of the output."""
+    ids = INDEX_BYTES * (2 if model.learned_positions else 1) / (parallel.sp * parallel.cp)
+    mask = model.hidden_size * model.dropout_mask_bytes if model.hidden_dropout else 0
+    return ids + mask / (parallel.sp * parallel.tp * parallel.cp)
+
+
+def head_saved_per_token(model: ModelConfig, parallel: ParallelConfig) -> float:
+    """Bytes the last stage's head keeps per token (on one GPU) beside the FP32 logits: the
+    final norm's input and statistics and the output layer's input (the norm's output), on the
+    GPU's share of the sequence; the vocab-parallel cross entropy's int64 targets and bool
+    target mask and the loss function's FP32 loss mask, on the whole sequence of a
+    tensor-parallel group (the output layer gathers it)."""
+    norm = 2 * model.hidden_size * model.element_bytes + NORM_STATISTICS
+    loss = INDEX_BYTES + 1 + 4
+    return norm / (parallel.sp * parallel.tp * parallel.cp) + loss / (parallel.sp * parallel.cp)
 
 
 def qk_norm_saved_per_token(model: ModelConfig) -> int:

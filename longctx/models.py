@@ -50,6 +50,10 @@ class ModelConfig:
     qk_layernorm: bool = False
     """Norms on the queries and keys before the attention (``--qk-layernorm``): they keep their
     inputs and per-head statistics for the backward."""
+    learned_positions: bool = True
+    """Learned absolute position embeddings (Megatron-LM's default
+    ``--position-embedding-type``): the embedding keeps the position ids for its backward as
+    well as the token ids; ``False`` under RoPE, which adds no embedding."""
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

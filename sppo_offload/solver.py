@@ -49,8 +49,9 @@ candidates are ranked by an analytic time estimate, and replayed in the simulato
 (a candidate whose simulated peak exceeds the budget moves on to its next memory option)
 until ``candidates`` of them fit by their *simulated* peak; the best simulated throughput wins
 and its schedule is validated. When nothing fits, :class:`NoFit` names the smallest budget
-that does (the most memory-saving option of the layout with the lowest simulated peak) and
-says when that exceeds the device.
+that does (the most memory-saving option of the layout with the lowest simulated peak, or
+its bound where that is higher: the search checks both) and says when that exceeds the
+device.
 
 Host memory (``host_memory_gb``, per GPU; ``None``: no limit). Every option's ``auto`` ratios
 are lowered largest first until each stage's host bytes fit the cap
@@ -511,8 +512,10 @@ def _no_fit(method, seq_length, config, hardware, savers) -> NoFit:
     message = f"{method}: a {seq_length}-token sequence does not fit {where} on {config.gpus} GPUs"
     need = None
     if within:
-        least = min((_replay(c) for c in within), key=lambda p: max(p.peak_memory_bytes))
-        need = _ceil_tenth(max(least.peak_memory_bytes))
+        # the budget must pass the search's bound as well as hold the simulated peak
+        least, bound = min(((_replay(c), c.bound) for c in within),
+                           key=lambda pair: max(*pair[0].peak_memory_bytes, pair[1]))
+        need = _ceil_tenth(max(*least.peak_memory_bytes, bound))
         how = {SPPO: "fully offloaded: K/V, dK/dV and the last subsequence stay on the device"
                if config.offload == AUTO else f"--sppo-offload {config.offload}",
                MEGATRON: "full recomputation", SEQ1F1B: "every layer checkpointed"}[method]

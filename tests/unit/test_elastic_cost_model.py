@@ -56,37 +56,49 @@ def test_activation_memory_by_hand(tmp_path):
     h, f = 64, 256
     head = Chunk((Piece(0, 0, 0, 10, False),))       # keeps K/V and an fp32 dK/dV sum
     whole = Chunk((Piece(1, 0, 0, 10, True),))
-    full = (18 * h + 4 * f) / 2
+    # 8h + 2f elements of 2 bytes, the two norms' FP32 statistics (2 x 8 bytes) and the
+    # softmax's log-sum-exp of 4 heads (4 x 4 bytes), over sp = 2
+    full = (16 * h + 4 * f + 16 + 16) / 2
     assert cost.layer_activation(whole) == pytest.approx(10 * full)
     # the dK/dV accumulator: K and V, 4 bytes an element whatever the model's dtype.
     assert cost.layer_activation(head) == pytest.approx(10 * (full + 8 * h / 2))
     assert cost.layer_saving(whole) == pytest.approx(10 * (full - 2 * h / 2))
     # checkpointing keeps the layer's input and the K/V (the store's); the sum is not saved
     assert cost.layer_saving(head) == pytest.approx(10 * (full - 2 * h / 2 - 4 * h / 2))
-    # stage 0 has 3 layers; checkpointing 2 of them keeps 1 full layer and 2 inputs.
-    assert cost.stash_bytes(0, whole, 2) == pytest.approx(10 * (full + 2 * h))
-    # last stage also keeps FP32 logits: 4 V / sp bytes per token.
-    assert cost.stash_bytes(1, whole) == pytest.approx(30 * full + 10 * 4 * 100 / 2)
+    # stage 0 has 3 layers; checkpointing 2 of them keeps 1 full layer and 2 inputs; its
+    # embedding keeps the int64 token and position ids, 16 / sp bytes per token.
+    assert cost.stash_bytes(0, whole, 2) == pytest.approx(10 * (full + 2 * h + 16 / 2))
+    # last stage also keeps FP32 logits, 4 V / sp bytes per token, the final norm's input and
+    # statistics and the output layer's input, (2 h e + 8) / sp, and the loss's int64
+    # targets, bool target mask and FP32 loss mask, 13 / sp.
+    head = (4 * 100 + 2 * h * 2 + 8 + 13) / 2
+    assert cost.stash_bytes(1, whole) == pytest.approx(30 * full + 10 * head)
 
 
 def test_an_fp32_model_prices_twice_the_activation_bytes_of_a_bf16_one(tmp_path):
     """Activations, K/V and what a stage sends are in the model's dtype whichever profile
-    prices the time; the logits and the dK/dV sums of a split document are FP32 in both."""
+    prices the time; the logits, the dK/dV sums of a split document and the norms' and
+    softmax's statistics are FP32 in both, the embedding's ids and the loss's targets and
+    masks the same in both."""
     profile = hand_profile(tmp_path)
     bf16, fp32 = (CostModel(ModelConfig("tiny", 6, 64, 4, 256, 100, dtype=dtype), profile,
                             ParallelConfig(pp=2, sp=2)) for dtype in ("bfloat16", "float32"))
     split, whole = Chunk((Piece(0, 0, 0, 10, False),)), Chunk((Piece(1, 0, 0, 10, True),))
     assert fp32.dkv_per_token == bf16.dkv_per_token == 4 * 2 * 64 / 2
+    stats = 10 * (2 * 8 + 4 * 4) / 2  # per layer, 10 tokens over sp = 2
+    ids = 10 * 16 / 2
     for chunk, sums in ((split, 10 * bf16.dkv_per_token), (whole, 0.0)):
-        assert fp32.layer_activation(chunk) - sums == pytest.approx(
-            2 * (bf16.layer_activation(chunk) - sums))
-        assert fp32.layer_saving(chunk) == pytest.approx(2 * bf16.layer_saving(chunk))
-        # stage 0 has 3 layers, each with its sum
-        assert fp32.stash_bytes(0, chunk, 1) - 3 * sums == pytest.approx(
-            2 * (bf16.stash_bytes(0, chunk, 1) - 3 * sums))
-    logits = 10 * 4 * 100 / 2
-    assert fp32.stash_bytes(1, whole) - logits == pytest.approx(
-        2 * (bf16.stash_bytes(1, whole) - logits))
+        assert fp32.layer_activation(chunk) - sums - stats == pytest.approx(
+            2 * (bf16.layer_activation(chunk) - sums - stats))
+        assert fp32.layer_saving(chunk) - stats == pytest.approx(
+            2 * (bf16.layer_saving(chunk) - stats))
+        # stage 0 has 3 layers, each with its sum, one checkpointed, and the embedding's ids
+        fixed = 3 * sums + 2 * stats + ids
+        assert fp32.stash_bytes(0, chunk, 1) - fixed == pytest.approx(
+            2 * (bf16.stash_bytes(0, chunk, 1) - fixed))
+    fixed = 10 * (4 * 100 + 8 + 13) / 2 + 3 * stats
+    assert fp32.stash_bytes(1, whole) - fixed == pytest.approx(
+        2 * (bf16.stash_bytes(1, whole) - fixed))
     assert fp32.kv_per_token == 2 * bf16.kv_per_token == 4 * 2 * 64 / 2
     assert fp32.layer_compute(whole) == bf16.layer_compute(whole)
     # the bytes of the all-to-alls (four, 1e-5 s latency each) and of a send to the next stage
@@ -102,7 +114,7 @@ def test_a_gated_mlp_prices_its_wide_first_projection(tmp_path):
     cost = CostModel(gated, hand_profile(tmp_path), ParallelConfig(pp=2))
     h, f = 64, 256
     whole = Chunk((Piece(0, 0, 0, 10, True),))
-    assert cost.layer_activation(whole) == pytest.approx(10 * 2 * (9 * h + 3 * f))
+    assert cost.layer_activation(whole) == pytest.approx(10 * (2 * (8 * h + 3 * f) + 16 + 16))
     assert cost.alpha2 == pytest.approx(2 * (4 * h * h + 3 * h * f) / 0.5e12)
     assert gated.params_per_layer() == 4 * h * h + 4 * h + 3 * h * f + 2 * f + h + 4 * h
 

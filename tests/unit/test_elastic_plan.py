@@ -73,7 +73,7 @@ def test_simulated_memory_never_exceeds_capacity(seed, memory_gb):
 
 
 def test_same_input_same_plan_in_process_and_in_workers():
-    lengths, cost = lengths_for(7), cost_for(1.3)
+    lengths, cost = lengths_for(7), cost_for(1.4)
     first = plan_elastic(lengths, cost, CONFIG)
     again = plan_elastic(lengths, cost, CONFIG)
     pooled = plan_elastic(lengths, cost, SchedulerConfig(

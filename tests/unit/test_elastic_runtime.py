@@ -65,7 +65,7 @@ def job_args(**over) -> argparse.Namespace:
     values = dict(
         pipeline_schedule="elastic", hardware_profile=None, num_layers=4, hidden_size=64,
         num_attention_heads=4, hidden_dropout=0.0, num_experts=None, moe_router_topk=2,
-        moe_ffn_hidden_size=None, qk_layernorm=False,
+        moe_ffn_hidden_size=None, qk_layernorm=False, position_embedding_type="learned_absolute",
         ffn_hidden_size=256, params_dtype=torch.float32, swiglu=False,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=2, context_parallel_size=1,
         use_distributed_optimizer=False, decoder_first_pipeline_num_layers=None,
@@ -126,7 +126,9 @@ def test_the_planner_counts_bytes_in_the_runs_dtype_and_says_so(monkeypatch, cap
     with caplog.at_level("INFO", logger="longctx.job_costs"):
         cost = job_costs.cost_model_from_args(job_args(params_dtype=dtype, swiglu=True), 512)
     assert (cost.model.dtype, cost.model.gated_mlp) == (name, True)
-    assert cost.full_per_token == cost.model.element_bytes * (9 * 64 + 3 * 256)
+    # 8h + 3f elements, and the FP32 statistics of the two norms (16 bytes) and the softmax's
+    # 4 heads (16 bytes)
+    assert cost.full_per_token == cost.model.element_bytes * (8 * 64 + 3 * 256) + 16 + 16
     assert caplog.messages == [f"elastic planner: hardware profile a800 (spec-derived, the "
                                f"default on CPU), activation bytes derived for {name}"]
 

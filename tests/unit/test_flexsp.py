@@ -55,12 +55,16 @@ def test_zero3_shards_every_group_over_the_whole_cluster():
 
 
 def test_capacity_is_the_context_or_what_memory_holds():
-    """The model's full stash per token and layer, (9h + 2f) e over the group, its logits
-    4 V over the group, and the loss's workspace while it runs (the logits in the model dtype
-    beside their FP32 copy, e V: ``CostModel.stage_workspace``), against the budget left by
-    the sharded model state."""
+    """The model's full stash per token and layer, (8h + 2f) e and the FP32 statistics of
+    its two norms (16 bytes) and of its 16 heads' softmax (64), over the group; the
+    embedding's token and position ids (16); the head's final norm input, statistics and
+    output-layer input (2h e + 8), its targets and masks (13) and its logits 4 V, over the
+    group; and the loss's workspace while it runs (the logits in the model dtype beside their
+    FP32 copy, e V: ``CostModel.stage_workspace``), against the budget left by the sharded
+    model state."""
     cost = group_cost(MODEL, HARDWARE, 1, GPUS, 2.5)
-    per_token = 4 * (9 * 1024 + 2 * 4096) * 2 + 4 * 1000 + 2 * 1000
+    per_token = 4 * ((8 * 1024 + 2 * 4096) * 2 + 16 + 64) + 16 \
+        + 2 * 1024 * 2 + 8 + 13 + 4 * 1000 + 2 * 1000
     tokens = group_capacity(cost, CONTEXT)
     assert tokens == pytest.approx(cost.activation_budget(0) / per_token, rel=1e-3)
     assert group_capacity(group_cost(MODEL, HARDWARE, 8, GPUS, 2.5), 1024) == 1024

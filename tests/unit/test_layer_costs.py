@@ -32,7 +32,7 @@ def test_moe_activation_bytes_time_and_weights_by_hand(tmp_path, gated):
     mlp = 2 * 2 * (64 + 384) + 8 + 2 * (2 + 4) + 4 + 32
     assert mlp_saved_per_token(model) == mlp
     whole = Chunk((Piece(0, 0, 0, 10, True),))
-    assert cost.layer_activation(whole) == pytest.approx(10 * (2 * 9 * H + mlp) / 2)
+    assert cost.layer_activation(whole) == pytest.approx(10 * (2 * 8 * H + 16 + 4 * HEADS + mlp) / 2)
     # GEMMs: attention 4h^2, the router h E, 2 experts of h w_e + h F each.
     first = 256 if gated else 128
     flops = 2 * (4 * H * H + H * EXPERTS + TOPK * (H * first + H * EXPERT_FFN))
@@ -163,3 +163,45 @@ def test_the_dropout_term_is_what_the_hidden_dropouts_save_on_this_device(one_ra
     plain = CostModel(ModelConfig("plain", 6, H, HEADS, FFN, 100, **shape),
                       hand_profile(tmp_path), ParallelConfig(pp=2))
     assert measured == cost.full_per_token - plain.full_per_token == 2 * H * dtype.itemsize
+
+
+@pytest.mark.parametrize("dtype,dropout", [(torch.float32, 0.0), (torch.float32, 0.1),
+                                           (torch.bfloat16, 0.1)])
+def test_a_whole_model_saves_what_its_stage_is_priced(one_rank, tmp_path, dtype, dropout):
+    """A one-layer ``GPTModel`` of the project's spec (learned positions, LayerNorm, the vocab
+    of 257 padded to 384), one training micro-batch with its loss, saves per token exactly
+    what the cost model prices a one-stage pipeline's stash: the embedding's ids and dropout
+    mask, the layer (8h e, statistics, MLP, masks) and the head's norm, output-layer input,
+    FP32 logits, targets and masks; with Megatron's default dropout and without, in FP32 and
+    BF16 (slope over 128 -> 256 tokens, which drops the loss scalar). The model counts the
+    norms' statistics in FP32, as CUDA's norms keep them; a CPU keeps them in BF16 for a BF16
+    model, 2 x 2 bytes fewer for each of the three norms."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.plugin.batches import forward_step, micro_batch, pack_row
+    from megatron.plugin.layers.attention import document_layer_spec
+    from megatron.plugin.layers.memory import SavedTensorMeter
+
+    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=HEADS,
+                               ffn_hidden_size=FFN, hidden_dropout=dropout,
+                               attention_dropout=dropout, params_dtype=dtype,
+                               bf16=dtype == torch.bfloat16)
+    model = GPTModel(config, document_layer_spec(1), vocab_size=384, max_sequence_length=256,
+                     position_embedding_type="learned_absolute").to(dtype).train()
+    generator = torch.Generator().manual_seed(1)
+    counts = []
+    for tokens in (128, 256):
+        doc = torch.randint(0, 257, (tokens + 1,), generator=generator).numpy()
+        meter = SavedTensorMeter()
+        with meter.active():
+            output, loss = forward_step(iter([micro_batch([pack_row([doc])])]), model)
+            kept = loss(output)
+            counts.append(meter.current)
+        del output, kept
+    shape = ModelConfig("one", 1, H, HEADS, FFN, 384, dtype=str(dtype).removeprefix("torch."),
+                        hidden_dropout=dropout > 0, dropout_mask_bytes=dtype.itemsize)
+    cost = CostModel(shape, hand_profile(tmp_path), ParallelConfig(pp=1))
+    one_token = Chunk((Piece(0, 0, 0, 1, True),))
+    cpu_statistics = 3 * 2 * (4 - dtype.itemsize) if dtype.itemsize < 4 else 0
+    assert (counts[1] - counts[0]) / 128 == cost.stash_bytes(0, one_token) - cpu_statistics

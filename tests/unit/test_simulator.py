@@ -165,14 +165,24 @@ def test_gradient_sums_join_a_units_stash_at_the_first_backward_that_creates_the
     """One stage runs units 0, 1, 2 forward, then 2, 1, 0 backward; unit 2's backward creates
     gradient sums of 0.5 for units 0 and 1 (the K/V store's dK/dV of a document's earlier
     slices), unit 1's backward names unit 0 again. The sums are held from unit 2's backward
-    until each unit's own backward, once each: the peak is 3 stashes plus both sums."""
+    until each unit's own backward, once each. Made all at once (one step), the peak is 3
+    stashes plus both sums; made layer by layer over 2 layers, the peak is the larger of the 3
+    stashes plus the first layer's sums (3.5) and, once the first layer's half of unit 2's
+    stash is freed, both sums beside the rest (3 - 0.5 + 1 = 3.5)."""
     schedule = parse_schedule("0: 0F0 0F1 0F2 0B2 0B1 0B0")
 
     class Costs(UniformCosts):
         def gradient_sums(self, action):
             return {2: ((0, 0.5), (1, 0.5)), 1: ((0, 0.5),)}.get(action.unit, ())
 
+    class LayeredCosts(Costs):
+        def backward_layers(self, action):
+            return 2
+
     result = simulate(schedule, Costs())
     assert result.peak_memory == [pytest.approx(4.0)]
     assert [memory for _, memory in result.memory_timeline[0]] == pytest.approx(
-        [0.0, 1.0, 2.0, 3.0, 3.5, 4.0, 3.0, 1.5, 0.0])
+        [0.0, 1.0, 2.0, 3.0, 4.0, 3.0, 1.5, 0.0])
+    layered = simulate(schedule, LayeredCosts())
+    assert layered.peak_memory == [pytest.approx(3.5)]
+    assert layered.memory_timeline == result.memory_timeline

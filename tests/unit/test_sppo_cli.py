@@ -54,15 +54,15 @@ def test_cli_host_memory_cap_is_reported_and_honoured(tmp_path, capsys):
     out = tmp_path / "plan.json"
     args = ["--seq-length", "196608", "--gpus", "8", "--granularity", "196608",
             "--json", str(out)]
-    assert main([*args, "--host-memory-gb", "88"]) == 0
+    assert main([*args, "--host-memory-gb", "78"]) == 0
     capped = json.loads(out.read_text())
-    assert capped["host_memory_gb"] == 88
-    assert "host memory 88 GB each" in capsys.readouterr().out
-    assert 0 < max(capped["methods"]["sppo"]["host_memory_gb"]) <= 88
+    assert capped["host_memory_gb"] == 78
+    assert "host memory 78 GB each" in capsys.readouterr().out
+    assert 0 < max(capped["methods"]["sppo"]["host_memory_gb"]) <= 78
     assert main(args) == 0
     free = json.loads(out.read_text())
     assert free["host_memory_gb"] is None
-    assert max(free["methods"]["sppo"]["host_memory_gb"]) > 88
+    assert max(free["methods"]["sppo"]["host_memory_gb"]) > 78
     assert main([*args, "--host-memory-gb", "40"]) == 0
     assert "the smallest host budget that fits is" in capsys.readouterr().out
     assert main([*args, "--host-memory-gb", "0"]) == 2

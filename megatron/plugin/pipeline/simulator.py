@@ -36,8 +36,11 @@ such as tensor parallelism's all-gathered inputs): the peak counts them on top o
 at the action's start and, for an action that stashes, at its end. A ``BACKWARD`` may also
 create gradient sums that other units of its stage keep until their own backward (the K/V
 store's dK/dV sums of a document's earlier slices): ``costs.gradient_sums(action)`` lists them
-as ``(unit, bytes)``; the first backward that names a unit adds those bytes to its stash, while
-its own stash is still held (the peak counts both). Each rank starts at
+as ``(unit, bytes)``; the first backward that names a unit adds those bytes to its stash. The
+backward creates them in ``costs.backward_layers(action)`` equal steps (one per layer: a layer's
+attention backward makes that layer's sums), each while its own layer's share of the stash is
+still held and after the later layers' shares were freed: the peak counts the first step's sums
+on top of the whole stash, and all the sums beside the last step's share of it. Each rank starts at
 ``costs.static_bytes(rank)`` (model state). The timeline lists ``(time, bytes)`` after every
 change of the stash; the peak is its maximum, plus the workspace of the actions running then.
 
@@ -88,6 +91,12 @@ class CostDefaults:
     def gradient_sums(self, action: Action) -> tuple:
         del action
         return ()
+
+    def backward_layers(self, action: Action) -> int:
+        """Equal steps in which a backward frees its stash and creates its gradient sums
+        (module doc): 1, all at once."""
+        del action
+        return 1
 
     def static_bytes(self, rank: int) -> float:
         del rank
@@ -454,14 +463,20 @@ def _backward(replay: _Replay, rank: _Rank, action: Action) -> int:
     slot = _slot(action)
     rank.clock = max(rank.clock, rank.copied.pop(slot, rank.clock))
     replay.compute(rank, action)
+    created = 0.0
     for unit, added in replay.costs.gradient_sums(action):
         target = (action.stage, unit, action.part, False)
         if target in rank.stash and target not in rank.summed:
             rank.summed.add(target)
             rank.stash[target] += added
-            rank.memory += added
-            rank.peak = max(rank.peak, rank.memory)
-            rank.timeline.append((rank.clock, rank.memory))
+            created += added
+    if created:
+        steps = replay.costs.backward_layers(action)
+        own = rank.stash.get(slot, 0.0)
+        rank.peak = max(rank.peak, rank.memory + created / steps,
+                        rank.memory - own * (steps - 1) / steps + created)
+        rank.memory += created
+        rank.timeline.append((rank.clock, rank.memory))
     freed = rank.stash.pop(slot, 0.0)
     if slot in rank.weights:
         rank.stash[slot] = min(freed, replay.costs.activation_bytes(rank.weights[slot]))
