@@ -39,7 +39,7 @@ def assert_no_worker_left():
 
 
 def test_a_dead_worker_gives_the_plan_of_this_process(monkeypatch, caplog):
-    lengths, cost = lengths_for(7), cost_for(1.3)
+    lengths, cost = lengths_for(7), cost_for(1.4)
     expected = foreground_plan(lengths, cost)
     monkeypatch.setattr(scheduler, "_group_chunking_in_worker", die)
     scheduler._memo.clear()
@@ -51,7 +51,7 @@ def test_a_dead_worker_gives_the_plan_of_this_process(monkeypatch, caplog):
 
 
 def test_a_stalled_solve_is_solved_here_and_its_worker_stopped(monkeypatch, caplog):
-    lengths, cost = lengths_for(7), cost_for(1.3)
+    lengths, cost = lengths_for(7), cost_for(1.4)
     expected = foreground_plan(lengths, cost)
     monkeypatch.setattr(checkpointing, "solve", stall_in_worker)
     monkeypatch.setattr(scheduler, "GUARD_SLACK_S", 1.0)
