@@ -223,7 +223,7 @@ VARIANTS = {
         "pp2_elastic_adaptive": (2, ["--pipeline-model-parallel-size", "2", *ELASTIC,
                                      "--elastic-memory-gb", "0.00076"]),
         "pp4_elastic_adaptive": (4, ["--pipeline-model-parallel-size", "4", *ELASTIC,
-                                     "--elastic-memory-gb", "0.00048"]),
+                                     "--elastic-memory-gb", "0.0005"]),
         "pp2_seq1f1b_uniform": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule",
                                     "seq1f1b", "--elastic-slices", "2",
                                     "--elastic-memory-gb", "0.00095"]),
