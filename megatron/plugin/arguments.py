@@ -301,13 +301,19 @@ def _moe_expert_tensor_parallel(args):
     if not args.num_experts or expert_tp is None \
             or expert_tp == args.tensor_model_parallel_size:
         return None
+    flag = "--expert-tensor-parallel-size"
+    release = cpu_compat.megatron_core_version()
+    if release.startswith("0.17."):
+        return (f"{flag} {expert_tp} with --num-experts on megatron-core {release}: its golden "
+                "layouts pass on megatron-core 0.19 and fail on this release (each rank keeps "
+                f"whole experts): install megatron-core 0.19, or drop {flag} (the experts then "
+                f"take --tensor-model-parallel-size {args.tensor_model_parallel_size})")
     schedule = args.pipeline_schedule
     if schedule == "default" and (args.num_layers_per_virtual_pipeline_stage
                                   or args.num_virtual_stages_per_pipeline_rank):
         schedule = "interleaved"  # what Megatron runs with virtual stages
     if schedule in option_classes.EXPERT_TP:
         return None
-    flag = "--expert-tensor-parallel-size"
     if schedule in option_classes.EXPERT_REFUSALS:
         return option_classes.EXPERT_REFUSALS[schedule].replace("{flag}", flag)
     return (f"{flag} {expert_tp} with --num-experts is not supported by --pipeline-schedule "

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from megatron.plugin import arguments, option_classes, registry
+from megatron.plugin import arguments, cpu_compat, option_classes, registry
 
 OPTIONS = {
     "full-uniform": ["--recompute-granularity", "full", "--recompute-method", "uniform",
@@ -299,9 +299,27 @@ SPREAD_EXPERTS = [
 ]
 
 
+@pytest.fixture
+def release_019(monkeypatch):
+    """The megatron-core release the experts' own tensor-parallel size is proven on (0.17 keeps
+    whole experts on each rank: :func:`test_experts_split_over_ranks_are_refused_on_0_17`)."""
+    monkeypatch.setattr(cpu_compat, "megatron_core_version", lambda: "0.19.2")
+
+
+def test_experts_split_over_ranks_are_refused_on_0_17(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(cpu_compat, "megatron_core_version", lambda: "0.17.0")
+    with pytest.raises(ValueError, match=re.escape(
+            "on megatron-core 0.17.0: its golden layouts pass on megatron-core 0.19 and fail "
+            "on this release")):
+        arguments.check_command_line([*BASE, "--pipeline-schedule", "1f1b", "--num-experts",
+                                      "4", "--disable-bias-linear",
+                                      "--expert-tensor-parallel-size", "2"])
+
+
 @pytest.mark.parametrize("flags,expected", SPREAD_EXPERTS)
 def test_spread_experts_are_taken_where_every_replica_calls_the_moe_layers_alike(
-        flags, expected, monkeypatch):
+        flags, expected, monkeypatch, release_019):
     monkeypatch.setenv("WORLD_SIZE", "4")
     for schedule, refusal in expected.items():
         argv = [*BASE, "--pipeline-schedule", schedule, "--num-experts", "4",
@@ -315,7 +333,7 @@ def test_spread_experts_are_taken_where_every_replica_calls_the_moe_layers_alike
             arguments.check_command_line(argv)
 
 
-def test_experts_split_under_megatrons_virtual_stages_are_refused(monkeypatch):
+def test_experts_split_under_megatrons_virtual_stages_are_refused(monkeypatch, release_019):
     """Under ``default`` with virtual stages Megatron runs its interleaved schedule, where no
     test proves experts split over their own tensor-parallel size."""
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -327,7 +345,8 @@ def test_experts_split_under_megatrons_virtual_stages_are_refused(monkeypatch):
 
 
 @pytest.mark.parametrize("flags,refusal", MOE_REFUSED)
-def test_moe_options_outside_dropless_routing_are_refused_by_name(flags, refusal, monkeypatch):
+def test_moe_options_outside_dropless_routing_are_refused_by_name(flags, refusal, monkeypatch,
+                                                                  release_019):
     monkeypatch.setenv("WORLD_SIZE", "2")
     argv = [*BASE, "--pipeline-schedule", "elastic", "--num-experts", "4", *flags]
     if refusal != "add --disable-bias-linear":
