@@ -604,8 +604,9 @@ def assert_gradient_close(got: torch.Tensor, expected: torch.Tensor, name: str) 
 
 def test_the_aux_loss_moves_the_router_gradients(golden):
     """The auxiliary loss's share of the references the MoE layouts with ``AUX`` are compared
-    with (per-token and default loss; Megatron's and per document) is far above the comparison's bound in every router's
-    gradient: a run that dropped or mis-scaled it would fail there."""
+    with (per-token and default loss; Megatron's and per document) is far above the
+    comparison's bound in every router's gradient: a run that dropped or mis-scaled it would
+    fail there."""
     need(*(tag for tag, (_, flags) in VARIANTS["moe"][1].items() if AUX[0] in flags))
     root = golden / "moe"
     for plain, aux in [("reference.pt", "reference_aux_mbs1.pt"),

@@ -1,6 +1,7 @@
 """``scripts/paper_terms.py``'s terms against hand calculations: NCCL's NVLink rate in an
-all-to-all inside a node, ZeRO-3's exposed traffic over a stage's GPUs, the allocator's fragmentation as reserved bytes per live byte,
-NCCL's buffers of Megatron-LM's communicators, and the memory ledger
+all-to-all inside a node, ZeRO-3's exposed traffic over a stage's GPUs, the allocator's
+fragmentation as reserved bytes per live byte, NCCL's buffers of Megatron-LM's communicators,
+and the memory ledger
 ``scripts/reproduce_papers.py`` gives Megatron-LM's longest-sequence rows."""
 import dataclasses
 import sys
