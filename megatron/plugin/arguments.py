@@ -227,15 +227,15 @@ def _learning_rate_schedule(args: argparse.Namespace) -> list[str]:
     built (``OptimizerParamScheduler``, after the checkpoint and the data are set up), said at
     start-up: the warm-up ends before the decay does, and the rates are ordered."""
     messages = []
-    unit, decay_flag, warmup_flag = (("iterations", "--lr-decay-iters", "--lr-warmup-iters")
-                                     if args.train_samples is None else
-                                     ("samples", "--lr-decay-samples", "--lr-warmup-samples"))
-    total = args.train_iters if args.train_samples is None else args.train_samples
-    decay = getattr(args, decay_flag[2:].replace("-", "_")) or total
+    if args.train_samples is None:
+        unit, decay_flag, warmup_flag = "iterations", "--lr-decay-iters", "--lr-warmup-iters"
+        decay, warmup = args.lr_decay_iters or args.train_iters, args.lr_warmup_iters
+    else:
+        unit, decay_flag, warmup_flag = "samples", "--lr-decay-samples", "--lr-warmup-samples"
+        decay, warmup = args.lr_decay_samples or args.train_samples, args.lr_warmup_samples
+    given = warmup_flag
     if args.lr_warmup_fraction is not None:
         warmup, given = args.lr_warmup_fraction * (decay or 0), "--lr-warmup-fraction"
-    else:
-        warmup, given = getattr(args, warmup_flag[2:].replace("-", "_")), warmup_flag
     if decay is not None and warmup is not None and warmup >= decay:
         messages.append(f"the learning rate warms up over {warmup:g} {unit} ({given}) but "
                         f"decays over {decay:g} ({decay_flag}, else the training length): "
