@@ -81,6 +81,15 @@ def _has_context(layout) -> bool:
         seg.slice_index > 0 for row in layout.segments for seg in row))
 
 
+def _last_without_graph(seg: Segment, context: list, key: torch.Tensor) -> bool:
+    """Whether ``seg`` is its document's last slice (its context and its own tokens make the
+    whole document) and its forward builds no graph (a checkpointed forward): no later slice
+    reads its K/V and its recomputation records them with their graph, so the store keeps
+    nothing of it until then."""
+    return (not key.requires_grad and bool(seg.doc_tokens)
+            and sum(block.shape[0] for block, _ in context) + key.shape[0] == seg.doc_tokens)
+
+
 class DocumentAttention(MegatronModule):
     """Drop-in ``core_attention`` for Megatron's ``SelfAttention`` (``ModuleSpec`` submodule).
 
@@ -208,7 +217,7 @@ class DocumentAttention(MegatronModule):
             return layout.share.context(k, v, self.layer_number)
         if seg.doc_key is not None and layout.kv_store is not None:
             context = layout.kv_store.context(seg.doc_key, seg.slice_index, self.layer_number)
-            if layout.record_kv:
+            if layout.record_kv and not _last_without_graph(seg, context, k):
                 layout.kv_store.record(seg.doc_key, seg.slice_index, self.layer_number, k, v)
             return context
         if seg.slice_index > 0:

@@ -26,9 +26,18 @@ Memory accounting: every recorded K/V and every accumulator is held through
 which autograd itself does not save; the planners price an accumulator at four bytes an element
 (:class:`longctx.cost_model.CostModel`'s ``dkv_per_token``) in bf16/fp16 runs.
 
+Storage. K and V recorded with their graph are views of the QKV projection's output, which the
+slice's own attention saves anyway: the store adds no bytes. Recorded without a graph (a
+checkpointed forward), they are copied into storages of their own, so the projection's output,
+Q included, is freed with the forward: the store then holds ``2h`` elements a token, what the
+planners price for a checkpointed slice.
+
 Recomputation: re-recording an existing (key, slice, layer) replaces the graph-attached tensors
 by the recomputed ones and keeps the leaves (and their accumulated gradients) untouched, so a
-recomputed forward never appends to nor resets the context seen by other slices.
+recomputed forward never appends to nor resets the context seen by other slices. The leaves'
+data become the recomputed K/V (the same values: the recomputation restores the forward's RNG
+state), so the first forward's copies are freed instead of living on beside the recomputed ones
+until the slice's release.
 """
 from __future__ import annotations
 
@@ -76,6 +85,14 @@ def _accumulate(sums: list, held: list, slot: int):
     return hook
 
 
+def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied into a storage of its own when it is a view of a larger one (K of the
+    fused QKV projection's output, whose Q nothing else keeps)."""
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
 class KVStore:
     """K/V of document slices, by ``(doc_key, slice_index)`` and layer number."""
 
@@ -87,12 +104,15 @@ class KVStore:
         layers = self._entries.setdefault((doc_key, slice_index), {})
         entry = layers.get(layer)
         if entry is None:
+            if not key.requires_grad:
+                key, value = _own_storage(key), _own_storage(value)
             entry = layers[layer] = _Entry(key, value, key.detach().requires_grad_(True),
                                            value.detach().requires_grad_(True))
             entry.hold()
         else:
             entry.key, entry.value = key, value
             entry.held[:2] = [keep(key), keep(value)]
+            entry.key_leaf.data, entry.value_leaf.data = key.detach(), value.detach()
 
     def context(self, doc_key, slice_index: int, layer: int) -> list:
         """Leaves ``(K, V)`` of slices ``0..slice_index-1`` at ``layer``, one pair per slice in
