@@ -33,10 +33,23 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     Under a schedule whose plan runs Megatron's full recomputation
     (``ScheduleSpec.plans_recomputation``) the config asks for none: the plan checkpoints the
     layers the flags name.
+
+    Under ``--transformer-impl transformer_engine`` ``disable_parameter_transpose_cache`` is on
+    (the config field has no flag). Megatron's TE linears tell TE whether a forward is the first
+    micro-batch's (``is_first_microbatch``; without FP8 only the first forward of the run is),
+    and with Megatron's gradient-accumulation fusion TE's weight-gradient GEMM in that
+    forward's backward overwrites ``main_grad`` instead of adding to it. That is right when the
+    first forward's backward runs first, as in Megatron's schedules; ``elastic``, ``seq1f1b``
+    and ``sppo`` run a split document's backwards last slice first, so the first slice's would
+    drop what the later slices had added. With the field on, TE is not told, and every
+    backward adds into ``main_grad``, which Megatron's DDP zeroes at every step. The field's
+    other effect, on FP8 weight caches, does not apply: FP8 is refused.
     """
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
+    if args.transformer_impl == "transformer_engine":
+        config.disable_parameter_transpose_cache = True
     spec = registry.spec(args.pipeline_schedule)
     if spec is not None and spec.plans_recomputation:
         config.recompute_granularity = config.recompute_method = None
