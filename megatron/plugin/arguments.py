@@ -382,7 +382,8 @@ def _moe_transformer_engine(args):
 
 
 def _sppo_multiplex_transformer_engine(args):
-    if args.transformer_impl == "transformer_engine" and getattr(args, "sppo_multiplex", False):
+    if (args.pipeline_schedule == "sppo" and args.sppo_multiplex
+            and args.transformer_impl == "transformer_engine"):
         return ("--sppo-multiplex with --transformer-impl transformer_engine: the multiplexing "
                 "helpers run another stage's layers on weights its owner broadcasts "
                 "(torch.func.functional_call on copies that are not the owner's parameters), "
