@@ -48,8 +48,9 @@ Under ``sppo``, read against Transformer Engine 2.8 and 2.18 (``LayerNormLinear`
   reads ``grad_added_to_main_grad`` off the restored weight; with Megatron's gradient-
   accumulation fusion its backward then returns no weight gradient, having added it into
   ``main_grad`` through a closure over the real parameter (right, but Megatron's DDP asserts a
-  gradient under ``--overlap-grad-reduce``); TE 2.15 and later keep a weak reference to the
-  parameter instead. Megatron's local linear reads the attribute the same way.
+  gradient under ``--overlap-grad-reduce``, where :func:`~megatron.plugin.model.model_config`
+  turns the fusion off); TE 2.15 and later keep a weak reference to the parameter instead.
+  Megatron's local linear reads the attribute the same way.
 * The first micro-batch's weight gradient: :func:`~megatron.plugin.model.model_config`.
 * ``--sppo-multiplex`` runs another stage's layers on broadcast copies of its weights, which
   have no ``main_grad``: refused with TE (``megatron/plugin/arguments.py``).
