@@ -385,12 +385,10 @@ def _sppo_multiplex_transformer_engine(args):
     if (args.pipeline_schedule == "sppo" and args.sppo_multiplex
             and args.transformer_impl == "transformer_engine"):
         return ("--sppo-multiplex with --transformer-impl transformer_engine: the multiplexing "
-                "helpers run another stage's layers on weights its owner broadcasts "
-                "(torch.func.functional_call on copies that are not the owner's parameters), "
-                "and Transformer Engine's linears, under Megatron's gradient-accumulation "
-                "fusion, add their weight gradients into the parameter's main_grad, which "
-                "those copies lack; TE's layers have not run as helpers. Drop --sppo-multiplex "
-                "(sppo builds TE layers without it), or pass --transformer-impl local")
+                "helpers run another stage's layers on broadcast copies of its weights "
+                "(torch.func.functional_call), and Transformer Engine's modules have not run "
+                "that way on a GPU yet. Drop --sppo-multiplex (sppo builds TE layers without "
+                "it), or pass --transformer-impl local")
     return None
 
 

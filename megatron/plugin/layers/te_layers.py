@@ -52,8 +52,9 @@ Under ``sppo``, read against Transformer Engine 2.8 and 2.18 (``LayerNormLinear`
   turns the fusion off); TE 2.15 and later keep a weak reference to the parameter instead.
   Megatron's local linear reads the attribute the same way.
 * The first micro-batch's weight gradient: :func:`~megatron.plugin.model.model_config`.
-* ``--sppo-multiplex`` runs another stage's layers on broadcast copies of its weights, which
-  have no ``main_grad``: refused with TE (``megatron/plugin/arguments.py``).
+* ``--sppo-multiplex`` runs another stage's layers on broadcast copies of its weights
+  (``torch.func.functional_call``), which TE's modules have not done on a GPU: refused with TE
+  (``megatron/plugin/arguments.py``).
 """
 from __future__ import annotations
 
