@@ -74,15 +74,18 @@ for schedule in "${schedules[@]}"; do
   collect "${names[@]}"
 done
 # Megatron's Transformer Engine layers (--transformer-impl transformer_engine) under every
-# schedule that builds them, in bf16, when transformer_engine imports (NGC containers ship it).
+# schedule that builds them, in bf16, when transformer_engine imports (NGC containers ship it);
+# sppo with every subsequence but the last offloaded whole, so that the activations TE's
+# layers save for backward go to host memory and back.
 if python3 -c 'import transformer_engine.pytorch' 2>/dev/null; then
-  te_schedules=(default elastic seq1f1b)
+  te_schedules=(default elastic seq1f1b sppo)
   [ "$pp" -ge 2 ] && te_schedules+=(1f1b 1f1b-ir interleaved)
   names=()
   for i in "${!te_schedules[@]}"; do
     schedule=${te_schedules[$i]}
     extra=()
     [ "$schedule" = interleaved ] && extra=(--num-layers-per-virtual-pipeline-stage 1)
+    [ "$schedule" = sppo ] && extra=(--sppo-subsequences "$(( pp * 2 ))" --sppo-offload 1)
     names+=("train-$schedule-te-bf16")
     step "train-$schedule-te-bf16" torchrun --nproc-per-node "$pp" \
       --master-port $(( 29531 + i )) pretrain_gpt_elastic.py "${tiny[@]}" \

@@ -7,8 +7,9 @@ flags and each registered schedule's group. Before Megatron-LM's validation,
 option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
 selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
 options: a missing ``--calculate-per-token-loss``, Ulysses' head divisibility, the schedule's
-own ``check_args``, what needs CUDA, the flash attention backend in fp32, Transformer Engine without CUDA or its package,
-``--tensorboard-dir`` without ``tensorboard``);
+own ``check_args``, what needs CUDA, the flash attention backend in fp32, Transformer Engine
+without CUDA or its package or with ``--sppo-multiplex``, ``--tensorboard-dir`` without
+``tensorboard``);
 :func:`check_args` runs the rules again on the validated arguments.
 
 Defaults that differ from Megatron-LM's, and why:
@@ -380,6 +381,17 @@ def _moe_transformer_engine(args):
     return None
 
 
+def _sppo_multiplex_transformer_engine(args):
+    if (args.pipeline_schedule == "sppo" and args.sppo_multiplex
+            and args.transformer_impl == "transformer_engine"):
+        return ("--sppo-multiplex with --transformer-impl transformer_engine: the multiplexing "
+                "helpers run another stage's layers on broadcast copies of its weights "
+                "(torch.func.functional_call), and Transformer Engine's modules have not run "
+                "that way on a GPU yet. Drop --sppo-multiplex (sppo builds TE layers without "
+                "it), or pass --transformer-impl local")
+    return None
+
+
 def _tensorboard(args):
     if args.tensorboard_dir:
         error = _tensorboard_import_error()
@@ -416,6 +428,7 @@ RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _moe_expert_tensor_parallel,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
+         _sppo_multiplex_transformer_engine,
          _tensorboard, _throughput)
 
 

@@ -33,10 +33,38 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     Under a schedule whose plan runs Megatron's full recomputation
     (``ScheduleSpec.plans_recomputation``) the config asks for none: the plan checkpoints the
     layers the flags name.
+
+    Under ``--transformer-impl transformer_engine`` ``disable_parameter_transpose_cache`` is on
+    (the config field has no flag). Megatron's TE linears tell TE whether a forward is the first
+    micro-batch's (``is_first_microbatch``; without FP8 only the first forward of the run is),
+    and with Megatron's gradient-accumulation fusion TE's weight-gradient GEMM in that
+    forward's backward overwrites ``main_grad`` instead of adding to it. That is right when the
+    first forward's backward runs first, as in Megatron's schedules; ``elastic``, ``seq1f1b``
+    and ``sppo`` run a split document's backwards last slice first, so the first slice's would
+    drop what the later slices had added. With the field on, TE is not told, and every
+    backward adds into ``main_grad``, which Megatron's DDP zeroes at every step. The field's
+    other effect, on FP8 weight caches, does not apply: FP8 is refused.
+
+    With ``--overlap-grad-reduce``, and under ``sppo --sppo-multiplex``, the weight-gradient
+    accumulation is not fused (Megatron's ``gradient_accumulation_fusion``, on where CUDA and
+    apex's kernel are; the same gradients). SPPO's multiplexing helpers run layers on broadcast
+    copies of another stage's weights, which have no ``main_grad`` for a fused linear to add
+    into. A fused linear tells Megatron's DDP that its gradient is in ``main_grad`` by setting
+    ``grad_added_to_main_grad`` on the weight autograd restores for its backward (Megatron's
+    local linear, and Transformer Engine before 2.15). Every step runs under saved-tensor hooks
+    (the activation meter, :mod:`~megatron.plugin.layers.memory`; sppo's offloading), and
+    autograd restores a hooked tensor as a new object without the attributes set on the
+    parameter: the linear then adds into ``main_grad`` but hands DDP no gradient, and the DDP
+    hook of the overlapped reduction asserts one. Unfused, the linear returns the gradient and
+    the hook adds it into ``main_grad``.
     """
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
+    if args.transformer_impl == "transformer_engine":
+        config.disable_parameter_transpose_cache = True
+    if args.overlap_grad_reduce or (args.pipeline_schedule == "sppo" and args.sppo_multiplex):
+        config.gradient_accumulation_fusion = False
     spec = registry.spec(args.pipeline_schedule)
     if spec is not None and spec.plans_recomputation:
         config.recompute_granularity = config.recompute_method = None

@@ -206,7 +206,7 @@ GPU_CHECK = "scripts/gpu_check.sh"
 PRECISION = {name: GPU_CHECK for name in
              ("default", "1f1b", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo")}
 #: The schedules that build Megatron's Transformer Engine layers (the GPU check trains each).
-TE_SCHEDULES = ("default", "1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b")
+TE_SCHEDULES = ("default", "1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b", "sppo")
 OPTIONS = "tests/unit/test_schedule_options.py::test_option_is_honoured_or_refused_by_name"
 ATTENTION_FLAGS = "tests/unit/test_attention_flags.py::"
 #: Under elastic and seq1f1b Megatron's full recomputation fixes the plan's checkpointing
@@ -370,21 +370,18 @@ HONOURED: dict[str, Honoured] = {
     "bf16": Honoured(PRECISION, _NO_TEST),
     "fp16": Honoured(PRECISION, _NO_TEST),
     # Megatron's local layers (the project's default) or its Transformer Engine layers, with
-    # the document attention either way (megatron/plugin/layers/te_layers.py); the start-up
-    # also refuses TE without CUDA or the transformer_engine package (arguments.py).
+    # the document attention either way (megatron/plugin/layers/te_layers.py, which says what
+    # sppo's offloading and K/V store do with TE's layers); the start-up also refuses TE
+    # without CUDA or the transformer_engine package, and with --sppo-multiplex (arguments.py).
     "transformer_impl": Honoured(
         {name: GPU_CHECK for name in TE_SCHEDULES}, _NO_TEST,
-        refusals={name: f"--transformer-impl transformer_engine is not supported by "
-                        f"--pipeline-schedule {name}: Transformer Engine fuses the input norm "
-                        f"into the QKV projection, and {why}; it has not run on a GPU under "
-                        f"{name} yet. Pass --transformer-impl local (the same model; its "
-                        f"distributed checkpoints use the names of Megatron's TE layers)"
-                  for name, why in (
-                      ("helix", "helix's weight shipping runs the norm on the layer's stage and "
-                                "the QKV matmul on the attention's stage"),
-                      ("sppo", "SPPO's multiplexing helpers (layers run on weights the owner "
-                               "broadcasts, their gradients summed back) are built on the local "
-                               "layers' separate norm"))},
+        refusals={"helix": "--transformer-impl transformer_engine is not supported by "
+                           "--pipeline-schedule helix: Transformer Engine fuses the input norm "
+                           "into the QKV projection, and helix's weight shipping runs the norm "
+                           "on the layer's stage and the QKV matmul on the attention's stage; it "
+                           "has not run on a GPU under helix yet. Pass --transformer-impl local "
+                           "(the same model; its distributed checkpoints use the names of "
+                           "Megatron's TE layers)"},
         values=("local", "transformer_engine")),
     # Always Megatron-LM's default, or the project's: ``--dataloader-type external`` (whole
     # documents per global batch), positions and attention reset at every document.

@@ -131,12 +131,49 @@ def test_te_is_refused_on_cpu_naming_what_is_missing(monkeypatch):
         arguments.check_command_line(argv)
     monkeypatch.setattr(te_layers, "missing", lambda: None)
     arguments.check_command_line(argv)
-    for schedule in ("helix", "sppo"):
-        refused = [*argv[:-4], "--pipeline-schedule", schedule,
-                   "--transformer-impl", "transformer_engine"]
-        with pytest.raises(arguments.Refusals, match="fuses the input norm into the QKV "
-                                                     "projection"):
-            arguments.check_command_line(refused)
+    helix = [*argv[:-4], "--pipeline-schedule", "helix", "--transformer-impl", "transformer_engine"]
+    with pytest.raises(arguments.Refusals, match="fuses the input norm into the QKV projection"):
+        arguments.check_command_line(helix)
+
+
+def test_te_under_sppo_is_refused_only_with_multiplexing(monkeypatch):
+    """Plain sppo (subsequences, offloading) takes TE layers where CUDA and TE are present;
+    ``--sppo-multiplex`` is refused with them by name, in the same start-up as the refusal of
+    a machine without CUDA."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "sppo",
+            "--sppo-subsequences", "2", "--sppo-offload", "1",
+            "--transformer-impl", "transformer_engine"]
+    monkeypatch.setattr(te_layers, "missing", lambda: None)
+    assert arguments.check_command_line(argv).transformer_impl == "transformer_engine"
+    with pytest.raises(arguments.Refusals) as refused:
+        arguments.check_command_line([*argv, "--sppo-multiplex"])
+    assert len(refused.value.messages) == 1
+    assert refused.value.messages[0].startswith(
+        "--sppo-multiplex with --transformer-impl transformer_engine")
+    assert "Drop --sppo-multiplex" in refused.value.messages[0]
+    assert "pass --transformer-impl local" in refused.value.messages[0]
+    monkeypatch.setattr(te_layers, "missing", lambda: "CUDA")
+    with pytest.raises(arguments.Refusals) as refused:
+        arguments.check_command_line([*argv, "--sppo-multiplex"])
+    assert [message.split(":")[0] for message in refused.value.messages] == [
+        "--transformer-impl transformer_engine needs CUDA, which this machine lacks",
+        "--sppo-multiplex with --transformer-impl transformer_engine"]
+    with pytest.raises(arguments.Refusals, match="needs CUDA, which this machine lacks"):
+        arguments.check_command_line(argv)
+
+
+@pytest.mark.parametrize("impl,disabled", [("transformer_engine", True), ("local", False)])
+def test_te_layers_are_told_no_first_micro_batch(impl, disabled, monkeypatch):
+    """Under TE the config turns off the first-micro-batch hint (``is_first_microbatch``): with
+    it, TE's first backward of a run would overwrite ``main_grad``, and sppo runs that forward's
+    backward last (:func:`megatron.plugin.model.model_config`). The local layers do not read
+    the field."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(te_layers, "missing", lambda: None)
+    args = arguments.parse([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                            "--pipeline-schedule", "sppo", "--transformer-impl", impl])
+    assert model.model_config(args).disable_parameter_transpose_cache is disabled
 
 
 def test_missing_names_cuda_and_the_package(monkeypatch):

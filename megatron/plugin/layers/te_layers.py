@@ -25,6 +25,36 @@ moves between ``local`` and ``transformer_engine`` apart from the ``_extra_state
 TE needs CUDA and the ``transformer_engine`` package: :func:`missing` says which is absent, and
 the start-up refuses the flag with it (``megatron/plugin/arguments.py``). Nothing else in the
 project depends on the implementation, so the CPU tests cover the rest of the model.
+
+Under ``sppo``, read against Transformer Engine 2.8 and 2.18 (``LayerNormLinear``, ``Linear``):
+
+* Layer structure: the subsequence pipeline, the K/V store and the offloading name no
+  submodule or parameter. The K/V store holds the K and V the document attention is handed,
+  views of the QKV projection's output under either implementation (Megatron's self-attention
+  splits ``linear_qkv``'s output alike), and the offloader keeps those storages on the device.
+  Checkpointing, when a plan asks for it, hooks whole ``TransformerLayer`` modules.
+* Saved tensors: TE's autograd functions save through ``ctx.save_for_backward`` (plain tensors
+  pass ``prepare_for_saving`` as they are), so the offloader's saved-tensor hooks see all of
+  them: the input (on a stage's first layer a view of its received input, a leaf that requires
+  grad: kept), the norm's output and fp32 mean and inverse deviation (offloadable), and the
+  weight twice, as GEMM operand and as parameter. Without FP8 both are the parameter itself:
+  ``cast_if_needed`` returns it when it has the activations' dtype, as under Megatron's bf16
+  module. So the rules hold: a leaf that requires grad passes untouched, and nothing TE saves
+  is a view of a weight. FP8 (quantized weight storages) is refused.
+* Identity: autograd hands a backward a new tensor object for whatever a saved-tensor hook
+  returned, so the weight TE restores lacks the attributes Megatron sets on the parameter
+  (``main_grad``, ``grad_added_to_main_grad``). That holds under every schedule, whose steps run
+  under the activation meter's hooks (:mod:`~megatron.plugin.layers.memory`). TE up to 2.14
+  reads ``grad_added_to_main_grad`` off the restored weight; with Megatron's gradient-
+  accumulation fusion its backward then returns no weight gradient, having added it into
+  ``main_grad`` through a closure over the real parameter (right, but Megatron's DDP asserts a
+  gradient under ``--overlap-grad-reduce``, where :func:`~megatron.plugin.model.model_config`
+  turns the fusion off); TE 2.15 and later keep a weak reference to the parameter instead.
+  Megatron's local linear reads the attribute the same way.
+* The first micro-batch's weight gradient: :func:`~megatron.plugin.model.model_config`.
+* ``--sppo-multiplex`` runs another stage's layers on broadcast copies of its weights
+  (``torch.func.functional_call``), which TE's modules have not done on a GPU: refused with TE
+  (``megatron/plugin/arguments.py``).
 """
 from __future__ import annotations
 
