@@ -60,10 +60,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from elastic_pipe.baselines import packed_1f1b
+from elastic_pipe.baselines import first_fit, packed_1f1b, single_pipeline_plan
 from elastic_pipe.evaluation import report
 from elastic_pipe.plan_types import Plan
-from elastic_pipe.scheduler import check_lengths
+from elastic_pipe.scheduler import check_lengths, pipeline_case
 from longctx.chunks import Chunk, Piece
 from longctx.cost_model import CostModel, ParallelConfig
 from longctx.hardware import HardwareProfile
@@ -145,11 +145,15 @@ def group_cost(model: ModelConfig, hardware: HardwareProfile, size: int, gpus: i
                                                      zero3=True, memory_gb=memory_gb))
 
 
-def group_capacity(cost: CostModel, context: int) -> int:
+def group_capacity(cost: CostModel, context: int, checkpointed: int | None = None) -> int:
     """The most tokens (at most ``context``) one micro-batch of ``cost``'s group fits, 0 when
-    not even one token does (bisection: a micro-batch's memory grows with its tokens)."""
+    not even one token does (bisection: a micro-batch's memory grows with its tokens): with the
+    fewest layers checkpointed that fit, or with ``checkpointed`` layers recomputed one at a
+    time (:func:`recomputing_fits`)."""
     def fits(tokens: int) -> bool:
-        return packed_1f1b([tokens], cost, tokens) is not None
+        if checkpointed is None:
+            return packed_1f1b([tokens], cost, tokens) is not None
+        return recomputing_fits(cost, tokens, checkpointed)
 
     if fits(context):
         return context
@@ -158,6 +162,36 @@ def group_capacity(cost: CostModel, context: int) -> int:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
+
+
+def recomputing_fits(cost: CostModel, tokens: int, checkpointed: int) -> bool:
+    """Whether one micro-batch of ``tokens`` fits ``cost``'s group (one stage) with
+    ``checkpointed`` layers recomputed as DeepSpeed's and Megatron-LM's layer checkpointing
+    recomputes them: a checkpointed layer keeps its input, and its other activations live
+    again only while its own backward runs, one layer at a time (the cost model's stash with
+    ``checkpointed`` layers saved, one layer rematerialised, the running layer's workspace)."""
+    chunk = Chunk((Piece(0, 0, 0, tokens, True),))
+    peak = cost.stash_bytes(0, chunk, checkpointed) + cost.stage_workspace(0, chunk)
+    if checkpointed:
+        peak += cost.layer_saving(chunk)
+    return peak <= cost.activation_budget(0)
+
+
+def layers_to_hold(cost: CostModel, tokens: int) -> int | None:
+    """The fewest layers recomputed one at a time (:func:`recomputing_fits`) with which a
+    micro-batch of ``tokens`` fits ``cost``'s group; ``None`` when even all of them do not."""
+    return next((count for count in range(cost.layers(0) + 1)
+                 if recomputing_fits(cost, tokens, count)), None)
+
+
+def recomputing_plan(lengths: Sequence[int], cost: CostModel, capacity: int,
+                     checkpointed: int) -> Plan:
+    """Whole documents packed first-fit-decreasing into micro-batches of ``capacity`` tokens,
+    each recomputing ``checkpointed`` layers (the memory is :func:`recomputing_fits`')."""
+    items = [Piece(doc, 0, 0, length, final=True) for doc, length in enumerate(lengths)]
+    case = pipeline_case(cost, first_fit(items, capacity), 0)
+    table = ((checkpointed,) * case.problem.chunks,)
+    return single_pipeline_plan(cost, case, table, 1)
 
 
 def assign(lengths: Sequence[int], sizes: Sequence[int], capacity: dict[int, int],
@@ -237,11 +271,15 @@ def _check_capacity(lengths: Sequence[int], capacity: dict[int, int], memory_gb:
 
 def plan_flexsp(lengths: Sequence[int], model: ModelConfig, hardware: HardwareProfile,
                 gpus: int, memory_gb: float, context: int,
-                layouts: Sequence[tuple[int, ...]] | None = None) -> FlexSPPlan:
+                layouts: Sequence[tuple[int, ...]] | None = None,
+                checkpointed: int | None = None) -> FlexSPPlan:
     """The fastest FlexSP plan (by predicted time) of the documents of ``lengths`` (truncated
     to ``context``) over the group-size multisets ``layouts`` (default: every partition of
     ``gpus`` into powers of two), its steps formed as the module doc says. ``model``'s head
-    count must be divisible by every group size.
+    count must be divisible by every group size. Each micro-batch checkpoints the fewest
+    layers that fit, or with ``checkpointed`` every micro-batch recomputes that many layers,
+    one at a time (:func:`recomputing_fits`: one configuration for the whole run, as the
+    InfiniPipe paper runs its baselines, L347).
 
     Raises ``ValueError`` for a document longer than the context or than what the largest
     group fits in ``memory_gb``, or a batch that no step count fits into ``layouts``."""
@@ -250,14 +288,15 @@ def plan_flexsp(lengths: Sequence[int], model: ModelConfig, hardware: HardwarePr
                for layout in (partitions(gpus) if layouts is None else layouts)]
     costs = {size: group_cost(model, hardware, size, gpus, memory_gb)
              for size in sorted({size for layout in layouts for size in layout})}
-    capacity = {size: group_capacity(cost, context) for size, cost in costs.items()}
+    capacity = {size: group_capacity(cost, context, checkpointed)
+                for size, cost in costs.items()}
     _check_capacity(lengths, capacity, memory_gb)
     alone: dict[tuple[int, int], float] = {}
 
     def seconds(size: int, length: int) -> float:
         if (size, length) not in alone:
             alone[size, length] = costs[size].stage_time(
-                0, Chunk((Piece(0, 0, 0, length, True),)))
+                0, Chunk((Piece(0, 0, 0, length, True),)), checkpointed or 0)
         return alone[size, length]
 
     def groups_of(docs: Sequence[int], sizes: tuple[int, ...],
@@ -265,8 +304,10 @@ def plan_flexsp(lengths: Sequence[int], model: ModelConfig, hardware: HardwarePr
         groups = []
         for index, size in enumerate(sizes):
             mine = tuple(doc for doc, group in zip(docs, owner) if group == index)
-            plan = packed_1f1b([lengths[doc] for doc in mine], costs[size], capacity[size]) \
-                if mine else None
+            mine_lengths = [lengths[doc] for doc in mine]
+            plan = None if not mine else \
+                packed_1f1b(mine_lengths, costs[size], capacity[size]) if checkpointed is None \
+                else recomputing_plan(mine_lengths, costs[size], capacity[size], checkpointed)
             if mine and plan is None:
                 raise RuntimeError(f"SP {size}: micro-batches of at most {capacity[size]} "
                                    f"tokens do not fit, yet one of that many tokens does")

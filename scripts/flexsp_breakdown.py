@@ -19,6 +19,8 @@ recomputation and the rest, all in seconds on the critical path:
 - FlexSP: per step, the slowest group's time with its exposed ZeRO-3 (as
   :func:`paper_terms.flexsp_terms` prices it); each part the mean over the 32 GPUs of their
   group's, and as idle the step less the GPUs' mean busy time (the groups' imbalance);
+- FlexSP again with every layer recomputed, one layer at a time (its checkpointing the paper
+  does not state, L139, L347: the reproduction table's term for the FlexSP rows);
 - DeepSpeed: one group, its parts as FlexSP's.
 
 Each part is printed in seconds and over elastic's iteration (Fig. 9 gives its bars relative
@@ -54,6 +56,8 @@ PAPER = {
     "flexsp": {"iteration": "1.52 (L378)", "a2a": "ZeRO + A2A 3.2 x 0.17 = 0.54 (L378)",
                "idle": "in Others: groups' imbalance (L378)",
                "compute": "Others 1.33-1.46 x elastic's (L373)"},
+    "flexsp_recompute": {"iteration": "FlexSP's, had it recomputed every layer: its "
+                                      "checkpointing is not stated (L139, L347)"},
     "deepspeed": {"iteration": "1.71 (L378)", "a2a": "ZeRO + A2A 5.7 x 0.17 = 0.97 (L378)",
                   "compute": "Others 1.11 x elastic's (L373)"},
 }
@@ -106,11 +110,13 @@ def group_parts(groups, gpus: int) -> dict[str, float]:
     return parts
 
 
-def flexsp_parts(lengths: list[int], model: str, profile, context: int) -> dict[str, float]:
+def flexsp_parts(lengths: list[int], model: str, profile, context: int,
+                 checkpointed: int | None = None) -> dict[str, float]:
     from elastic_pipe.flexsp import plan_flexsp
 
     ulysses = dataclasses.replace(get_model(model), num_heads=64)
-    plan = plan_flexsp(lengths, ulysses, profile, GPUS, 80.0, context)
+    plan = plan_flexsp(lengths, ulysses, profile, GPUS, 80.0, context,
+                       checkpointed=checkpointed)
     steps = [group_parts(step, GPUS) for step in plan.steps]
     parts = {name: sum(s[name] for s in steps) for name in steps[0]}
     parts["steps"] = len(plan.steps)
@@ -145,6 +151,8 @@ def breakdown(model: str, context: int, seed: int) -> dict[str, dict]:
     return {"seed": seed, "tokens": sum(lengths), "longest": max(lengths),
             "elastic": elastic_parts(lengths, model, profile),
             "flexsp": flexsp_parts(lengths, model, profile, context),
+            "flexsp_recompute": flexsp_parts(lengths, model, profile, context,
+                                             get_model(model).num_layers),
             "deepspeed": deepspeed_parts(lengths, model, profile, context)}
 
 
@@ -152,7 +160,7 @@ def table(found: dict) -> str:
     reference = found["elastic"]["iteration"]
     lines = [f"seed {found['seed']}: {found['tokens']} tokens, longest {found['longest']}; "
              f"FlexSP {found['flexsp']['steps']} step(s), group sizes "
-             f"{found['flexsp']['group_sizes'][:4]}{' ...' if found['flexsp']['steps'] > 4 else ''}",
+             f"{found['flexsp']['group_sizes'][:3]}{' ...' if found['flexsp']['steps'] > 3 else ''}",
              f"{'part':10s} " + " ".join(f"{name:>20s}" for name in PAPER)]
     for part in PARTS:
         cells = [f"{found[name][part]:7.2f} s = {found[name][part] / reference:5.3f}"

@@ -6,8 +6,8 @@ import pytest
 
 from elastic_pipe.baselines import packed_1f1b
 from elastic_pipe.evaluation import report
-from elastic_pipe.flexsp import (assign, group_capacity, group_cost, partitions, plan_flexsp,
-                                 spread)
+from elastic_pipe.flexsp import (assign, group_capacity, group_cost, layers_to_hold,
+                                 partitions, plan_flexsp, spread)
 from longctx.cost_model import CostModel, ParallelConfig
 from longctx.hardware import profile_from_dict
 from longctx.models import ModelConfig
@@ -152,3 +152,36 @@ def test_documents_too_long_are_refused():
         plan_flexsp([CONTEXT + 1], MODEL, HARDWARE, GPUS, MEMORY, CONTEXT)
     with pytest.raises(ValueError, match="power of two"):
         plan_flexsp([10], MODEL, HARDWARE, 12, MEMORY, CONTEXT)
+
+
+def test_layers_recomputed_one_at_a_time_keep_their_input_and_one_layer():
+    """With k of the 4 layers recomputed one at a time (DeepSpeed's and Megatron-LM's layer
+    checkpointing), a token keeps the full stash of each layer not recomputed, (8h + 2f) e
+    and 80 bytes of FP32 statistics, and the input of each recomputed one, h e; while a
+    recomputed layer's backward runs, its stash less its input is back; beside them the
+    embedding's 16 bytes, the head's 2h e + 21 + 4V and the loss's workspace e V. Recomputing
+    one layer saves nothing (it comes back for its backward): a micro-batch that fits with 2
+    needs 2."""
+    full, kept = (8 * 1024 + 2 * 4096) * 2 + 80, 2 * 1024
+    ends = 16 + 2 * 1024 * 2 + 8 + 13 + 4 * 1000 + 2 * 1000
+    cost = group_cost(MODEL, HARDWARE, 1, GPUS, 2.5)
+    for k in range(5):
+        per_token = (4 - k) * full + k * kept + ends + (full - kept if k else 0)
+        assert group_capacity(cost, CONTEXT, k) == pytest.approx(
+            cost.activation_budget(0) / per_token, rel=1e-3)
+    assert group_capacity(cost, CONTEXT, 1) == group_capacity(cost, CONTEXT, 0)
+    assert layers_to_hold(cost, group_capacity(cost, CONTEXT, 2)) == 2
+    assert layers_to_hold(cost, 10 ** 7) is None
+
+
+def test_a_fixed_configuration_recomputes_in_every_group():
+    lengths = [20000] + [1000] * 40
+    plan = plan_flexsp(lengths, MODEL, HARDWARE, GPUS, 3.0, CONTEXT, checkpointed=4)
+    for size, tokens in plan.capacity.items():
+        assert tokens == group_capacity(group_cost(MODEL, HARDWARE, size, GPUS, 3.0), CONTEXT, 4)
+    assert plan.capacity[1] > plan_flexsp(lengths, MODEL, HARDWARE, GPUS, 3.0,
+                                          CONTEXT).capacity[1]
+    for step in plan.steps:
+        for group in step:
+            if group.plan is not None:
+                assert set(group.plan.ckpt_table()[0]) == {4}
