@@ -26,7 +26,10 @@ by the project's cost model and simulator, with the choices below:
   micro-batches as DeepSpeed's, L347) or, when less, the most tokens one micro-batch of the
   group fits in ``memory_gb`` with the fewest layers checkpointed that fit
   (:func:`elastic_pipe.baselines.packed_1f1b`, the DeepSpeed and Megatron-LM baselines' rule);
-  a document longer than every group's capacity is refused.
+  a document longer than every group's capacity is refused. With ``checkpointed`` set, every
+  micro-batch recomputes that many layers instead, one at a time as DeepSpeed and Megatron-LM
+  recompute them (:func:`recomputing_fits`), its capacity what that memory holds: one
+  configuration for the whole run, as the InfiniPipe paper runs its baselines (L347).
 - **Iteration time.** Each step's slowest group's time, summed. The groups' ZeRO-3 gathers and
   reduce-scatters are taken as overlapped with compute (DeepSpeed prefetches them) and priced
   at none of their time, as for the DeepSpeed-Ulysses baseline (what is not hidden is the

@@ -145,6 +145,16 @@ def test_documents_that_need_every_gpu_run_in_a_step_of_their_own():
     assert plan.predicted_time_s < one_group.predicted_time_s
 
 
+def test_a_batch_no_step_count_fits_is_refused_with_what_to_allow():
+    """Layouts of two groups of 8 only, documents just over half a group's micro-batch: each
+    step holds two, the fewest steps by tokens about a quarter of the documents, and four
+    more are not enough for 40."""
+    capacity = group_capacity(group_cost(MODEL, HARDWARE, 8, GPUS, 3.0), CONTEXT)
+    with pytest.raises(ValueError, match="allow more layouts"):
+        plan_flexsp([capacity // 2 + 1] * 40, MODEL, HARDWARE, GPUS, 3.0, CONTEXT,
+                    layouts=[(8, 8)])
+
+
 def test_documents_too_long_are_refused():
     with pytest.raises(ValueError, match="fits no SP group: the largest, SP 16"):
         plan_flexsp([65536], MODEL, HARDWARE, GPUS, 2.1, CONTEXT)
