@@ -36,11 +36,12 @@ by the project's cost model and simulator, with the choices below:
   reproduction table's term, ``scripts/paper_terms.py``).
 - **Forming the steps.** Documents that fit no group smaller than the whole cluster run first,
   in a step of one group of all the GPUs (a group alone has no one to wait for: its documents
-  packed first-fit-decreasing into micro-batches run one after another). The others are spread over ``m`` steps, longest processing time first: each document
-  to the step with the least work so far (its work: its time alone on the smallest group that
-  holds it, times that group's GPUs) whose tokens stay within what one step can hold (the
-  largest total capacity of a partition); ``m`` runs from the fewest steps those tokens need to
-  that many plus :data:`EXTRA_STEPS`, and the plan with the smallest time wins.
+  packed first-fit-decreasing into micro-batches run one after another). The others are
+  spread over ``m`` steps, longest processing time first: each document to the step with the
+  least work so far (its work: its time alone on the smallest group that holds it, times that
+  group's GPUs) whose tokens stay within what one step can hold (the largest total capacity of
+  a partition); ``m`` runs from the fewest steps those tokens need to that many plus
+  :data:`EXTRA_STEPS`, and the plan with the smallest time wins.
 - **A step's groups.** Every partition of ``gpus`` into powers of two (202 for 32 GPUs) whose
   capacities hold the step's tokens and longest document. For each, documents are assigned by
   longest processing time first: longest document first, to the group that would finish it

@@ -158,9 +158,10 @@ def breakdown(model: str, context: int, seed: int) -> dict[str, dict]:
 
 def table(found: dict) -> str:
     reference = found["elastic"]["iteration"]
+    flexsp = found["flexsp"]
+    more = " ..." if flexsp["steps"] > 3 else ""
     lines = [f"seed {found['seed']}: {found['tokens']} tokens, longest {found['longest']}; "
-             f"FlexSP {found['flexsp']['steps']} step(s), group sizes "
-             f"{found['flexsp']['group_sizes'][:3]}{' ...' if found['flexsp']['steps'] > 3 else ''}",
+             f"FlexSP {flexsp['steps']} step(s), group sizes {flexsp['group_sizes'][:3]}{more}",
              f"{'part':10s} " + " ".join(f"{name:>20s}" for name in PAPER)]
     for part in PARTS:
         cells = [f"{found[name][part]:7.2f} s = {found[name][part] / reference:5.3f}"
