@@ -41,13 +41,12 @@ Rows:
   behind each layer's compute; the FlexSP rows' why is FlexSP planned with every layer
   recomputed one at a time (its checkpointing, which the paper does not give: one
   configuration made for 96K for every system, L347; FlexSP's cost model leaves checkpointing
-  out, L139). L360 (FlexSP over DeepSpeed and Megatron-LM "up to";
-  the 1.69x over FlexSP, which the paper states for CommonCrawl at 48K, here GitHub-like) and
-  Fig. 9's case study (13B, its context unstated: the 48K cell): the ZeRO + A2A share of
-  elastic's time, the baselines' ZeRO + A2A over elastic's, the speedups and the bubble bound;
-  the shares' why is elastic's own ZeRO-3, over each stage's SP group inside a node (the
-  paper's InfiniPipe, L358), priced as the baselines' and added to elastic's time in every
-  speedup's why.
+  out, L139). L360 (FlexSP over DeepSpeed and Megatron-LM "up to"; the 1.69x over FlexSP,
+  which the paper states for CommonCrawl at 48K, here GitHub-like) and Fig. 9's case study
+  (13B, its context unstated: the 48K cell): the ZeRO + A2A share of elastic's time, the
+  baselines' ZeRO + A2A over elastic's, the speedups and the bubble bound; the shares' why is
+  elastic's own ZeRO-3, over each stage's SP group inside a node (the paper's InfiniPipe,
+  L358), priced as DeepSpeed's and added to elastic's time in DeepSpeed's speedups' why.
 - ``table3``: InfiniPipe's Table 3, the all-to-all share of GPT-13B's time under Ulysses SP of 8,
   16 and 32 GPUs at 32K tokens (one sequence): the layers' collectives over the layers' forward
   and backward (the embedding, head and ZeRO traffic of the paper's end-to-end time are left
