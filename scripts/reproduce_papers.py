@@ -31,19 +31,22 @@ Rows:
   (as the paper packs for them, L347), one after another, the fewest layers checkpointed that
   fit; the paper's 7B layouts leave a factor unstated (L354) and are not priced. And FlexSP
   for the same cells and for 13B at 64K and 192K (``elastic_pipe.flexsp``): the 32 GPUs split
-  into Ulysses SP groups of powers of two that run side by side, ZeRO-3 over all 32 GPUs,
-  every partition searched and the documents assigned longest first to the group finishing
-  them earliest (a heuristic for FlexSP's MILP), each group's documents packed as DeepSpeed's
-  into micro-batches its memory holds, documents that need all 32 GPUs in a step of their own;
-  a step takes its slowest group's time. The Ulysses baselines' why is the ZeRO-3 traffic the
-  cost model takes as overlapped (the paper's "ZeRO", L358, Fig. 9), priced as the part not
-  hidden behind each layer's compute. L360 (FlexSP over DeepSpeed and Megatron-LM "up to";
-  the 1.69x over FlexSP, which the paper states for CommonCrawl at 48K, here GitHub-like) and
-  Fig. 9's case study (13B, its context unstated: the 48K cell): the ZeRO + A2A share of
-  elastic's time, the baselines' ZeRO + A2A over elastic's, the speedups and the bubble bound;
-  the shares' why is elastic's own ZeRO-3, over each stage's SP group inside a node (the
-  paper's InfiniPipe, L358), priced as the baselines' and added to elastic's time in every
-  speedup's why.
+  into Ulysses SP groups of powers of two that run side by side, ZeRO-3 over all 32 GPUs, so
+  that the groups run in lockstep, one micro-batch each a step (every layer's gather is a
+  collective of all of them, L88, L358), the batch spread over the steps and each step's
+  partition searched with the documents assigned longest first to the group finishing them
+  earliest (a heuristic for FlexSP's MILP), documents that need all 32 GPUs in a step of their
+  own; a step takes its slowest group's time. DeepSpeed's why is the ZeRO-3 traffic the cost
+  model takes as overlapped (the paper's "ZeRO", L358, Fig. 9), priced as the part not hidden
+  behind each layer's compute; the FlexSP rows' why is FlexSP planned with every layer
+  recomputed one at a time (its checkpointing, which the paper does not give: one
+  configuration made for 96K for every system, L347; FlexSP's cost model leaves checkpointing
+  out, L139). L360 (FlexSP over DeepSpeed and Megatron-LM "up to"; the 1.69x over FlexSP,
+  which the paper states for CommonCrawl at 48K, here GitHub-like) and Fig. 9's case study
+  (13B, its context unstated: the 48K cell): the ZeRO + A2A share of elastic's time, the
+  baselines' ZeRO + A2A over elastic's, the speedups and the bubble bound; the shares' why is
+  elastic's own ZeRO-3, over each stage's SP group inside a node (the paper's InfiniPipe,
+  L358), priced as DeepSpeed's and added to elastic's time in DeepSpeed's speedups' why.
 - ``table3``: InfiniPipe's Table 3, the all-to-all share of GPT-13B's time under Ulysses SP of 8,
   16 and 32 GPUs at 32K tokens (one sequence): the layers' collectives over the layers' forward
   and backward (the embedding, head and ZeRO traffic of the paper's end-to-end time are left
@@ -227,7 +230,8 @@ def sequence_parallel_baselines(model: str, context: int, profile: HardwareProfi
     checkpointed uniformly that fit; and FlexSP, heterogeneous Ulysses SP groups over the 32
     GPUs with ZeRO-3 over all of them (:mod:`elastic_pipe.flexsp`): ``NAME_s`` seconds
     (``None`` when nothing fits), and for the Ulysses ones ``NAME_zero3_s`` (the exposed ZeRO-3
-    traffic) and ``NAME_a2a_s``. Ulysses over 32 GPUs needs a head count that 32 divides: the
+    traffic) and ``NAME_a2a_s``; ``flexsp_recompute_s``, FlexSP with every layer recomputed
+    (:data:`RECOMPUTE`). Ulysses over 32 GPUs needs a head count that 32 divides: the
     presets' 40 and 56 heads become 64 for it (the cost model's time and memory do not depend
     on the split)."""
     from elastic_pipe.baselines import packed_1f1b
@@ -259,6 +263,13 @@ def sequence_parallel_baselines(model: str, context: int, profile: HardwareProfi
     else:
         found.update({f"flexsp_{key}": value for key, value in
                       paper_terms.flexsp_terms(flexsp, gpus).items()})
+    try:
+        recomputing = plan_flexsp(lengths, ulysses, profile, gpus, 80.0, context,
+                                  checkpointed=ulysses.num_layers)
+    except ValueError:
+        found["flexsp_recompute_s"] = None
+    else:
+        found["flexsp_recompute_s"] = recomputing.iteration_time_s()
     return found
 
 
@@ -303,6 +314,9 @@ def elastic_cell(model: str, context: int, profile: HardwareProfile, documents: 
             cell[f"{name}_s"] / cell["elastic_s"]
         ratios = [r[f"{name}_s"] / r["elastic_s"] for r in runs if r[f"{name}_s"] is not None]
         cell[f"spread_{name}"] = [min(ratios), max(ratios)] if ratios else None
+        if name == "flexsp" and cell[f"{name}_s"] is not None and \
+                cell.get("flexsp_recompute_s") is not None:
+            cell["speedup_flexsp_recompute"] = cell["flexsp_recompute_s"] / cell["elastic_s"]
         if f"{name}_zero3_s" in cell and cell[f"{name}_s"] is not None:
             cell[f"speedup_{name}_with_zero3"] = (cell[f"{name}_s"] + cell[f"{name}_zero3_s"]) \
                 / (cell["elastic_s"] + cell["elastic_zero3_s"])
@@ -329,6 +343,28 @@ def zero3_term(cells: list[dict], name: str) -> dict:
                 worst[f"{name}_zero3_s"], f"s an iteration ({worst['model']}, "
                 f"{worst['context'] // 1024}K)", best(cells, f"speedup_{name}_with_zero3"),
                 "InfiniPipe L358, Fig. 9 ('ZeRO'); paper_terms.zero3_exposed_s")
+
+
+RECOMPUTE = ("FlexSP recomputing every layer (the paper runs every system at one checkpointing "
+             "configuration made for 96K, L347, and does not give FlexSP's; FlexSP's cost "
+             "model leaves checkpointing out, L139)")
+RECOMPUTE_SOURCE = ("InfiniPipe L139, L347; elastic_pipe.flexsp.recomputing_fits (layers "
+                    "recomputed one at a time, as DeepSpeed and Megatron-LM do)")
+
+
+def recompute_term(cells: list[dict], ratio=None) -> dict | None:
+    """The FlexSP rows' why: FlexSP planned with every layer recomputed, its extra seconds in
+    the cell where they are most, and the row's number with it (``ratio(cell, flexsp_s)``
+    maximised over the cells; default elastic's speedup); ``None`` where FlexSP fits in no
+    cell."""
+    ratio = ratio or (lambda cell, flexsp: flexsp / cell["elastic_s"])
+    priced = [c for c in cells if c.get("flexsp_s") and c.get("flexsp_recompute_s")]
+    if not priced:
+        return None
+    worst = max(priced, key=lambda c: c["flexsp_recompute_s"] - c["flexsp_s"])
+    return term(RECOMPUTE, worst["flexsp_recompute_s"] - worst["flexsp_s"],
+                f"s an iteration more ({worst['model']}, {worst['context'] // 1024}K)",
+                max(ratio(c, c["flexsp_recompute_s"]) for c in priced), RECOMPUTE_SOURCE)
 
 
 CELLS = tuple((m, c) for c in (49152, 98304) for m in ("gpt-7b", "gpt-13b", "gpt-30b")) + \
@@ -364,21 +400,16 @@ def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> li
     rows.append(row("InfiniPipe", "elastic / FlexSP, max over 13B/30B at 48K (L360: "
                     "CommonCrawl, 48K, the range's high end)", 1.69,
                     best([grid["gpt-13b", 49152], grid["gpt-30b", 49152]], "speedup_flexsp"),
-                    profile.name, zero3_term([grid["gpt-13b", 49152], grid["gpt-30b", 49152]],
-                                             "flexsp")))
+                    profile.name, recompute_term([grid["gpt-13b", 49152],
+                                                  grid["gpt-30b", 49152]])))
     for name, label, published in (("deepspeed", "DeepSpeed", 1.33),
                                    ("megatron", "Megatron-LM", 1.66)):
-        ratios = [c[f"{name}_s"] / c["flexsp_s"] for c in cells
-                  if c[f"{name}_s"] and c["flexsp_s"]]
-        with_zero3 = [(c[f"{name}_s"] + c.get(f"{name}_zero3_s", 0.0))
-                      / (c["flexsp_s"] + c["flexsp_zero3_s"]) for c in cells
-                      if c[f"{name}_s"] and c["flexsp_s"]]
+        both = [c for c in cells if c[f"{name}_s"] and c["flexsp_s"]]
         rows.append(row("InfiniPipe", f"FlexSP / {label}, max over 13B/30B at 48K and 96K "
-                        f"(L360: 'up to')", published, max(ratios, default=None), profile.name,
-                        term("ZeRO-3 traffic not hidden, in both", max(
-                            c["flexsp_zero3_s"] for c in cells), "s an iteration (FlexSP, "
-                            "the most of the cells)", max(with_zero3, default=None),
-                            "InfiniPipe L358; paper_terms.zero3_exposed_s")))
+                        f"(L360: 'up to')", published,
+                        max((c[f"{name}_s"] / c["flexsp_s"] for c in both), default=None),
+                        profile.name, recompute_term(
+                            both, lambda cell, flexsp, other=name: cell[f"{other}_s"] / flexsp)))
     rows += figure9(grid["gpt-13b", 49152], profile.name)
     for context, published, flexsp, ref in ((65536, 1.23, 1.30, "low end"),
                                             (196608, 1.63, 1.37, "high end")):
@@ -392,7 +423,7 @@ def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> li
                         cell["speedup_seq1f1b"], profile.name, setting, cells=[cell]))
         rows.append(row("InfiniPipe", f"elastic / FlexSP, 13B, {context // 1024}K (Fig. 10, "
                         f"L384, the range's {ref})", flexsp, cell["speedup_flexsp"],
-                        profile.name, zero3_term([cell], "flexsp"), cells=[cell]))
+                        profile.name, recompute_term([cell]), cells=[cell]))
     return rows
 
 
@@ -420,7 +451,8 @@ def figure9(cell: dict, profile: str) -> list[dict]:
         rows.append(row("InfiniPipe", f"{label}'s ZeRO + A2A over elastic's, {where}", cut,
                         theirs / elastic, profile, term(*inside, theirs / with_zero3, source)))
         rows.append(row("InfiniPipe", f"elastic / {label}, {where}", speedup,
-                        cell[f"speedup_{name}"], profile, zero3_term([cell], name)))
+                        cell[f"speedup_{name}"], profile,
+                        recompute_term([cell]) if name == "flexsp" else zero3_term([cell], name)))
     rows.append(bound_row("InfiniPipe", f"elastic's bubble ratio, {where}", ("<=", 0.20),
                           cell["elastic_bubble"], profile))
     return rows

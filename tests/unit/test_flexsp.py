@@ -1,11 +1,13 @@
 """The FlexSP-style baseline (elastic_pipe.flexsp) against hand calculations: the partitions
-it searches, the longest-first assignment, where short and long documents go, and that one
-group of all the GPUs is the DeepSpeed-Ulysses baseline exactly."""
+it searches, the longest-first assignment within each group's micro-batch, the steps' spread,
+the groups' lockstep, where short and long documents go, and that one group of all the GPUs is
+the DeepSpeed-Ulysses baseline exactly."""
 import pytest
 
 from elastic_pipe.baselines import packed_1f1b
 from elastic_pipe.evaluation import report
-from elastic_pipe.flexsp import assign, group_capacity, group_cost, partitions, plan_flexsp
+from elastic_pipe.flexsp import (assign, group_capacity, group_cost, layers_to_hold,
+                                 partitions, plan_flexsp, spread)
 from longctx.cost_model import CostModel, ParallelConfig
 from longctx.hardware import profile_from_dict
 from longctx.models import ModelConfig
@@ -29,22 +31,51 @@ def test_partitions_are_the_power_of_two_multisets():
     assert len(list(partitions(32))) == 202
 
 
-def test_longest_first_goes_where_it_finishes_earliest():
-    """Sizes (2, 1, 1), a group of 2 holding 100 tokens and of 1 holding 50, a document taking
-    length / size seconds. 80 fits only the pair (0 + 40); 40 goes to a single (0 + 40 beats
-    40 + 20); 30 to the other single (0 + 30); the next 30 to the pair (40 + 15 = 55 beats
-    30 + 30); 10 to the second single (30 + 10 beats 55 + 5). Makespan 55."""
-    groups, loads = assign([30, 80, 10, 40, 30], (2, 1, 1), {2: 100, 1: 50},
+def test_longest_first_goes_where_it_finishes_earliest_with_room():
+    """Sizes (2, 1, 1), a group of 2 holding 100 tokens and of 1 holding 50 (one micro-batch
+    each), a document taking length / size seconds. 80 fits only the pair (0 + 40); 40 goes to
+    the first single (0 + 40 ties the second, the earlier wins); 30 to the second single
+    (0 + 30); 15 to the second single (30 + 15 = 45 beats the pair's 40 + 7.5 = 47.5; the first
+    single, at 40 + 15 tokens, has no room); 10 to the pair (40 + 5 = 45 beats 40 + 10; the
+    second single, at 45 + 10 tokens, has no room). Makespan 45."""
+    groups, loads = assign([30, 80, 10, 40, 15], (2, 1, 1), {2: 100, 1: 50},
                            lambda size, length: length / size)
-    assert groups == (2, 0, 2, 1, 0)
-    assert loads == (55.0, 40.0, 40.0)
+    assert groups == (2, 0, 0, 1, 2)
+    assert loads == (45.0, 40.0, 45.0)
+    with pytest.raises(ValueError, match="finds no room"):
+        assign([30, 30], (1,), {1: 50}, lambda size, length: 1.0)
 
 
 def test_a_tie_goes_to_the_larger_group():
     groups, _ = assign([10], (2, 1), {2: 10, 1: 10}, lambda size, length: 5.0)
     assert groups == (0,)
-    with pytest.raises(ValueError, match="fits no group"):
+    with pytest.raises(ValueError, match="finds no room"):
         assign([60], (1, 1), {1: 50}, lambda size, length: 1.0)
+
+
+def test_steps_spread_the_work_longest_first_within_their_tokens():
+    """Work = tokens. 50 and 40 open the two steps; 30 joins the lighter (40 -> 70); 20 the
+    other (50 -> 70); 10 ties, the earlier step (80 tokens, within 80). At 75 tokens a step
+    the 10 finds no step with room."""
+    lengths = [50, 40, 30, 20, 10]
+    assert spread(lengths, range(5), 2, 80, lambda doc: lengths[doc]) == [[0, 3, 4], [1, 2]]
+    assert spread(lengths, range(5), 2, 75, lambda doc: lengths[doc]) is None
+
+
+def test_groups_of_a_step_run_one_micro_batch_each_in_lockstep():
+    """ZeRO-3 over all the GPUs makes every layer a collective of every group: a step of
+    several groups holds one micro-batch on each, and takes its slowest group's time. 64 2K
+    documents at 3 GB (a group of one holds about 6K tokens) need several steps."""
+    plan = plan_flexsp([2048] * 64, MODEL, HARDWARE, GPUS, 3.0, CONTEXT)
+    assert len(plan.steps) > 1
+    for step in plan.steps:
+        if len(step) > 1:
+            for group in step:
+                assert group.plan is None or len(group.plan.chunks()) == 1
+                assert sum(2048 for _ in group.documents) <= plan.capacity[group.size]
+    assert plan.predicted_time_s == sum(max(group.predicted_time_s for group in step)
+                                        for step in plan.steps)
+    assert sorted(plan.assignment()) == list(range(64))
 
 
 def test_zero3_shards_every_group_over_the_whole_cluster():
@@ -114,6 +145,16 @@ def test_documents_that_need_every_gpu_run_in_a_step_of_their_own():
     assert plan.predicted_time_s < one_group.predicted_time_s
 
 
+def test_a_batch_no_step_count_fits_is_refused_with_what_to_allow():
+    """Layouts of two groups of 8 only, documents just over half a group's micro-batch: each
+    step holds two, the fewest steps by tokens about a quarter of the documents, and four
+    more are not enough for 40."""
+    capacity = group_capacity(group_cost(MODEL, HARDWARE, 8, GPUS, 3.0), CONTEXT)
+    with pytest.raises(ValueError, match="allow more layouts"):
+        plan_flexsp([capacity // 2 + 1] * 40, MODEL, HARDWARE, GPUS, 3.0, CONTEXT,
+                    layouts=[(8, 8)])
+
+
 def test_documents_too_long_are_refused():
     with pytest.raises(ValueError, match="fits no SP group: the largest, SP 16"):
         plan_flexsp([65536], MODEL, HARDWARE, GPUS, 2.1, CONTEXT)
@@ -121,3 +162,36 @@ def test_documents_too_long_are_refused():
         plan_flexsp([CONTEXT + 1], MODEL, HARDWARE, GPUS, MEMORY, CONTEXT)
     with pytest.raises(ValueError, match="power of two"):
         plan_flexsp([10], MODEL, HARDWARE, 12, MEMORY, CONTEXT)
+
+
+def test_layers_recomputed_one_at_a_time_keep_their_input_and_one_layer():
+    """With k of the 4 layers recomputed one at a time (DeepSpeed's and Megatron-LM's layer
+    checkpointing), a token keeps the full stash of each layer not recomputed, (8h + 2f) e
+    and 80 bytes of FP32 statistics, and the input of each recomputed one, h e; while a
+    recomputed layer's backward runs, its stash less its input is back; beside them the
+    embedding's 16 bytes, the head's 2h e + 21 + 4V and the loss's workspace e V. Recomputing
+    one layer saves nothing (it comes back for its backward): a micro-batch that fits with 2
+    needs 2."""
+    full, kept = (8 * 1024 + 2 * 4096) * 2 + 80, 2 * 1024
+    ends = 16 + 2 * 1024 * 2 + 8 + 13 + 4 * 1000 + 2 * 1000
+    cost = group_cost(MODEL, HARDWARE, 1, GPUS, 2.5)
+    for k in range(5):
+        per_token = (4 - k) * full + k * kept + ends + (full - kept if k else 0)
+        assert group_capacity(cost, CONTEXT, k) == pytest.approx(
+            cost.activation_budget(0) / per_token, rel=1e-3)
+    assert group_capacity(cost, CONTEXT, 1) == group_capacity(cost, CONTEXT, 0)
+    assert layers_to_hold(cost, group_capacity(cost, CONTEXT, 2)) == 2
+    assert layers_to_hold(cost, 10 ** 7) is None
+
+
+def test_a_fixed_configuration_recomputes_in_every_group():
+    lengths = [20000] + [1000] * 40
+    plan = plan_flexsp(lengths, MODEL, HARDWARE, GPUS, 3.0, CONTEXT, checkpointed=4)
+    for size, tokens in plan.capacity.items():
+        assert tokens == group_capacity(group_cost(MODEL, HARDWARE, size, GPUS, 3.0), CONTEXT, 4)
+    assert plan.capacity[1] > plan_flexsp(lengths, MODEL, HARDWARE, GPUS, 3.0,
+                                          CONTEXT).capacity[1]
+    for step in plan.steps:
+        for group in step:
+            if group.plan is not None:
+                assert set(group.plan.ckpt_table()[0]) == {4}

@@ -45,3 +45,24 @@ def test_table3_and_helixpipe_rows(tmp_path):
     # the network each paper states is the testbed's (HelixPipe L231: 4 x 100 Gb/s a node)
     assert report["testbeds"]["helixpipe-a800"]["overrides"] == {"node_nic_gbps": 50.0}
     assert table.read_text().count("\n") == 2 + len(rows)
+
+
+def test_the_flexsp_rows_term_is_flexsp_recomputing_every_layer():
+    """Two cells by hand: the term's size is the most extra seconds recomputing costs FlexSP
+    (3 s, the 13B cell), the row's number with it the largest ratio over the cells (13 / 10;
+    FlexSP over DeepSpeed: 30 / 24); a cell without FlexSP prices nothing."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import reproduce_papers
+    finally:
+        sys.path.remove(os.path.join(REPO, "scripts"))
+    cells = [{"model": "gpt-13b", "context": 49152, "elastic_s": 10.0, "flexsp_s": 10.0,
+              "flexsp_recompute_s": 13.0, "deepspeed_s": 15.0},
+             {"model": "gpt-30b", "context": 98304, "elastic_s": 20.0, "flexsp_s": 22.0,
+              "flexsp_recompute_s": 24.0, "deepspeed_s": 30.0}]
+    why = reproduce_papers.recompute_term(cells)
+    assert why["size"] == 3.0 and why["unit"].endswith("(gpt-13b, 48K)")
+    assert why["simulated_with"] == 13.0 / 10.0
+    over = reproduce_papers.recompute_term(cells, lambda cell, flexsp: cell["deepspeed_s"] / flexsp)
+    assert over["simulated_with"] == 30.0 / 24.0
+    assert reproduce_papers.recompute_term([dict(cells[0], flexsp_s=None)]) is None
