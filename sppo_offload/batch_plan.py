@@ -94,11 +94,12 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
 
 def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, offload,
                  memory_gb: float, host_memory_gb: float | None,
-                 token_split: int = 1) -> list[float]:
+                 token_split: int = 1, host_gbps: float | None = None) -> list[float]:
     """The simulated peak device bytes per stage of the plan of documents of ``lengths``
     tokens; raises before any compute when it does not fit (module doc, step 6);
-    ``subsequences``, ``offload`` and ``token_split`` as planned."""
-    peak, host = replay(plan, cost)
+    ``subsequences``, ``offload`` and ``token_split`` as planned, ``host_gbps`` as in
+    :func:`replay`."""
+    peak, host = replay(plan, cost, host_gbps)
     if host_memory_gb is not None and max(host) > host_memory_gb * GB:
         stage = host.index(max(host))
         raise ValueError(
@@ -112,7 +113,7 @@ def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, 
     cap = None if host_memory_gb is None else host_memory_gb * GB
     saver = plan if offload != AUTO else plan_subsequences(
         lengths, cost, subsequences, offload, token_split, cap, most_saving=True)
-    least = _ceil_gb(max(replay(saver, cost)[0]))
+    least = _ceil_gb(max(replay(saver, cost, host_gbps)[0]))
     message = (f"sppo: this batch ({len(lengths)} documents of {max(lengths)} tokens at most, "
                f"{len(plan.chunks)} subsequences) needs {max(peak) / GB:.4g} GB per GPU, more "
                f"than --sppo-memory-gb {memory_gb:g}; ")
@@ -130,16 +131,21 @@ def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, 
     raise ValueError(message)
 
 
-def replay(plan: SubsequencePlan, cost: CostModel) -> tuple[list[float], list[float]]:
+def replay(plan: SubsequencePlan, cost: CostModel,
+           host_gbps: float | None = None) -> tuple[list[float], list[float]]:
     """``(peak device bytes, peak host bytes)`` per stage of the batch's schedule, simulated
     with ``cost``: an ``OFFLOAD`` puts its unit's predicted bytes in host memory, its
-    ``RELOAD`` takes them back, in the order each rank runs them."""
+    ``RELOAD`` takes them back, in the order each rank runs them. The copies run at
+    ``host_gbps`` (default: the profile's host link): on a side stream, an offload's bytes
+    leave the device when its copy ends and a reload's are back when it starts; with
+    ``math.inf``, the host tier that copies synchronously (the CPU twin), at the action."""
     offloaded = [[a * offloadable_bytes(cost, stage, chunk) if a else 0.0
                   for a, chunk in zip(row, plan.chunks)] for stage, row in enumerate(plan.alphas)]
     schedule = build_schedule(cost.pp, plan.counts,
                               lambda action: plan.alphas[action.stage][action.unit] > 0)
-    result = simulate(schedule, OffloadCosts(cost, plan.chunks, offloaded, None,
-                                             cost.hardware.host_gbps_per_gpu), trace=False)
+    link = cost.hardware.host_gbps_per_gpu if host_gbps is None else host_gbps
+    result = simulate(schedule, OffloadCosts(cost, plan.chunks, offloaded, None, link),
+                      trace=False)
     host = []
     for stage, row in enumerate(schedule):
         held = most = 0.0

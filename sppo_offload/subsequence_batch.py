@@ -58,8 +58,12 @@ def prepare_input(documents, args, model):
     host_gb = args.sppo_host_memory_gb
     plan = plan_subsequences(mine, cost, args.sppo_subsequences, args.sppo_offload, tp * cp,
                              None if host_gb is None else host_gb * GB)
+    chunk = model[0] if isinstance(model, list) else model
+    capacity = None if host_gb is None else int(host_gb * GB)
+    tier = host_tier(next(chunk.parameters()).device, capacity)
     peaks = check_budget(mine, plan, cost, args.sppo_subsequences, args.sppo_offload,
-                         memory_budget_gb(args), host_gb, tp * cp)
+                         memory_budget_gb(args), host_gb, tp * cp,
+                         math.inf if tier.synchronous else None)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     offloaded = lambda action: plan.alphas[action.stage][action.unit] > 0  # noqa: E731
     if args.sppo_multiplex:
@@ -73,10 +77,7 @@ def prepare_input(documents, args, model):
     batches = [chunk_batch(chunk, documents, share, tp * cp, weights) for chunk in plan.chunks]
     slices = [((share[chunk.pieces[0].doc], chunk.pieces[0].slice),)
               if plan.is_slice(unit) else () for unit, chunk in enumerate(plan.chunks)]
-    chunk = model[0] if isinstance(model, list) else model
-    capacity = None if host_gb is None else int(host_gb * GB)
-    offloader = ActivationOffloader(host_tier(next(chunk.parameters()).device, capacity),
-                                    plan.alphas[stage].__getitem__)
+    offloader = ActivationOffloader(tier, plan.alphas[stage].__getitem__)
     divisor = (tp if args.sequence_parallel else 1) * cp
     batch = SubsequenceBatch(schedule, batches, slices, args.hidden_size, divisor,
                              subsequences=plan, offloader=offloader,

@@ -222,3 +222,14 @@ def test_multiplexing_over_the_budget_the_plain_plan_fits_is_refused(pp, offload
                                          rf"schedule fits: raise --sppo-memory-gb"):
         _check_multiplexable(plan, cost, budget)
     _check_multiplexable(plan, cost, max(peaks) / GB * 1.01)
+
+
+def test_a_synchronous_host_tier_takes_the_bytes_off_at_the_offload():
+    """Replayed with the copies made at their actions (the CPU's tier), offloading every
+    subsequence but the last lowers every stage's peak below the plan without offloading; the
+    host bytes do not depend on the copies' speed."""
+    lengths, cost = [61, 3, 40], cost_model()
+    off = replay(plan_subsequences(lengths, cost, 4, "off"), cost)[0]
+    plan = plan_subsequences(lengths, cost, 4, 1.0)
+    assert replay(plan, cost, math.inf)[1] == replay(plan, cost)[1]
+    assert all(s < o for s, o in zip(replay(plan, cost, math.inf)[0], off))

@@ -63,6 +63,10 @@ class HostMemory:
     are the bytes held now and at most; ``moved`` all bytes ever written.
     """
 
+    synchronous = True
+    """A copy is done when ``write`` or ``read`` returns (what the planners' replay assumes of
+    the tier: :func:`sppo_offload.batch_plan.replay`)."""
+
     def __init__(self, capacity_bytes: int | None = None):
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"host capacity must be >= 0 bytes, got {capacity_bytes}")
@@ -116,6 +120,8 @@ class PinnedHostMemory(HostMemory):  # pragma: no cover - CUDA only, tested wher
     the device buffer is allocated on the compute stream, filled on the side stream, and an
     event marks the copy; :meth:`wait` makes the compute stream wait for it.
     """
+
+    synchronous = False
 
     def __init__(self, device: torch.device, capacity_bytes: int | None = None):
         super().__init__(capacity_bytes)
