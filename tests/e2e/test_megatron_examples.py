@@ -1,7 +1,9 @@
 """Megatron-LM's example launch scripts as clients: the GPT-3 example
 (``examples/gpt3/train_gpt3_175b_distributed.sh``) and the Llama-3 8B example's real-data branch
 (``examples/llama/train_llama3_8b_h100_fp8.sh``), flag for flag apart from sizes, paths, the
-launcher and FP8, on 2 CPU ranks under ``1f1b`` and ``elastic``.
+launcher and FP8, on 2 CPU ranks under ``1f1b`` and ``elastic``, Llama-3's also under
+``seq1f1b`` (documents cut into chunks of a quarter of the longest one) and ``sppo`` (each
+document cut into 4 subsequences).
 
 The tokenizers are built here (nothing is downloaded): a byte-level BPE trained on the
 project's own sources, saved as a HuggingFace tokenizer directory (Llama-3's
@@ -13,21 +15,25 @@ Hugging Face cache, as on an air-gapped cluster. The data is written by
 
 What a CPU run cannot take is refused by name, and each refusal is checked before the flag is
 dropped: half precision (CUDA-only in megatron-core) and ``--profile`` without
-``--use-pytorch-profiler`` (nsys). Both schedules keep the distributed optimizer with
+``--use-pytorch-profiler`` (nsys). Every schedule keeps the distributed optimizer with
 ``--overlap-grad-reduce`` and ``--overlap-param-gather`` (fp32 on a CPU).
 ``--rampup-batch-size`` is refused for every schedule (the document batches are of a fixed
 size); Llama-3's ``--attention-backend fused`` is kept (on CPU it runs the CPU kernel); its
 ``--log-throughput`` is kept where megatron-core counts FLOPs over the documents'
-lengths (0.19) and refused where it cannot (0.17). ``elastic`` also refuses
-``--grad-reduce-in-bf16`` (no test proves it under it).
-Both schedules then train the same documents from the same seed. GPT-3's example leaves
+lengths (0.19) and refused where it cannot (0.17). The document schedules also refuse
+``--grad-reduce-in-bf16`` (no test proves it under them); Llama-3's
+``--cross-entropy-loss-fusion`` is kept under each: Megatron's fused cross entropy returns the
+logits' gradient in bf16, beyond the golden tests' bound, and this test is its proof (the last
+stage computes it per micro-batch, chunk or subsequence, and it is per token).
+The schedules then train the same documents from the same seed. GPT-3's example leaves
 dropout at Megatron's default (0.1): two schedules that pack the same documents into different
 rows draw different masks, so the test sets ``--hidden-dropout 0 --attention-dropout 0`` for it
 (as Llama-3's example does itself); that dropout trains identically under a schedule is the
 business of the resume tests. Llama-3's example minimizes the per-token mean
 (``--calculate-per-token-loss``), GPT-3's Megatron's default loss (the mean of the
 micro-batches' token means, which ``elastic`` forms by weighting each token as Megatron's
-packing does): under both schedules every iteration's loss agrees to 1e-4.
+packing does): under every schedule each iteration's loss agrees with ``1f1b``'s to 1e-4, and
+its gradient norm to the 3 decimals Megatron logs (one unit of the last apart at most).
 """
 import glob
 import json
@@ -104,21 +110,28 @@ def llama3(data, tokenizer, checkpoints, tensorboard, cache):
     ]
 
 
+#: The schedules each example trains under; every other's losses are compared with the first's.
+SCHEDULES = {"gpt3": ("1f1b", "elastic"), "llama3": ("1f1b", "elastic", "seq1f1b", "sppo")}
+#: Flags a schedule's run adds: seq1f1b cuts the documents into chunks of a quarter of the
+#: longest one's tokens and sppo each document into 4 subsequences, so that the last stage
+#: computes the loss (Llama-3's: Megatron's fused cross entropy) per chunk and per subsequence.
+SCHEDULE_FLAGS = {"seq1f1b": ["--elastic-slices", "4"], "sppo": ["--sppo-subsequences", "4"]}
 CPU_HALF = ("--bf16 and --fp16 need CUDA", torch.cuda.is_available())
 #: ``(flag, values it takes, (the refusal naming it, whether it is kept here), schedules)``:
 #: a flag dropped where it is refused.
 DROPS = {
     "gpt3": [
-        ("--fp16", 0, CPU_HALF, ("1f1b", "elastic")),
+        ("--fp16", 0, CPU_HALF, SCHEDULES["gpt3"]),
         ("--rampup-batch-size", 3, ("the global batch size (documents) is fixed: drop "
-                                    "--rampup-batch-size", False), ("1f1b", "elastic")),
+                                    "--rampup-batch-size", False), SCHEDULES["gpt3"]),
     ],
     "llama3": [
-        ("--bf16", 0, CPU_HALF, ("1f1b", "elastic")),
-        ("--grad-reduce-in-bf16", 0, ("--grad-reduce-in-bf16 is not supported by "
-                                      "--pipeline-schedule elastic", False), ("elastic",)),
+        ("--bf16", 0, CPU_HALF, SCHEDULES["llama3"]),
+        *[("--grad-reduce-in-bf16", 0, (f"--grad-reduce-in-bf16 is not supported by "
+                                        f"--pipeline-schedule {schedule}", False), (schedule,))
+          for schedule in SCHEDULES["llama3"][1:]],
         ("--log-throughput", 0, ("--log-throughput: this megatron-core release counts FLOPs",
-                                 flop_count.counts_real_lengths()), ("1f1b", "elastic")),
+                                 flop_count.counts_real_lengths()), SCHEDULES["llama3"]),
     ],
 }
 #: ``(example, schedule or "cpu") -> (flags added, the refusal asking for them)``.
@@ -219,11 +232,12 @@ def losses(stdout: str) -> list[float]:
 
 
 @pytest.mark.parametrize("name", ["gpt3", "llama3"])
-def test_megatron_example_trains_under_1f1b_and_elastic(workspace, name):
+def test_megatron_example_trains_alike_under_the_schedules(workspace, name):
     env = workspace[3]
-    trained = {}
-    for schedule in ("1f1b", "elastic"):
-        argv = example(workspace, name, schedule) + ["--pipeline-schedule", schedule]
+    trained, norms = {}, {}
+    for schedule in SCHEDULES[name]:
+        argv = example(workspace, name, schedule) + ["--pipeline-schedule", schedule,
+                                                     *SCHEDULE_FLAGS.get(schedule, [])]
         drops = [(flag, values, message) for flag, values, (message, kept), schedules
                  in DROPS[name] if schedule in schedules and not kept]
         adds = [ADDS[key] for key in ((name, schedule), (name, "cpu"))
@@ -248,8 +262,9 @@ def test_megatron_example_trains_under_1f1b_and_elastic(workspace, name):
         # different documents at the example's learning rate lower the loss depends on the
         # documents, which are the project's own sources: no assertion is made on it.)
         assert all(torch.isfinite(torch.tensor(trained[schedule])))
-        norms = logged(result.stdout, "grad norm")
-        assert len(norms) == ITERATIONS and all(0 < n < float("inf") for n in norms), norms
+        norms[schedule] = logged(result.stdout, "grad norm")
+        assert len(norms[schedule]) == ITERATIONS, norms[schedule]
+        assert all(0 < n < float("inf") for n in norms[schedule]), norms[schedule]
         assert all(lr > 0 for lr in logged(result.stdout, "learning rate"))
         assert logged(result.stdout, "number of skipped iterations") == [0] * ITERATIONS
         if "--log-throughput" in argv:  # kept where Megatron counts the documents' lengths
@@ -260,5 +275,13 @@ def test_megatron_example_trains_under_1f1b_and_elastic(workspace, name):
             assert f.read().strip() == str(ITERATIONS)
         if name == "llama3" and not torch.cuda.is_available():  # --use-pytorch-profiler
             assert glob.glob(os.path.join(os.path.dirname(checkpoint), "torch_profile", "*"))
-    torch.testing.assert_close(torch.tensor(trained["elastic"]), torch.tensor(trained["1f1b"]),
-                               rtol=1e-4, atol=0)
+    first, *others = SCHEDULES[name]
+    for schedule in others:
+        torch.testing.assert_close(torch.tensor(trained[schedule]), torch.tensor(trained[first]),
+                                   rtol=1e-4, atol=0, msg=lambda m: f"{schedule}: {m}")
+        # The gradients too, beyond what the next iterations' losses show: Megatron logs each
+        # iteration's gradient norm to 3 decimals, which agree up to one unit of the last
+        # (the rounding of values that are equal to far more digits can differ by one).
+        apart = [abs(round(a * 1000) - round(b * 1000))
+                 for a, b in zip(norms[schedule], norms[first])]
+        assert max(apart) <= 1, (schedule, norms[schedule], norms[first])
