@@ -59,6 +59,11 @@ class ChunkCosts:
         return tuple((unit, self.cost.gradient_sum_bytes(action.stage, self.chunks[unit]))
                      for unit in self._earlier[action.unit])
 
+    def head_bytes(self, action: Action) -> float:
+        """What a backward frees before its first layer's: the head's share of the stash
+        (last stage)."""
+        return self.cost.head_bytes(action.stage, self.chunks[action.unit])
+
     def backward_layers(self, action: Action) -> int:
         """A backward runs its stage's layers one after the other, each making its own dK/dV
         sums (the simulator's step rule)."""

@@ -493,12 +493,18 @@ class CostModel:
 
     def stash_bytes(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
         """Bytes ``stage`` keeps for ``chunk`` between its forward and its backward."""
-        full = self.layers(stage) * self.layer_activation(chunk)
+        full = self.layers(stage) * self.layer_activation(chunk) + self.head_bytes(stage, chunk)
         if stage == 0:
             full += self.embedding_per_token * chunk.tokens
-        if stage == self.pp - 1:
-            full += (self.logits_per_token + self.head_extra_per_token) * chunk.tokens
         return full - checkpointed * self.layer_saving(chunk)
+
+    def head_bytes(self, stage: int, chunk: Chunk) -> float:
+        """Bytes the head keeps for ``chunk`` on ``stage`` (the last: FP32 logits, the final
+        norm's and the output layer's inputs, the loss's tensors; 0 elsewhere): part of
+        :meth:`stash_bytes`, and the first a backward frees."""
+        if stage != self.pp - 1:
+            return 0.0
+        return (self.logits_per_token + self.head_extra_per_token) * chunk.tokens
 
     def gradient_sum_bytes(self, stage: int, chunk: Chunk) -> float:
         """Bytes of the dK/dV sums ``stage`` keeps for ``chunk``'s slices that are not their

@@ -39,8 +39,10 @@ store's dK/dV sums of a document's earlier slices): ``costs.gradient_sums(action
 as ``(unit, bytes)``; the first backward that names a unit adds those bytes to its stash. The
 backward creates them in ``costs.backward_layers(action)`` equal steps (one per layer: a layer's
 attention backward makes that layer's sums), each while its own layer's share of the stash is
-still held and after the later layers' shares were freed: the peak counts the first step's sums
-on top of the whole stash, and all the sums beside the last step's share of it. Each rank starts at
+still held and after the later layers' shares were freed; before its steps it frees
+``costs.head_bytes(action)`` (the model's head, whose backward runs first): the peak counts the
+first step's sums on top of the rest of the stash, and all the sums beside the last step's
+share of it. Each rank starts at
 ``costs.static_bytes(rank)`` (model state). The timeline lists ``(time, bytes)`` after every
 change of the stash; the peak is its maximum, plus the workspace of the actions running then.
 
@@ -97,6 +99,11 @@ class CostDefaults:
         (module doc): 1, all at once."""
         del action
         return 1
+
+    def head_bytes(self, action: Action) -> float:
+        """Bytes of the stash a backward frees before its steps (the model's head): none."""
+        del action
+        return 0.0
 
     def static_bytes(self, rank: int) -> float:
         del rank
@@ -472,9 +479,11 @@ def _backward(replay: _Replay, rank: _Rank, action: Action) -> int:
             created += added
     if created:
         steps = replay.costs.backward_layers(action)
-        own = rank.stash.get(slot, 0.0)
-        rank.peak = max(rank.peak, rank.memory + created / steps,
-                        rank.memory - own * (steps - 1) / steps + created)
+        held = rank.stash.get(slot, 0.0)
+        head = min(replay.costs.head_bytes(action), held)
+        own, before = held - head, rank.memory - head
+        rank.peak = max(rank.peak, before + created / steps,
+                        before - own * (steps - 1) / steps + created)
         rank.memory += created
         rank.timeline.append((rank.clock, rank.memory))
     freed = rank.stash.pop(slot, 0.0)
