@@ -72,8 +72,12 @@ Rows:
   GPT-65B on 128 GPUs at 600K and 640K, each at the layout the paper's Table 4 states for it
   (L247-268, all DP 1): SPPO at SP 8 x PP 4 (7B) and SP 16 x PP 8 (65B) with Table 4's
   subsequence count N for the length, the tuned Megatron-LM at SP 32 x PP 1 (7B) and SP 64 x
-  PP 2 (65B); one sequence an iteration (the paper does not state its batch). The detail also
-  gives the ratio with each method at the best layout ``sppo_offload.solver`` finds for it.
+  PP 2 (65B); one sequence an iteration (the paper does not state its batch). The 7B rows'
+  why is Megatron-LM's TP + SP collectives (TP 32 over 4 nodes, exposed between its GEMMs),
+  priced as hidden (:func:`paper_terms.plan_collectives_s`). The detail also gives the ratio
+  with each method at the best layout ``sppo_offload.solver`` finds for it, and with
+  Megatron-LM at SPPO's layout (Table 4's first columns are "Mega. & SPPO"; L276: "under the
+  same parallelism strategy").
   The offload ablation (L284: full offloading over none for 13B at 512K and 65B at 640K, at
   Table 4's layout and N). The longest sequence at Table 4's layouts (65B on 128 GPUs, 13B on
   64, Megatron-LM's 7B on 32: L272-276): SPPO's as lower bounds (the paper's lengths are
@@ -81,7 +85,9 @@ Rows:
   than the paper's, with the caching allocator's fragmentation priced (GMLake's mean,
   :mod:`paper_terms`) and, in the detail, the memory one GPU holds at the paper's length,
   term by term (the TP + SP buffers and the loss's already priced, NCCL's buffers beside the
-  reserved 2 GB); L44's 1M / 2M / 4M on 32 / 64 / 128 GPUs as lower bounds (demonstrations,
+  reserved 2 GB), the memory at the simulated longest term by term beside what megatron-core
+  0.19.2 holds there (:func:`paper_terms.megatron_recompute_ledger`), and the longest at
+  SPPO's layout; L44's 1M / 2M / 4M on 32 / 64 / 128 GPUs as lower bounds (demonstrations,
   not maxima); Fig. 12's longest 7B sequences at searched layouts over Megatron-Tuned's on
   32 GPUs, with the fragmentation in both lengths. The breakdown's adaptive-offloading and
   multiplexing speedups (L286-288) are left out: the text does not say what they are over.
