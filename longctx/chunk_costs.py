@@ -15,7 +15,8 @@ class ChunkCosts:
 
     A ``RECOMPUTE`` rematerialises all the unit's checkpointed layers at once, as this project's
     runtime does; ``per_layer_recompute`` prices Megatron's full recomputation instead, which
-    rebuilds one layer at a time inside the backward (a transient of one layer)."""
+    rebuilds one layer at a time inside the backward (a transient of one layer and the tensors
+    at its boundary, :meth:`~longctx.cost_model.CostModel.recompute_boundary`)."""
 
     def __init__(self, cost: CostModel, chunks, checkpointed, per_layer_recompute: bool = False):
         self.cost = cost
@@ -47,9 +48,9 @@ class ChunkCosts:
     def activation_bytes(self, action: Action) -> float:
         chunk = self.chunks[action.unit]
         if action.kind is Kind.RECOMPUTE:
-            layers = 1 if self.per_layer_recompute else self.checkpointed(action.stage,
-                                                                          action.unit)
-            return layers * self.cost.layer_saving(chunk)
+            if self.per_layer_recompute:
+                return self.cost.layer_saving(chunk) + self.cost.recompute_boundary(chunk)
+            return self.checkpointed(action.stage, action.unit) * self.cost.layer_saving(chunk)
         return self.cost.stash_bytes(action.stage, chunk, self.checkpointed(
             action.stage, action.unit)) - self.cost.gradient_sum_bytes(action.stage, chunk)
 

@@ -113,6 +113,13 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   forward to its backward -- the simulator's stash model releases memory only at a backward --
   which over-estimates the peak by at most that buffer between the forward and the backward of
   the document's last slice (conservative, the same number for the solver and the simulator);
+- Megatron-LM's full recomputation (the baselines' ``per_layer_recompute``) rebuilds one layer
+  at a time inside the backward (megatron-core ``tensor_parallel/random.py``,
+  ``CheckpointFunction.backward``): beside the rebuilt layer's saved tensors it holds the
+  rebuilt output (``outputs = ctx.run_function(*detached_inputs)``), the gradient arriving at
+  it (``torch.autograd.backward(outputs, args)``) and the input's gradient it makes
+  (``inp.grad``), ``3 h e`` per token (:meth:`CostModel.recompute_boundary`; the gradients
+  flowing between layers are not counted otherwise, for any schedule);
 - checkpointed layers are recomputed together before the chunk's backward (the runtime's
   ``RECOMPUTE`` rebuilds the whole checkpointed range from the one kept input), so the
   transient of a chunk with ``k`` checkpointed layers is ``k`` layers' difference between the
@@ -467,6 +474,13 @@ class CostModel:
     def layer_saving(self, chunk: Chunk) -> float:
         """Bytes saved by checkpointing one layer; also the transient of recomputing it."""
         return self._costs(chunk)[3]
+
+    def recompute_boundary(self, chunk: Chunk) -> float:
+        """Bytes Megatron-LM's per-layer recomputation holds beside the rebuilt layer's saved
+        tensors: the rebuilt layer's output, the gradient arriving at that output and the
+        gradient of the layer's input it computes, each ``[tokens / (sp tp cp), h]`` (module
+        doc)."""
+        return 3 * self.ckpt_per_token * chunk.tokens
 
     def layer_workspace(self, chunk: Chunk) -> float:
         """Bytes a running layer holds beyond its stash: TP + SP's two full-sequence buffers

@@ -56,6 +56,28 @@ from the papers' systems, computed from the same cost model (for ``reproduce_pap
   one data-parallel replica, as Table 4's layouts, the data-parallel group has one GPU). The
   cost model's ``reserved_gb`` (2 GB) already stands for them, with the CUDA context: the
   detail shows the two side by side.
+- **Megatron-LM's memory under full recomputation, term by term** (the SPPO rows' longest
+  sequences): what the simulated ``megatron_recompute`` holds on a stage at its peak (a
+  layer's recomputation inside the backward) beside what megatron-core 0.19.2
+  (``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``, TP
+  with sequence parallelism, the unfused vocab-parallel cross entropy that is its default)
+  holds at each of its peaks, the sizes from the same per-token figures
+  (:func:`megatron_recompute_ledger`, each term with its source line). megatron-core's
+  moments: *a layer's backward* (every layer's checkpointed input, ``random.py:618``; the
+  rebuilt layer with its output and the two boundary gradients, ``random.py:647-657``; the
+  global buffer's re-gathered input, ``layers.py:614``, beside the full-sequence input
+  gradient, ``layers.py:627``; the loss's FP32 softmax is gone by then: the cross entropy's
+  backward turns it into the logits' gradient in place, ``cross_entropy.py:190-210``, which the
+  output layer's backward consumes); *the loss's backward* on the last stage (the FP32
+  softmax-turned-gradient beside its BF16 cast, ``cross_entropy.py:25``'s ``.float()`` undone,
+  and the global buffer, allocated since the forward's first gather, ``layers.py:570``,
+  ``parallel_state.get_global_memory_buffer``); and *the output layer's backward* (the BF16
+  logits' gradient, the re-gathered input and the full-sequence input gradient). The
+  simulation charges the FP32 logits until the stage's backward ends and TP's two buffers
+  with every layer: the difference is what it over-counts.
+- **Megatron-LM's exposed TP + SP collectives** (the SPPO speed rows): a plan's layer
+  collectives, forward, backward and recomputed forwards, in seconds an iteration
+  (:func:`plan_collectives_s`); the cost model puts them between dependent kernels, unhidden.
 """
 from __future__ import annotations
 
@@ -163,3 +185,70 @@ def nccl_buffer_bytes(sp: int, pp: int) -> float:
     """Device bytes of NCCL's buffers on one GPU of that layout (module doc)."""
     return sum(NCCL_COMMUNICATOR_MIB[min(ranks, 3)] * MIB
                for ranks in megatron_communicators(sp, pp).values())
+
+
+def plan_collectives_s(plan) -> float:
+    """Seconds of the slowest stage's layer collectives an iteration of an
+    :class:`sppo_offload.solver.MethodPlan`: forward, backward and recomputed forwards of every
+    subsequence (module doc)."""
+    from sppo_offload.costs import subsequence_chunks
+
+    cost = plan.costs.cost
+    stages = [0.0] * cost.pp
+    for chunk in subsequence_chunks(plan.lengths):
+        forward = cost.layer_collectives(chunk)
+        backward = cost.layer_backward(chunk) - \
+            cost.hardware.backward_factor * cost.layer_compute(chunk)
+        for stage in range(cost.pp):
+            stages[stage] += cost.layers(stage) * (forward + backward) + \
+                plan.checkpointed[stage] * forward
+    return max(stages)
+
+
+def megatron_recompute_ledger(cost: CostModel, tokens: int, stage: int) -> dict:
+    """Bytes one GPU of ``stage`` holds for one ``tokens``-long sequence under Megatron-LM's
+    full recomputation, term by term: ``simulated`` (the simulator's peak, a layer's
+    recomputation within the stage's backward) and ``megatron_core`` (megatron-core's largest
+    moment: a layer's backward, the loss's backward or the output layer's; module doc), each
+    ``{term: bytes}``, the moment named; ``over_counted`` their peaks' difference."""
+    from longctx.chunks import Chunk, Piece
+
+    chunk = Chunk((Piece(0, 0, 0, tokens, True),))
+    last, first = stage == cost.pp - 1, stage == 0
+    layers = cost.layers(stage)
+    h, e = cost.model.hidden_size, cost.model.element_bytes
+    p = cost.parallel
+    shared = {"model state": cost.static_bytes(stage) - p.reserved_gb * 1e9,
+              "reserved (CUDA context, NCCL)": p.reserved_gb * 1e9,
+              "checkpointed layer inputs": layers * cost.ckpt_per_token * tokens}
+    if first:
+        shared["embedding's ids and dropout mask"] = cost.embedding_per_token * tokens
+    head = cost.head_extra_per_token * tokens if last else 0.0
+    fp32_logits = cost.logits_per_token * tokens if last else 0.0
+    remat = {"one layer rematerialised": cost.layer_saving(chunk),
+             "the rebuilt output and two boundary gradients": cost.recompute_boundary(chunk)}
+    full = e * tokens * h / (p.sp * p.cp) * cost.allocator if p.tp > 1 else 0.0
+    simulated = dict(shared, **remat)
+    if last:
+        simulated.update({"FP32 logits (kept to the stage's backward end)": fp32_logits,
+                          "final norm, output-layer input, loss targets": head})
+    simulated["workspace (TP + SP's two buffers, or the loss's BF16 logits)"] = \
+        cost.stage_workspace(stage, chunk)
+    moments = {"a layer's backward": dict(shared, **remat, **{
+        "global buffer: the re-gathered input (layers.py:614)": full,
+        "full-sequence input gradient (layers.py:627)": full})}
+    if last:
+        bf16 = cost.loss_workspace(chunk)
+        moments["the loss's backward"] = dict(shared, **{
+            "final norm, output-layer input, loss targets": head,
+            "FP32 softmax turned gradient (cross_entropy.py:181, 190)": fp32_logits,
+            "its BF16 cast (cross_entropy.py:25 undone)": bf16,
+            "global buffer, held since the forward (layers.py:570)": full})
+        moments["the output layer's backward"] = dict(shared, **{
+            "final norm, output-layer input, loss targets": head,
+            "BF16 logits' gradient": bf16,
+            "global buffer: the re-gathered input (layers.py:614)": full,
+            "full-sequence input gradient (layers.py:627)": full})
+    moment, held = max(moments.items(), key=lambda item: sum(item[1].values()))
+    return {"simulated": simulated, "megatron_core": held, "megatron_core_moment": moment,
+            "over_counted": sum(simulated.values()) - sum(held.values())}

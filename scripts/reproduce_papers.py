@@ -72,8 +72,12 @@ Rows:
   GPT-65B on 128 GPUs at 600K and 640K, each at the layout the paper's Table 4 states for it
   (L247-268, all DP 1): SPPO at SP 8 x PP 4 (7B) and SP 16 x PP 8 (65B) with Table 4's
   subsequence count N for the length, the tuned Megatron-LM at SP 32 x PP 1 (7B) and SP 64 x
-  PP 2 (65B); one sequence an iteration (the paper does not state its batch). The detail also
-  gives the ratio with each method at the best layout ``sppo_offload.solver`` finds for it.
+  PP 2 (65B); one sequence an iteration (the paper does not state its batch). The 7B rows'
+  why is Megatron-LM's TP + SP collectives (TP 32 over 4 nodes, exposed between its GEMMs),
+  priced as hidden (:func:`paper_terms.plan_collectives_s`). The detail also gives the ratio
+  with each method at the best layout ``sppo_offload.solver`` finds for it, and with
+  Megatron-LM at SPPO's layout (Table 4's first columns are "Mega. & SPPO"; L276: "under the
+  same parallelism strategy").
   The offload ablation (L284: full offloading over none for 13B at 512K and 65B at 640K, at
   Table 4's layout and N). The longest sequence at Table 4's layouts (65B on 128 GPUs, 13B on
   64, Megatron-LM's 7B on 32: L272-276): SPPO's as lower bounds (the paper's lengths are
@@ -81,7 +85,9 @@ Rows:
   than the paper's, with the caching allocator's fragmentation priced (GMLake's mean,
   :mod:`paper_terms`) and, in the detail, the memory one GPU holds at the paper's length,
   term by term (the TP + SP buffers and the loss's already priced, NCCL's buffers beside the
-  reserved 2 GB); L44's 1M / 2M / 4M on 32 / 64 / 128 GPUs as lower bounds (demonstrations,
+  reserved 2 GB), the memory at the simulated longest term by term beside what megatron-core
+  0.19.2 holds there (:func:`paper_terms.megatron_recompute_ledger`), and the longest at
+  SPPO's layout; L44's 1M / 2M / 4M on 32 / 64 / 128 GPUs as lower bounds (demonstrations,
   not maxima); Fig. 12's longest 7B sequences at searched layouts over Megatron-Tuned's on
   32 GPUs, with the fragmentation in both lengths. The breakdown's adaptive-offloading and
   multiplexing speedups (L286-288) are left out: the text does not say what they are over.
@@ -601,19 +607,22 @@ def sppo() -> list[dict]:
     def speedup(model, gpus, tokens, layouts=None, subsequences=None):
         """SPPO over Megatron-LM, each at ``layouts[method]`` (``None``: searched) with SPPO's
         ``subsequences``; and the plans' layouts."""
-        plans = {}
+        plans, solved = {}, {}
         for method in (SPPO, MEGATRON):
             config = SolverConfig(gpus=gpus, memory_gb=80.0,
                                   layout=None if layouts is None else layouts[method],
                                   subsequences=subsequences if method == SPPO else None)
             try:
-                plans[method] = solve(method, tokens, model, profile, config).to_dict()
+                solved[method] = solve(method, tokens, model, profile, config)
+                plans[method] = solved[method].to_dict()
             except ValueError as error:
                 plans[method] = {"error": str(error).splitlines()[0]}
         ok = all("tokens_per_s" in p for p in plans.values())
         ratio = plans[SPPO]["tokens_per_s"] / plans[MEGATRON]["tokens_per_s"] if ok else None
         chosen = {m: {k: p.get(k) for k in ("sp", "pp", "dp", "num_subsequences", "error")
                       if p.get(k) is not None} for m, p in plans.items()}
+        if ok:
+            chosen["megatron_collectives"] = megatron_collectives(solved[SPPO], solved[MEGATRON])
         return ratio, chosen
 
     # Table 4 (L247-268): (SPPO's SP, PP), the tuned Megatron-LM's (SP, PP), N per length.
@@ -628,22 +637,37 @@ def sppo() -> list[dict]:
         searched, searched_layouts = speedup(seven, 32, tokens)
         cells.append({"seq_length": tokens, "speedup": ratio, "layouts": chosen,
                       "speedup_at_searched_layouts": searched,
-                      "searched_layouts": searched_layouts})
-    found = [c["speedup"] for c in cells if c["speedup"]]
-    for label, published, value in (("lowest", 1.13, min(found, default=None)),
-                                    ("highest", 1.29, max(found, default=None))):
+                      "searched_layouts": searched_layouts,
+                      "speedup_megatron_at_sppo_layout": speedup(
+                          seven, 32, tokens, dict.fromkeys((SPPO, MEGATRON), layouts[SPPO]),
+                          n)[0]})
+    found = [c for c in cells if c["speedup"]]
+    for label, published, pick in (("lowest", 1.13, min), ("highest", 1.29, max)):
+        value, why = None, None
+        if found:
+            value = pick(c["speedup"] for c in found)
+            # the lowest (highest) over the lengths with the term priced, and its cell's size
+            cell = pick(found, key=lambda c: c["layouts"]["megatron_collectives"]
+                        ["speedup_hidden"])
+            exposed = cell["layouts"]["megatron_collectives"]
+            why = term(f"{MEGATRON_COLLECTIVES}, at {cell['seq_length'] // 1024}K",
+                       exposed["seconds"], f"s of Megatron-LM's {exposed['iteration_s']:.3g} s "
+                       f"iteration", exposed["speedup_hidden"], COLLECTIVES_SOURCE)
         rows.append(row("SPPO", f"SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the {label}, "
                         f"Table 4's layouts (Fig. 10, L272)", published, value, profile.name,
-                        cells=cells))
+                        why, cells=cells))
     sixty_five = get_model("gpt-65b")
     layouts, counts = table4["gpt-65b"]
     for tokens, published in ((614400, 3.38), (655360, 3.12)):
         ratio, chosen = speedup(sixty_five, 128, tokens, layouts, counts[tokens])
         searched, searched_layouts = speedup(sixty_five, 128, tokens)
+        shared, _ = speedup(sixty_five, 128, tokens,
+                            dict.fromkeys((SPPO, MEGATRON), layouts[SPPO]), counts[tokens])
         rows.append(row("SPPO", f"SPPO / Megatron-LM, 65B, 128 GPUs, {tokens // 1024}K, "
                         f"Table 4's layouts (Fig. 10, L276)", published, ratio, profile.name,
                         layouts=chosen, speedup_at_searched_layouts=searched,
-                        searched_layouts=searched_layouts))
+                        searched_layouts=searched_layouts,
+                        speedup_megatron_at_sppo_layout=shared))
     # The offload ablation (L284): full offloading over none, at Table 4's layout and N.
     thirteen = get_model("gpt-13b")
     for model, gpus, tokens, layout, n, published in (
@@ -681,15 +705,23 @@ def sppo() -> list[dict]:
                               f"Table 4's longest for the model: a lower bound)",
                               (">=", published), longest_length(SPPO, model, gpus, layout),
                               profile.name))
-    for model, gpus, layout, published, source in (
-            (sixty_five, 128, (64, 2), 768, "L274"), (thirteen, 64, (8, 8), 768, "L276"),
-            (seven, 32, (32, 1), 896, "L272: OOM past 896K")):
+    # Megatron-LM's, with (detail) the longest at SPPO's layout: Table 4's first columns are
+    # "Mega. & SPPO" and L276 compares "under the same parallelism strategy".
+    for model, gpus, layout, shared, published, source in (
+            (sixty_five, 128, (64, 2), (16, 8), 768, "L274"),
+            (thirteen, 64, (8, 8), (8, 8), 768, "L276"),
+            (seven, 32, (32, 1), (8, 4), 896, "L272: OOM past 896K")):
         found = longest_length(MEGATRON, model, gpus, layout)
         why, ledger = None, {}
         if found > published:
             why, ledger = megatron_memory(profile, model, gpus, layout, published,
                                           longest_length(MEGATRON, model, gpus, layout,
                                                          paper_terms.fragmented(profile)))
+        if found:
+            ledger["memory_at_longest_gb"] = longest_ledger(profile, model, gpus, layout,
+                                                            int(found * 1024))
+        ledger["longest_at_sppo_layout_k"] = {f"SP {shared[0]} x PP {shared[1]}": longest_length(
+            MEGATRON, model, gpus, shared)}
         rows.append(row("SPPO", f"longest sequence, {MEGATRON}, {model.name}, {gpus} GPUs, "
                         f"SP {layout[0]} x PP {layout[1]} (Table 4), K tokens ({source})",
                         published, found, profile.name, why, **ledger))
@@ -713,6 +745,23 @@ def sppo() -> list[dict]:
                         longest_length(method, seven, gpus) / base if base else None,
                         profile.name, why))
     return rows
+
+
+MEGATRON_COLLECTIVES = ("Megatron-LM's TP + SP all-gathers and reduce-scatters (TP 32 over 4 "
+                        "nodes) left exposed between its GEMMs; hidden")
+COLLECTIVES_SOURCE = ("the cost model's layer collectives (rings over the nodes' NICs, "
+                      "longctx.collectives) in the forward, backward and recomputed forward; "
+                      "paper_terms.plan_collectives_s")
+
+
+def megatron_collectives(sppo_plan, megatron_plan) -> dict:
+    """Megatron-LM's layer collectives in its plan's iteration (:mod:`paper_terms`), and SPPO's
+    speedup over it with them hidden (taken off its iteration)."""
+    seconds = paper_terms.plan_collectives_s(megatron_plan)
+    iteration = megatron_plan.iteration_time_s
+    hidden = megatron_plan.tokens_per_s * iteration / (iteration - seconds)
+    return {"seconds": seconds, "iteration_s": iteration,
+            "speedup_hidden": sppo_plan.tokens_per_s / hidden}
 
 
 FRAGMENTATION = "the caching allocator's fragmentation at GMLake's A100-80GB mean"
@@ -745,6 +794,7 @@ def megatron_memory(profile: HardwareProfile, model, gpus: int, layout: tuple[in
         "free": 80.0 - max(plain.peak_memory_bytes) / GB,
         "tp_sp_buffers": cost.layer_workspace(chunk) / GB,
         "loss_buffers": cost.loss_workspace(chunk) / GB,
+        "recompute_boundary": cost.recompute_boundary(chunk) / GB,
         "fp32_logits": cost.logits_per_token * chunk.tokens / GB,
         "nccl_buffers": paper_terms.nccl_buffer_bytes(*layout) / GB,
         "nccl_communicators": paper_terms.megatron_communicators(*layout),
@@ -755,6 +805,24 @@ def megatron_memory(profile: HardwareProfile, model, gpus: int, layout: tuple[in
                (max(fragments.peak_memory_bytes) - max(plain.peak_memory_bytes)) / GB, "GB",
                longest_fragmented_k, FRAGMENTATION_SOURCE)
     return why, ledger
+
+
+def longest_ledger(profile: HardwareProfile, model, gpus: int, layout: tuple[int, int],
+                   tokens: int) -> dict:
+    """One GPU's memory at Megatron-LM's simulated longest sequence, GB, term by term: the
+    simulation's and megatron-core's (:func:`paper_terms.megatron_recompute_ledger`) on the
+    stage whose simulated peak is the highest."""
+    from sppo_offload.solver import MEGATRON, SolverConfig, solve
+
+    plan = solve(MEGATRON, tokens, model, profile, SolverConfig(gpus=gpus, memory_gb=80.0,
+                                                                layout=layout))
+    stage = max(range(len(plan.peak_memory_bytes)), key=plan.peak_memory_bytes.__getitem__)
+    ledger = paper_terms.megatron_recompute_ledger(plan.costs.cost, tokens, stage)
+    return {"tokens_k": tokens / 1024, "stage": stage,
+            "simulated": {k: v / GB for k, v in ledger["simulated"].items()},
+            "megatron_core": {k: v / GB for k, v in ledger["megatron_core"].items()},
+            "megatron_core_moment": ledger["megatron_core_moment"],
+            "over_counted": ledger["over_counted"] / GB}
 
 
 # -- report -------------------------------------------------------------------------------------

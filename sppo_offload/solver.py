@@ -476,7 +476,8 @@ def _candidate(method, seq_length, layout, cost, lengths, chunks, alphas, checkp
             backward += cost.stage_backward(s, chunk) + checkpointed[s] * cost.layer_forward(chunk)
             copied += moved / (host * GB * cost.allocator) if moved else 0.0
         if checkpointed[s]:  # the baselines recompute like Megatron: one layer at a time
-            held += max(cost.layer_saving(chunk) for chunk in chunks)
+            held += max(cost.layer_saving(chunk) + cost.recompute_boundary(chunk)
+                        for chunk in chunks)
         bound = max(bound, cost.static_bytes(s) + held)
         most_moved = max(most_moved, math.fsum(stage_moved) / cost.allocator)
         estimate = max(estimate, max(forward, copied) + max(backward, copied))

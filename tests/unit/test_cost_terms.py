@@ -222,3 +222,23 @@ def test_zero3_shards_weights_and_gradients_too():
     assert plain.static_bytes(0) == pytest.approx(params * (2 + 4 + 12 / 4))
     zero3 = CostModel(model, profile(), dataclasses.replace(base, zero3=True))
     assert zero3.static_bytes(0) == pytest.approx(params * (2 + 4 + 12) / 4)
+
+
+def test_megatrons_per_layer_recomputation_holds_the_rebuilt_output_and_two_gradients():
+    """CheckpointFunction.backward (megatron-core tensor_parallel/random.py) rebuilds a layer
+    and backpropagates through it: beside the rebuilt layer's saved tensors, its output, the
+    gradient arriving at it and the input's gradient, each [tokens / (sp tp), h]: 3 x 1024 / 4
+    x 64 x 2 bytes = 98304 at SP 2 x TP 2 in BF16; the baselines' recomputation transient is
+    the layer's saving plus these, the project's own recomputation (all checkpointed layers at
+    once, boundaries not kept) the layers' saving alone."""
+    from longctx.chunk_costs import ChunkCosts
+    from megatron.plugin.pipeline.ir import Action, Kind
+
+    chunk = one_piece(1024)
+    cost = CostModel(TINY, profile(), ParallelConfig(pp=1, sp=2, tp=2))
+    assert cost.recompute_boundary(chunk) == 3 * 1024 / 4 * 64 * 2 == 98304
+    recompute = Action(0, Kind.RECOMPUTE, 0)
+    megatron = ChunkCosts(cost, [chunk], lambda stage, unit: 3, per_layer_recompute=True)
+    assert megatron.activation_bytes(recompute) == cost.layer_saving(chunk) + 98304
+    project = ChunkCosts(cost, [chunk], lambda stage, unit: 3)
+    assert project.activation_bytes(recompute) == 3 * cost.layer_saving(chunk)

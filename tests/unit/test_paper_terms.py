@@ -1,8 +1,9 @@
 """``scripts/paper_terms.py``'s terms against hand calculations: NCCL's NVLink rate in an
 all-to-all inside a node, ZeRO-3's exposed traffic over a stage's GPUs, the allocator's
 fragmentation as reserved bytes per live byte, NCCL's buffers of Megatron-LM's communicators,
-and the memory ledger
-``scripts/reproduce_papers.py`` gives Megatron-LM's longest-sequence rows."""
+Megatron-LM's memory under full recomputation term by term (simulated and megatron-core's),
+its exposed TP collectives, and the memory ledger ``scripts/reproduce_papers.py`` gives
+Megatron-LM's longest-sequence rows."""
 import dataclasses
 import sys
 
@@ -15,7 +16,8 @@ for folder in (REPO, f"{REPO}/scripts"):  # reproduce_papers imports paper_terms
 
 import reproduce_papers  # noqa: E402
 from scripts.paper_terms import (  # noqa: E402
-    MIB, fragmented, megatron_communicators, nccl_buffer_bytes, nccl_nvlink, zero3_exposed_s)
+    MIB, fragmented, megatron_communicators, megatron_recompute_ledger, nccl_buffer_bytes,
+    nccl_nvlink, plan_collectives_s, zero3_exposed_s)
 
 from elastic_pipe.plan_types import PipelinePlan, Plan  # noqa: E402
 from longctx.chunks import Chunk, Piece  # noqa: E402
@@ -122,3 +124,72 @@ def test_megatron_memory_ledger_at_the_papers_length():
     live = memory["peak"] - memory["model_state"] - memory["reserved"]
     assert why["size"] == pytest.approx(live * 0.15 / 0.85)
     assert why["simulated_with"] == 1728.0
+
+
+def test_megatron_recompute_ledger_term_by_term_at_tp_32():
+    """GPT-7B at SP 32 x PP 1, 64K tokens (2048 a GPU). The simulation's peak is a layer's
+    recomputation: 32 checkpointed inputs of 2048 x 4096 x 2 bytes, the rebuilt output and two
+    boundary gradients (3 more), the FP32 logits 65536 x 50304 / 32 x 4 and TP's two
+    full-sequence buffers 2 x 65536 x 4096 x 2 (larger than the loss's BF16 logits): their sum
+    is the simulated peak. megatron-core's largest moment is a layer's backward, where the FP32
+    softmax is gone (the logits' gradient, consumed by the output layer's backward) and the
+    global buffer and the input gradient are the two buffers: it holds the FP32 logits and the
+    head's saved tensors less."""
+    from sppo_offload.solver import MEGATRON, SolverConfig, solve
+
+    seven, tokens = get_model("gpt-7b"), 65536
+    plan = solve(MEGATRON, tokens, seven, reproduce_papers.testbed("sppo-a100"),
+                 SolverConfig(gpus=32, memory_gb=80.0, layout=(32, 1)))
+    ledger = megatron_recompute_ledger(plan.costs.cost, tokens, 0)
+    simulated, held = ledger["simulated"], ledger["megatron_core"]
+    assert simulated["checkpointed layer inputs"] == 32 * 2048 * 4096 * 2
+    assert simulated["the rebuilt output and two boundary gradients"] == 3 * 2048 * 4096 * 2
+    fp32 = simulated["FP32 logits (kept to the stage's backward end)"]
+    assert fp32 == tokens * 50304 / 32 * 4
+    assert simulated["workspace (TP + SP's two buffers, or the loss's BF16 logits)"] == \
+        2 * tokens * 4096 * 2
+    assert sum(simulated.values()) == pytest.approx(plan.peak_memory_bytes[0])
+    assert ledger["megatron_core_moment"] == "a layer's backward"
+    assert held["global buffer: the re-gathered input (layers.py:614)"] == tokens * 4096 * 2
+    assert held["full-sequence input gradient (layers.py:627)"] == tokens * 4096 * 2
+    head = simulated["final norm, output-layer input, loss targets"]
+    assert ledger["over_counted"] == pytest.approx(fp32 + head)
+
+
+def test_megatron_recompute_ledger_peaks_at_the_loss_when_the_logits_are_wide():
+    """GPT-13B at SP 8 x PP 8, last stage, 512K tokens: a GPU's share of the vocabulary is
+    50304 / 8, so the loss's backward (FP32 softmax turned gradient beside its BF16 cast, and
+    the global buffer held since the forward, 524288 x 5120 x 2) outweighs a layer's backward
+    and is megatron-core's peak; the simulation adds the rematerialised layer and TP's second
+    buffer on top of the FP32 logits instead of the BF16 cast."""
+    from sppo_offload.solver import MEGATRON, SolverConfig, solve
+
+    thirteen, tokens = get_model("gpt-13b"), 524288
+    plan = solve(MEGATRON, tokens, thirteen, reproduce_papers.testbed("sppo-a100"),
+                 SolverConfig(gpus=64, memory_gb=80.0, layout=(8, 8)))
+    cost = plan.costs.cost
+    ledger = megatron_recompute_ledger(cost, tokens, 7)
+    held = ledger["megatron_core"]
+    assert ledger["megatron_core_moment"] == "the loss's backward"
+    assert held["FP32 softmax turned gradient (cross_entropy.py:181, 190)"] == \
+        tokens * 50304 / 8 * 4
+    assert held["its BF16 cast (cross_entropy.py:25 undone)"] == tokens * 50304 / 8 * 2
+    assert held["global buffer, held since the forward (layers.py:570)"] == tokens * 5120 * 2
+    assert sum(ledger["simulated"].values()) == pytest.approx(plan.peak_memory_bytes[7])
+    remat = cost.layer_saving(Chunk((Piece(0, 0, 0, tokens, True),))) + 3 * tokens / 8 * 5120 * 2
+    assert ledger["over_counted"] == pytest.approx(remat + 2 * tokens * 5120 * 2
+                                                   - tokens * 50304 / 8 * 2 - tokens * 5120 * 2)
+
+
+def test_megatron_collectives_are_its_forward_recomputed_forward_and_backward():
+    """One sequence at SP 32 x PP 1: every layer runs its TP collectives in the forward, again
+    in the recomputed forward, and in the backward (the same bytes): 32 x 3 times a forward's."""
+    from sppo_offload.costs import subsequence_chunks
+    from sppo_offload.solver import MEGATRON, SolverConfig, solve
+
+    plan = solve(MEGATRON, 65536, get_model("gpt-7b"), reproduce_papers.testbed("sppo-a100"),
+                 SolverConfig(gpus=32, memory_gb=80.0, layout=(32, 1)))
+    (chunk,) = subsequence_chunks(plan.lengths)
+    forward = plan.costs.cost.layer_collectives(chunk)
+    assert forward > 0
+    assert plan_collectives_s(plan) == pytest.approx(32 * 3 * forward)

@@ -38,13 +38,20 @@ FLEXSP_COMMS = (
 )
 FIGURE12 = ("follows the longest-length rows: Megatron-LM on 32 GPUs fits more here than in "
             "the paper; the allocator's fragmentation (the row's why) moves the ratio by at "
-            "most 0.03")
+            "most 0.04")
 MEMORY = (
-    "the allocator's fragmentation at GMLake's mean (the row's why) leaves it over 15% long; "
-    "the memory ledger at the paper's length (the row's memory_at_published_gb) has "
-    "megatron-core's TP + SP full-sequence buffers, the loss's BF16 logits beside the FP32 "
-    "ones and NCCL's buffers (inside the reserved 2 GB) already; no further tensor of "
-    "megatron-core 0.19.2's GPT path that grows with the sequence is alive at the peak"
+    "the allocator's fragmentation at GMLake's mean (the row's why) leaves it over 15% long. "
+    "Term by term at the simulated longest (the row's memory_at_longest_gb, "
+    "paper_terms.megatron_recompute_ledger) megatron-core 0.19.2 holds 5-14 GB less than the "
+    "simulation charges (its FP32 softmax is freed before the layers' backward, TP's second "
+    "buffer is not held while the loss runs): no tensor of its GPT path under full "
+    "recomputation is missing, the rebuilt layer's output and boundary gradients "
+    "(CheckpointFunction.backward) now priced. At SPPO's layout (Table 4's 'Mega. & SPPO' "
+    "columns, the row's longest_at_sppo_layout_k) the longest is 1024K (7B) and 832K (65B), "
+    "within 15%, but there one sequence an iteration idles Megatron-LM's pipeline and the "
+    "speed rows would be 3.9-4.2x (7B) and 7.5-7.6x (65B; the rows' "
+    "speedup_megatron_at_sppo_layout), not Fig. 10's 1.13-3.38: the paper's batch, which "
+    "decides between the two readings, is not stated"
 )
 
 #: Rows (their text before the first ``;``) that neither agree nor are accounted for, and why.
@@ -70,10 +77,10 @@ OPEN = {
         "no term computed: over 20 batches (longest documents 68K-326K) elastic stays 1.08-1.13x "
         "the project's Seq1F1B, which tunes its chunks per batch and does not degrade as the "
         "paper's does (L386); Fig. 10's data set is not stated",
-    "SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the lowest, Table 4's layouts (Fig. 10, L272)":
-        'no term computed: the simulated SPPO is about 1.46x Megatron-LM at every 7B length',
     "SPPO / Megatron-LM, 65B, 128 GPUs, 600K, Table 4's layouts (Fig. 10, L276)":
-        'no term computed',
+        "no term computed: hiding Megatron-LM's TP collectives (the 7B rows' why) moves it "
+        "away, to 1.79; the simulated Megatron-LM already idles half its iteration on PP 2 "
+        "with one sequence",
     "SPPO full offload / no offload, gpt-65b, 128 GPUs, 640K, Table 4's layout and N (Fig. 11, "
     'L284)':
         'without offload the simulated run needs about twice the 80 GB the paper ran it in; at '
