@@ -6,10 +6,10 @@ flags and each registered schedule's group. Before Megatron-LM's validation,
 :func:`check_command_line` refuses, all at once and by name with what to use instead, every
 option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
 selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
-options: a missing ``--calculate-per-token-loss``, Ulysses' head divisibility, the schedule's
-own ``check_args``, what needs CUDA, the flash attention backend in fp32, Transformer Engine
-without CUDA or its package or with ``--sppo-multiplex``, ``--tensorboard-dir`` without
-``tensorboard``);
+options: a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside it,
+Ulysses' head divisibility, the schedule's own ``check_args``, what needs CUDA, the flash
+attention backend in fp32, Transformer Engine without CUDA or its package or with
+``--sppo-multiplex``, ``--tensorboard-dir`` without ``tensorboard``);
 :func:`check_args` runs the rules again on the validated arguments.
 
 Defaults that differ from Megatron-LM's, and why:
@@ -324,6 +324,16 @@ def _moe_expert_tensor_parallel(args):
             f"1f1b-ir")
 
 
+def _average_with_per_token_loss(args):
+    if args.ddp_average_in_collective and args.calculate_per_token_loss:
+        return ("--ddp-average-in-collective with --calculate-per-token-loss: Megatron's DDP "
+                "refuses it (under the per-token loss it sums the replicas' gradients and "
+                "divides them by the step's loss tokens itself): drop "
+                "--ddp-average-in-collective, or --calculate-per-token-loss (Megatron's default "
+                "loss, whose replica average it computes in the collective)")
+    return None
+
+
 def _cpu_half_precision(args):
     if not torch.cuda.is_available() and (args.bf16 or args.fp16):
         return ("--bf16 and --fp16 need CUDA (megatron-core's mixed-precision optimizers only "
@@ -426,6 +436,7 @@ def _schedule_checks(args):
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _moe_expert_tensor_parallel,
+         _average_with_per_token_loss,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
          _sppo_multiplex_transformer_engine,

@@ -251,6 +251,14 @@ DISTOPT = {"default": "golden:pp2_dp2_dplast_distopt_1f1b",
 #: pp2_dp2 layouts in Megatron's default order. The project asks megatron-core's
 #: ``parallel_state`` for every group and peer, so no code of it depends on the order.
 DP_LAST = {**DISTOPT, "helix": "golden:pp2_dp2_dplast_distopt_helix"}
+#: Megatron's DDP averaging the gradients in its collectives (``--ddp-average-in-collective``:
+#: unscaled gradients, ``ReduceOp.AVG``; on gloo as NCCL computes it,
+#: :mod:`megatron.plugin.cpu_compat`), with Megatron's default loss (Megatron refuses it beside
+#: ``--calculate-per-token-loss``): in the distributed optimizer's reduce-scatter under every
+#: schedule but interleaved, in the all-reduce there, where the experts spread over the
+#: data-parallel replicas take Megatron's expert scaling before the average.
+AVERAGE_IN_COLLECTIVE = {**DP_LAST,
+                         "interleaved": "golden:pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved"}
 _HELIX_OVERLAP = (
     "{flag} is not supported by --pipeline-schedule helix: it runs each layer part's backward "
     "apart, so a rank's last backward holds one part's parameters, and Megatron's DDP, which "
@@ -365,6 +373,7 @@ HONOURED: dict[str, Honoured] = {
         "helix": "--ddp-bucket-size sizes the buckets that --overlap-grad-reduce reduces during "
                  "the backward, which helix does not run: drop it"}),
     "use_distributed_optimizer": Honoured(DP_LAST, _NO_TEST),
+    "ddp_average_in_collective": Honoured(AVERAGE_IN_COLLECTIVE, _NO_TEST),
     "use_tp_pp_dp_mapping": Honoured(DP_LAST, _NO_TEST),
     "overlap_param_gather": Honoured(DISTOPT, _NO_TEST, refusals={"helix": (
         "--overlap-param-gather is not supported by --pipeline-schedule helix: helix ships a "
@@ -760,7 +769,7 @@ REFUSED: dict[str, str] = {
     """, _GRAPHS),
     **_each("""
         align_grad_reduce align_param_gather data_parallel_sharding_strategy
-        ddp_average_in_collective ddp_num_buckets
+        ddp_num_buckets
         ddp_pad_buckets_for_high_nccl_busbw
         ddp_param_name_patterns_for_fp32_local_accumulation
         ddp_reduce_scatter_with_fp32_accumulation enable_full_sharding_in_hsdp exp_avg_dtype

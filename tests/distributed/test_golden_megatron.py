@@ -93,6 +93,12 @@ DISTOPT = ["--use-distributed-optimizer", *OVERLAP, "--overlap-param-gather"]
 #: the pipelines are ranks 0, 1 and 2, 3 instead of 0, 2 and 1, 3 (RANK_ORDERS); the other
 #: pp2_dp2 layouts keep Megatron's default order.
 DP_LAST = ["--use-tp-pp-dp-mapping"]
+#: Megatron's DDP averaging the gradients in its collectives (``ReduceOp.AVG``, each gradient
+#: unscaled before: Megatron refuses it under --calculate-per-token-loss, so the layouts that pass
+#: it train Megatron's default loss). With the distributed optimizer the average is in the
+#: reduce-scatter; with experts spread over the data-parallel replicas Megatron scales the
+#: experts' gradients by their data-parallel size over the dense one before it averages them.
+AVERAGE = ["--ddp-average-in-collective"]
 
 SPPO = ["--pipeline-schedule", "sppo"]
 #: tag -> (subsequences of the longest document, offload ratio of the run or None for off).
@@ -325,15 +331,17 @@ VARIANTS = {
                                      "--sppo-subsequences", "4", "--sppo-offload", "0.5",
                                      *OVERLAP]),
         # The distributed optimizer, two data-parallel replicas (DISTOPT_TAGS), the ranks in
-        # Megatron's data-parallel-last order.
+        # Megatron's data-parallel-last order, Megatron's default loss averaged in the
+        # reduce-scatter (AVERAGE).
         **{f"pp2_dp2_dplast_distopt_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
-                                                  *DISTOPT, *DP_LAST])
+                                                  *DISTOPT, *DP_LAST, *AVERAGE])
            for name, flags in FOUR_SCHEDULES},
         "pp2_dp2_dplast_distopt_sppo": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                             "--sppo-subsequences", "4", "--sppo-offload", "0.5",
-                                            *DISTOPT, *DP_LAST]),
+                                            *DISTOPT, *DP_LAST, *AVERAGE]),
         "pp2_dp2_dplast_distopt_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX,
-                                             "--use-distributed-optimizer", *DP_LAST]),
+                                             "--use-distributed-optimizer", *DP_LAST,
+                                             *AVERAGE]),
     }),
     # Grouped-query attention: 4 heads share 2 K/V groups, also in the K/V context of a split
     # document's later slices (masked attention over context + slice) and under Ulysses.
@@ -392,7 +400,8 @@ VARIANTS = {
                                              *flags, *AUX]) for name, flags in FOUR_SCHEDULES[2:]},
         "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved": (4, [
             "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3",
-            *ACCOUNTED, *EP2, *A2A_DISPATCH, "--pipeline-schedule", "interleaved", *AUX]),
+            *ACCOUNTED, *EP2, *A2A_DISPATCH, "--pipeline-schedule", "interleaved", *AUX,
+            *AVERAGE]),
         "pp2_dp2_etp2_moe_1f1b": (4, ["--pipeline-model-parallel-size", "2", *ETP2,
                                       "--pipeline-schedule", "1f1b", *AUX]),
         "pp2_dp2_etp2_a2a_moe_ir": (4, ["--pipeline-model-parallel-size", "2", *ETP2,
@@ -462,7 +471,8 @@ DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2",
                 "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss",
                 "pp2_ulysses2_elastic_default_loss", "pp2_ulysses2_seq1f1b_default_loss_mbs2",
-                "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved", "pp2_moe_accounted_seq1f1b"}
+                "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved", "pp2_moe_accounted_seq1f1b",
+                *DISTOPT_TAGS}
 
 
 def loss_flags(common: list, tag: str) -> list:
