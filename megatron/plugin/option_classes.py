@@ -254,11 +254,17 @@ DP_LAST = {**DISTOPT, "helix": "golden:pp2_dp2_dplast_distopt_helix"}
 #: Megatron's DDP averaging the gradients in its collectives (``--ddp-average-in-collective``:
 #: unscaled gradients, ``ReduceOp.AVG``; on gloo as NCCL computes it,
 #: :mod:`megatron.plugin.cpu_compat`), with Megatron's default loss (Megatron refuses it beside
-#: ``--calculate-per-token-loss``): in the distributed optimizer's reduce-scatter under every
-#: schedule but interleaved, in the all-reduce there, where the experts spread over the
-#: data-parallel replicas take Megatron's expert scaling before the average.
-AVERAGE_IN_COLLECTIVE = {**DP_LAST,
-                         "interleaved": "golden:pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved"}
+#: ``--calculate-per-token-loss``): in the all-reduce under Megatron's schedules (under
+#: interleaved with experts spread over the data-parallel replicas, whose gradients Megatron
+#: scales before the average) and 1f1b-ir (overlapped with the backward), in the distributed
+#: optimizer's reduce-scatter under the document schedules.
+AVERAGE_IN_COLLECTIVE = {
+    "default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
+    "interleaved": "golden:pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved",
+    "1f1b-ir": "golden:pp2_dp2_overlap_ir",
+    "elastic": "golden:pp2_dp2_dplast_distopt_elastic",
+    "seq1f1b": "golden:pp2_dp2_dplast_distopt_seq1f1b",
+    "sppo": "golden:pp2_dp2_dplast_distopt_sppo", "helix": "golden:pp2_dp2_dplast_distopt_helix"}
 _HELIX_OVERLAP = (
     "{flag} is not supported by --pipeline-schedule helix: it runs each layer part's backward "
     "apart, so a rank's last backward holds one part's parameters, and Megatron's DDP, which "

@@ -320,9 +320,10 @@ VARIANTS = {
                                                     "--sppo-subsequences", "4",
                                                     "--sppo-offload", "off", *MBS2]),
         "pp2_helix_default_loss": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
-        # Overlapped gradient reduction with two data-parallel replicas (OVERLAP_TAGS).
+        # Overlapped gradient reduction with two data-parallel replicas (OVERLAP_TAGS); under
+        # 1f1b-ir Megatron's default loss averaged in the all-reduce (AVERAGE).
         "pp2_dp2_overlap_ir": (4, ["--pipeline-model-parallel-size", "2",
-                                   "--pipeline-schedule", "1f1b-ir", *OVERLAP]),
+                                   "--pipeline-schedule", "1f1b-ir", *OVERLAP, *AVERAGE]),
         "pp2_dp2_overlap_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC,
                                         *OVERLAP]),
         "pp2_dp2_overlap_seq1f1b": (4, ["--pipeline-model-parallel-size", "2", *SEQ1F1B,
@@ -331,11 +332,14 @@ VARIANTS = {
                                      "--sppo-subsequences", "4", "--sppo-offload", "0.5",
                                      *OVERLAP]),
         # The distributed optimizer, two data-parallel replicas (DISTOPT_TAGS), the ranks in
-        # Megatron's data-parallel-last order, Megatron's default loss averaged in the
-        # reduce-scatter (AVERAGE).
+        # Megatron's data-parallel-last order; under the document schedules Megatron's default
+        # loss averaged in the reduce-scatter (AVERAGE).
+        **{f"pp2_dp2_dplast_distopt_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
+                                                  *DISTOPT, *DP_LAST])
+           for name, flags in FOUR_SCHEDULES[:2]},
         **{f"pp2_dp2_dplast_distopt_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
                                                   *DISTOPT, *DP_LAST, *AVERAGE])
-           for name, flags in FOUR_SCHEDULES},
+           for name, flags in FOUR_SCHEDULES[2:]},
         "pp2_dp2_dplast_distopt_sppo": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                             "--sppo-subsequences", "4", "--sppo-offload", "0.5",
                                             *DISTOPT, *DP_LAST, *AVERAGE]),
@@ -388,7 +392,8 @@ VARIANTS = {
     # tokens gathered over the pair). Under the schedules that run Megatron's layer map, the
     # embedding and the loss count as layers of the split (4 + 2 over 2 stages: 2 transformer
     # layers each; under interleaved over 2 x 3 virtual stages given by their count, the first
-    # holding only the embedding and the last only the loss).
+    # holding only the embedding and the last only the loss). The interleaved layout averages
+    # the gradients in the all-reduce (AVERAGE), the experts' scaled first.
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
              "--disable-bias-linear", "--golden-aux-loss-coeff", AUX_LOSS_COEFF], {
         "pp2_dp2_ep2_a2a_moe_accounted_1f1b": (4, ["--pipeline-model-parallel-size", "2",
@@ -414,12 +419,14 @@ VARIANTS = {
     # defaults: 4 heads of 12 channels (48, not the hidden size 32) in 2 query groups, RoPE on
     # half of each head's channels at another base (the K/V of a split document's earlier
     # slices carry their true positions), an MLP of 72 (not Megatron's SwiGLU default 64) and
-    # Megatron's emptying of the allocator's cache around the step.
+    # Megatron's emptying of the allocator's cache around the step. Its 1f1b layout trains
+    # Megatron's default loss averaged in the all-reduce (AVERAGE).
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--apply-layernorm-1p",
                              "--disable-bias-linear",
                              "--untie-embeddings-and-output-weights", *MODEL_SHAPE], {
-        "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
+        "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+                        *AVERAGE]),
         "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
         **more_schedules("rope"),
         "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
@@ -465,14 +472,16 @@ PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Layouts trained with Megatron's default loss: the fixture leaves ``PER_TOKEN_LOSS`` off their
 #: command line, and they are compared with the reference of that loss at the micro-batch size
 #: and context-parallel degree they name (``reference_default_mbs<N>.pt``, at ``C`` > 1
-#: ``reference_default_mbs<N>_cp<C>.pt``: golden_run.py), under every schedule.
+#: ``reference_default_mbs<N>_cp<C>.pt``: golden_run.py), under every schedule; every layout
+#: that passes ``AVERAGE`` (Megatron refuses it beside the per-token loss) is one of them.
 DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_seq1f1b_default_loss_mbs2", "pp2_ulysses2_sppo_default_loss_mbs2",
                 "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2",
                 "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss",
                 "pp2_ulysses2_elastic_default_loss", "pp2_ulysses2_seq1f1b_default_loss_mbs2",
                 "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved", "pp2_moe_accounted_seq1f1b",
-                *DISTOPT_TAGS}
+                *(tag for _, layouts in VARIANTS.values() for tag, (_, flags) in layouts.items()
+                  if AVERAGE[0] in flags)}
 
 
 def loss_flags(common: list, tag: str) -> list:
@@ -678,6 +687,9 @@ def test_every_cpu_compat_patch_is_exercised(golden):
     assert not missing, f"patched but never exercised: {missing}; hits: {hits}"
     assert hits["megatron.core.pipeline_parallel.schedules"]["zeros"] > 0
     assert hits["megatron.core.pipeline_parallel.p2p_communication"]["cuda.current_device"] > 0
+    # The AVERAGE layouts averaged through the twins, not through gloo's own AVG.
+    averaged = hits["megatron.core.distributed.param_and_grad_buffer"]
+    assert averaged["all_reduce.AVG"] > 0 and averaged["reduce_scatter_tensor.AVG"] > 0
 
 
 @pytest.mark.parametrize("tag", sorted(ELASTIC_EXPECTED))
