@@ -7,6 +7,7 @@ flags and each registered schedule's group. Before Megatron-LM's validation,
 option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
 selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
 options: a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside it,
+distributed optimizer instances that do not divide the replicas,
 Ulysses' head divisibility, the schedule's own ``check_args``, what needs CUDA, the flash
 attention backend in fp32, Transformer Engine without CUDA or its package or with
 ``--sppo-multiplex``, ``--tensorboard-dir`` without ``tensorboard``);
@@ -334,6 +335,31 @@ def _average_with_per_token_loss(args):
     return None
 
 
+def _distributed_optimizer_instances(args):
+    instances = args.num_distributed_optimizer_instances
+    if instances <= 1:
+        return None
+    flag = f"--num-distributed-optimizer-instances {instances}"
+    if not args.use_distributed_optimizer:
+        return (f"{flag} splits Megatron's distributed optimizer into instances: add "
+                "--use-distributed-optimizer, or drop it")
+    replicas = getattr(args, "data_parallel_size", None)
+    if replicas is None:
+        return None  # known after Megatron-LM's validation (check_args)
+    replicas *= args.context_parallel_size
+    if replicas % instances:
+        return (f"{flag}: each instance takes an equal share of the {replicas} data- and "
+                "context-parallel ranks: pass a divisor of that number")
+    if args.num_experts:
+        expert_replicas = (replicas * args.tensor_model_parallel_size
+                           // (args.expert_model_parallel_size
+                               * (args.expert_tensor_parallel_size or 1)))
+        if expert_replicas % instances:
+            return (f"{flag}: each instance takes an equal share of the experts' "
+                    f"{expert_replicas} data-parallel ranks too: pass a divisor of that number")
+    return None
+
+
 def _cpu_half_precision(args):
     if not torch.cuda.is_available() and (args.bf16 or args.fp16):
         return ("--bf16 and --fp16 need CUDA (megatron-core's mixed-precision optimizers only "
@@ -436,7 +462,7 @@ def _schedule_checks(args):
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _moe_expert_tensor_parallel,
-         _average_with_per_token_loss,
+         _average_with_per_token_loss, _distributed_optimizer_instances,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
          _sppo_multiplex_transformer_engine,

@@ -65,6 +65,8 @@ PATCHED_MODULES = {
     "megatron.core.pipeline_parallel.p2p_communication": "shape/receive buffers, synchronize",
     "megatron.core.distributed.param_and_grad_buffer": "grad buffers, communication stream, "
                                                        "averaging collectives on gloo",
+    "megatron.core.distributed.distributed_data_parallel": "distributed optimizer instances' "
+                                                           "communication stream",
     "megatron.core.optimizer.optimizer": "loss-scale tensors",
     "megatron.core.optimizer.clip_grads": "grad-norm tensors",
     "megatron.core.utils": "l2-norm result tensor, global memory buffer",

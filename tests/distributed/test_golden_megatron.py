@@ -99,6 +99,9 @@ DP_LAST = ["--use-tp-pp-dp-mapping"]
 #: reduce-scatter; with experts spread over the data-parallel replicas Megatron scales the
 #: experts' gradients by their data-parallel size over the dense one before it averages them.
 AVERAGE = ["--ddp-average-in-collective"]
+#: Megatron's partial distributed optimizer: two instances at two data-parallel replicas, each
+#: replica holding its whole optimizer state, the gradients all-reduced between the instances.
+INSTANCES = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
 
 SPPO = ["--pipeline-schedule", "sppo"]
 #: tag -> (subsequences of the longest document, offload ratio of the run or None for off).
@@ -419,19 +422,21 @@ VARIANTS = {
     # defaults: 4 heads of 12 channels (48, not the hidden size 32) in 2 query groups, RoPE on
     # half of each head's channels at another base (the K/V of a split document's earlier
     # slices carry their true positions), an MLP of 72 (not Megatron's SwiGLU default 64) and
-    # Megatron's emptying of the allocator's cache around the step. Its 1f1b layout trains
-    # Megatron's default loss averaged in the all-reduce (AVERAGE).
+    # Megatron's emptying of the allocator's cache around the step. Its layouts at DP = 2 run
+    # Megatron's partial distributed optimizer (INSTANCES), the 1f1b one with Megatron's default
+    # loss averaged in the collectives (AVERAGE).
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--apply-layernorm-1p",
                              "--disable-bias-linear",
                              "--untie-embeddings-and-output-weights", *MODEL_SHAPE], {
         "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
-                        *AVERAGE]),
-        "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
+                        *AVERAGE, *INSTANCES]),
+        "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC, *INSTANCES]),
         **more_schedules("rope"),
-        "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX, *INSTANCES]),
         "pp2_dp2_sppo_n5_offload": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
-                                        "--sppo-subsequences", "5", "--sppo-offload", "0.5"]),
+                                        "--sppo-subsequences", "5", "--sppo-offload", "0.5",
+                                        *INSTANCES]),
     }),
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
     # are not a multiple of p x folds = 4 train with empty slots. One document is also the
@@ -468,6 +473,7 @@ OVERLAP_TAGS = ["pp2_dp2_overlap_ir", "pp2_dp2_overlap_elastic", "pp2_dp2_overla
                 "pp2_dp2_overlap_sppo", "pp2_sppo_mux_n4_overlap"]
 DISTOPT_TAGS = [f"pp2_dp2_dplast_distopt_{name}"
                 for name in ("1f1b", "ir", "elastic", "seq1f1b", "sppo", "helix")]
+INSTANCES_TAGS = ["pp2_dp2", "pp2_dp2_elastic", "pp2_dp2_helix", "pp2_dp2_sppo_n5_offload"]
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Layouts trained with Megatron's default loss: the fixture leaves ``PER_TOKEN_LOSS`` off their
 #: command line, and they are compared with the reference of that loss at the micro-batch size
@@ -828,11 +834,12 @@ def test_overlapped_reduction_starts_inside_the_last_backward(golden, tag):
             assert all(i > last_end for i in reduces), events
 
 
-@pytest.mark.parametrize("tag", DISTOPT_TAGS)
+@pytest.mark.parametrize("tag", DISTOPT_TAGS + INSTANCES_TAGS)
 def test_distributed_optimizer_updates_like_the_reference(golden, tag):
     """Under the distributed optimizer (each data-parallel rank steps its shard of each bucket,
     then the shards are all-gathered: with --overlap-param-gather by the forward pre-hooks of
-    the next step's forwards under the schedule) the parameters the next step finds have moved
+    the next step's forwards under the schedule; with an instance per replica, INSTANCES, each
+    rank steps the whole of its buckets after the instances' all-reduce) the parameters the next step finds have moved
     from the initial ones as Megatron's optimizer moves them in one process, given the run's
     gradients (checked against the reference above: Adam's first step divides each gradient
     by its magnitude, so gradients within their bounds can still move near-zero entries

@@ -478,3 +478,24 @@ def test_average_in_collective_takes_megatrons_default_loss(schedule, monkeypatc
     with pytest.raises(ValueError, match="--ddp-average-in-collective with "
                                          "--calculate-per-token-loss: .* drop"):
         arguments.parse([*BASE, *flags])
+
+
+def test_distributed_optimizer_instances_are_refused_where_megatron_would_assert(monkeypatch):
+    """``--num-distributed-optimizer-instances`` (Megatron's partial distributed optimizer) is
+    accepted beside ``--use-distributed-optimizer`` where it divides the data-parallel replicas
+    (two at PP=2 on four ranks), refused by name otherwise, and under a schedule without a
+    proof."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    distopt = ["--pipeline-schedule", "1f1b", "--use-distributed-optimizer"]
+    assert arguments.parse([*BASE, *distopt, "--num-distributed-optimizer-instances",
+                            "2"]).num_distributed_optimizer_instances == 2
+    with pytest.raises(ValueError, match="--num-distributed-optimizer-instances 2 splits .* add "
+                                         "--use-distributed-optimizer"):
+        arguments.parse([*BASE, "--pipeline-schedule", "1f1b",
+                         "--num-distributed-optimizer-instances", "2"])
+    with pytest.raises(ValueError, match="--num-distributed-optimizer-instances 4: .* 2 data- "
+                                         "and context-parallel ranks: pass a divisor"):
+        arguments.parse([*BASE, *distopt, "--num-distributed-optimizer-instances", "4"])
+    with pytest.raises(ValueError, match="--num-distributed-optimizer-instances .* no test"):
+        arguments.parse([*BASE, "--pipeline-schedule", "seq1f1b", "--use-distributed-optimizer",
+                         "--num-distributed-optimizer-instances", "2"])
