@@ -7,7 +7,8 @@ flags and each registered schedule's group. Before Megatron-LM's validation,
 option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
 selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
 options: a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside it,
-distributed optimizer instances that do not divide the replicas,
+distributed optimizer instances that do not divide the replicas or that overlap their
+reduction under the project's schedules,
 Ulysses' head divisibility, the schedule's own ``check_args``, what needs CUDA, the flash
 attention backend in fp32, Transformer Engine without CUDA or its package or with
 ``--sppo-multiplex``, ``--tensorboard-dir`` without ``tensorboard``);
@@ -360,6 +361,20 @@ def _distributed_optimizer_instances(args):
     return None
 
 
+def _instances_with_overlap(args):
+    instances = args.num_distributed_optimizer_instances
+    schedule = args.pipeline_schedule
+    if instances <= 1 or not args.overlap_grad_reduce or registry.is_megatron(schedule):
+        return None
+    return (f"--num-distributed-optimizer-instances {instances} with --overlap-grad-reduce under "
+            f"--pipeline-schedule {schedule}: with several instances Megatron's DDP reduces a "
+            "bucket synchronously from its backward hooks (on a communication stream of its "
+            "own) and keeps no handle of it, so this schedule's check that no bucket's "
+            "reduction starts before its last gradient (megatron/plugin/pipeline/grad_sync.py) "
+            "cannot see one that did: drop --overlap-grad-reduce (the buckets are then reduced "
+            "after the last backward), or use 1f1b")
+
+
 def _cpu_half_precision(args):
     if not torch.cuda.is_available() and (args.bf16 or args.fp16):
         return ("--bf16 and --fp16 need CUDA (megatron-core's mixed-precision optimizers only "
@@ -463,6 +478,7 @@ def _schedule_checks(args):
 RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _moe_expert_tensor_parallel,
          _average_with_per_token_loss, _distributed_optimizer_instances,
+         _instances_with_overlap,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
          _sppo_multiplex_transformer_engine,

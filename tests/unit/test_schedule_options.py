@@ -499,3 +499,11 @@ def test_distributed_optimizer_instances_are_refused_where_megatron_would_assert
     with pytest.raises(ValueError, match="--num-distributed-optimizer-instances .* no test"):
         arguments.parse([*BASE, "--pipeline-schedule", "seq1f1b", "--use-distributed-optimizer",
                          "--num-distributed-optimizer-instances", "2"])
+    # Overlapped: Megatron's own schedule runs Megatron's DDP as Megatron does; the project's
+    # schedules' check of the buckets' starts needs the handle that the instances do not keep.
+    overlap = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2",
+               "--overlap-grad-reduce"]
+    assert arguments.parse([*BASE, "--pipeline-schedule", "1f1b", *overlap]).overlap_grad_reduce
+    with pytest.raises(ValueError, match="with --overlap-grad-reduce under --pipeline-schedule "
+                                         "elastic: .* drop --overlap-grad-reduce"):
+        arguments.parse([*BASE, "--pipeline-schedule", "elastic", *overlap])
