@@ -28,10 +28,12 @@ CUDA ones (``torch.cuda.FloatTensor`` ...): while it builds its parameter shards
 (:data:`_TYPE_NAMED_METHODS`), ``Tensor.type()`` names a CPU tensor's type as its CUDA twin.
 
 Megatron's DDP averages the gradients in its collectives under ``--ddp-average-in-collective``
-(``ReduceOp.AVG``), which gloo lacks before torch 2.8: a patched module's ``torch.distributed``
-is a proxy too (:class:`_Distributed`), whose ``all_reduce`` computes a gloo group's AVG of a
-floating-point tensor as NCCL does, and so does the DDP buffer's reduce-scatter
-(:func:`_averaging_reduce_scatter`); every other collective is torch's.
+(``ReduceOp.AVG``), which older torch releases' gloo lacks: a patched module's
+``torch.distributed`` is a proxy too (:class:`_Distributed`), whose ``all_reduce`` computes a
+gloo group's AVG of a floating-point tensor as NCCL does, and so does the DDP buffer's
+reduce-scatter (:func:`_averaging_reduce_scatter`); every other collective is torch's. With
+several distributed optimizer instances megatron-core's DDP creates a communication stream
+(``torch.cuda.Stream``), a stand-in here like every stream.
 
 Spots that need no patch here: the rotary embedding's ``inv_freq`` (the project's attention
 builds Megatron's ``RotaryEmbedding`` with ``use_cpu_initialization``) and asynchronous
@@ -190,8 +192,8 @@ def _averages_on_gloo(op, tensor, group) -> bool:
 def _average_factor(group, module_name: str, collective: str) -> float:
     """``1 / size`` of ``group``: NCCL's ``ReduceOp.AVG`` of a floating-point tensor sums each
     rank's value multiplied by it in the tensor's dtype (NCCL's PreMulSum), and so do the twins
-    here, through a SUM that gloo runs in every supported torch (gloo has AVG only from torch
-    2.8 on, as a sum divided afterwards; a division after an asynchronous or coalesced
+    here, through a SUM that gloo runs in every supported torch (older releases' gloo has no
+    AVG, newer ones divide a sum afterwards; a division after an asynchronous or coalesced
     collective would have to wait for it). At a power-of-two size both orders give the same
     bits."""
     HITS[module_name][f"{collective}.AVG"] += 1
@@ -226,14 +228,12 @@ def _averaging_reduce_scatter(reduce_scatter):
     inputs (:func:`_average_factor`; the input is left as it was, as NCCL leaves it)."""
     module_name = "megatron.core.distributed.param_and_grad_buffer"
 
-    def scatter(output, input, op=torch.distributed.ReduceOp.SUM, group=None,  # noqa: A002
-                async_op=False):
-        if _averages_on_gloo(op, input, group):
+    def scatter(output, source, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if _averages_on_gloo(op, source, group):
             with torch.no_grad():
-                input = input * _average_factor(  # noqa: A001
-                    group, module_name, "reduce_scatter_tensor")
+                source = source * _average_factor(group, module_name, "reduce_scatter_tensor")
             op = torch.distributed.ReduceOp.SUM
-        return reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+        return reduce_scatter(output, source, op=op, group=group, async_op=async_op)
 
     return scatter
 
