@@ -8,10 +8,10 @@ option given that :mod:`megatron.plugin.option_classes` refuses, does not prove 
 selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
 options: a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside it,
 distributed optimizer instances that do not divide the replicas or that overlap their
-reduction under the project's schedules,
-Ulysses' head divisibility, the schedule's own ``check_args``, what needs CUDA, the flash
-attention backend in fp32, Transformer Engine without CUDA or its package or with
-``--sppo-multiplex``, ``--tensorboard-dir`` without ``tensorboard``);
+reduction under the project's schedules, Ulysses' head divisibility, the schedule's own
+``check_args``, what needs CUDA, the flash attention backend in fp32, Transformer Engine
+without CUDA or its package or with ``--sppo-multiplex``, ``--tensorboard-dir`` without
+``tensorboard``);
 :func:`check_args` runs the rules again on the validated arguments.
 
 Defaults that differ from Megatron-LM's, and why:
