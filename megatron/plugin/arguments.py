@@ -364,8 +364,9 @@ def _distributed_optimizer_instances(args):
 def _instances_with_overlap(args):
     instances = args.num_distributed_optimizer_instances
     schedule = args.pipeline_schedule
-    if instances <= 1 or not args.overlap_grad_reduce or registry.is_megatron(schedule):
-        return None
+    if instances <= 1 or not args.overlap_grad_reduce or registry.is_megatron(schedule) \
+            or schedule not in option_classes.HONOURED["overlap_grad_reduce"].proofs:
+        return None  # Megatron's own schedule, or one that refuses the overlap itself
     return (f"--num-distributed-optimizer-instances {instances} with --overlap-grad-reduce under "
             f"--pipeline-schedule {schedule}: with several instances Megatron's DDP reduces a "
             "bucket synchronously from its backward hooks (on a communication stream of its "
