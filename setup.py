@@ -35,6 +35,8 @@ setup(
         "psutil",
         # megatron.training imports yaml at start-up in 0.17 (its YAML argument files).
         "pyyaml",
+        # megatron-core builds the groups of --num-distributed-optimizer-instances with it.
+        "einops",
     ],
     extras_require={
         # tokenizers + transformers: the tests build a BPE tokenizer for Megatron-LM's

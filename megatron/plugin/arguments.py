@@ -6,8 +6,10 @@ flags and each registered schedule's group. Before Megatron-LM's validation,
 :func:`check_command_line` refuses, all at once and by name with what to use instead, every
 option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
 selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
-options: a missing ``--calculate-per-token-loss``, Ulysses' head divisibility, the schedule's
-own ``check_args``, what needs CUDA, the flash attention backend in fp32, Transformer Engine
+options: a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside it,
+distributed optimizer instances that do not divide the replicas or that overlap their
+reduction under the project's schedules, Ulysses' head divisibility, the schedule's own
+``check_args``, what needs CUDA, the flash attention backend in fp32, Transformer Engine
 without CUDA or its package or with ``--sppo-multiplex``, ``--tensorboard-dir`` without
 ``tensorboard``);
 :func:`check_args` runs the rules again on the validated arguments.
@@ -324,6 +326,56 @@ def _moe_expert_tensor_parallel(args):
             f"1f1b-ir")
 
 
+def _average_with_per_token_loss(args):
+    if args.ddp_average_in_collective and args.calculate_per_token_loss:
+        return ("--ddp-average-in-collective with --calculate-per-token-loss: Megatron's DDP "
+                "refuses it (under the per-token loss it sums the replicas' gradients and "
+                "divides them by the step's loss tokens itself): drop "
+                "--ddp-average-in-collective, or --calculate-per-token-loss (Megatron's default "
+                "loss, whose replica average it computes in the collective)")
+    return None
+
+
+def _distributed_optimizer_instances(args):
+    instances = args.num_distributed_optimizer_instances
+    if instances <= 1:
+        return None
+    flag = f"--num-distributed-optimizer-instances {instances}"
+    if not args.use_distributed_optimizer:
+        return (f"{flag} splits Megatron's distributed optimizer into instances: add "
+                "--use-distributed-optimizer, or drop it")
+    replicas = getattr(args, "data_parallel_size", None)
+    if replicas is None:
+        return None  # known after Megatron-LM's validation (check_args)
+    replicas *= args.context_parallel_size
+    if replicas % instances:
+        return (f"{flag}: each instance takes an equal share of the {replicas} data- and "
+                "context-parallel ranks: pass a divisor of that number")
+    if args.num_experts:
+        expert_replicas = (replicas * args.tensor_model_parallel_size
+                           // (args.expert_model_parallel_size
+                               * (args.expert_tensor_parallel_size or 1)))
+        if expert_replicas % instances:
+            return (f"{flag}: each instance takes an equal share of the experts' "
+                    f"{expert_replicas} data-parallel ranks too: pass a divisor of that number")
+    return None
+
+
+def _instances_with_overlap(args):
+    instances = args.num_distributed_optimizer_instances
+    schedule = args.pipeline_schedule
+    if instances <= 1 or not args.overlap_grad_reduce or registry.is_megatron(schedule) \
+            or schedule not in option_classes.HONOURED["overlap_grad_reduce"].proofs:
+        return None  # Megatron's own schedule, or one that refuses the overlap itself
+    return (f"--num-distributed-optimizer-instances {instances} with --overlap-grad-reduce under "
+            f"--pipeline-schedule {schedule}: with several instances Megatron's DDP reduces a "
+            "bucket synchronously from its backward hooks (on a communication stream of its "
+            "own) and keeps no handle of it, so this schedule's check that no bucket's "
+            "reduction starts before its last gradient (megatron/plugin/pipeline/grad_sync.py) "
+            "cannot see one that did: drop --overlap-grad-reduce (the buckets are then reduced "
+            "after the last backward), or use 1f1b")
+
+
 def _cpu_half_precision(args):
     if not torch.cuda.is_available() and (args.bf16 or args.fp16):
         return ("--bf16 and --fp16 need CUDA (megatron-core's mixed-precision optimizers only "
@@ -426,6 +478,8 @@ def _schedule_checks(args):
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _moe_expert_tensor_parallel,
+         _average_with_per_token_loss, _distributed_optimizer_instances,
+         _instances_with_overlap,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
          _sppo_multiplex_transformer_engine,

@@ -27,6 +27,14 @@ The distributed optimizer sorts each parameter by its tensor type's name, and ac
 CUDA ones (``torch.cuda.FloatTensor`` ...): while it builds its parameter shards
 (:data:`_TYPE_NAMED_METHODS`), ``Tensor.type()`` names a CPU tensor's type as its CUDA twin.
 
+Megatron's DDP averages the gradients in its collectives under ``--ddp-average-in-collective``
+(``ReduceOp.AVG``), which older torch releases' gloo lacks: a patched module's
+``torch.distributed`` is a proxy too (:class:`_Distributed`), whose ``all_reduce`` computes a
+gloo group's AVG of a floating-point tensor as NCCL does, and so does the DDP buffer's
+reduce-scatter (:func:`_averaging_reduce_scatter`); every other collective is torch's. With
+several distributed optimizer instances megatron-core's DDP creates a communication stream
+(``torch.cuda.Stream``), a stand-in here like every stream.
+
 Spots that need no patch here: the rotary embedding's ``inv_freq`` (the project's attention
 builds Megatron's ``RotaryEmbedding`` with ``use_cpu_initialization``) and asynchronous
 checkpoint saving (not used). Every listed patch is exercised by the golden tests.
@@ -57,7 +65,10 @@ SUPPORTED_MEGATRON_CORE = ("0.17.", "0.18.", "0.19.")
 PATCHED_MODULES = {
     "megatron.core.pipeline_parallel.schedules": "token counters and autocast",
     "megatron.core.pipeline_parallel.p2p_communication": "shape/receive buffers, synchronize",
-    "megatron.core.distributed.param_and_grad_buffer": "grad buffers, communication stream",
+    "megatron.core.distributed.param_and_grad_buffer": "grad buffers, communication stream, "
+                                                       "averaging collectives on gloo",
+    "megatron.core.distributed.distributed_data_parallel": "distributed optimizer instances' "
+                                                           "communication stream",
     "megatron.core.optimizer.optimizer": "loss-scale tensors",
     "megatron.core.optimizer.clip_grads": "grad-norm tensors",
     "megatron.core.utils": "l2-norm result tensor, global memory buffer",
@@ -172,6 +183,61 @@ class _CudaShim:
         return getattr(torch.cuda, name)
 
 
+def _averages_on_gloo(op, tensor, group) -> bool:
+    """Whether a reduction is ``ReduceOp.AVG`` of a floating-point tensor over a gloo group."""
+    return (op == torch.distributed.ReduceOp.AVG and tensor.is_floating_point()
+            and torch.distributed.get_backend(group) == "gloo")
+
+
+def _average_factor(group, module_name: str, collective: str) -> float:
+    """``1 / size`` of ``group``: NCCL's ``ReduceOp.AVG`` of a floating-point tensor sums each
+    rank's value multiplied by it in the tensor's dtype (NCCL's PreMulSum), and so do the twins
+    here, through a SUM that gloo runs in every supported torch (older releases' gloo has no
+    AVG, newer ones divide a sum afterwards; a division after an asynchronous or coalesced
+    collective would have to wait for it). At a power-of-two size both orders give the same
+    bits."""
+    HITS[module_name][f"{collective}.AVG"] += 1
+    return 1.0 / torch.distributed.get_world_size(group)
+
+
+class _Distributed(types.ModuleType):
+    """``torch.distributed`` as seen by a patched module on a machine without CUDA:
+    ``all_reduce`` with ``ReduceOp.AVG`` of a floating-point tensor over a gloo group premultiplies
+    the tensor in place and sums it (:func:`_average_factor`), synchronously or not, inside
+    Megatron's coalescing managers too; everything else is ``torch.distributed``'s."""
+
+    def __init__(self, module_name: str):
+        super().__init__("torch.distributed")
+        self._module = module_name
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    def all_reduce(self, tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if _averages_on_gloo(op, tensor, group):
+            with torch.no_grad():
+                tensor.mul_(_average_factor(group, self._module, "all_reduce"))
+            op = torch.distributed.ReduceOp.SUM
+        return torch.distributed.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def _averaging_reduce_scatter(reduce_scatter):
+    """``param_and_grad_buffer``'s reduce-scatter (``dist_reduce_scatter_func``, bound from
+    ``torch.distributed`` when the module is imported), whose ``ReduceOp.AVG`` of a
+    floating-point input over a gloo group scatters the sum of premultiplied copies of the
+    inputs (:func:`_average_factor`; the input is left as it was, as NCCL leaves it)."""
+    module_name = "megatron.core.distributed.param_and_grad_buffer"
+
+    def scatter(output, source, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        if _averages_on_gloo(op, source, group):
+            with torch.no_grad():
+                source = source * _average_factor(group, module_name, "reduce_scatter_tensor")
+            op = torch.distributed.ReduceOp.SUM
+        return reduce_scatter(output, source, op=op, group=group, async_op=async_op)
+
+    return scatter
+
+
 class _CpuTorch(types.ModuleType):
     """A per-module stand-in for ``torch`` that sends CUDA requests to the CPU."""
 
@@ -179,6 +245,7 @@ class _CpuTorch(types.ModuleType):
         super().__init__("torch")
         self._module = module_name
         self.cuda = _CudaShim(module_name)
+        self.distributed = _Distributed(module_name)
 
     def __getattr__(self, name):
         attr = getattr(torch, name)
@@ -380,6 +447,8 @@ def _models_stay_on_the_cpu(get_model):
 _WRAPPED = {
     "megatron.training.training:initialize_megatron": _allow_no_cuda,
     "megatron.training.training:get_model": _models_stay_on_the_cpu,
+    "megatron.core.distributed.param_and_grad_buffer:dist_reduce_scatter_func":
+        _averaging_reduce_scatter,
 }
 
 

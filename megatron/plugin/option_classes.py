@@ -251,6 +251,27 @@ DISTOPT = {"default": "golden:pp2_dp2_dplast_distopt_1f1b",
 #: pp2_dp2 layouts in Megatron's default order. The project asks megatron-core's
 #: ``parallel_state`` for every group and peer, so no code of it depends on the order.
 DP_LAST = {**DISTOPT, "helix": "golden:pp2_dp2_dplast_distopt_helix"}
+#: Megatron's DDP averaging the gradients in its collectives (``--ddp-average-in-collective``:
+#: unscaled gradients, ``ReduceOp.AVG``; on gloo as NCCL computes it,
+#: :mod:`megatron.plugin.cpu_compat`), with Megatron's default loss (Megatron refuses it beside
+#: ``--calculate-per-token-loss``): in the all-reduce under Megatron's schedules (under
+#: interleaved with experts spread over the data-parallel replicas, whose gradients Megatron
+#: scales before the average) and 1f1b-ir (overlapped with the backward), in the distributed
+#: optimizer's reduce-scatter under the document schedules.
+AVERAGE_IN_COLLECTIVE = {
+    "default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
+    "interleaved": "golden:pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved",
+    "1f1b-ir": "golden:pp2_dp2_overlap_ir",
+    "elastic": "golden:pp2_dp2_dplast_distopt_elastic",
+    "seq1f1b": "golden:pp2_dp2_dplast_distopt_seq1f1b",
+    "sppo": "golden:pp2_dp2_dplast_distopt_sppo", "helix": "golden:pp2_dp2_dplast_distopt_helix"}
+#: Megatron's partial distributed optimizer (``--num-distributed-optimizer-instances 2`` at two
+#: data-parallel replicas: each instance one replica holding its whole optimizer state, the
+#: instances' gradients all-reduced after each instance's reduce-scatter; on a CPU the
+#: communication stream megatron-core creates for it is the compatibility layer's stand-in).
+OPTIMIZER_INSTANCES = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
+                       "elastic": "golden:pp2_dp2_elastic", "helix": "golden:pp2_dp2_helix",
+                       "sppo": "golden:pp2_dp2_sppo_n5_offload"}
 _HELIX_OVERLAP = (
     "{flag} is not supported by --pipeline-schedule helix: it runs each layer part's backward "
     "apart, so a rank's last backward holds one part's parameters, and Megatron's DDP, which "
@@ -365,6 +386,8 @@ HONOURED: dict[str, Honoured] = {
         "helix": "--ddp-bucket-size sizes the buckets that --overlap-grad-reduce reduces during "
                  "the backward, which helix does not run: drop it"}),
     "use_distributed_optimizer": Honoured(DP_LAST, _NO_TEST),
+    "ddp_average_in_collective": Honoured(AVERAGE_IN_COLLECTIVE, _NO_TEST),
+    "num_distributed_optimizer_instances": Honoured(OPTIMIZER_INSTANCES, _NO_TEST),
     "use_tp_pp_dp_mapping": Honoured(DP_LAST, _NO_TEST),
     "overlap_param_gather": Honoured(DISTOPT, _NO_TEST, refusals={"helix": (
         "--overlap-param-gather is not supported by --pipeline-schedule helix: helix ships a "
@@ -760,7 +783,7 @@ REFUSED: dict[str, str] = {
     """, _GRAPHS),
     **_each("""
         align_grad_reduce align_param_gather data_parallel_sharding_strategy
-        ddp_average_in_collective ddp_num_buckets
+        ddp_num_buckets
         ddp_pad_buckets_for_high_nccl_busbw
         ddp_param_name_patterns_for_fp32_local_accumulation
         ddp_reduce_scatter_with_fp32_accumulation enable_full_sharding_in_hsdp exp_avg_dtype
@@ -770,7 +793,7 @@ REFUSED: dict[str, str] = {
         megatron_fsdp_enable_fine_grained_param_gather megatron_fsdp_grad_comm_dtype
         megatron_fsdp_main_grads_dtype megatron_fsdp_main_params_dtype
         megatron_fsdp_max_pool_double_buffer model_parallel_size
-        num_distributed_optimizer_instances optimizer_cpu_offload optimizer_offload_fraction
+        optimizer_cpu_offload optimizer_offload_fraction
         outer_dp_sharding_strategy overlap_cpu_optimizer_d2h_h2d
         overlap_param_gather_with_optimizer_step pin_cpu_grads pin_cpu_params
         tensor_parallel_num_weight_shards torch_fsdp2_reshard_after_forward
@@ -825,7 +848,8 @@ COUNT_DOCUMENTS = _names("""
 #: further refusal.
 NEEDED_BY = {
     "use_distributed_optimizer": ("overlap_param_gather",
-                                  "overlap_param_gather_with_optimizer_step"),
+                                  "overlap_param_gather_with_optimizer_step",
+                                  "num_distributed_optimizer_instances"),
     "overlap_grad_reduce": ("overlap_param_gather", "overlap_param_gather_with_optimizer_step"),
     "overlap_param_gather": ("overlap_param_gather_with_optimizer_step",),
     "cuda_graph_impl": ("rl_training_cuda_graphs", "rl_persist_cuda_graphs"),

@@ -93,6 +93,15 @@ DISTOPT = ["--use-distributed-optimizer", *OVERLAP, "--overlap-param-gather"]
 #: the pipelines are ranks 0, 1 and 2, 3 instead of 0, 2 and 1, 3 (RANK_ORDERS); the other
 #: pp2_dp2 layouts keep Megatron's default order.
 DP_LAST = ["--use-tp-pp-dp-mapping"]
+#: Megatron's DDP averaging the gradients in its collectives (``ReduceOp.AVG``, each gradient
+#: unscaled before: Megatron refuses it under --calculate-per-token-loss, so the layouts that pass
+#: it train Megatron's default loss). With the distributed optimizer the average is in the
+#: reduce-scatter; with experts spread over the data-parallel replicas Megatron scales the
+#: experts' gradients by their data-parallel size over the dense one before it averages them.
+AVERAGE = ["--ddp-average-in-collective"]
+#: Megatron's partial distributed optimizer: two instances at two data-parallel replicas, each
+#: replica holding its whole optimizer state, the gradients all-reduced between the instances.
+INSTANCES = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
 
 SPPO = ["--pipeline-schedule", "sppo"]
 #: tag -> (subsequences of the longest document, offload ratio of the run or None for off).
@@ -314,9 +323,10 @@ VARIANTS = {
                                                     "--sppo-subsequences", "4",
                                                     "--sppo-offload", "off", *MBS2]),
         "pp2_helix_default_loss": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
-        # Overlapped gradient reduction with two data-parallel replicas (OVERLAP_TAGS).
+        # Overlapped gradient reduction with two data-parallel replicas (OVERLAP_TAGS); under
+        # 1f1b-ir Megatron's default loss averaged in the all-reduce (AVERAGE).
         "pp2_dp2_overlap_ir": (4, ["--pipeline-model-parallel-size", "2",
-                                   "--pipeline-schedule", "1f1b-ir", *OVERLAP]),
+                                   "--pipeline-schedule", "1f1b-ir", *OVERLAP, *AVERAGE]),
         "pp2_dp2_overlap_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC,
                                         *OVERLAP]),
         "pp2_dp2_overlap_seq1f1b": (4, ["--pipeline-model-parallel-size", "2", *SEQ1F1B,
@@ -325,15 +335,20 @@ VARIANTS = {
                                      "--sppo-subsequences", "4", "--sppo-offload", "0.5",
                                      *OVERLAP]),
         # The distributed optimizer, two data-parallel replicas (DISTOPT_TAGS), the ranks in
-        # Megatron's data-parallel-last order.
+        # Megatron's data-parallel-last order; under the document schedules Megatron's default
+        # loss averaged in the reduce-scatter (AVERAGE).
         **{f"pp2_dp2_dplast_distopt_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
                                                   *DISTOPT, *DP_LAST])
-           for name, flags in FOUR_SCHEDULES},
+           for name, flags in FOUR_SCHEDULES[:2]},
+        **{f"pp2_dp2_dplast_distopt_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
+                                                  *DISTOPT, *DP_LAST, *AVERAGE])
+           for name, flags in FOUR_SCHEDULES[2:]},
         "pp2_dp2_dplast_distopt_sppo": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                             "--sppo-subsequences", "4", "--sppo-offload", "0.5",
-                                            *DISTOPT, *DP_LAST]),
+                                            *DISTOPT, *DP_LAST, *AVERAGE]),
         "pp2_dp2_dplast_distopt_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX,
-                                             "--use-distributed-optimizer", *DP_LAST]),
+                                             "--use-distributed-optimizer", *DP_LAST,
+                                             *AVERAGE]),
     }),
     # Grouped-query attention: 4 heads share 2 K/V groups, also in the K/V context of a split
     # document's later slices (masked attention over context + slice) and under Ulysses.
@@ -380,7 +395,8 @@ VARIANTS = {
     # tokens gathered over the pair). Under the schedules that run Megatron's layer map, the
     # embedding and the loss count as layers of the split (4 + 2 over 2 stages: 2 transformer
     # layers each; under interleaved over 2 x 3 virtual stages given by their count, the first
-    # holding only the embedding and the last only the loss).
+    # holding only the embedding and the last only the loss). The interleaved layout averages
+    # the gradients in the all-reduce (AVERAGE), the experts' scaled first.
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
              "--disable-bias-linear", "--golden-aux-loss-coeff", AUX_LOSS_COEFF], {
         "pp2_dp2_ep2_a2a_moe_accounted_1f1b": (4, ["--pipeline-model-parallel-size", "2",
@@ -392,7 +408,8 @@ VARIANTS = {
                                              *flags, *AUX]) for name, flags in FOUR_SCHEDULES[2:]},
         "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved": (4, [
             "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3",
-            *ACCOUNTED, *EP2, *A2A_DISPATCH, "--pipeline-schedule", "interleaved", *AUX]),
+            *ACCOUNTED, *EP2, *A2A_DISPATCH, "--pipeline-schedule", "interleaved", *AUX,
+            *AVERAGE]),
         "pp2_dp2_etp2_moe_1f1b": (4, ["--pipeline-model-parallel-size", "2", *ETP2,
                                       "--pipeline-schedule", "1f1b", *AUX]),
         "pp2_dp2_etp2_a2a_moe_ir": (4, ["--pipeline-model-parallel-size", "2", *ETP2,
@@ -405,17 +422,21 @@ VARIANTS = {
     # defaults: 4 heads of 12 channels (48, not the hidden size 32) in 2 query groups, RoPE on
     # half of each head's channels at another base (the K/V of a split document's earlier
     # slices carry their true positions), an MLP of 72 (not Megatron's SwiGLU default 64) and
-    # Megatron's emptying of the allocator's cache around the step.
+    # Megatron's emptying of the allocator's cache around the step. Its layouts at DP = 2 run
+    # Megatron's partial distributed optimizer (INSTANCES), the 1f1b one with Megatron's default
+    # loss averaged in the collectives (AVERAGE).
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--apply-layernorm-1p",
                              "--disable-bias-linear",
                              "--untie-embeddings-and-output-weights", *MODEL_SHAPE], {
-        "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b"]),
-        "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC]),
+        "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+                        *AVERAGE, *INSTANCES]),
+        "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC, *INSTANCES]),
         **more_schedules("rope"),
-        "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX, *INSTANCES]),
         "pp2_dp2_sppo_n5_offload": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
-                                        "--sppo-subsequences", "5", "--sppo-offload", "0.5"]),
+                                        "--sppo-subsequences", "5", "--sppo-offload", "0.5",
+                                        *INSTANCES]),
     }),
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
     # are not a multiple of p x folds = 4 train with empty slots. One document is also the
@@ -452,17 +473,21 @@ OVERLAP_TAGS = ["pp2_dp2_overlap_ir", "pp2_dp2_overlap_elastic", "pp2_dp2_overla
                 "pp2_dp2_overlap_sppo", "pp2_sppo_mux_n4_overlap"]
 DISTOPT_TAGS = [f"pp2_dp2_dplast_distopt_{name}"
                 for name in ("1f1b", "ir", "elastic", "seq1f1b", "sppo", "helix")]
+INSTANCES_TAGS = ["pp2_dp2", "pp2_dp2_elastic", "pp2_dp2_helix", "pp2_dp2_sppo_n5_offload"]
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Layouts trained with Megatron's default loss: the fixture leaves ``PER_TOKEN_LOSS`` off their
 #: command line, and they are compared with the reference of that loss at the micro-batch size
 #: and context-parallel degree they name (``reference_default_mbs<N>.pt``, at ``C`` > 1
-#: ``reference_default_mbs<N>_cp<C>.pt``: golden_run.py), under every schedule.
+#: ``reference_default_mbs<N>_cp<C>.pt``: golden_run.py), under every schedule; every layout
+#: that passes ``AVERAGE`` (Megatron refuses it beside the per-token loss) is one of them.
 DEFAULT_LOSS = {"pp2_default_loss_mbs2", "pp2_elastic_default_loss_mbs2",
                 "pp2_seq1f1b_default_loss_mbs2", "pp2_ulysses2_sppo_default_loss_mbs2",
                 "pp2_helix_default_loss", "pp2_qk_eod_elastic_default_loss_mbs2",
                 "pp2_ulysses2_default_loss_mbs2", "pp2_vp2_ulysses2_interleaved_default_loss",
                 "pp2_ulysses2_elastic_default_loss", "pp2_ulysses2_seq1f1b_default_loss_mbs2",
-                "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved", "pp2_moe_accounted_seq1f1b"}
+                "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved", "pp2_moe_accounted_seq1f1b",
+                *(tag for _, layouts in VARIANTS.values() for tag, (_, flags) in layouts.items()
+                  if AVERAGE[0] in flags)}
 
 
 def loss_flags(common: list, tag: str) -> list:
@@ -668,6 +693,9 @@ def test_every_cpu_compat_patch_is_exercised(golden):
     assert not missing, f"patched but never exercised: {missing}; hits: {hits}"
     assert hits["megatron.core.pipeline_parallel.schedules"]["zeros"] > 0
     assert hits["megatron.core.pipeline_parallel.p2p_communication"]["cuda.current_device"] > 0
+    # The AVERAGE layouts averaged through the twins, not through gloo's own AVG.
+    averaged = hits["megatron.core.distributed.param_and_grad_buffer"]
+    assert averaged["all_reduce.AVG"] > 0 and averaged["reduce_scatter_tensor.AVG"] > 0
 
 
 @pytest.mark.parametrize("tag", sorted(ELASTIC_EXPECTED))
@@ -806,11 +834,12 @@ def test_overlapped_reduction_starts_inside_the_last_backward(golden, tag):
             assert all(i > last_end for i in reduces), events
 
 
-@pytest.mark.parametrize("tag", DISTOPT_TAGS)
+@pytest.mark.parametrize("tag", DISTOPT_TAGS + INSTANCES_TAGS)
 def test_distributed_optimizer_updates_like_the_reference(golden, tag):
     """Under the distributed optimizer (each data-parallel rank steps its shard of each bucket,
     then the shards are all-gathered: with --overlap-param-gather by the forward pre-hooks of
-    the next step's forwards under the schedule) the parameters the next step finds have moved
+    the next step's forwards under the schedule; with an instance per replica, INSTANCES, each
+    rank steps the whole of its buckets after the instances' all-reduce) the parameters the next step finds have moved
     from the initial ones as Megatron's optimizer moves them in one process, given the run's
     gradients (checked against the reference above: Adam's first step divides each gradient
     by its magnitude, so gradients within their bounds can still move near-zero entries
