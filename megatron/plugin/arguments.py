@@ -27,6 +27,10 @@ Defaults that differ from Megatron-LM's, and why:
   every document and no token attends across a document boundary.
 * Without CUDA: ``--distributed-backend gloo``, ``--use-cpu-initialization``, and Megatron's
   fused CUDA kernels off (they change speed, not results).
+* Megatron's fused weight-gradient accumulation (``--gradient-accumulation-fusion``, on by
+  default) is off without apex's CUDA extension, and with ``--overlap-grad-reduce`` or
+  ``--sppo-multiplex`` (:func:`megatron.plugin.model.model_config` says why): the same
+  gradients, unfused.
 """
 from __future__ import annotations
 
