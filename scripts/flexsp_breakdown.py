@@ -65,12 +65,13 @@ PAPER = {
 
 def plan_parts(plan, cost: CostModel, stage: int) -> dict[str, float]:
     """Busy seconds of ``stage`` of ``plan`` (:class:`elastic_pipe.plan_types.Plan`): its layer
-    compute, recomputation and all-to-alls, and all its actions' time."""
+    compute, the recomputation's compute and all the all-to-alls (the recomputed forwards'
+    included), and all its actions' time."""
     compute = recompute = busy = 0.0
     for chunk, checkpointed in zip(plan.chunks(), plan.ckpt_table()[stage]):
         compute += cost.layers(stage) * (1 + cost.hardware.backward_factor) * \
             cost.layer_compute(chunk)
-        recompute += checkpointed * cost.layer_forward(chunk)
+        recompute += checkpointed * cost.layer_compute(chunk)
         busy += cost.stage_time(stage, chunk, checkpointed)
     return {"compute": compute, "recompute": recompute,
             "a2a": paper_terms.all_to_all_s(plan, cost)[stage], "busy": busy}

@@ -252,11 +252,13 @@ def _multiplexed_run(cost: CostModel, lengths: Sequence[int],
 
 
 def multiplexed_peaks(cost: CostModel, lengths: Sequence[int],
-                      alphas: Sequence[Sequence[float]]) -> list[float]:
+                      alphas: Sequence[Sequence[float]],
+                      host_gbps: float | None = None) -> list[float]:
     """Simulated peak device bytes per stage of one sequence cut into ``lengths`` under the
-    multiplexed schedule (the helpers also hold the weights they borrow)."""
-    return list(_multiplexed_run(cost, lengths, alphas, cost.hardware.host_gbps_per_gpu)
-                .peak_memory)
+    multiplexed schedule (the helpers also hold the weights they borrow); the copies at
+    ``host_gbps`` as in :func:`sppo_offload.batch_plan.replay` (default: the profile's link)."""
+    link = cost.hardware.host_gbps_per_gpu if host_gbps is None else host_gbps
+    return list(_multiplexed_run(cost, lengths, alphas, link).peak_memory)
 
 
 def compare(plan) -> tuple[SimResult, SimResult]:

@@ -61,13 +61,13 @@ def prepare_input(documents, args, model):
     chunk = model[0] if isinstance(model, list) else model
     capacity = None if host_gb is None else int(host_gb * GB)
     tier = host_tier(next(chunk.parameters()).device, capacity)
+    host_gbps = math.inf if tier.synchronous else None
     peaks = check_budget(mine, plan, cost, args.sppo_subsequences, args.sppo_offload,
-                         memory_budget_gb(args), host_gb, tp * cp,
-                         math.inf if tier.synchronous else None)
+                         memory_budget_gb(args), host_gb, tp * cp, host_gbps)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     offloaded = lambda action: plan.alphas[action.stage][action.unit] > 0  # noqa: E731
     if args.sppo_multiplex:
-        peaks = _check_multiplexable(plan, cost, memory_budget_gb(args))
+        peaks = _check_multiplexable(plan, cost, memory_budget_gb(args), host_gbps)
         schedule = multiplexed_schedule(cost.pp, plan.counts[0], offloaded)
         block_groups(tuple(dist.get_process_group_ranks(
             parallel_state.get_pipeline_model_parallel_group())))
@@ -88,14 +88,15 @@ def prepare_input(documents, args, model):
     return batch, len(batch)
 
 
-def _check_multiplexable(plan: SubsequencePlan, cost: CostModel,
-                         memory_gb: float) -> list[float] | None:
+def _check_multiplexable(plan: SubsequencePlan, cost: CostModel, memory_gb: float,
+                         host_gbps: float | None = None) -> list[float] | None:
     """Multiplexing fills the warm-up and cool-down of one sequence's pipeline, and must fit
     the memory budget the plain schedule was planned for (its helpers hold the weights they
     borrow: the simulated peak is refused when over ``memory_gb``, naming the stage). Every
     rank learns every replica's verdict (one gather) and they all raise the first problem
     found, so no replica is left waiting in a collective for one that stopped. Returns the
-    multiplexed schedule's simulated peak device bytes per stage."""
+    multiplexed schedule's simulated peak device bytes per stage, its copies at ``host_gbps``
+    (:func:`~sppo_offload.multiplex.multiplexed_peaks`)."""
     problem, peaks = None, None
     pp = cost.pp
     first = plan.chunks[0].pieces[0].tokens
@@ -113,7 +114,7 @@ def _check_multiplexable(plan: SubsequencePlan, cost: CostModel,
                    f"(at least 2), longer documents, or drop --sppo-multiplex")
     else:
         peaks = multiplexed_peaks(cost, [chunk.pieces[0].tokens for chunk in plan.chunks],
-                                  plan.alphas)
+                                  plan.alphas, host_gbps)
         if max(peaks) > memory_gb * GB:
             stage = peaks.index(max(peaks))
             problem = (f"--sppo-multiplex: the multiplexed schedule of this batch needs "

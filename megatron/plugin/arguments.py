@@ -27,6 +27,10 @@ Defaults that differ from Megatron-LM's, and why:
   every document and no token attends across a document boundary.
 * Without CUDA: ``--distributed-backend gloo``, ``--use-cpu-initialization``, and Megatron's
   fused CUDA kernels off (they change speed, not results).
+* Megatron's fused weight-gradient accumulation (``--gradient-accumulation-fusion``, on by
+  default) is off without apex's CUDA extension, and with ``--overlap-grad-reduce`` or
+  ``--sppo-multiplex`` (:func:`megatron.plugin.model.model_config` says why): the same
+  gradients, unfused.
 """
 from __future__ import annotations
 
@@ -367,13 +371,16 @@ def _instances_with_overlap(args):
     if instances <= 1 or not args.overlap_grad_reduce or registry.is_megatron(schedule) \
             or schedule not in option_classes.HONOURED["overlap_grad_reduce"].proofs:
         return None  # Megatron's own schedule, or one that refuses the overlap itself
+    # Megatron-LM asserts --overlap-param-gather only beside --overlap-grad-reduce.
+    drop = "--overlap-grad-reduce" + (" and --overlap-param-gather"
+                                      if args.overlap_param_gather else "")
     return (f"--num-distributed-optimizer-instances {instances} with --overlap-grad-reduce under "
             f"--pipeline-schedule {schedule}: with several instances Megatron's DDP reduces a "
             "bucket synchronously from its backward hooks (on a communication stream of its "
             "own) and keeps no handle of it, so this schedule's check that no bucket's "
             "reduction starts before its last gradient (megatron/plugin/pipeline/grad_sync.py) "
-            "cannot see one that did: drop --overlap-grad-reduce (the buckets are then reduced "
-            "after the last backward), or use 1f1b")
+            f"cannot see one that did: drop {drop} (the buckets are then reduced after the "
+            "last backward), or use 1f1b")
 
 
 def _cpu_half_precision(args):

@@ -839,8 +839,8 @@ def test_distributed_optimizer_updates_like_the_reference(golden, tag):
     """Under the distributed optimizer (each data-parallel rank steps its shard of each bucket,
     then the shards are all-gathered: with --overlap-param-gather by the forward pre-hooks of
     the next step's forwards under the schedule; with an instance per replica, INSTANCES, each
-    rank steps the whole of its buckets after the instances' all-reduce) the parameters the next step finds have moved
-    from the initial ones as Megatron's optimizer moves them in one process, given the run's
+    rank steps the whole of its buckets after the instances' all-reduce) the parameters the
+    next step finds have moved from the initial ones as Megatron's optimizer moves them in one process, given the run's
     gradients (checked against the reference above: Adam's first step divides each gradient
     by its magnitude, so gradients within their bounds can still move near-zero entries
     differently). The update is compared, with the gradients' bounds."""

@@ -452,8 +452,8 @@ def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     output-layer input and loss tensors, which weigh most once every layer is recomputed
     (without them stage 0 held 1.10x its plan). Sppo offloads every subsequence but the
     last; the plan replays the copies as the CPU's host tier makes them, at the action (priced
-    at the A800 profile's host link, the copies ended after the peak and the plan was 1.18x
-    the run on stage 1)."""
+    at the A800 profile's host link the copies would end after the peak, and the plan would be
+    1.18x the run on stage 1)."""
     out = tmp_path / "metrics.jsonl"
     no_dropout = {"--hidden-dropout", "--attention-dropout"}
     tiny = [flag for i, flag in enumerate(TINY)

@@ -170,3 +170,35 @@ def test_a_slice_saves_no_more_with_a_longer_context(monkeypatch, groups, dropou
     # q, own k/v, merged output and its log-sum-exp (fp32), at most.
     assert short <= 64 * (HEADS * DIM * 2 + 2 * groups * DIM + HEADS) * 4
 
+
+
+def test_a_checkpointed_last_slice_keeps_nothing_until_its_recomputation():
+    """A document of 48 tokens in slices of 32 and 16. Run without a graph (a checkpointed
+    forward) the first slice is recorded, for the second to read; the second, the document's
+    last, is not (no later slice reads it); its recomputation, with a graph, records it."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
+                               attention_dropout=0.0, hidden_dropout=0.0)
+    attn = DocumentAttention(config, layer_number=1).train()
+    store = KVStore()
+
+    def run(index, start, stop):
+        n = stop - start
+        # a projection's output: with a graph only where autograd records one
+        q, k, v = (torch.randn(n, 1, HEADS, DIM, requires_grad=torch.is_grad_enabled())
+                   for _ in range(3))
+        layout = PackedDocuments(segments=((Segment(0, n, "doc", index, 48),),),
+                                 position_ids=torch.arange(start, stop)[None],
+                                 kv_store=store, record_kv=True)
+        return attn(q, k, v, packed_seq_params=layout)
+
+    with torch.no_grad():
+        run(0, 0, 32)
+        assert len(store) == 1
+        run(1, 32, 48)
+        assert len(store) == 1
+    run(1, 32, 48)
+    assert len(store) == 2
+    (key, _), = store.context("doc", 1, 1)
+    assert key.shape[0] == 32

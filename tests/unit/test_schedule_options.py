@@ -505,5 +505,9 @@ def test_distributed_optimizer_instances_are_refused_where_megatron_would_assert
                "--overlap-grad-reduce"]
     assert arguments.parse([*BASE, "--pipeline-schedule", "1f1b", *overlap]).overlap_grad_reduce
     with pytest.raises(ValueError, match="with --overlap-grad-reduce under --pipeline-schedule "
-                                         "elastic: .* drop --overlap-grad-reduce"):
+                                         "elastic: .* drop --overlap-grad-reduce \\("):
         arguments.parse([*BASE, "--pipeline-schedule", "elastic", *overlap])
+    # Megatron-LM asserts --overlap-param-gather without --overlap-grad-reduce: both go.
+    with pytest.raises(ValueError, match="drop --overlap-grad-reduce and --overlap-param-gather"):
+        arguments.parse([*BASE, "--pipeline-schedule", "elastic", *overlap,
+                         "--overlap-param-gather"])

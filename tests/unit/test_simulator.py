@@ -186,3 +186,26 @@ def test_gradient_sums_join_a_units_stash_at_the_first_backward_that_creates_the
     layered = simulate(schedule, LayeredCosts())
     assert layered.peak_memory == [pytest.approx(3.5)]
     assert layered.memory_timeline == result.memory_timeline
+
+
+def test_a_backward_frees_its_head_before_its_layers_make_gradient_sums():
+    """As above over 2 layers, each unit's stash of 1 holding 0.4 of head (the last stage's
+    logits, which the head's backward frees first): unit 2's backward makes its sums on top
+    of 3 - 0.4 = 2.6, the first layer's (2.6 + 0.5 = 3.1), then both beside the second
+    layer's half of the 0.6 left (2.6 - 0.3 + 1 = 3.3); without the head freed first, 3.5."""
+    schedule = parse_schedule("0: 0F0 0F1 0F2 0B2 0B1 0B0")
+
+    class Costs(UniformCosts):
+        def gradient_sums(self, action):
+            return {2: ((0, 0.5), (1, 0.5)), 1: ((0, 0.5),)}.get(action.unit, ())
+
+        def backward_layers(self, action):
+            return 2
+
+        def head_bytes(self, action):
+            return 0.4
+
+    result = simulate(schedule, Costs())
+    assert result.peak_memory == [pytest.approx(3.3)]
+    assert [memory for _, memory in result.memory_timeline[0]] == pytest.approx(
+        [0.0, 1.0, 2.0, 3.0, 4.0, 3.0, 1.5, 0.0])

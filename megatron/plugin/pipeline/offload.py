@@ -64,8 +64,9 @@ class HostMemory:
     """
 
     synchronous = True
-    """A copy is done when ``write`` or ``read`` returns (what the planners' replay assumes of
-    the tier: :func:`sppo_offload.batch_plan.replay`)."""
+    """A copy is done when ``write`` or ``read`` returns: SPPO's plan then replays its copies
+    at their actions, not at the profile's host link (:func:`sppo_offload.batch_plan.replay`
+    with ``host_gbps=math.inf``)."""
 
     def __init__(self, capacity_bytes: int | None = None):
         if capacity_bytes is not None and capacity_bytes < 0:
