@@ -125,19 +125,22 @@ def zero3_exposed_s(plan, cost: CostModel, gpus: int, stage: int = 0) -> float:
     return exposed
 
 
+def stage_collectives_s(cost: CostModel, stage: int, chunk, checkpointed: int) -> float:
+    """Seconds of ``stage``'s layer collectives for ``chunk``: every layer's forward and
+    backward, and the forwards of its ``checkpointed`` recomputed layers (the backward's are
+    what it takes beyond ``backward_factor`` times the forward's compute)."""
+    forward = cost.layer_collectives(chunk)
+    backward = cost.layer_backward(chunk) - \
+        cost.hardware.backward_factor * cost.layer_compute(chunk)
+    return cost.layers(stage) * (forward + backward) + checkpointed * forward
+
+
 def all_to_all_s(plan, cost: CostModel) -> list[float]:
     """Per stage, the seconds of a plan's all-to-alls an iteration (module doc)."""
     table = plan.ckpt_table()
-    seconds = []
-    for stage in range(cost.pp):
-        total = 0.0
-        for chunk, checkpointed in zip(plan.chunks(), table[stage]):
-            forward = cost.layer_collectives(chunk)
-            backward = cost.layer_backward(chunk) - \
-                cost.hardware.backward_factor * cost.layer_compute(chunk)
-            total += cost.layers(stage) * (forward + backward) + checkpointed * forward
-        seconds.append(total)
-    return seconds
+    return [sum(stage_collectives_s(cost, stage, chunk, checkpointed)
+                for chunk, checkpointed in zip(plan.chunks(), table[stage]))
+            for stage in range(cost.pp)]
 
 
 def flexsp_terms(plan, gpus: int) -> dict[str, float]:
@@ -194,15 +197,9 @@ def plan_collectives_s(plan) -> float:
     from sppo_offload.costs import subsequence_chunks
 
     cost = plan.costs.cost
-    stages = [0.0] * cost.pp
-    for chunk in subsequence_chunks(plan.lengths):
-        forward = cost.layer_collectives(chunk)
-        backward = cost.layer_backward(chunk) - \
-            cost.hardware.backward_factor * cost.layer_compute(chunk)
-        for stage in range(cost.pp):
-            stages[stage] += cost.layers(stage) * (forward + backward) + \
-                plan.checkpointed[stage] * forward
-    return max(stages)
+    chunks = subsequence_chunks(plan.lengths)
+    return max(sum(stage_collectives_s(cost, stage, chunk, plan.checkpointed[stage])
+                   for chunk in chunks) for stage in range(cost.pp))
 
 
 def megatron_recompute_ledger(cost: CostModel, tokens: int, stage: int) -> dict:
