@@ -161,6 +161,24 @@ def test_a_recomputation_does_not_wait_for_the_receive_of_its_backward():
     assert result.idle[1] == pytest.approx(1.5)
 
 
+#: One stage runs units 0, 1, 2 forward, then 2, 1, 0 backward.
+SUMS_SCHEDULE = parse_schedule("0: 0F0 0F1 0F2 0B2 0B1 0B0")
+
+
+class SumsCosts(UniformCosts):
+    """Unit 2's backward makes sums of 0.5 for units 0 and 1, unit 1's names unit 0 again."""
+
+    def gradient_sums(self, action):
+        return {2: ((0, 0.5), (1, 0.5)), 1: ((0, 0.5),)}.get(action.unit, ())
+
+
+class LayeredSumsCosts(SumsCosts):
+    """The same sums made over 2 layers."""
+
+    def backward_layers(self, action):
+        return 2
+
+
 def test_gradient_sums_join_a_units_stash_at_the_first_backward_that_creates_them():
     """One stage runs units 0, 1, 2 forward, then 2, 1, 0 backward; unit 2's backward creates
     gradient sums of 0.5 for units 0 and 1 (the K/V store's dK/dV of a document's earlier
@@ -169,21 +187,11 @@ def test_gradient_sums_join_a_units_stash_at_the_first_backward_that_creates_the
     stashes plus both sums; made layer by layer over 2 layers, the peak is the larger of the 3
     stashes plus the first layer's sums (3.5) and, once the first layer's half of unit 2's
     stash is freed, both sums beside the rest (3 - 0.5 + 1 = 3.5)."""
-    schedule = parse_schedule("0: 0F0 0F1 0F2 0B2 0B1 0B0")
-
-    class Costs(UniformCosts):
-        def gradient_sums(self, action):
-            return {2: ((0, 0.5), (1, 0.5)), 1: ((0, 0.5),)}.get(action.unit, ())
-
-    class LayeredCosts(Costs):
-        def backward_layers(self, action):
-            return 2
-
-    result = simulate(schedule, Costs())
+    result = simulate(SUMS_SCHEDULE, SumsCosts())
     assert result.peak_memory == [pytest.approx(4.0)]
     assert [memory for _, memory in result.memory_timeline[0]] == pytest.approx(
         [0.0, 1.0, 2.0, 3.0, 4.0, 3.0, 1.5, 0.0])
-    layered = simulate(schedule, LayeredCosts())
+    layered = simulate(SUMS_SCHEDULE, LayeredSumsCosts())
     assert layered.peak_memory == [pytest.approx(3.5)]
     assert layered.memory_timeline == result.memory_timeline
 
@@ -193,19 +201,11 @@ def test_a_backward_frees_its_head_before_its_layers_make_gradient_sums():
     logits, which the head's backward frees first): unit 2's backward makes its sums on top
     of 3 - 0.4 = 2.6, the first layer's (2.6 + 0.5 = 3.1), then both beside the second
     layer's half of the 0.6 left (2.6 - 0.3 + 1 = 3.3); without the head freed first, 3.5."""
-    schedule = parse_schedule("0: 0F0 0F1 0F2 0B2 0B1 0B0")
-
-    class Costs(UniformCosts):
-        def gradient_sums(self, action):
-            return {2: ((0, 0.5), (1, 0.5)), 1: ((0, 0.5),)}.get(action.unit, ())
-
-        def backward_layers(self, action):
-            return 2
-
+    class HeadCosts(LayeredSumsCosts):
         def head_bytes(self, action):
             return 0.4
 
-    result = simulate(schedule, Costs())
+    result = simulate(SUMS_SCHEDULE, HeadCosts())
     assert result.peak_memory == [pytest.approx(3.3)]
     assert [memory for _, memory in result.memory_timeline[0]] == pytest.approx(
         [0.0, 1.0, 2.0, 3.0, 4.0, 3.0, 1.5, 0.0])
