@@ -240,13 +240,31 @@ def run_schedule(args, schedule: str, workdir: str, extra=(), trace: bool = Fals
     return result
 
 
+def write_report(args, results: dict, predicted: dict) -> None:
+    """``--json``: every run and prediction so far (rewritten after each, so that a time limit
+    keeps what finished)."""
+    if not args.json:
+        return
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    report = {"argv": sys.argv[1:], "device": device,
+              "torch": torch.__version__, "setup": vars(args), "schedules": results,
+              "predicted": predicted}
+    with open(args.json, "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    results = {}
+    results, predicted = {}, {}
     with tempfile.TemporaryDirectory() as workdir:
         for schedule in [] if args.predict_only else args.schedules.split(","):
             results[schedule] = result = run_schedule(args, schedule, workdir,
                                                       trace=args.trace_dir is not None)
+            if "trace_path" in result:
+                os.makedirs(args.trace_dir, exist_ok=True)
+                shutil.copyfile(result.pop("trace_path"),
+                                os.path.join(args.trace_dir, f"{schedule}.json.gz"))
+            write_report(args, results, predicted)
             if "error" in result:
                 print(f"{schedule:8s} FAILED {result['error']}\n{result.get('tail', '')}",
                       flush=True)
@@ -261,25 +279,15 @@ def main(argv=None):
                   f"{result['num_microbatches']} units"
                   + (f"  device busy {result['device_busy_fraction']:6.1%}"
                      if args.trace_dir else ""), flush=True)
-            if args.trace_dir:
-                os.makedirs(args.trace_dir, exist_ok=True)
-                shutil.copyfile(result.pop("trace_path"),
-                                os.path.join(args.trace_dir, f"{schedule}.json.gz"))
             if ratio and args.pp > 1:
                 stages = " ".join(f"{r:.2f}" for r in result["measured_over_planned_per_stage"])
                 print(f"{'':8s} measured/planned per stage: {stages}", flush=True)
     print_ratios(results)
-    predicted = {}
     for profile in args.predict.split(",") if args.predict else []:
         predicted[profile] = predictions(args, profile)
         print_predictions(profile, predicted[profile])
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    report = {"argv": sys.argv[1:], "device": device,
-              "torch": torch.__version__, "setup": vars(args), "schedules": results,
-              "predicted": predicted}
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_report(args, results, predicted)
+    write_report(args, results, predicted)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

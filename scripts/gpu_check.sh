@@ -44,7 +44,11 @@ collect() {  # collect NAME...: record the results of finished steps
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, importlib.metadata as m; print("torch", torch.__version__, "CUDA",
 torch.version.cuda, "GPUs", torch.cuda.device_count(), "megatron-core", m.version("megatron-core"))'
-step unit python3 -m pytest -q -p no:cacheprovider tests/unit &
+# -v names each test as it ends, so a failure is named in the log even when the step's time
+# limit stops the run before pytest's summary; four workers where pytest-xdist imports.
+unit_args=(-v -rfE -p no:cacheprovider)
+python3 -c 'import xdist' 2>/dev/null && unit_args+=(-n 4)
+step unit python3 -m pytest "${unit_args[@]}" tests/unit &
 unit=$!
 pp=$(( gpus >= 2 ? 2 : 1 ))
 tiny=(--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 256
@@ -106,6 +110,7 @@ else
 fi
 [ "$pp" -ge 2 ] || report+=("skipped 1f1b, 1f1b-ir, helix training: they need 2 GPUs or more")
 printf '%s\n' "${report[@]}"
+grep -oE "(FAILED|ERROR) tests/[^ ]+" "$log/unit.log" | sort -u
 for name in "$log"/train-*.log; do
   [ -f "$name" ] || continue
   printf '%s: ' "$(basename "$name" .log)"

@@ -78,3 +78,13 @@ def device_busy(trace: dict) -> dict:
     span = union[-1][1] - union[0][0]
     busy = sum(end - start for start, end in union)
     return {"span_us": span, "busy_us": busy, "busy_fraction": busy / span if span else 0.0}
+
+
+def host_allocations(trace: dict) -> dict:
+    """``{"calls", "us", "step_us"}``: the pinned host allocations (``cudaHostAlloc``: each one
+    pins new pages and stalls the host thread that launches the kernels) in a torch-profiler
+    Chrome trace, and the longest traced step (``ProfilerStep#N``) they fall in."""
+    events = _complete(trace)
+    allocs = [float(e["dur"]) for e in events if e.get("name") == "cudaHostAlloc"]
+    steps = [float(e["dur"]) for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    return {"calls": len(allocs), "us": sum(allocs), "step_us": max(steps, default=0.0)}

@@ -107,7 +107,10 @@ def check_name(name: str) -> None:
     """Raise ``ValueError`` listing the valid names when ``name`` is not one."""
     if name not in schedule_names():
         raise ValueError(
-            f"unknown pipeline schedule {name!r}; valid names: {', '.join(schedule_names())}")
+            f"unknown pipeline schedule {name!r}; valid names: {', '.join(schedule_names())} "
+            f"(a package's schedules are found through its entry points of the group "
+            f"{ENTRY_POINTS}: install it, for this project `pip install -e .` in its checkout, "
+            f"or name its MODULE:ATTRIBUTE in {ENVIRONMENT})")
 
 
 def spec(name: str) -> ScheduleSpec | None:

@@ -9,7 +9,7 @@ SCRIPTS = os.path.join(REPO, "scripts")
 if SCRIPTS not in sys.path:
     sys.path.insert(0, SCRIPTS)
 
-from profiler_trace import copy_overlap, device_busy  # noqa: E402
+from profiler_trace import copy_overlap, device_busy, host_allocations  # noqa: E402
 
 
 def _event(cat, name, ts, dur, stream, **args):
@@ -59,3 +59,15 @@ def test_the_device_is_busy_where_kernels_or_copies_run():
     assert busy["span_us"] == 400 and busy["busy_us"] == 260
     assert busy["busy_fraction"] == pytest.approx(260 / 400)
     assert device_busy({"traceEvents": []})["busy_fraction"] == 0.0
+
+
+def test_host_allocations_are_the_pinning_calls_within_the_traced_step():
+    trace = {"traceEvents": [
+        _event("cpu_op", "ProfilerStep#2", 0, 5000, 0),
+        _event("cuda_runtime", "cudaHostAlloc", 10, 700, 0),
+        _event("cuda_runtime", "cudaHostAlloc", 900, 300, 0),
+        _event("cuda_runtime", "cudaMalloc", 1300, 50, 0),
+        _event("cpu_op", "aten::empty", 5, 710, 0),
+    ]}
+    assert host_allocations(trace) == {"calls": 2, "us": 1000.0, "step_us": 5000.0}
+    assert host_allocations({"traceEvents": []}) == {"calls": 0, "us": 0.0, "step_us": 0.0}

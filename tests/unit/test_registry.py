@@ -68,7 +68,11 @@ def test_default_keeps_megatron_choice():
 def test_unknown_name_lists_valid_names():
     with pytest.raises(ValueError, match=r"unknown pipeline schedule 'zigzag'; valid names: "
                                          r"default, 1f1b, 1f1b-ir, elastic, helix, interleaved, "
-                                         r"seq1f1b, sppo$"):
+                                         r"seq1f1b, sppo \(a package's schedules are found "
+                                         r"through its entry points of the group "
+                                         r"megatron_longctx\.schedules: install it, for this "
+                                         r"project `pip install -e \.` in its checkout, or name "
+                                         r"its MODULE:ATTRIBUTE in LONGCTX_SCHEDULES\)$"):
         registry.use_schedule("zigzag")
 
 
