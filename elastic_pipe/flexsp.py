@@ -172,12 +172,19 @@ def recomputing_fits(cost: CostModel, tokens: int, checkpointed: int) -> bool:
     """Whether one micro-batch of ``tokens`` fits ``cost``'s group (one stage) with
     ``checkpointed`` layers recomputed as DeepSpeed's and Megatron-LM's layer checkpointing
     recomputes them: a checkpointed layer keeps its input, and its other activations live
-    again only while its own backward runs, one layer at a time (the cost model's stash with
-    ``checkpointed`` layers saved, one layer rematerialised, the running layer's workspace)."""
+    again only while its own backward runs, one layer at a time. Two moments bound it, priced
+    as the simulator prices Megatron's recomputation (:class:`longctx.chunk_costs.ChunkCosts`
+    with ``per_layer_recompute``): the forward's end and the head's backward (the cost model's
+    stash and the stage's workspace), and a layer's backward after the head has freed its share
+    (the stash less :meth:`~longctx.cost_model.CostModel.head_bytes`, one layer
+    rematerialised, :meth:`~longctx.cost_model.CostModel.recompute_boundary` and a layer's
+    workspace)."""
     chunk = Chunk((Piece(0, 0, 0, tokens, True),))
-    peak = cost.stash_bytes(0, chunk, checkpointed) + cost.stage_workspace(0, chunk)
+    stash = cost.stash_bytes(0, chunk, checkpointed)
+    peak = stash + cost.stage_workspace(0, chunk)
     if checkpointed:
-        peak += cost.layer_saving(chunk)
+        peak = max(peak, stash - cost.head_bytes(0, chunk) + cost.layer_saving(chunk)
+                   + cost.recompute_boundary(chunk) + cost.layer_workspace(chunk))
     return peak <= cost.activation_budget(0)
 
 

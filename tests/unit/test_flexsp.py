@@ -167,19 +167,22 @@ def test_documents_too_long_are_refused():
 def test_layers_recomputed_one_at_a_time_keep_their_input_and_one_layer():
     """With k of the 4 layers recomputed one at a time (DeepSpeed's and Megatron-LM's layer
     checkpointing), a token keeps the full stash of each layer not recomputed, (8h + 2f) e
-    and 80 bytes of FP32 statistics, and the input of each recomputed one, h e; while a
-    recomputed layer's backward runs, its stash less its input is back; beside them the
-    embedding's 16 bytes, the head's 2h e + 21 + 4V and the loss's workspace e V. Recomputing
-    one layer saves nothing (it comes back for its backward): a micro-batch that fits with 2
-    needs 2."""
+    and 80 bytes of FP32 statistics, the input of each recomputed one, h e, and the
+    embedding's 16 bytes. Two moments bound it: the head's backward, with the head's
+    2h e + 21 + 4V and the loss's workspace e V; and a recomputed layer's backward, after the
+    head is freed, with that layer's stash less its input back and the three h e tensors at its
+    boundary (its rebuilt output and the gradients at its output and input). Here the second
+    is the larger, so recomputing one layer already saves the head's bytes less the boundary's;
+    a micro-batch that fits with 2 needs 2."""
     full, kept = (8 * 1024 + 2 * 4096) * 2 + 80, 2 * 1024
-    ends = 16 + 2 * 1024 * 2 + 8 + 13 + 4 * 1000 + 2 * 1000
+    head = 2 * 1024 * 2 + 8 + 13 + 4 * 1000 + 2 * 1000
     cost = group_cost(MODEL, HARDWARE, 1, GPUS, 2.5)
     for k in range(5):
-        per_token = (4 - k) * full + k * kept + ends + (full - kept if k else 0)
+        stash = (4 - k) * full + k * kept + 16
+        per_token = stash + head if k == 0 else max(stash + head, stash + full - kept + 3 * kept)
         assert group_capacity(cost, CONTEXT, k) == pytest.approx(
             cost.activation_budget(0) / per_token, rel=1e-3)
-    assert group_capacity(cost, CONTEXT, 1) == group_capacity(cost, CONTEXT, 0)
+    assert group_capacity(cost, CONTEXT, 1) > group_capacity(cost, CONTEXT, 0)
     assert layers_to_hold(cost, group_capacity(cost, CONTEXT, 2)) == 2
     assert layers_to_hold(cost, 10 ** 7) is None
 
