@@ -223,7 +223,7 @@ class HelixProgram(PartProgram):
 
         def head_loss(hidden, labels):
             logits, _ = module.output_layer(hidden, weight=weight)
-            return module.compute_language_model_loss(labels, logits)
+            return module.compute_language_model_loss(labels, module._scale_logits(logits))
 
         if self.mlp_rows is None:
             losses = head_loss(hidden, call["labels"])

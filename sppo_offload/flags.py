@@ -78,6 +78,18 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError("--sppo-multiplex runs with --tensor-model-parallel-size 1 and "
                              "--context-parallel-size 1: set both to 1, or drop "
                              "--sppo-multiplex")
+        uneven = [flag for flag, name in (
+            ("--decoder-first-pipeline-num-layers", "decoder_first_pipeline_num_layers"),
+            ("--decoder-last-pipeline-num-layers", "decoder_last_pipeline_num_layers"),
+            ("--account-for-embedding-in-pipeline-split",
+             "account_for_embedding_in_pipeline_split"),
+            ("--account-for-loss-in-pipeline-split", "account_for_loss_in_pipeline_split"))
+            if getattr(args, name, None)]
+        if uneven:
+            raise ValueError(f"{', '.join(uneven)} with --sppo-multiplex: the multiplexed "
+                             f"helpers run another stage's layers on their own modules, so the "
+                             f"stages must hold equal layers; drop {', '.join(uneven)} or "
+                             f"--sppo-multiplex")
         if getattr(args, "overlap_param_gather", False):
             raise ValueError("--overlap-param-gather is not supported with --sppo-multiplex: "
                              "a block's owner broadcasts the block's parameters to its helpers "

@@ -16,7 +16,8 @@ A share of ``u0`` on block ``k`` (member ``k + i`` of ``G_k = {k, ..., p-1}``, t
 - **Helper** (stage ``h > k``): its own layer modules run with the owner's tensors
   (``torch.func.functional_call``); for block 0 the embedding of its range is computed from
   the shipped word (and learned position) tables as Megatron's ``LanguageModelEmbedding`` does
-  with one tensor-parallel rank (the runtime refuses multiplexing with TP or CP > 1).
+  with one tensor-parallel rank (their sum, MuP's ``mup_embedding_mult`` under ``--use-mup``,
+  dropout; the runtime refuses multiplexing with TP or CP > 1).
 
 Collectives, over the process group of ``G_k`` (one per block and pipeline, made once by
 every rank, :func:`block_groups`), always in this order on every member: at the start of a
@@ -256,8 +257,10 @@ class MultiplexProgram:
             hidden = F.embedding(batch.tokens, tables[0])
             if len(tables) > 1:
                 hidden = hidden + F.embedding(batch.position_ids, tables[1])
-            hidden = F.dropout(hidden.transpose(0, 1).contiguous(), self.config.hidden_dropout,
-                               self.gpt.training)
+            hidden = hidden.transpose(0, 1).contiguous()
+            if self.config.use_mup and self.config.mup_embedding_mult != 1.0:
+                hidden = hidden * self.config.mup_embedding_mult
+            hidden = F.dropout(hidden, self.config.hidden_dropout, self.gpt.training)
         else:
             hidden = given
         layout = batch.layout()

@@ -105,7 +105,7 @@ QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "1f1b-ir": "golden:pp2_qk_eod_uneven_ir",
                "elastic": "golden:pp2_qk_eod_uneven_elastic",
                "seq1f1b": "golden:pp2_qk_eod_uneven_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
-               "sppo": "golden:pp2_qk_eod_sppo_n4_offload"}
+               "sppo": "golden:pp2_qk_eod_uneven_sppo_n4_offload"}
 #: Dropless mixture of experts (Megatron's MoE layer; its auxiliary loss: :data:`MOE_AUX`);
 #: under the schedules that run Megatron's layer map its layouts count the embedding and the
 #: loss as layers of the split (:data:`ACCOUNTED`), under interleaved over 3 virtual stages
@@ -117,7 +117,7 @@ MOE = {"default": "golden:pp2_dp2_ep2_a2a_moe_accounted_1f1b",
        "1f1b-ir": "golden:pp2_dp2_ep2_moe_accounted_ir",
        "elastic": "golden:pp2_moe_accounted_elastic",
        "seq1f1b": "golden:pp2_moe_accounted_seq1f1b", "helix": "golden:pp2_moe_helix",
-       "sppo": "golden:pp2_moe_sppo_n4_offload"}
+       "sppo": "golden:pp2_moe_accounted_sppo_n4_offload"}
 #: Expert parallelism (``--expert-model-parallel-size``: the experts spread over ranks carved
 #: from the data-parallel replicas, each token sent to its experts' ranks by Megatron's token
 #: dispatcher) where every replica calls each MoE layer equally often and in the same order:
@@ -178,14 +178,12 @@ _AUX_PER_UNIT = (
 #: schedule runs that map: a first stage of 1 and a last of 3 layers; the embedding and the
 #: loss each counted as a layer.
 UNEVEN = {name: QK_NORM_EOD[name] for name in ("default", "1f1b", "1f1b-ir", "elastic",
-                                               "seq1f1b")}
+                                               "seq1f1b", "sppo")}
 ACCOUNTED = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir", "elastic",
-                                          "seq1f1b")}
+                                          "seq1f1b", "sppo")}
 _UNEVEN_REFUSALS = {
     "helix": "helix places its layer parts by its own mapping (boundary b on stage b mod PP, "
              "equal stages): drop {flag}",
-    "sppo": "sppo's partition and its multiplexed helpers (which run another stage's layers "
-            "on their own modules) need equal stages: drop {flag}, or use elastic",
 }
 #: Micro-batches of two rows: Megatron's recomputation layouts, and Megatron's default loss
 #: (each micro-batch's token mean) under the document schedules.
@@ -331,6 +329,17 @@ HONOURED: dict[str, Honoured] = {
     **{name: Honoured(ACCOUNTED, _NO_TEST, refusals=_UNEVEN_REFUSALS) for name in (
         "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")},
     "eod_mask_loss": Honoured(QK_NORM_EOD, _NO_TEST),
+    # MuP: Megatron's config turns the flags into the attention's scale (which the document
+    # attention is built with), the embedding's and the logits' multipliers (which helix's
+    # head and SPPO's helpers apply as Megatron's modules do), the initialisation and the
+    # optimizer's per-group learning rates (Megatron-LM's loop).
+    **{name: Honoured(QK_NORM_EOD, _NO_TEST) for name in (
+        "use_mup", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",
+        "mup_base_head_dim", "mup_attn_scale_power")},
+    "mup_width_mult": Honoured({}, "Megatron computes the MuP width multiplier as --hidden-size "
+                                   "/ --mup-base-hidden-size and replaces any value given: drop "
+                                   "--mup-width-mult and set --mup-base-hidden-size",
+                               values=(1.0,)),
     **{name: Honoured(MOE, _NO_TEST) for name in (
         "num_experts", "moe_router_topk", "moe_ffn_hidden_size")},
     "moe_aux_loss_coeff": Honoured(MOE_AUX, _AUX_PER_UNIT),
@@ -762,10 +771,9 @@ REFUSED: dict[str, str] = {
         embedding_init_method_std fp16_lm_cross_entropy fp32_residual_connection
         glu_linear_offset layernorm_epsilon
         make_vocab_size_divisible_by mlp_chunks_for_prefill mlp_chunks_for_training
-        mup_attn_scale_power mup_base_head_dim mup_base_hidden_size mup_embedding_mult
-        mup_output_mult mup_width_mult onnx_safe openai_gelu
+        onnx_safe openai_gelu
         quick_geglu recompute_activations recompute_modules
-        use_fused_weighted_squared_relu use_mup
+        use_fused_weighted_squared_relu
     """, _UNPROVEN_MODEL),
     **_each("""
         overlap_p2p_comm pipeline_model_parallel_comm_backend

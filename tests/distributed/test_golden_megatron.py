@@ -132,6 +132,12 @@ MUX_EXPECTED = {
 #: embedding and the loss each counted as a layer (each stage builds 2 of 4).
 UNEVEN = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
 ACCOUNTED = ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+#: MuP at twice its base width (the tiny model's hidden size is 32), which scales the
+#: initialisation and the optimizer's learning rates; the attention's scale
+#: sqrt(base head dim) / kv_channels ** power, the embedding's and the logits' multipliers
+#: set off their defaults.
+MUP = ["--use-mup", "--mup-base-hidden-size", "16", "--mup-embedding-mult", "1.5",
+       "--mup-output-mult", "0.25", "--mup-base-head-dim", "4", "--mup-attn-scale-power", "0.75"]
 #: Megatron's auxiliary load-balancing loss at the coefficient Megatron-LM recommends to
 #: start from; the moe variant's reference adds it over Megatron's micro-batches
 #: (``golden_run.aux_loss_gradients``) for the layouts of Megatron's schedules that pass it,
@@ -364,11 +370,14 @@ VARIANTS = {
     # back; the end-of-document token at every fifth input of each document, masked out of
     # the loss (under Megatron's default loss too, where it changes each micro-batch's count);
     # interleaved RoPE (channel pairs 2i, 2i + 1), also on the K/V context of later slices;
-    # the squared ReLU as the MLP's activation (helix's chunked MLP runs it too).
-    # Under the schedules that run Megatron's layer map, the split is uneven too: 1 + 3 layers.
+    # the squared ReLU as the MLP's activation (helix's chunked MLP runs it too); MuP (MUP:
+    # the attention scaled by 1 / kv_channels, the embedding and the logits multiplied, which
+    # helix's head and SPPO's helpers apply themselves).
+    # Under the schedules that run Megatron's layer map (sppo's too, without its multiplexed
+    # helpers), the split is uneven too: 1 + 3 layers.
     "qk_norm_eod": (["--qk-layernorm", "--normalization", "RMSNorm", "--eod-mask-loss",
                      "--golden-eod-every", "5", "--position-embedding-type", "rope",
-                     "--rotary-interleaved", "--squared-relu"], {
+                     "--rotary-interleaved", "--squared-relu", *MUP], {
         **{f"pp2_qk_eod_uneven_{name}": (2, ["--pipeline-model-parallel-size", "2", *UNEVEN,
                                              *flags]) for name, flags in FOUR_SCHEDULES},
         "pp2_vp2_qk_eod_interleaved": (2, ["--pipeline-model-parallel-size", "2",
@@ -377,9 +386,9 @@ VARIANTS = {
         "pp2_qk_eod_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_qk_eod_helix_recompute": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
                                            "--helix-recompute-without-attention"]),
-        "pp2_qk_eod_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
-                                           "--sppo-subsequences", "4", "--sppo-offload",
-                                           "0.5"]),
+        "pp2_qk_eod_uneven_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2",
+                                                  *UNEVEN, *SPPO, "--sppo-subsequences", "4",
+                                                  "--sppo-offload", "0.5"]),
         "pp2_qk_eod_elastic_default_loss_mbs2": (2, ["--pipeline-model-parallel-size", "2",
                                                      *ELASTIC, *MBS2]),
     }),
@@ -415,8 +424,9 @@ VARIANTS = {
         "pp2_dp2_etp2_a2a_moe_ir": (4, ["--pipeline-model-parallel-size", "2", *ETP2,
                                         *A2A_DISPATCH, "--pipeline-schedule", "1f1b-ir", *AUX]),
         "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
-        "pp2_moe_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
-                                        "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
+        "pp2_moe_accounted_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2",
+                                                  *ACCOUNTED, *SPPO, "--sppo-subsequences",
+                                                  "4", "--sppo-offload", "0.5"]),
     }),
     # Llama's shape, with the model-shape flags of Megatron-LM's GPT configurations off their
     # defaults: 4 heads of 12 channels (48, not the hidden size 32) in 2 query groups, RoPE on
@@ -442,10 +452,11 @@ VARIANTS = {
     # are not a multiple of p x folds = 4 train with empty slots. One document is also the
     # case of SPPO's multiplexed partitioning (see MUX_EXPECTED), whose helpers borrow the
     # owner's layer weights, the Q/K norms' too (the model has them: --qk-layernorm, RMSNorm),
-    # and gather the K/V of 2 query groups of 12 channels for the owner's share.
+    # and gather the K/V of 2 query groups of 12 channels for the owner's share; under MuP the
+    # helpers multiply the embedding they compute as Megatron's embedding does.
     "one_microbatch": (["--golden-docs", "1", "--qk-layernorm", "--normalization", "RMSNorm",
                         "--group-query-attention", "--num-query-groups", "2",
-                        "--kv-channels", "12"], {
+                        "--kv-channels", "12", *MUP], {
         "pp2_helix_m1": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         "pp2_sppo_mux_n4": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                 "--sppo-subsequences", "4", "--sppo-offload", "off",

@@ -220,14 +220,17 @@ def test_overlapped_gradient_reduction_is_honoured_or_refused_with_the_reason(sc
 
 
 #: Megatron's uneven pipeline splits: honoured where the schedule runs Megatron's layer map
-#: (golden layouts), refused where the schedule places layers itself or needs equal stages.
+#: (golden layouts), refused where the schedule places layers itself or needs equal stages
+#: (sppo's multiplexed helpers).
 UNEVEN_SPLITS = [
     ("helix", ["--decoder-first-pipeline-num-layers", "1"],
      "helix places its layer parts by its own mapping"),
-    ("sppo", ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"],
-     "sppo's partition and its multiplexed helpers"),
-    ("sppo", ["--decoder-last-pipeline-num-layers", "3"],
-     "drop --decoder-last-pipeline-num-layers"),
+    ("sppo", ["--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split",
+              "--sppo-multiplex"],
+     "--account-for-embedding-in-pipeline-split, --account-for-loss-in-pipeline-split with "
+     "--sppo-multiplex: the multiplexed helpers run another stage's layers"),
+    ("sppo", ["--decoder-last-pipeline-num-layers", "3", "--sppo-multiplex"],
+     "drop --decoder-last-pipeline-num-layers or --sppo-multiplex"),
     ("interleaved", ["--decoder-first-pipeline-num-layers", "1",
                      "--num-layers-per-virtual-pipeline-stage", "1"],
      "--decoder-first-pipeline-num-layers is not supported by --pipeline-schedule interleaved"),
@@ -414,10 +417,8 @@ MODEL_REFUSED = [
     (["--softmax-type", "off-by-one"], "1f1b", "--softmax-type"),
     (["--qk-l2-norm"], "helix", "--qk-l2-norm"),
     (["--attention-output-gate"], "helix", "--attention-output-gate"),
-    (["--use-mup"], "helix", "--use-mup"),
-    # SPPO's multiplexed helpers build their own embedding, without MuP's multiplier.
-    (["--sppo-multiplex", "--use-mup", "--mup-embedding-mult", "10"], "sppo",
-     "--use-mup, --mup-embedding-mult are not supported"),
+    # Megatron computes the MuP width multiplier and replaces a value given.
+    (["--use-mup", "--mup-width-mult", "2"], "elastic", "--mup-width-mult"),
     # Megatron-LM takes its local attention backend only with its legacy local spec.
     (["--attention-backend", "local"], "elastic",
      "--attention-backend local is not supported .* use --attention-backend unfused"),

@@ -177,6 +177,10 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
      "--sppo-multiplex runs with --tensor-model-parallel-size 1"),
     (["--sppo-multiplex", "--use-distributed-optimizer", "--overlap-grad-reduce",
       "--overlap-param-gather"], "--overlap-param-gather is not supported with --sppo-multiplex"),
+    (["--sppo-multiplex", "--decoder-first-pipeline-num-layers", "1",
+      "--decoder-last-pipeline-num-layers", "1"],
+     "--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers with "
+     "--sppo-multiplex: .* equal layers"),
 ])
 def test_check_args_refuses_what_sppo_cannot_run(flags, message, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "8" if {"--tensor-model-parallel-size",
