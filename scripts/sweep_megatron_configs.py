@@ -103,7 +103,11 @@ def shrink(model_args: dict, workdir: str) -> dict:
     if per_virtual:
         virtual = max(1, layers // (pp * int(per_virtual)))
     heads = max(4, 2 * tp * cp)
-    sizes = {"--num-layers": pp * virtual, "--num-attention-heads": heads,
+    # Megatron-LM splits the layers, the embedding and the loss where the config counts them
+    # as layers: one layer a virtual stage, those counted included.
+    counted = sum(bool(model_args.get(flag)) for flag in (
+        "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"))
+    sizes = {"--num-layers": max(1, pp * virtual - counted), "--num-attention-heads": heads,
              "--hidden-size": 8 * heads, "--seq-length": max(64, tp * cp),
              "--max-position-embeddings": max(64, tp * cp)}
     if per_virtual:

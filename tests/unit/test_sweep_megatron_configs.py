@@ -37,6 +37,20 @@ PLAIN = {
 }
 
 
+def test_layers_counted_with_the_embedding_and_loss_still_split_evenly():
+    """``gpt3_mcore_te_tp1_pp4_vp2_account_for_embedding_loss_in_pipeline_split``'s shape: 6
+    layers, the embedding and the loss counted, over 4 stages of 2 virtual stages each. Shrunk,
+    one layer a virtual stage still, the two counted included: 6 layers."""
+    config = {"--num-layers": 6, "--pipeline-model-parallel-size": 4,
+              "--num-virtual-stages-per-pipeline-rank": 2,
+              "--account-for-embedding-in-pipeline-split": True,
+              "--account-for-loss-in-pipeline-split": True, "--hidden-size": 512,
+              "--num-attention-heads": 8, "--micro-batch-size": 1, "--global-batch-size": 8}
+    assert shrink(config, "/sweep")["--num-layers"] == 6
+    del config["--account-for-loss-in-pipeline-split"]
+    assert shrink(config, "/sweep")["--num-layers"] == 7
+
+
 def test_sizes_paths_and_tokenizer_are_shrunk_and_nothing_else():
     shrunk = shrink(PIPELINED, "/sweep")
     assert world_size(PIPELINED) == 8  # a node of 8 GPUs: data-parallel size 2
