@@ -5,7 +5,7 @@
   first-fit-decreasing into ``S``-token chunks (never two tails together) -- in one 1F1B
   pipeline, with the same number of checkpointed layers on every stage and chunk, the smallest
   that fits the worst in-flight window (or Megatron's ``--recompute-*`` table,
-  :mod:`elastic_pipe.fixed_checkpointing`). ``S = ceil(longest / k)`` with ``k`` tuned over the same
+  :mod:`longctx.fixed_checkpointing`). ``S = ceil(longest / k)`` with ``k`` tuned over the same
   slice counts, and the forward lookahead over the same values, as the elastic planner by the
   same pipeline-time estimate. Where ``k = 1`` is tried and every document fits one of
   Megatron-LM's rows, Megatron's micro-batches are one more candidate, as for the elastic
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from elastic_pipe import checkpointing
 from longctx.chunks import Chunk, Piece
 from longctx.cost_model import CostModel
-from elastic_pipe.fixed_checkpointing import FixedCheckpointing
+from longctx.fixed_checkpointing import FixedCheckpointing
 from elastic_pipe.plan_types import Plan, PipelinePlan
 from elastic_pipe.scheduler import (PipelineCase, SchedulerConfig, check_lengths, pipeline_case,
                                     pipeline_cases)

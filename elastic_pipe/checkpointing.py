@@ -98,7 +98,7 @@ class CheckpointSolution:
     solve), ``full`` (time limit hit without a solution: full checkpointing); the scheduler's
     tables without a solve: ``bounded``, ``uniform`` (:data:`elastic_pipe.scheduler.
     FALLBACK_REASONS`) and ``fixed`` (Megatron's ``--recompute-*`` table,
-    :mod:`elastic_pipe.fixed_checkpointing`)."""
+    :mod:`longctx.fixed_checkpointing`)."""
 
 
 def build_problem(cost: CostModel, chunks: list[Chunk],

@@ -1,12 +1,12 @@
 """The flags of ``elastic`` and ``seq1f1b``, their checks, and the planner's configuration
-they make (with Megatron's ``--recompute-*`` flags: :mod:`elastic_pipe.fixed_checkpointing`)."""
+they make (with Megatron's ``--recompute-*`` flags: :mod:`longctx.fixed_checkpointing`)."""
 from __future__ import annotations
 
 import argparse
 
 from longctx.job_costs import CPU_MEMORY_GB
 
-from elastic_pipe.fixed_checkpointing import fixed_checkpointing
+from longctx.fixed_checkpointing import fixed_checkpointing
 from elastic_pipe.scheduler import SchedulerConfig
 from elastic_pipe.sequence_processor import ChunkingConfig
 

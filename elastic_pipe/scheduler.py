@@ -41,7 +41,7 @@ Where the paper is vague:
   (four times their limit plus ten seconds) are solved in this process instead, and a pool
   broken by a dead worker is replaced by planning in this process, each with a warning;
 - with Megatron's ``--recompute-granularity full`` (``SchedulerConfig.fixed``) the table is the
-  one its flags fix (:mod:`elastic_pipe.fixed_checkpointing`): every candidate is chunked,
+  one its flags fix (:mod:`longctx.fixed_checkpointing`): every candidate is chunked,
   priced and kept with it (status ``fixed``) and none is solved.
 
 Branch and bound keeps the plan. The plan P that solving every open candidate gives is no slower
@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from elastic_pipe import checkpointing
 from elastic_pipe.bounds import makespan_floor
 from elastic_pipe.checkpointing import CheckpointProblem, CheckpointSolution
-from elastic_pipe.fixed_checkpointing import FixedCheckpointing
+from longctx.fixed_checkpointing import FixedCheckpointing
 from longctx.chunks import Chunk
 from longctx.cost_model import GB, CostModel
 from elastic_pipe.pipeline_order import backward_order, inflight_sets, makespan, rank_orders
@@ -116,7 +116,7 @@ class SchedulerConfig:
     windows; a larger one overlaps a split document's prefill with the backwards before it and
     holds more chunks for longer."""
     fixed: FixedCheckpointing | None = None
-    """Megatron's ``--recompute-*`` table (:mod:`elastic_pipe.fixed_checkpointing`): every
+    """Megatron's ``--recompute-*`` table (:mod:`longctx.fixed_checkpointing`): every
     candidate is priced and planned with it, CP-SAT chooses nothing; ``None``: CP-SAT chooses."""
 
     def __post_init__(self):

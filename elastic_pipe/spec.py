@@ -29,7 +29,7 @@ eq. 1 coefficients and backward factor to them (:mod:`elastic_pipe.run_costs`); 
 the fit and its error. The flags and their checks are :mod:`elastic_pipe.flags`; the drawing of
 one batch's plan (``build_ir``) is :mod:`elastic_pipe.drawing`. Megatron's
 ``--recompute-granularity full`` fixes the plan's checkpointing table
-(:mod:`elastic_pipe.fixed_checkpointing`; the model itself then recomputes nothing).
+(:mod:`longctx.fixed_checkpointing`; the model itself then recomputes nothing).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 from longctx import job_costs
 
 from elastic_pipe.drawing import DRAW_ARGUMENTS, plan_builder
-from elastic_pipe.fixed_checkpointing import check_args
+from longctx.fixed_checkpointing import check_args
 from elastic_pipe.flags import add_arguments
 from elastic_pipe.planned_batch import PlannedBatch, input_functions
 from elastic_pipe.run_costs import MEASURED

@@ -216,7 +216,7 @@ TE_SCHEDULES = ("default", "1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b
 OPTIONS = "tests/unit/test_schedule_options.py::test_option_is_honoured_or_refused_by_name"
 ATTENTION_FLAGS = "tests/unit/test_attention_flags.py::"
 #: Under elastic and seq1f1b Megatron's full recomputation fixes the plan's checkpointing
-#: table (:mod:`elastic_pipe.fixed_checkpointing`; ``--recompute-granularity selective`` is
+#: table (:mod:`longctx.fixed_checkpointing`; ``--recompute-granularity selective`` is
 #: refused there by the schedules' own check); each has a layout of either method.
 RECOMPUTE = {"default": "golden:pp2_full_recompute", "1f1b": "golden:pp2_full_recompute",
              "interleaved": "golden:pp2_vp2_interleaved_block_recompute",

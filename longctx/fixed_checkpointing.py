@@ -1,5 +1,5 @@
-"""Megatron-LM's full recomputation as the fixed checkpointing table of ``elastic`` and
-``seq1f1b``.
+"""Megatron-LM's full recomputation as a fixed checkpointing table of the schedules that plan
+their own (``elastic``, ``seq1f1b``, ``sppo``).
 
 Megatron's meaning (``TransformerBlock``'s checkpointed forward), per pipeline stage of ``L_p``
 layers, with ``--recompute-granularity full``:
@@ -10,10 +10,12 @@ layers, with ``--recompute-granularity full``:
   each checkpointed; the others keep their activations.
 
 The table: ``ckpt[p][k] = L_p`` (uniform) or ``min(N, L_p)`` (block) for every chunk ``k`` of
-every pipeline, so the layers that recompute are Megatron's. CP-SAT does not choose
-checkpoints then; the chunking, the grouping into pipelines and the forward lookahead are
-chosen as without the flags, each candidate priced with this table (a candidate the table does
-not fit is dropped).
+every pipeline, so the layers that recompute are Megatron's. Under ``elastic`` and ``seq1f1b``
+CP-SAT does not choose checkpoints then; the chunking, the grouping into pipelines and the
+forward lookahead are chosen as without the flags, each candidate priced with this table (a
+candidate the table does not fit is dropped). Under ``sppo`` every subsequence of a stage
+checkpoints the table's layers, and the offload ratios apply to what the checkpointed
+forward keeps (:mod:`sppo_offload.offload`).
 
 What is saved differs from Megatron's: the runtime keeps only the checkpointed range's input
 (the stage input) and rebuilds the whole range in one ``RECOMPUTE`` before the chunk's backward
@@ -21,11 +23,12 @@ What is saved differs from Megatron's: the runtime keeps only the checkpointed r
 (uniform: ``L_p / N`` of them) or each checkpointed layer's (block: ``N``) and rebuilds one
 group at a time inside the backward. The memory held is therefore the runtime's: one boundary
 per chunk in flight, and during a chunk's backward the whole range rematerialised at once. The
-planner's memory model (:func:`elastic_pipe.checkpointing.memory_peaks`) is that of the runtime
-with this table, and ``--elastic-memory-gb`` is checked against it: a table that does not fit
-stops the planning with the smallest budget that fits it.
+planners' memory models (:func:`elastic_pipe.checkpointing.memory_peaks`, SPPO's replay) are
+that of the runtime with this table, and ``--elastic-memory-gb`` / ``--sppo-memory-gb`` are
+checked against them: a table that does not fit stops the planning with the smallest budget
+that fits it.
 
-``--recompute-granularity selective`` is refused under both schedules (:func:`check_args`):
+``--recompute-granularity selective`` is refused under these schedules (:func:`check_args`):
 Megatron checkpoints the core attention with ``tensor_parallel.checkpoint``, which runs it
 without autograd and again inside the backward, but a split document's slice records its K and
 V inside the core attention with their graph, as roots of its own backward for the gradients
