@@ -6,9 +6,16 @@ import argparse
 
 from longctx.job_costs import CPU_MEMORY_GB
 
-from longctx.fixed_checkpointing import fixed_checkpointing
+from longctx import fixed_checkpointing as fixed
 from elastic_pipe.scheduler import SchedulerConfig
 from elastic_pipe.sequence_processor import ChunkingConfig
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Megatron's recompute flags as these schedules honour them (``ScheduleSpec.check_args``;
+    :mod:`longctx.fixed_checkpointing`), the planner's own checkpointing the alternative."""
+    fixed.check_args(args, alternative=", or leave recomputation to the planner (lower "
+                                       "--elastic-memory-gb to make it recompute more)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,4 +66,4 @@ def scheduler_config(args: argparse.Namespace) -> SchedulerConfig:
                               seq_length=args.seq_length,
                               micro_batch_size=args.micro_batch_size)
     return SchedulerConfig(chunking=chunking, solver_time_limit=args.elastic_solver_time_limit,
-                           workers=1, fixed=fixed_checkpointing(args))
+                           workers=1, fixed=fixed.fixed_checkpointing(args))

@@ -44,8 +44,7 @@ from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 from longctx import job_costs
 
 from elastic_pipe.drawing import DRAW_ARGUMENTS, plan_builder
-from longctx.fixed_checkpointing import check_args
-from elastic_pipe.flags import add_arguments
+from elastic_pipe.flags import add_arguments, check_args
 from elastic_pipe.planned_batch import PlannedBatch, input_functions
 from elastic_pipe.run_costs import MEASURED
 

@@ -49,8 +49,7 @@ SELECTIVE_REFUSAL = (
     "the backward, but a split document's slices keep their K and V with the graph for the "
     "gradients later slices send back, which Megatron's checkpoint would drop. Use "
     "--recompute-granularity full with --recompute-method block or uniform (layers recomputed "
-    "per chunk), or leave recomputation to the planner (lower --elastic-memory-gb to make it "
-    "recompute more)")
+    "per chunk){alternative}")
 
 
 @dataclass(frozen=True)
@@ -96,9 +95,10 @@ def fixed_checkpointing(args: argparse.Namespace) -> FixedCheckpointing | None:
     return FixedCheckpointing(args.recompute_method, args.recompute_num_layers)
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse the recompute flags ``elastic`` and ``seq1f1b`` cannot honour, naming what to
-    pass (``ScheduleSpec.check_args``)."""
+def check_args(args: argparse.Namespace, alternative: str = "") -> None:
+    """Refuse the recompute flags these schedules cannot honour, naming what to pass, and
+    ``alternative`` (the rest of a sentence: what else the schedule offers)."""
     if args.recompute_granularity == "selective":
-        raise ValueError(SELECTIVE_REFUSAL.format(schedule=args.pipeline_schedule))
+        raise ValueError(SELECTIVE_REFUSAL.format(schedule=args.pipeline_schedule,
+                                                  alternative=alternative))
     fixed_checkpointing(args)

@@ -14,7 +14,8 @@ from longctx.chunks import Chunk, Piece
 from longctx.cost_model import GB, CostModel
 
 from sppo_offload.costs import OffloadCosts
-from sppo_offload.offload import AUTO, capped_ratios, offload_ratios, offloadable_bytes, raised
+from sppo_offload.offload import (AUTO, OFF, capped_ratios, offload_ratios, offloadable_bytes,
+                                  raised)
 from sppo_offload.partition import balanced_lengths, packed_documents, starts
 from sppo_offload.pipeline import build_schedule
 from sppo_offload.solver import SolverConfig
@@ -37,6 +38,13 @@ class SubsequencePlan:
     (``Piece.doc``: the document's position in the share)."""
     alphas: tuple[tuple[float, ...], ...]
     """Offload ratio per stage and unit."""
+    checkpointed: tuple[int, ...] = ()
+    """Leading layers every unit of a stage checkpoints, per stage (Megatron's recompute
+    flags, :mod:`longctx.fixed_checkpointing`); empty: none."""
+
+    def recomputes(self, stage: int) -> int:
+        """Layers each unit recomputes on ``stage``."""
+        return self.checkpointed[stage] if self.checkpointed else 0
 
     def is_slice(self, unit: int) -> bool:
         """Whether ``unit`` is one subsequence of a cut document (it attends to the K/V of the
@@ -48,12 +56,13 @@ class SubsequencePlan:
         return {"counts": list(self.counts),
                 "lengths": [c.tokens for c in self.chunks],
                 "documents": [len(c.pieces) for c in self.chunks],
-                "alphas": [list(row) for row in self.alphas]}
+                "alphas": [list(row) for row in self.alphas],
+                "checkpointed": list(self.checkpointed)}
 
 
 def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_split: int = 1,
-                      host_cap_bytes: float | None = None,
-                      most_saving: bool = False) -> SubsequencePlan:
+                      host_cap_bytes: float | None = None, most_saving: bool = False,
+                      checkpointed: tuple[int, ...] = ()) -> SubsequencePlan:
     """Cut documents of ``lengths`` tokens into subsequences, pack the short ones, and choose
     the offload ratios (:mod:`sppo_offload.runtime`, steps 2 and 5) for the stages of
     ``cost``'s layout: the longest subsequence of the documents cut into their wanted counts
@@ -61,7 +70,12 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
     rows of at most that many (:func:`~sppo_offload.partition.packed_documents`), a longer one
     is cut into ``min(wanted, ceil(tokens / capacity))`` subsequences. ``auto`` ratios are
     capped to ``host_cap_bytes`` per document and stage; ``most_saving`` raises them to 1
-    first (the solver's most memory-saving option; a fixed ratio or ``off`` stays)."""
+    first (the solver's most memory-saving option; a fixed ratio or ``off`` stays).
+    ``checkpointed`` (layers per stage, Megatron's recompute flags) recomputes instead:
+    nothing is offloaded then (:func:`sppo_offload.flags.check_args` refuses a fixed ratio
+    with them)."""
+    if any(checkpointed):
+        offload = OFF
     def cut(tokens: int, count: int) -> list[int]:
         return balanced_lengths(tokens, min(count, tokens), cost.linear_per_token, cost.alpha1)
 
@@ -89,7 +103,8 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
             alphas[stage].extend(row)
         counts.append(len(mine))
         chunks.extend(mine)
-    return SubsequencePlan(tuple(counts), tuple(chunks), tuple(tuple(row) for row in alphas))
+    return SubsequencePlan(tuple(counts), tuple(chunks), tuple(tuple(row) for row in alphas),
+                           tuple(checkpointed))
 
 
 def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, offload,
@@ -111,7 +126,7 @@ def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, 
     if max(peak) <= memory_gb * GB:
         return peak
     cap = None if host_memory_gb is None else host_memory_gb * GB
-    saver = plan if offload != AUTO else plan_subsequences(
+    saver = plan if offload != AUTO or any(plan.checkpointed) else plan_subsequences(
         lengths, cost, subsequences, offload, token_split, cap, most_saving=True)
     least = _ceil_gb(max(replay(saver, cost, host_gbps)[0]))
     message = (f"sppo: this batch ({len(lengths)} documents of {max(lengths)} tokens at most, "
@@ -119,7 +134,11 @@ def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, 
                f"than --sppo-memory-gb {memory_gb:g}; ")
     how = "fully offloaded" + ("" if cap is None else
                                f" within {host_memory_gb:g} GB of host memory")
-    if offload != AUTO:
+    if any(plan.checkpointed):
+        message += (f"with Megatron's recomputation (--recompute-granularity full) it needs "
+                    f"{least:g} GB; recompute more layers (--recompute-method uniform), or "
+                    f"drop the recompute flags and let SPPO offload (--sppo-offload auto)")
+    elif offload != AUTO:
         message += (f"the smallest budget that fits with --sppo-offload {offload} is "
                     f"{least:g} GB; or let SPPO choose the ratios (--sppo-offload auto)")
     elif least > cost.hardware.hbm_gb:
@@ -142,10 +161,11 @@ def replay(plan: SubsequencePlan, cost: CostModel,
     offloaded = [[a * offloadable_bytes(cost, stage, chunk) if a else 0.0
                   for a, chunk in zip(row, plan.chunks)] for stage, row in enumerate(plan.alphas)]
     schedule = build_schedule(cost.pp, plan.counts,
-                              lambda action: plan.alphas[action.stage][action.unit] > 0)
+                              lambda action: plan.alphas[action.stage][action.unit] > 0,
+                              recomputed=lambda action: plan.recomputes(action.stage) > 0)
     link = cost.hardware.host_gbps_per_gpu if host_gbps is None else host_gbps
-    result = simulate(schedule, OffloadCosts(cost, plan.chunks, offloaded, None, link),
-                      trace=False)
+    costs = OffloadCosts(cost, plan.chunks, offloaded, plan.checkpointed or None, link)
+    result = simulate(schedule, costs, trace=False)
     host = []
     for stage, row in enumerate(schedule):
         held = most = 0.0

@@ -6,10 +6,11 @@ import argparse
 import torch
 
 
+from longctx import fixed_checkpointing as fixed
 from longctx.cost_model import GB
 from longctx.job_costs import CPU_MEMORY_GB
 
-from sppo_offload.offload import AUTO, parse_offload
+from sppo_offload.offload import AUTO, OFF, parse_offload
 
 NAME = "sppo"
 
@@ -66,6 +67,17 @@ def check_args(args: argparse.Namespace) -> None:
     row; ``--micro-batch-size`` keeps Megatron's meaning for the loss (the micro-batches whose
     token means Megatron's default loss averages, :mod:`megatron.plugin.default_loss`)."""
     pp = args.pipeline_model_parallel_size
+    fixed.check_args(args, alternative=", or offload instead of recomputing (--sppo-offload)")
+    if fixed.fixed_checkpointing(args) is not None:
+        if args.sppo_offload not in (AUTO, OFF):
+            raise ValueError(f"--sppo-offload {args.sppo_offload} with --recompute-granularity "
+                             f"full: sppo recomputes Megatron's layers or offloads, not both; "
+                             f"drop --sppo-offload (auto offloads nothing when layers are "
+                             f"recomputed) or the recompute flags")
+        if args.sppo_multiplex:
+            raise ValueError("--recompute-granularity full with --sppo-multiplex: the "
+                             "multiplexed helpers run the first subsequence's layers without "
+                             "recomputation; drop the recompute flags or --sppo-multiplex")
     if args.sppo_subsequences != AUTO and args.sppo_subsequences < pp:
         raise ValueError(f"--sppo-subsequences {args.sppo_subsequences} is smaller than "
                          f"--pipeline-model-parallel-size {pp}: the subsequence pipeline needs "

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 from megatron.plugin.pipeline.catalog import Built, Options
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
-from megatron.plugin.pipeline.passes import add_communication
+from megatron.plugin.pipeline.passes import add_communication, add_recomputation
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b, reversed_within_groups
 from megatron.plugin.pipeline.simulator import UniformCosts
 from megatron.plugin.pipeline.validation import validate
@@ -111,9 +111,12 @@ def add_offload(schedule: Schedule, offloaded: Callable[[Action], bool],
 
 def build_schedule(pp: int, num_subsequences: int | Sequence[int],
                    offloaded: Callable[[Action], bool] = lambda action: False,
-                   prefetch: int = 1) -> Schedule:
-    """The validated SPPO schedule: compute, transfers, offload and reload."""
-    schedule = add_communication(subsequence_schedule(pp, num_subsequences), num_stages=pp)
+                   prefetch: int = 1,
+                   recomputed: Callable[[Action], bool] = lambda action: False) -> Schedule:
+    """The validated SPPO schedule: compute (a ``RECOMPUTE`` before the backward of every
+    forward ``recomputed`` marks: Megatron's recompute flags), transfers, offload and reload."""
+    compute = add_recomputation(subsequence_schedule(pp, num_subsequences), recomputed)
+    schedule = add_communication(compute, num_stages=pp)
     schedule = add_offload(schedule, offloaded, prefetch)
     validate(schedule)
     return schedule

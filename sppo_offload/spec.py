@@ -81,10 +81,12 @@ from sppo_offload.subsequence_batch import SubsequenceBatch, prepare_input
 def run(call: RankCall) -> list:
     """This rank's actions over ``call.input`` (:class:`SubsequenceBatch`)."""
     planned = call.input
-    chunks = DocumentChunks(kv_store=KVStore(), layers=leading_layers(call.model),
-                            checkpointed=lambda unit: 0, slices=planned.slices.__getitem__)
-    extensions = [chunks, Offloading(planned.offloader, resident=chunks.kv_store.storage_keys)]
     groups = megatron_process_groups()
+    recomputed = planned.subsequences.recomputes(groups.pp.rank())
+    chunks = DocumentChunks(kv_store=KVStore(), layers=leading_layers(call.model),
+                            checkpointed=lambda unit: recomputed,
+                            slices=planned.slices.__getitem__)
+    extensions = [chunks, Offloading(planned.offloader, resident=chunks.kv_store.storage_keys)]
     store, batches = [], planned.batches
     if planned.multiplex:
         program = MultiplexProgram(
@@ -104,7 +106,8 @@ def run(call: RankCall) -> list:
 
 SPEC = ScheduleSpec(NAME, run=run, input_type=SubsequenceBatch,
                     argument_groups=(job_costs.add_arguments, add_arguments),
-                    check_args=check_args, prepare_input=prepare_input, build_ir=sppo_ir,
+                    check_args=check_args, plans_recomputation=True,
+                    prepare_input=prepare_input, build_ir=sppo_ir,
                     report=lambda batch: {"planned_activation_bytes":
                                           batch.planned_activation_bytes},
                     draw_arguments=(add_draw_arguments,))

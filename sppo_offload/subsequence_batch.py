@@ -16,6 +16,7 @@ from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
 
 from longctx.chunk_rows import ChunkRows, chunk_batch
 from longctx.cost_model import GB, CostModel
+from longctx.fixed_checkpointing import fixed_checkpointing
 from longctx.job_costs import job_cost_model
 from longctx.replicas import replica_share
 
@@ -56,8 +57,12 @@ def prepare_input(documents, args, model):
     tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
     mine = [lengths[i] for i in share]
     host_gb = args.sppo_host_memory_gb
+    fixed = fixed_checkpointing(args)
+    checkpointed = () if fixed is None else tuple(fixed.layers(cost.layers(stage))
+                                                  for stage in range(cost.pp))
     plan = plan_subsequences(mine, cost, args.sppo_subsequences, args.sppo_offload, tp * cp,
-                             None if host_gb is None else host_gb * GB)
+                             None if host_gb is None else host_gb * GB,
+                             checkpointed=checkpointed)
     chunk = model[0] if isinstance(model, list) else model
     capacity = None if host_gb is None else int(host_gb * GB)
     tier = host_tier(next(chunk.parameters()).device, capacity)
@@ -72,7 +77,8 @@ def prepare_input(documents, args, model):
         block_groups(tuple(dist.get_process_group_ranks(
             parallel_state.get_pipeline_model_parallel_group())))
     else:
-        schedule = build_schedule(cost.pp, plan.counts, offloaded)
+        schedule = build_schedule(cost.pp, plan.counts, offloaded,
+                                  recomputed=lambda action: plan.recomputes(action.stage) > 0)
     weights = unit_weights(args, documents, len(plan.chunks))
     batches = [chunk_batch(chunk, documents, share, tp * cp, weights) for chunk in plan.chunks]
     slices = [((share[chunk.pieces[0].doc], chunk.pieces[0].slice),)
@@ -83,8 +89,9 @@ def prepare_input(documents, args, model):
                              subsequences=plan, offloader=offloader,
                              multiplex=args.sppo_multiplex,
                              planned_activation_bytes=peaks[stage] - cost.static_bytes(stage))
-    log.info("sppo plan: %d documents in %d units, %d offloaded on stage %d",
-             len(share), len(batch), sum(a > 0 for a in plan.alphas[stage]), stage)
+    log.info("sppo plan: %d documents in %d units, %d offloaded and %d layers of each "
+             "recomputed on stage %d", len(share), len(batch),
+             sum(a > 0 for a in plan.alphas[stage]), plan.recomputes(stage), stage)
     return batch, len(batch)
 
 

@@ -215,14 +215,16 @@ PRECISION = {name: GPU_CHECK for name in
 TE_SCHEDULES = ("default", "1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b", "sppo")
 OPTIONS = "tests/unit/test_schedule_options.py::test_option_is_honoured_or_refused_by_name"
 ATTENTION_FLAGS = "tests/unit/test_attention_flags.py::"
-#: Under elastic and seq1f1b Megatron's full recomputation fixes the plan's checkpointing
-#: table (:mod:`longctx.fixed_checkpointing`; ``--recompute-granularity selective`` is
-#: refused there by the schedules' own check); each has a layout of either method.
+#: Under elastic, seq1f1b and sppo Megatron's full recomputation fixes the plan's
+#: checkpointing table (:mod:`longctx.fixed_checkpointing`; ``--recompute-granularity
+#: selective`` is refused there by the schedules' own check); each has a layout of either
+#: method.
 RECOMPUTE = {"default": "golden:pp2_full_recompute", "1f1b": "golden:pp2_full_recompute",
              "interleaved": "golden:pp2_vp2_interleaved_block_recompute",
              "1f1b-ir": "golden:pp2_ir_block_recompute",
              "elastic": "golden:pp2_full_recompute_elastic",
-             "seq1f1b": "golden:pp2_block_recompute_seq1f1b"}
+             "seq1f1b": "golden:pp2_block_recompute_seq1f1b",
+             "sppo": "golden:pp4_sppo_n5_uniform_recompute"}
 SELECTIVE = {"default": "golden:pp2_selective_recompute",
              "1f1b": "golden:pp2_selective_recompute",
              "interleaved": "golden:pp2_vp2_interleaved_selective_recompute",
@@ -282,9 +284,6 @@ PLANNER_KNOBS = "tests/unit/test_option_classes.py::test_planner_flags_reach_the
 _NO_TEST = ("no test proves it under this schedule yet: drop it, or use a schedule that has "
             "one")
 _RECOMPUTE_REFUSALS = {
-    "sppo": "sppo keeps activations by offloading them, not by recomputation: drop "
-            "--recompute-granularity, --recompute-method and --recompute-num-layers (elastic "
-            "and seq1f1b checkpoint per chunk, and honour them)",
     "helix": "helix recomputes its own layer parts: drop --recompute-granularity, "
              "--recompute-method and --recompute-num-layers and pass "
              "--helix-recompute-without-attention (pre/post-attention parts recomputed, "

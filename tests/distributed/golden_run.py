@@ -64,6 +64,7 @@ from megatron.plugin import cpu_compat, launch
 from megatron.plugin.batches import (eod_mask_token, forward_step, loss_tokens, micro_batch,
                                      micro_batch_rows, pack_row)
 from megatron.plugin.document_data import GlobalBatch
+from megatron.plugin.pipeline.ir import Kind
 
 
 def golden_documents(count: int, seq_length: int, vocab: int, seed: int):
@@ -435,6 +436,9 @@ def run(args):
                            "shares": [str(a) for a in data_iterator.schedule[
                                parallel_state.get_pipeline_model_parallel_rank()]
                                if a.is_compute() and a.part is not None],
+                           "recomputes": sum(a.kind is Kind.RECOMPUTE for a in
+                                             data_iterator.schedule[
+                                                 parallel_state.get_pipeline_model_parallel_rank()]),
                            "offloads": [[r.unit[0], r.ratio, r.offloadable, r.moved]
                                         for r in offloader.records],
                            "host_peak": offloader.tier.peak, "host_used": offloader.tier.used},

@@ -114,7 +114,7 @@ SPPO_EXPECTED = {
     "pp2_sppo_n4": (4, None),
     "pp2_sppo_n6_offload": (6, 0.5),
     "pp4_sppo_n8_offload": (8, 1.0),
-    "pp4_sppo_n5": (5, None),
+    "pp4_sppo_n5_uniform_recompute": (5, None),
     "pp2_tp2_sp_sppo_n4_offload": (4, 0.5),
     "pp2_ulysses2_sppo_n6_offload": (6, 1.0),
     "pp2_dp2_sppo_n5_offload": (5, 0.5),
@@ -306,8 +306,10 @@ VARIANTS = {
                                     "--sppo-subsequences", "6", "--sppo-offload", "0.5"]),
         "pp4_sppo_n8_offload": (4, ["--pipeline-model-parallel-size", "4", *SPPO,
                                     "--sppo-subsequences", "8", "--sppo-offload", "1"]),
-        "pp4_sppo_n5": (4, ["--pipeline-model-parallel-size", "4", *SPPO,
-                            "--sppo-subsequences", "5", "--sppo-offload", "off"]),
+        # Megatron's recompute flags (RECOMPUTE_EXPECTED): every layer of each stage here, the
+        # first of each stage's two in pp2_ulysses2_sppo_default_loss_mbs2.
+        "pp4_sppo_n5_uniform_recompute": (4, ["--pipeline-model-parallel-size", "4", *SPPO,
+                                              "--sppo-subsequences", "5", *UNIFORM]),
         "pp2_tp2_sp_sppo_n4_offload": (4, ["--pipeline-model-parallel-size", "2",
                                            "--tensor-model-parallel-size", "2",
                                            "--sequence-parallel", *SPPO,
@@ -327,7 +329,7 @@ VARIANTS = {
         "pp2_ulysses2_sppo_default_loss_mbs2": (4, ["--pipeline-model-parallel-size", "2",
                                                     "--context-parallel-size", "2", *SPPO,
                                                     "--sppo-subsequences", "4",
-                                                    "--sppo-offload", "off", *MBS2]),
+                                                    *BLOCK, *MBS2]),
         "pp2_helix_default_loss": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         # Overlapped gradient reduction with two data-parallel replicas (OVERLAP_TAGS); under
         # 1f1b-ir Megatron's default loss averaged in the all-reduce (AVERAGE).
@@ -791,6 +793,29 @@ def test_sppo_runs_exercise_what_they_claim(golden, tag):
         assert abs(moved - ratio) <= 0.1 * ratio, moved
         assert record["host_peak"] > 0
     assert any(packed), "short documents packed (on some data-parallel replica)"
+
+
+#: tag -> layers of each stage every unit of an sppo run recomputes under Megatron's recompute
+#: flags (uniform at PP = 4: the stage's one layer; block 1 at PP = 2: the first of two).
+SPPO_RECOMPUTED = {"pp4_sppo_n5_uniform_recompute": 1, "pp2_ulysses2_sppo_default_loss_mbs2": 1}
+
+
+@pytest.mark.parametrize("tag", sorted(SPPO_RECOMPUTED))
+def test_sppo_recomputes_megatrons_layers(golden, tag):
+    """Under Megatron's recompute flags every stage's plan checkpoints the flags' layers, its
+    schedule recomputes every unit once before its backward (the executor refuses a backward
+    of a checkpointed unit that was not recomputed), and ``--sppo-offload auto`` offloads
+    nothing."""
+    need(tag)
+    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
+    paths = sorted(glob.glob(str(golden / variant / f"sppo_{tag}_[0-9]*.json")))
+    assert len(paths) == VARIANTS[variant][1][tag][0], paths
+    for path in paths:
+        with open(path) as f:
+            record = json.load(f)
+        assert record["checkpointed"] == [SPPO_RECOMPUTED[tag]] * len(record["alphas"])
+        assert record["recomputes"] == sum(record["counts"]) > 0
+        assert not record["offloads"] and not any(a for row in record["alphas"] for a in row)
 
 
 @pytest.mark.parametrize("tag", sorted(MUX_EXPECTED))

@@ -48,6 +48,8 @@ HONOURED = {
     ("elastic", "micro-batch-size-2"): "pp2_elastic_default_loss_mbs2",
     ("seq1f1b", "micro-batch-size-2"): "pp2_seq1f1b_default_loss_mbs2",
     ("sppo", "micro-batch-size-2"): "pp2_ulysses2_sppo_default_loss_mbs2",
+    ("sppo", "full-uniform"): "pp4_sppo_n5_uniform_recompute",
+    ("sppo", "full-block"): "pp2_ulysses2_sppo_default_loss_mbs2",
 }
 
 #: The flag a refusal must name, per option.

@@ -169,8 +169,14 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--sppo-subsequences", "3"], "--sppo-subsequences 3 is smaller than "
                                    "--pipeline-model-parallel-size 4"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], "sppo runs one model chunk per rank"),
-    (["--recompute-granularity", "full", "--recompute-method", "uniform"],
-     "drop --recompute-granularity"),
+    (["--recompute-granularity", "selective"],
+     "selective is not supported by --pipeline-schedule sppo: .* or offload instead"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1", "--sppo-offload", "0.5"],
+     "--sppo-offload 0.5 with --recompute-granularity full: sppo recomputes"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform",
+      "--recompute-num-layers", "1", "--sppo-multiplex"],
+     "--recompute-granularity full with --sppo-multiplex"),
     (["--sppo-host-memory-gb", "0"], "--sppo-host-memory-gb must be > 0"),
     (["--sppo-memory-gb", "-1"], "--sppo-memory-gb must be > 0"),
     (["--sppo-multiplex", "--tensor-model-parallel-size", "2"],
@@ -237,3 +243,28 @@ def test_a_synchronous_host_tier_takes_the_bytes_off_at_the_offload():
     plan = plan_subsequences(lengths, cost, 4, 1.0)
     assert replay(plan, cost, math.inf)[1] == replay(plan, cost)[1]
     assert all(s < o for s, o in zip(replay(plan, cost, math.inf)[0], off))
+
+
+def test_megatrons_recompute_flags_checkpoint_every_unit_and_offload_nothing():
+    """With each stage's layers checkpointed (Megatron's uniform recomputation: both of a
+    stage's 2) the plan offloads nothing even under ``auto``, its schedule recomputes every
+    unit once right before that unit's backward, and the replayed peak of every stage is below
+    the plan's without recomputation by at least the layers' stash the checkpoints drop."""
+    lengths, cost = [61, 3, 40], cost_model()
+    plain = plan_subsequences(lengths, cost, 4, "off")
+    plan = plan_subsequences(lengths, cost, 4, "auto", checkpointed=(2, 2))
+    assert plan.checkpointed == (2, 2) and plan.recomputes(1) == 2
+    assert plan.chunks == plain.chunks and not any(a for row in plan.alphas for a in row)
+    schedule = build_schedule(cost.pp, plan.counts, recomputed=lambda a: plan.recomputes(a.stage))
+    validate(schedule)
+    for row in schedule:
+        compute = [(a.kind, a.unit) for a in row if a.is_compute()]
+        backwards = [i for i, (kind, _) in enumerate(compute) if kind is Kind.BACKWARD]
+        assert len(backwards) == len(plan.chunks)
+        assert all(compute[i - 1] == (Kind.RECOMPUTE, compute[i][1]) for i in backwards)
+        assert sum(kind is Kind.RECOMPUTE for kind, _ in compute) == len(backwards)
+    saved = cost.stash_bytes(0, plan.chunks[0]) - cost.stash_bytes(0, plan.chunks[0], 2)
+    assert saved > 0
+    for with_ckpt, without in zip(replay(plan, cost)[0], replay(plain, cost)[0]):
+        assert with_ckpt <= without - saved
+    assert plan.to_dict()["checkpointed"] == [2, 2]
