@@ -760,6 +760,19 @@ def test_helix_mlp_ran_in_chunks(golden):
             assert json.load(f)["mlp_rows"] == rows
 
 
+def rank_records(golden, tag: str, prefix: str) -> list[dict]:
+    """Every rank's ``<prefix>_<tag>_<rank>.json`` of layout ``tag``: one per rank of its
+    launch."""
+    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
+    paths = sorted(glob.glob(str(golden / variant / f"{prefix}_{tag}_[0-9]*.json")))
+    assert len(paths) == VARIANTS[variant][1][tag][0], paths
+    records = []
+    for path in paths:
+        with open(path) as f:
+            records.append(json.load(f))
+    return records
+
+
 @pytest.mark.parametrize("tag", sorted(SPPO_EXPECTED))
 def test_sppo_runs_exercise_what_they_claim(golden, tag):
     """The sppo golden runs cut the long documents into the asked subsequences (unevenly) and
@@ -769,13 +782,8 @@ def test_sppo_runs_exercise_what_they_claim(golden, tag):
     asked share of them over the run (within 10%); runs with offloading off moved nothing."""
     need(tag)
     n, ratio = SPPO_EXPECTED[tag]
-    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
-    paths = sorted(glob.glob(str(golden / variant / f"sppo_{tag}_[0-9]*.json")))
-    assert len(paths) == VARIANTS[variant][1][tag][0], paths
     packed = []
-    for path in paths:
-        with open(path) as f:
-            record = json.load(f)
+    for record in rank_records(golden, tag, "sppo"):
         counts, lengths = record["counts"], record["lengths"]
         assert max(counts) == n and sum(counts) == len(lengths)
         assert len(set(lengths)) > 2, "uneven cuts"
@@ -807,12 +815,7 @@ def test_sppo_recomputes_megatrons_layers(golden, tag):
     of a checkpointed unit that was not recomputed), and ``--sppo-offload auto`` offloads
     nothing."""
     need(tag)
-    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
-    paths = sorted(glob.glob(str(golden / variant / f"sppo_{tag}_[0-9]*.json")))
-    assert len(paths) == VARIANTS[variant][1][tag][0], paths
-    for path in paths:
-        with open(path) as f:
-            record = json.load(f)
+    for record in rank_records(golden, tag, "sppo"):
         assert record["checkpointed"] == [SPPO_RECOMPUTED[tag]] * len(record["alphas"])
         assert record["recomputes"] == sum(record["counts"]) > 0
         assert not record["offloads"] and not any(a for row in record["alphas"] for a in row)
@@ -849,12 +852,7 @@ def test_overlapped_reduction_starts_inside_the_last_backward(golden, tag):
     backward still computes the others' gradients. The later stage has one bucket (Megatron
     buckets the first stage only), started once, after its last backward."""
     need(tag)
-    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
-    paths = sorted(glob.glob(str(golden / variant / f"overlap_{tag}_*.json")))
-    assert len(paths) == VARIANTS[variant][1][tag][0], paths
-    for path in paths:
-        with open(path) as f:
-            record = json.load(f)
+    for record in rank_records(golden, tag, "overlap"):
         events = record["events"]
         reduces = [i for i, (what, _) in enumerate(events) if what == "reduce"]
         assert sorted(events[i][1] for i in reduces) == list(range(record["bucket_groups"]))
