@@ -41,7 +41,7 @@ import tempfile
 
 import torch
 
-from profiler_trace import PROFILE_FLAGS, device_busy
+from profiler_trace import TRACED_STEP, device_busy, profile_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 1234
@@ -140,9 +140,10 @@ def batch_lengths(args) -> tuple[int, ...]:
     return tuple(len(doc) - 1 for doc in source.documents(last))
 
 
-def iterations(args, trace: bool) -> int:
-    """Training iterations of each run (four when traced: the third is traced)."""
-    return max(args.iters, 4) if trace else args.iters
+def iterations(args, trace: bool, step: int = TRACED_STEP) -> int:
+    """Training iterations of each run (when traced, at least one after the traced ``step``:
+    four for the third)."""
+    return max(args.iters, step + 2) if trace else args.iters
 
 
 def predictions(args, profile: str) -> dict:
@@ -200,17 +201,18 @@ def print_ratios(results: dict) -> None:
     print(f"over {base_name}: " + "; ".join(cells), flush=True)
 
 
-def run_schedule(args, schedule: str, workdir: str, extra=(), trace: bool = False) -> dict:
+def run_schedule(args, schedule: str, workdir: str, extra=(), trace: bool = False,
+                 trace_step: int = TRACED_STEP) -> dict:
     """One training run of ``schedule`` (with ``extra`` flags); its last metrics record, or
-    the error's tail. With ``trace``, the third iteration is traced: ``trace_path`` names the
-    trace and ``device_busy_fraction`` says how busy the device was."""
+    the error's tail. With ``trace``, iteration ``trace_step`` (0-based) is traced:
+    ``trace_path`` names the trace and ``device_busy_fraction`` says how busy the device was."""
     rundir = os.path.join(workdir, schedule)
     os.makedirs(rundir, exist_ok=True)
     metrics = os.path.join(rundir, "metrics.jsonl")
-    iters = iterations(args, trace)
+    iters = iterations(args, trace, trace_step)
     command = training_command(args, schedule, metrics, iters) + list(extra)
     if trace:
-        command += PROFILE_FLAGS
+        command += profile_flags(trace_step)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout,
                               cwd=rundir)

@@ -24,6 +24,12 @@ if ! python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; th
   echo "error: no CUDA device visible: run this on a GPU machine" >&2
   exit 1
 fi
+if ! python3 -c 'import sys; from megatron.plugin import registry
+sys.exit("elastic" not in registry.schedule_names())'; then
+  echo "error: the project's schedules are not registered (they are found through its package" \
+       "metadata's entry points): install the project, e.g. pip install -e . in this checkout" >&2
+  exit 1
+fi
 failed=0
 part() {  # part NAME COMMAND...: run, print and keep the output
   local name=$1

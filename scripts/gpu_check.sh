@@ -18,6 +18,12 @@ if [ "$gpus" -lt 1 ]; then
   echo "error: no CUDA device visible: run this on a GPU machine" >&2
   exit 1
 fi
+if ! python3 -c 'import sys; from megatron.plugin import registry
+sys.exit("elastic" not in registry.schedule_names())'; then
+  echo "error: the project's schedules are not registered (they are found through its package" \
+       "metadata's entry points): install the project, e.g. pip install -e . in this checkout" >&2
+  exit 1
+fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-LM requires it with tensor parallelism
 log="${GPU_CHECK_LOG_DIR:-$(mktemp -d)}"  # where each step's log is kept

@@ -5,11 +5,17 @@ device and host ran while a kernel ran on another stream. Pure functions of the 
 
 COPY_NAMES = {"DtoH": "offload (device to host)", "HtoD": "reload (host to device)"}
 
-PROFILE_FLAGS = ["--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
-                 "--profile-step-end", "3"]
-"""Megatron-LM's flags that trace the third training iteration (run at least four). Megatron
-writes the trace to ``<--tensorboard-dir>/../torch_profile/rank-<rank>.json.gz``; without
-``--tensorboard-dir`` that is ``torch_profile/`` in the working directory."""
+TRACED_STEP = 2
+"""The training iteration traced by default (0-based: the third)."""
+
+
+def profile_flags(step: int = TRACED_STEP) -> list[str]:
+    """Megatron-LM's flags that trace training iteration ``step`` (0-based; run at least
+    ``step + 2``). Megatron writes the trace to
+    ``<--tensorboard-dir>/../torch_profile/rank-<rank>.json.gz``; without ``--tensorboard-dir``
+    that is ``torch_profile/`` in the working directory."""
+    return ["--profile", "--use-pytorch-profiler", "--profile-step-start", str(step),
+            "--profile-step-end", str(step + 1)]
 
 
 def _complete(trace: dict) -> list[dict]:

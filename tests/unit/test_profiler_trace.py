@@ -9,7 +9,7 @@ SCRIPTS = os.path.join(REPO, "scripts")
 if SCRIPTS not in sys.path:
     sys.path.insert(0, SCRIPTS)
 
-from profiler_trace import copy_overlap, device_busy, host_allocations  # noqa: E402
+from profiler_trace import copy_overlap, device_busy, host_allocations, profile_flags  # noqa: E402
 
 
 def _event(cat, name, ts, dur, stream, **args):
@@ -71,3 +71,10 @@ def test_host_allocations_are_the_pinning_calls_within_the_traced_step():
     ]}
     assert host_allocations(trace) == {"calls": 2, "us": 1000.0, "step_us": 5000.0}
     assert host_allocations({"traceEvents": []}) == {"calls": 0, "us": 0.0, "step_us": 0.0}
+
+
+def test_profile_flags_trace_the_step_asked():
+    """Megatron-LM's profiler traces iterations [start, end): one, the step asked (0-based)."""
+    assert profile_flags() == ["--profile", "--use-pytorch-profiler", "--profile-step-start",
+                               "2", "--profile-step-end", "3"]
+    assert profile_flags(4)[-4:] == ["--profile-step-start", "4", "--profile-step-end", "5"]
