@@ -68,7 +68,10 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
     ``cost``'s layout: the longest subsequence of the documents cut into their wanted counts
     is the batch's *capacity*; documents of at most that many tokens are packed whole into
     rows of at most that many (:func:`~sppo_offload.partition.packed_documents`), a longer one
-    is cut into ``min(wanted, ceil(tokens / capacity))`` subsequences. ``auto`` ratios are
+    is cut into the fewest FLOPs-balanced subsequences, at most its wanted count, whose
+    longest (the first) is within the capacity: the document that sets the capacity gets
+    exactly its wanted count (``--sppo-subsequences``), and the balanced cuts' unequal lengths
+    never merge its subsequences into fewer. ``auto`` ratios are
     capped to ``host_cap_bytes`` per document and stage; ``most_saving`` raises them to 1
     first (the solver's most memory-saving option; a fixed ratio or ``off`` stays).
     ``checkpointed`` (layers per stage, Megatron's recompute flags) recomputes instead:
@@ -76,8 +79,13 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
     with them)."""
     if any(checkpointed):
         offload = OFF
+
     def cut(tokens: int, count: int) -> list[int]:
         return balanced_lengths(tokens, min(count, tokens), cost.linear_per_token, cost.alpha1)
+
+    def within(tokens: int, count: int) -> list[int]:
+        return next((cut(tokens, k) for k in range(1, count) if cut(tokens, k)[0] <= capacity),
+                    cut(tokens, count))
 
     wanted = [auto_subsequences(tokens, cost.pp, token_split) if subsequences == AUTO
               else subsequences for tokens in lengths]
@@ -87,7 +95,7 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
                  for group in packed_documents(lengths, capacity)]
     for doc, (tokens, count) in enumerate(zip(lengths, wanted)):
         if tokens > capacity:
-            lengths_of = cut(tokens, min(count, math.ceil(tokens / capacity)))
+            lengths_of = within(tokens, count)
             sequences.append((doc, tuple(
                 Chunk((Piece(doc, j, start, start + length, j == len(lengths_of) - 1),))
                 for j, (start, length) in enumerate(zip(starts(lengths_of), lengths_of)))))

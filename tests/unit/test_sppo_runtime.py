@@ -57,6 +57,24 @@ def test_documents_are_cut_in_order_and_short_ones_packed():
         assert all(a == 0.5 for unit, a in enumerate(row) if unit not in last)
 
 
+def test_the_longest_document_gets_the_subsequences_asked():
+    """Where attention dominates (16K tokens, hidden 64) FLOPs-balanced cuts are far from
+    equal: the first of 8 is 5,613 tokens, so 16,384 / 5,613 rounds up to only 3. The
+    document that sets the unit length is still cut into the 8 asked; a shorter one into the
+    fewest balanced subsequences whose first fits that length."""
+    from sppo_offload.partition import balanced_lengths
+
+    cost = CostModel(ModelConfig("tiny", 4, 64, 4, 256, 257), load_profile("a800"),
+                     ParallelConfig(pp=2))
+    plan = plan_subsequences([16384, 9000], cost, 8, 1.0)
+    capacity = plan.chunks[0].tokens
+    assert plan.counts[0] == 8 and math.ceil(16384 / capacity) == 3
+    fewest = next(k for k in range(1, 9) if balanced_lengths(
+        9000, k, cost.linear_per_token, cost.alpha1)[0] <= capacity)
+    assert plan.counts[1] == fewest < 8
+    assert all(chunk.tokens <= capacity for chunk in plan.chunks)
+
+
 def test_short_documents_are_packed_first_fit_in_decreasing_length():
     """32 documents of at most 4K tokens cut in two: the short ones fill rows of the longest
     subsequence instead of two units each (Megatron packs such a batch into 4K rows)."""
