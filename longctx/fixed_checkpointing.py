@@ -14,8 +14,7 @@ every pipeline, so the layers that recompute are Megatron's. Under ``elastic`` a
 CP-SAT does not choose checkpoints then; the chunking, the grouping into pipelines and the
 forward lookahead are chosen as without the flags, each candidate priced with this table (a
 candidate the table does not fit is dropped). Under ``sppo`` every subsequence of a stage
-checkpoints the table's layers, and the offload ratios apply to what the checkpointed
-forward keeps (:mod:`sppo_offload.offload`).
+checkpoints the table's layers, and nothing is offloaded (:mod:`sppo_offload.batch_plan`).
 
 What is saved differs from Megatron's: the runtime keeps only the checkpointed range's input
 (the stage input) and rebuilds the whole range in one ``RECOMPUTE`` before the chunk's backward

@@ -84,8 +84,8 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
         return balanced_lengths(tokens, min(count, tokens), cost.linear_per_token, cost.alpha1)
 
     def within(tokens: int, count: int) -> list[int]:
-        return next((cut(tokens, k) for k in range(1, count) if cut(tokens, k)[0] <= capacity),
-                    cut(tokens, count))
+        cuts = (cut(tokens, k) for k in range(1, count + 1))
+        return next((c for c in cuts if c[0] <= capacity), cut(tokens, count))
 
     wanted = [auto_subsequences(tokens, cost.pp, token_split) if subsequences == AUTO
               else subsequences for tokens in lengths]
