@@ -365,24 +365,6 @@ def _distributed_optimizer_instances(args):
     return None
 
 
-def _instances_with_overlap(args):
-    instances = args.num_distributed_optimizer_instances
-    schedule = args.pipeline_schedule
-    if instances <= 1 or not args.overlap_grad_reduce or registry.is_megatron(schedule) \
-            or schedule not in option_classes.HONOURED["overlap_grad_reduce"].proofs:
-        return None  # Megatron's own schedule, or one that refuses the overlap itself
-    # Megatron-LM asserts --overlap-param-gather only beside --overlap-grad-reduce.
-    drop = "--overlap-grad-reduce" + (" and --overlap-param-gather"
-                                      if args.overlap_param_gather else "")
-    return (f"--num-distributed-optimizer-instances {instances} with --overlap-grad-reduce under "
-            f"--pipeline-schedule {schedule}: with several instances Megatron's DDP reduces a "
-            "bucket synchronously from its backward hooks (on a communication stream of its "
-            "own) and keeps no handle of it, so this schedule's check that no bucket's "
-            "reduction starts before its last gradient (megatron/plugin/pipeline/grad_sync.py) "
-            f"cannot see one that did: drop {drop} (the buckets are then reduced after the "
-            "last backward), or use 1f1b")
-
-
 def _cpu_half_precision(args):
     if not torch.cuda.is_available() and (args.bf16 or args.fp16):
         return ("--bf16 and --fp16 need CUDA (megatron-core's mixed-precision optimizers only "
@@ -486,7 +468,6 @@ def _schedule_checks(args):
 RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_model_parallel, _moe_expert_tensor_parallel,
          _average_with_per_token_loss, _distributed_optimizer_instances,
-         _instances_with_overlap,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
          _sppo_multiplex_transformer_engine,

@@ -269,9 +269,11 @@ AVERAGE_IN_COLLECTIVE = {
 #: data-parallel replicas: each instance one replica holding its whole optimizer state, the
 #: instances' gradients all-reduced after each instance's reduce-scatter; on a CPU the
 #: communication stream megatron-core creates for it is the compatibility layer's stand-in).
+#: Under the document schedules with the reduction overlapped with the backward and the
+#: gather with the forward, as Megatron-LM's configurations of it run.
 OPTIMIZER_INSTANCES = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
-                       "elastic": "golden:pp2_dp2_elastic", "helix": "golden:pp2_dp2_helix",
-                       "sppo": "golden:pp2_dp2_sppo_n5_offload"}
+                       "elastic": "golden:pp2_dp2_elastic", "seq1f1b": "golden:pp2_dp2_seq1f1b",
+                       "helix": "golden:pp2_dp2_helix", "sppo": "golden:pp2_dp2_sppo_n5_offload"}
 _HELIX_OVERLAP = (
     "{flag} is not supported by --pipeline-schedule helix: it runs each layer part's backward "
     "apart, so a rank's last backward holds one part's parameters, and Megatron's DDP, which "

@@ -30,11 +30,13 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as _schedules
+from megatron.core.utils import get_model_config
 
 from megatron.plugin import flop_count, random_states
 from megatron.plugin.batches import MicroBatches, pack_micro_batches, padding_fraction
 from megatron.plugin.drawing import DrawCommand, Drawable
 from megatron.plugin.layers.devices import collective_device
+from megatron.plugin.pipeline import grad_sync
 from megatron.plugin.pipeline.catalog import SIMULATED, one_f_one_b_ir
 from megatron.plugin.reporting import StepReporter, loss_entries
 from megatron.plugin.schedule_spec import ScheduleSpec
@@ -184,7 +186,9 @@ class DocumentSchedule:
     a training step's report next to it (:mod:`megatron.plugin.reporting`); :attr:`reporter`
     keeps the latest record and :attr:`last_input` the latest schedule input (plans, offload
     records: for inspection). After a training step every data-parallel replica takes rank 0's
-    random states (:mod:`megatron.plugin.random_states`).
+    random states (:mod:`megatron.plugin.random_states`). Under every schedule Megatron's
+    ``grad_sync_func`` starts each gradient bucket's reduction once in a step
+    (:func:`~megatron.plugin.pipeline.grad_sync.one_start_per_step`).
     """
 
     def __init__(self, name: str, pp_size=None, vp_size=None):
@@ -221,7 +225,8 @@ class DocumentSchedule:
             and not forward_only else None
         if upcoming is not None:
             own.prefetch_input(upcoming, args, model)
-        with self.reporter.measure(device_window=not args.log_memory_to_tensorboard):
+        with self.reporter.measure(device_window=not args.log_memory_to_tensorboard), \
+                grad_sync.one_start_per_step(get_model_config(model[0])):
             losses = self.schedule(data_iterator=prepared, model=model, num_microbatches=count,
                                    forward_only=forward_only, **kwargs)
         if not forward_only:

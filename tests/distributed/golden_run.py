@@ -240,7 +240,8 @@ def recording_overlap(model, events: list):
     """For the duration, append ``["start", action]`` / ``["end", action]`` around every
     backward action the executor runs and ``["reduce", i]`` when bucket group ``i`` of the
     rank's model chunk dispatches its reduction (a call of ``start_grad_sync`` that finds it
-    already in flight, as ``finish_grad_sync`` makes, dispatches nothing)."""
+    already in flight, as ``finish_grad_sync`` makes, dispatches nothing; with several
+    distributed-optimizer instances none is ever in flight: Megatron keeps no handle)."""
     from megatron.plugin.pipeline import executor
     from megatron.plugin.pipeline.ir import Kind
 
@@ -261,11 +262,9 @@ def recording_overlap(model, events: list):
 
     def reducing(index, group, start):
         def start_grad_sync(*args, **kwargs):
-            handle = group.grad_reduce_handle
-            result = start(*args, **kwargs)
-            if group.grad_reduce_handle is not handle:  # not a call that found it in flight
+            if group.grad_reduce_handle is None:  # not a call that finds it in flight
                 events.append(["reduce", index])
-            return result
+            return start(*args, **kwargs)
         return start_grad_sync
 
     for index, group in enumerate(groups):

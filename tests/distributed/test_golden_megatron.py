@@ -54,6 +54,7 @@ ELASTIC_EXPECTED = {
     "pp2_tp2_sp_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp2_ulysses2_elastic_default_loss": ({"split", "hybrid", "batched"}, "none"),
     "pp2_dp2_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_dp2_seq1f1b": ({"split", "hybrid"}, "none"),
     "tp2_sp_ulysses2_elastic": ({"split", "hybrid", "batched"}, "none"),
     "pp4_seq1f1b": ({"split", "hybrid"}, "none"),
     "pp2_tp2_sp_seq1f1b": ({"split", "hybrid"}, "none"),
@@ -102,6 +103,9 @@ AVERAGE = ["--ddp-average-in-collective"]
 #: Megatron's partial distributed optimizer: two instances at two data-parallel replicas, each
 #: replica holding its whole optimizer state, the gradients all-reduced between the instances.
 INSTANCES = ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"]
+#: INSTANCES with the buckets of OVERLAP reduced as the backward goes and gathered as the next
+#: step's forwards go.
+INSTANCES_OVERLAP = [*INSTANCES, *OVERLAP, "--overlap-param-gather"]
 
 SPPO = ["--pipeline-schedule", "sppo"]
 #: tag -> (subsequences of the longest document, offload ratio of the run or None for off).
@@ -436,19 +440,28 @@ VARIANTS = {
     # slices carry their true positions), an MLP of 72 (not Megatron's SwiGLU default 64) and
     # Megatron's emptying of the allocator's cache around the step. Its layouts at DP = 2 run
     # Megatron's partial distributed optimizer (INSTANCES), the 1f1b one with Megatron's default
-    # loss averaged in the collectives (AVERAGE).
+    # loss averaged in the collectives (AVERAGE), those of the document schedules with the
+    # reduction overlapped with the backward and the gather with the forward as Megatron-LM's
+    # configurations of it run (INSTANCES_OVERLAP; helix refuses the overlap).
     "rope_swiglu_rmsnorm": (["--position-embedding-type", "rope", "--swiglu",
                              "--normalization", "RMSNorm", "--apply-layernorm-1p",
                              "--disable-bias-linear",
                              "--untie-embeddings-and-output-weights", *MODEL_SHAPE], {
         "pp2_dp2": (4, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
                         *AVERAGE, *INSTANCES]),
-        "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC, *INSTANCES]),
+        # Megatron's 1F1B starts the later stage's reductions at the end of the step and again
+        # in finish_grad_sync (grad_sync.one_start_per_step): a sum would double.
+        "pp2_dp2_overlap_1f1b": (4, ["--pipeline-model-parallel-size", "2",
+                                     "--pipeline-schedule", "1f1b", *INSTANCES_OVERLAP]),
+        "pp2_dp2_elastic": (4, ["--pipeline-model-parallel-size", "2", *ELASTIC,
+                                *INSTANCES_OVERLAP]),
+        "pp2_dp2_seq1f1b": (4, ["--pipeline-model-parallel-size", "2", *SEQ1F1B,
+                                *INSTANCES_OVERLAP]),
         **more_schedules("rope"),
         "pp2_dp2_helix": (4, ["--pipeline-model-parallel-size", "2", *HELIX, *INSTANCES]),
         "pp2_dp2_sppo_n5_offload": (4, ["--pipeline-model-parallel-size", "2", *SPPO,
                                         "--sppo-subsequences", "5", "--sppo-offload", "0.5",
-                                        *INSTANCES]),
+                                        *INSTANCES_OVERLAP]),
     }),
     # Helix with 1, 3 and 2p + 1 = 5 packed micro-batches (1, 5 and 13 documents): counts that
     # are not a multiple of p x folds = 4 train with empty slots. One document is also the
@@ -483,10 +496,12 @@ VARIANTS = {
     }),
 }
 OVERLAP_TAGS = ["pp2_dp2_overlap_ir", "pp2_dp2_overlap_elastic", "pp2_dp2_overlap_seq1f1b",
-                "pp2_dp2_overlap_sppo", "pp2_sppo_mux_n4_overlap"]
+                "pp2_dp2_overlap_sppo", "pp2_sppo_mux_n4_overlap", "pp2_dp2_elastic",
+                "pp2_dp2_seq1f1b", "pp2_dp2_sppo_n5_offload"]
 DISTOPT_TAGS = [f"pp2_dp2_dplast_distopt_{name}"
                 for name in ("1f1b", "ir", "elastic", "seq1f1b", "sppo", "helix")]
-INSTANCES_TAGS = ["pp2_dp2", "pp2_dp2_elastic", "pp2_dp2_helix", "pp2_dp2_sppo_n5_offload"]
+INSTANCES_TAGS = ["pp2_dp2", "pp2_dp2_overlap_1f1b", "pp2_dp2_elastic", "pp2_dp2_seq1f1b",
+                  "pp2_dp2_helix", "pp2_dp2_sppo_n5_offload"]
 PER_TOKEN_LOSS = "--calculate-per-token-loss"
 #: Layouts trained with Megatron's default loss: the fixture leaves ``PER_TOKEN_LOSS`` off their
 #: command line, and they are compared with the reference of that loss at the micro-batch size
