@@ -179,6 +179,9 @@ def setup_model_and_optimizer():
         if args.align_grad_reduce:
             grad_sync = [chunk.start_grad_sync for chunk in model]
             config.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
+    if args.overlap_param_gather and args.align_param_gather:
+        param_sync = [chunk.start_param_sync for chunk in model]
+        config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
     return model, optimizer, scheduler, config
 
 

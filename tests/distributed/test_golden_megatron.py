@@ -335,6 +335,13 @@ VARIANTS = {
                                                     "--sppo-subsequences", "4",
                                                     *BLOCK, *MBS2]),
         "pp2_helix_default_loss": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        # Megatron's interleaved schedule (two virtual stages per rank) with the distributed
+        # optimizer and both overlaps: the reduce-scatters and all-gathers aligned over the
+        # pipeline stages (--align-param-gather, Megatron-LM's default there: the schedule
+        # dispatches each model chunk's all-gather through param_sync_func).
+        "pp2_vp2_dp2_dplast_distopt_interleaved": (4, [
+            "--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+            "--pipeline-schedule", "interleaved", *DISTOPT, *DP_LAST]),
         # Overlapped gradient reduction with two data-parallel replicas (OVERLAP_TAGS); under
         # 1f1b-ir Megatron's default loss averaged in the all-reduce (AVERAGE).
         "pp2_dp2_overlap_ir": (4, ["--pipeline-model-parallel-size", "2",
@@ -883,7 +890,8 @@ def test_overlapped_reduction_starts_inside_the_last_backward(golden, tag):
             assert all(i > last_end for i in reduces), events
 
 
-@pytest.mark.parametrize("tag", DISTOPT_TAGS + INSTANCES_TAGS)
+@pytest.mark.parametrize("tag", DISTOPT_TAGS + INSTANCES_TAGS
+                         + ["pp2_vp2_dp2_dplast_distopt_interleaved"])
 def test_distributed_optimizer_updates_like_the_reference(golden, tag):
     """Under the distributed optimizer (each data-parallel rank steps its shard of each bucket,
     then the shards are all-gathered: with --overlap-param-gather by the forward pre-hooks of
