@@ -356,5 +356,8 @@ def _moe_bytes(config, args) -> int:
                         dtype=str(config.params_dtype).removeprefix("torch."),
                         gated_mlp=config.gated_linear_unit, num_experts=config.num_moe_experts,
                         moe_router_topk=config.moe_router_topk,
-                        moe_ffn_hidden_size=config.moe_ffn_hidden_size)
+                        moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                        moe_shared_expert_intermediate_size=(
+                            config.moe_shared_expert_intermediate_size),
+                        moe_shared_expert_gate=config.moe_shared_expert_gate)
     return mlp_saved_per_token(model)

@@ -103,10 +103,15 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
     map ``E`` bytes (bool), the top-k expert indices and the sorted token indices of the
     permutation ``16 k`` bytes (int64; the unpermutation's ``scatter_add`` shares the
     second);
+  - a shared expert of inner width ``S`` (``--moe-shared-expert-intermediate-size``), first
+    projection ``w_s`` = ``2S`` gated or ``S``: what a dense MLP of that width keeps,
+    ``(w_s + S) e`` (its input is the router's), and with ``--moe-shared-expert-gate`` its
+    output ``h e``, which the gate multiplies, and the gate's sigmoid ``e``;
 
   the router's input is the pre-MLP norm output the dense accounting already counts among its
-  ``8h``. Its GEMMs do ``2 (4h^2 + h E + k (h w_e + h F))`` FLOPs per token (``alpha2``):
-  each token passes through ``k`` experts, plus the router's ``h x E`` projection;
+  ``8h``. Its GEMMs do ``2 (4h^2 + h E + k (h w_e + h F) + h w_s + h S)`` FLOPs per token
+  (``alpha2``; ``+ h`` with the gate): each token passes through ``k`` experts and the shared
+  one, plus the router's ``h x E`` projection;
 - checkpointed: the layer input ``h e``; a piece with later slices also keeps its K/V ``2h e``
   (later slices attend to them and a recomputation must not rebuild them);
 - dK/dV accumulator of a piece with later slices: ``2h e``. It is charged from the piece's
@@ -585,13 +590,15 @@ class CostModel:
 
 def mlp_gemm_per_token(model: ModelConfig) -> int:
     """Multiply-adds per token of one layer's MLP: ``h w + h f`` dense; a mixture of experts
-    runs each token through ``k`` experts of ``h w_e + h F`` and the router's ``h E`` (module
-    doc)."""
+    runs each token through ``k`` experts of ``h w_e + h F``, the router's ``h E`` and a shared
+    expert's ``h w_s + h S`` (its gate's ``h``) (module doc)."""
     h = model.hidden_size
     if not model.num_experts:
         return h * model.mlp_width + h * model.ffn_hidden_size
     return h * model.num_experts + model.moe_router_topk * h * (model.expert_width
-                                                                + model.expert_ffn)
+                                                                + model.expert_ffn) \
+        + h * (model.shared_width + model.shared_ffn) \
+        + (h if model.moe_shared_expert_gate else 0)
 
 
 NORM_STATISTICS = 8
@@ -655,7 +662,9 @@ def mlp_saved_per_token(model: ModelConfig) -> int:
     f, experts = model.expert_ffn, model.num_experts
     intermediates = model.expert_width + f + (0 if model.gated_mlp else f)
     router = 4 * k + e * (k + experts) + experts + 16 * k
-    return e * k * (model.hidden_size + intermediates) + router
+    shared = model.shared_width + model.shared_ffn \
+        + (model.hidden_size + 1 if model.moe_shared_expert_gate else 0)
+    return e * k * (model.hidden_size + intermediates) + router + e * shared
 
 
 def peak_flops(hardware: HardwareProfile) -> float:

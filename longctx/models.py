@@ -47,6 +47,13 @@ class ModelConfig:
     moe_ffn_hidden_size: int | None = None
     """Inner width of each expert (``--moe-ffn-hidden-size``); ``None``: ``ffn_hidden_size``,
     as Megatron-LM defaults it."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width ``S`` of the shared expert every token passes through beside its routed
+    ones (``--moe-shared-expert-intermediate-size``: an MLP of the model's kind); ``None``:
+    none."""
+    moe_shared_expert_gate: bool = False
+    """The shared expert's output scaled by a per-token sigmoid gate (``h x 1`` weights,
+    ``--moe-shared-expert-gate``)."""
     qk_layernorm: bool = False
     """Norms on the queries and keys before the attention (``--qk-layernorm``): they keep their
     inputs and per-head statistics for the backward."""
@@ -72,6 +79,14 @@ class ModelConfig:
         if self.moe_ffn_hidden_size is not None and self.moe_ffn_hidden_size < 1:
             raise ValueError(f"model {self.name}: moe_ffn_hidden_size must be >= 1, "
                              f"got {self.moe_ffn_hidden_size}")
+        shared = self.moe_shared_expert_intermediate_size
+        if shared is not None and (shared < 1 or not self.num_experts):
+            raise ValueError(f"model {self.name}: moe_shared_expert_intermediate_size must be "
+                             f">= 1 beside num_experts >= 1, got {shared} beside "
+                             f"{self.num_experts}")
+        if self.moe_shared_expert_gate and shared is None:
+            raise ValueError(f"model {self.name}: moe_shared_expert_gate gates the shared "
+                             f"expert: give moe_shared_expert_intermediate_size too")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model {self.name}: hidden_size {self.hidden_size} must be "
                              f"divisible by num_heads {self.num_heads}")
@@ -97,22 +112,40 @@ class ModelConfig:
         return 2 * self.expert_ffn if self.gated_mlp else self.expert_ffn
 
     @property
+    def shared_ffn(self) -> int:
+        """Inner width ``S`` of the shared expert (0 without one)."""
+        return self.moe_shared_expert_intermediate_size or 0
+
+    @property
+    def shared_width(self) -> int:
+        """Output width of the shared expert's first projection: ``2S`` gated, ``S``
+        otherwise (0 without one)."""
+        return 2 * self.shared_ffn if self.gated_mlp else self.shared_ffn
+
+    @property
     def mlp_label(self) -> str:
         """What kind of MLP a layer has, as a measured profile records it: ``"dense"``, or the
         experts' shape (a profile measured on one kind prices no other)."""
         if not self.num_experts:
             return "dense"
-        return (f"{self.num_experts} experts, top {self.moe_router_topk}, "
-                f"width {self.expert_ffn}")
+        label = (f"{self.num_experts} experts, top {self.moe_router_topk}, "
+                 f"width {self.expert_ffn}")
+        if self.shared_ffn:
+            label += f", shared width {self.shared_ffn}" + (
+                " gated" if self.moe_shared_expert_gate else "")
+        return label
 
     def params_per_layer(self) -> int:
         """Weights and biases of one layer: QKV + output projection, the MLP, two LayerNorms.
         A mixture-of-experts MLP is the router's ``h x E`` and ``E`` experts of ``h x w + F x h``
-        without biases (Megatron's local experts need ``--disable-bias-linear``)."""
+        without biases (Megatron's local experts need ``--disable-bias-linear``), and a shared
+        expert's ``h x w_s + S x h`` (its gate's ``h``)."""
         h, f, w = self.hidden_size, self.ffn_hidden_size, self.mlp_width
         if self.num_experts:
             mlp = h * self.num_experts + self.num_experts * h * (self.expert_width
-                                                                 + self.expert_ffn)
+                                                                 + self.expert_ffn) \
+                + h * (self.shared_width + self.shared_ffn) \
+                + (h if self.moe_shared_expert_gate else 0)
         else:
             mlp = h * w + w + h * f + h
         return 4 * h * h + 4 * h + mlp + 4 * h

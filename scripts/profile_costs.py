@@ -3,7 +3,8 @@
     python scripts/profile_costs.py --num-layers-profiled 1 --hidden-size 256 \
         --num-attention-heads 8 [--ffn-hidden-size F] --tokens 512 1024 2048 \
         --contexts 0 2048 --repeats 3 --base-profile a800 --output PROFILE.json \
-        [--num-experts E --moe-router-topk K --moe-ffn-hidden-size F]
+        [--num-experts E --moe-router-topk K --moe-ffn-hidden-size F
+         --moe-shared-expert-intermediate-size S --moe-shared-expert-gate]
 
 What is measured and how (every choice made here):
 
@@ -19,7 +20,8 @@ What is measured and how (every choice made here):
   sequences. ``--num-layers-profiled N`` builds N layers run back to back; the times
   are divided by N, so the result is per layer. ``--num-experts`` builds Megatron's
   mixture-of-experts layer instead of the dense MLP (the training run's ``--num-experts``,
-  ``--moe-router-topk``, ``--moe-ffn-hidden-size``, with ``--disable-bias-linear``, which the
+  ``--moe-router-topk``, ``--moe-ffn-hidden-size`` and shared-expert flags, with
+  ``--disable-bias-linear``, which the
   training script requires with experts); the fit and the activation bytes are stamped with
   the layer's MLP (``mlp``: ``"dense"`` or the experts' shape) and the cost model prices no
   other MLP with them.
@@ -223,6 +225,11 @@ def build_layers(args):
                   str(args.moe_router_topk), "--disable-bias-linear"]
         if args.moe_ffn_hidden_size is not None:
             flags += ["--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size)]
+        if args.moe_shared_expert_intermediate_size is not None:
+            flags += ["--moe-shared-expert-intermediate-size",
+                      str(args.moe_shared_expert_intermediate_size)]
+        if args.moe_shared_expert_gate:
+            flags += ["--moe-shared-expert-gate"]
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                         ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(29500 + os.getpid() % 20000))):
@@ -462,7 +469,10 @@ def layer_model(args, config):
                        gated_mlp=config.gated_linear_unit,
                        num_experts=config.num_moe_experts or 0,
                        moe_router_topk=config.moe_router_topk,
-                       moe_ffn_hidden_size=config.moe_ffn_hidden_size)
+                       moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                       moe_shared_expert_intermediate_size=(
+                           config.moe_shared_expert_intermediate_size),
+                       moe_shared_expert_gate=config.moe_shared_expert_gate)
 
 
 def end_times(args, config, device) -> dict[str, list[float]]:
@@ -618,6 +628,10 @@ def parse(argv=None) -> argparse.Namespace:
                         help="as the job's flag (Megatron's default 2)")
     parser.add_argument("--moe-ffn-hidden-size", type=int, default=None,
                         help="as the job's flag (default: the ffn width)")
+    parser.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                        help="as the job's flag (default: no shared expert)")
+    parser.add_argument("--moe-shared-expert-gate", action="store_true",
+                        help="as the job's flag")
     parser.add_argument("--tokens", type=int, nargs="+", required=True,
                         help="slice lengths s of the grid")
     parser.add_argument("--contexts", type=int, nargs="+", default=[0],
@@ -639,8 +653,13 @@ def parse(argv=None) -> argparse.Namespace:
         parser.error("--num-layers-profiled and --repeats must be >= 1")
     if args.num_experts is not None and not 1 <= args.moe_router_topk <= args.num_experts:
         parser.error("--num-experts must be >= 1 and --moe-router-topk in [1, --num-experts]")
-    if args.moe_ffn_hidden_size is not None and args.num_experts is None:
-        parser.error("--moe-ffn-hidden-size sizes the experts: give --num-experts too")
+    if args.num_experts is None and (args.moe_ffn_hidden_size is not None
+                                     or args.moe_shared_expert_intermediate_size is not None):
+        parser.error("--moe-ffn-hidden-size and --moe-shared-expert-intermediate-size size "
+                     "the experts: give --num-experts too")
+    if args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size is None:
+        parser.error("--moe-shared-expert-gate gates the shared expert: give "
+                     "--moe-shared-expert-intermediate-size too")
     if min(args.tokens) < 1 or min(args.contexts) < 0:
         parser.error("--tokens must be >= 1 and --contexts >= 0")
     if len(args.tokens) * len(args.contexts) < 3 or len(set(args.tokens)) < 2:

@@ -106,7 +106,8 @@ QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "elastic": "golden:pp2_qk_eod_uneven_elastic",
                "seq1f1b": "golden:pp2_qk_eod_uneven_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
                "sppo": "golden:pp2_qk_eod_uneven_sppo_n4_offload"}
-#: Dropless mixture of experts (Megatron's MoE layer; its auxiliary loss: :data:`MOE_AUX`);
+#: Dropless mixture of experts (Megatron's MoE layer, with a gated shared expert beside the
+#: routed ones; its auxiliary loss: :data:`MOE_AUX`);
 #: under the schedules that run Megatron's layer map its layouts count the embedding and the
 #: loss as layers of the split (:data:`ACCOUNTED`), under interleaved over 3 virtual stages
 #: given by their count (the first holds only the embedding, the last only the loss). Under
@@ -343,7 +344,8 @@ HONOURED: dict[str, Honoured] = {
                                    "--mup-width-mult and set --mup-base-hidden-size",
                                values=(1.0,)),
     **{name: Honoured(MOE, _NO_TEST) for name in (
-        "num_experts", "moe_router_topk", "moe_ffn_hidden_size")},
+        "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+        "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")},
     "moe_aux_loss_coeff": Honoured(MOE_AUX, _AUX_PER_UNIT),
     "expert_model_parallel_size": Honoured(EXPERTS, _NO_TEST, refusals=EXPERT_REFUSALS),
     "moe_token_dispatcher_type": Honoured(
@@ -719,8 +721,7 @@ REFUSED: dict[str, str] = {
         moe_router_padding_for_quantization moe_router_pre_softmax
         moe_router_quantile_balancing_ema moe_router_score_function
         moe_router_topk_scaling_factor moe_routing_trace_capture_hidden_states
-        moe_shared_expert_gate moe_shared_expert_glu_interleave_size
-        moe_shared_expert_intermediate_size moe_shared_expert_overlap
+        moe_shared_expert_glu_interleave_size moe_shared_expert_overlap
         moe_single_grouped_bias moe_single_grouped_weight
         moe_upcycling_granularity moe_use_upcycling moe_z_loss_coeff
         overlap_dispatch_backward_with_experts_wgrad

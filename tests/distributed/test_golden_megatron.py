@@ -418,8 +418,11 @@ VARIANTS = {
     # embedding and the loss count as layers of the split (4 + 2 over 2 stages: 2 transformer
     # layers each; under interleaved over 2 x 3 virtual stages given by their count, the first
     # holding only the embedding and the last only the loss). The interleaved layout averages
-    # the gradients in the all-reduce (AVERAGE), the experts' scaled first.
+    # the gradients in the all-reduce (AVERAGE), the experts' scaled first. Beside the routed
+    # experts a gated shared expert that every token passes through (DeepSeek's and Qwen's MoE
+    # layers).
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
+             "--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate",
              "--disable-bias-linear", "--golden-aux-loss-coeff", AUX_LOSS_COEFF], {
         "pp2_dp2_ep2_a2a_moe_accounted_1f1b": (4, ["--pipeline-model-parallel-size", "2",
                                                    *ACCOUNTED, *EP2, *A2A_DISPATCH,

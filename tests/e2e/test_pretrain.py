@@ -428,6 +428,8 @@ UNIFORM_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "u
                "--seq-length", "1024", "--train-iters", "2", "--lr-warmup-iters", "1"]),
     pytest.param("elastic", ["--elastic-slices", "4", "--num-experts", "4",
                              "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
+                             "--moe-shared-expert-intermediate-size", "64",
+                             "--moe-shared-expert-gate",
                              "--disable-bias-linear", "--qk-layernorm",
                              "--moe-aux-loss-coeff", "0.01"],
                  id="elastic-moe-qk-norm")])
@@ -442,9 +444,9 @@ def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     iterations (its parts exchange many small messages: slower on gloo); its plain and
     recomputing runs are held to their plans in
     ``test_helix_recomputation_draws_the_dropout_masks_of_the_forward``. With
-    mixture-of-experts layers (4 experts, top 2) the plan counts each token's expert copies,
-    expert intermediates and router tensors instead of a dense MLP's; priced as a dense MLP,
-    the stages held 1.4x their plan; that run also trains Megatron's auxiliary load-balancing
+    mixture-of-experts layers (4 experts, top 2, and a gated shared expert) the plan counts
+    each token's expert copies, expert intermediates, router tensors and shared expert's
+    tensors instead of a dense MLP's; priced as a dense MLP, the stages held 1.4x their plan; that run also trains Megatron's auxiliary load-balancing
     loss per document (:mod:`megatron.plugin.layers.document_router`) under the dropout.
     Seq1f1b runs Megatron's full recomputation of every layer (uniform, one layer a unit),
     whose fixed table the plan prices: the layers' kept inputs, one layer rebuilt at a time in

@@ -11,6 +11,7 @@ from longctx.models import ModelConfig
 from test_elastic_cost_model import hand_profile
 
 H, HEADS, FFN, EXPERTS, TOPK, EXPERT_FFN = 64, 4, 256, 4, 2, 128
+SHARED = 96
 
 
 def moe(**over) -> ModelConfig:
@@ -41,6 +42,27 @@ def test_moe_activation_bytes_time_and_weights_by_hand(tmp_path, gated):
         + EXPERTS * H * (first + EXPERT_FFN) + 4 * H
 
 
+@pytest.mark.parametrize("gated,gate", [(False, False), (True, True)])
+def test_a_shared_expert_by_hand(tmp_path, gated, gate):
+    """A shared expert of width 96 beside the routed ones, FP32 at sp = 1: it keeps what a dense
+    MLP of that width keeps (GeLU: its first projection 96 and the GeLU output 96; SwiGLU: 192
+    and 96), with the gate also its output (64) and the gate's sigmoid (1), 4 bytes each; its
+    GEMMs h w_s + h S (+ h for the gate) per token; its weights the same (no biases)."""
+    plain = moe(gated_mlp=gated, dtype="float32")
+    model = moe(gated_mlp=gated, dtype="float32", moe_shared_expert_intermediate_size=SHARED,
+                moe_shared_expert_gate=gate)
+    width = 2 * SHARED if gated else SHARED
+    extra = width + SHARED + (H + 1 if gate else 0)
+    assert mlp_saved_per_token(model) - mlp_saved_per_token(plain) == 4 * extra
+    weights = H * (width + SHARED) + (H if gate else 0)
+    assert model.params_per_layer() - plain.params_per_layer() == weights
+    plain_cost = CostModel(plain, hand_profile(tmp_path), ParallelConfig(pp=2))
+    cost = CostModel(model, hand_profile(tmp_path), ParallelConfig(pp=2))
+    assert cost.alpha2 - plain_cost.alpha2 == pytest.approx(2 * weights / 0.5e12)
+    assert model.mlp_label == "4 experts, top 2, width 128, shared width 96" + (
+        " gated" if gate else "")
+
+
 def test_the_expert_width_defaults_to_the_ffn_width_as_megatron_does():
     assert moe(moe_ffn_hidden_size=None).expert_ffn == FFN
     dense = ModelConfig("dense", 6, H, HEADS, FFN, 100)
@@ -52,6 +74,11 @@ def test_the_expert_width_defaults_to_the_ffn_width_as_megatron_does():
     ({"moe_router_topk": 0}, r"moe_router_topk must be in \[1, num_experts=4\], got 0"),
     ({"num_experts": -1}, "num_experts must be >= 0"),
     ({"moe_ffn_hidden_size": 0}, "moe_ffn_hidden_size must be >= 1"),
+    ({"moe_shared_expert_intermediate_size": 0},
+     "moe_shared_expert_intermediate_size must be >= 1 beside num_experts >= 1, got 0"),
+    ({"num_experts": 0, "moe_shared_expert_intermediate_size": 8},
+     "moe_shared_expert_intermediate_size must be >= 1 beside num_experts >= 1"),
+    ({"moe_shared_expert_gate": True}, "give moe_shared_expert_intermediate_size too"),
 ])
 def test_a_bad_moe_shape_says_what_to_change(over, message):
     with pytest.raises(ValueError, match=message):
@@ -80,14 +107,17 @@ def saved_bytes_per_token(config, num_experts, qk_layernorm=False) -> float:
     return (counts[1] - counts[0]) / 128
 
 
-@pytest.mark.parametrize("gated,dtype", [(False, torch.float32), (True, torch.float32),
-                                         (False, torch.bfloat16)])
-def test_the_moe_terms_are_what_megatrons_moe_layer_saves(one_rank, gated, dtype):
+@pytest.mark.parametrize("gated,dtype,shared,gate", [
+    (False, torch.float32, None, False), (True, torch.float32, None, False),
+    (False, torch.bfloat16, None, False), (True, torch.float32, SHARED, True),
+    (False, torch.float32, SHARED, True), (True, torch.bfloat16, SHARED, False)])
+def test_the_moe_terms_are_what_megatrons_moe_layer_saves(one_rank, gated, dtype, shared,
+                                                          gate):
     """Megatron's MoE layer (local spec: ``SequentialMLP``, the ``allgather`` dispatcher,
     softmax top-2 routing, no biases, the activation fusion Megatron-LM's parser sets: SwiGLU's
-    on, GeLU's off without biases) saves, per token, exactly the cost model's MoE terms more
-    than the dense layer of the same attention saves its dense MLP terms; in BF16 too (the
-    router's softmax stays FP32)."""
+    on, GeLU's off without biases; with a shared expert, gated or not) saves, per token,
+    exactly the cost model's MoE terms more than the dense layer of the same attention saves
+    its dense MLP terms; in BF16 too (the router's softmax stays FP32)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     common = dict(num_layers=1, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
@@ -96,10 +126,13 @@ def test_the_moe_terms_are_what_megatrons_moe_layer_saves(one_rank, gated, dtype
                   bias_activation_fusion=gated, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     dense = TransformerConfig(**common)
     experts = TransformerConfig(**common, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
-                                moe_ffn_hidden_size=EXPERT_FFN, moe_aux_loss_coeff=0.0)
+                                moe_ffn_hidden_size=EXPERT_FFN, moe_aux_loss_coeff=0.0,
+                                moe_shared_expert_intermediate_size=shared,
+                                moe_shared_expert_gate=gate)
     measured = saved_bytes_per_token(experts, EXPERTS) - saved_bytes_per_token(dense, None)
     shape = dict(dtype=str(dtype).removeprefix("torch."), gated_mlp=gated)
-    planned = mlp_saved_per_token(moe(**shape)) \
+    planned = mlp_saved_per_token(moe(**shape, moe_shared_expert_intermediate_size=shared,
+                                      moe_shared_expert_gate=gate)) \
         - mlp_saved_per_token(ModelConfig("dense", 6, H, HEADS, FFN, 100, **shape))
     assert measured == planned
 
