@@ -359,5 +359,6 @@ def _moe_bytes(config, args) -> int:
                         moe_ffn_hidden_size=config.moe_ffn_hidden_size,
                         moe_shared_expert_intermediate_size=(
                             config.moe_shared_expert_intermediate_size),
-                        moe_shared_expert_gate=config.moe_shared_expert_gate)
+                        moe_shared_expert_gate=config.moe_shared_expert_gate,
+                        moe_router_dtype=config.moe_router_dtype)
     return mlp_saved_per_token(model)

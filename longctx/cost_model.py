@@ -96,10 +96,10 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
     its ``linear_fc2`` input (the activation scaled by the routing probability, ``mlp.py``'s
     ``per_token_scale``); without a gate the GeLU output the scaling multiplies is kept too,
     with one (Megatron's default fused SwiGLU, ``weighted_bias_swiglu``) it is not;
-  - the router (logits in the model's dtype: ``--moe-router-dtype`` is Megatron's default):
-    the softmax over the top-k logits, computed and kept in FP32 ``4k`` bytes
-    (``topk_routing_with_score_function``), their per-expert copy in the model's dtype
-    ``k e``, the ``[tokens, E]`` probabilities ``masked_select`` keeps ``E e``, the routing
+  - the router, its logits and probabilities in ``r`` bytes an element (the model's ``e``;
+    ``--moe-router-dtype`` sets 4 or 8): the softmax over the top-k logits, computed and kept
+    in FP32 ``4k`` bytes (``topk_routing_with_score_function``), their per-expert copy
+    ``k r``, the ``[tokens, E]`` probabilities ``masked_select`` keeps ``E r``, the routing
     map ``E`` bytes (bool), the top-k expert indices and the sorted token indices of the
     permutation ``16 k`` bytes (int64; the unpermutation's ``scatter_add`` shares the
     second);
@@ -661,7 +661,7 @@ def mlp_saved_per_token(model: ModelConfig) -> int:
         return e * (model.ffn_hidden_size + model.mlp_width)
     f, experts = model.expert_ffn, model.num_experts
     intermediates = model.expert_width + f + (0 if model.gated_mlp else f)
-    router = 4 * k + e * (k + experts) + experts + 16 * k
+    router = 4 * k + model.router_bytes * (k + experts) + experts + 16 * k
     shared = model.shared_width + model.shared_ffn \
         + (model.hidden_size + 1 if model.moe_shared_expert_gate else 0)
     return e * k * (model.hidden_size + intermediates) + router + e * shared

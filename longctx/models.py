@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+#: Bytes of an element of Megatron's ``--moe-router-dtype`` choices.
+ROUTER_DTYPE_BYTES = {"fp32": 4, "fp64": 8}
 """Bytes of one element of each training precision (Megatron's ``params_dtype``)."""
 
 
@@ -54,6 +56,9 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False
     """The shared expert's output scaled by a per-token sigmoid gate (``h x 1`` weights,
     ``--moe-shared-expert-gate``)."""
+    moe_router_dtype: str | None = None
+    """Element type of the router's logits and probabilities (``--moe-router-dtype``: a key
+    of :data:`ROUTER_DTYPE_BYTES`); ``None``: the model's."""
     qk_layernorm: bool = False
     """Norms on the queries and keys before the attention (``--qk-layernorm``): they keep their
     inputs and per-head statistics for the backward."""
@@ -84,6 +89,10 @@ class ModelConfig:
             raise ValueError(f"model {self.name}: moe_shared_expert_intermediate_size must be "
                              f">= 1 beside num_experts >= 1, got {shared} beside "
                              f"{self.num_experts}")
+        if self.moe_router_dtype is not None and self.moe_router_dtype not in ROUTER_DTYPE_BYTES:
+            raise ValueError(f"model {self.name}: moe_router_dtype must be one of "
+                             f"{', '.join(ROUTER_DTYPE_BYTES)} or None, got "
+                             f"{self.moe_router_dtype!r}")
         if self.moe_shared_expert_gate and shared is None:
             raise ValueError(f"model {self.name}: moe_shared_expert_gate gates the shared "
                              f"expert: give moe_shared_expert_intermediate_size too")
@@ -133,7 +142,15 @@ class ModelConfig:
         if self.shared_ffn:
             label += f", shared width {self.shared_ffn}" + (
                 " gated" if self.moe_shared_expert_gate else "")
+        if self.moe_router_dtype:
+            label += f", router {self.moe_router_dtype}"
         return label
+
+    @property
+    def router_bytes(self) -> int:
+        """Bytes of an element of the router's logits and probabilities."""
+        return ROUTER_DTYPE_BYTES[self.moe_router_dtype] if self.moe_router_dtype \
+            else self.element_bytes
 
     def params_per_layer(self) -> int:
         """Weights and biases of one layer: QKV + output projection, the MLP, two LayerNorms.

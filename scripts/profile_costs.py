@@ -4,7 +4,8 @@
         --num-attention-heads 8 [--ffn-hidden-size F] --tokens 512 1024 2048 \
         --contexts 0 2048 --repeats 3 --base-profile a800 --output PROFILE.json \
         [--num-experts E --moe-router-topk K --moe-ffn-hidden-size F
-         --moe-shared-expert-intermediate-size S --moe-shared-expert-gate]
+         --moe-shared-expert-intermediate-size S --moe-shared-expert-gate
+         --moe-router-dtype fp32]
 
 What is measured and how (every choice made here):
 
@@ -20,7 +21,7 @@ What is measured and how (every choice made here):
   sequences. ``--num-layers-profiled N`` builds N layers run back to back; the times
   are divided by N, so the result is per layer. ``--num-experts`` builds Megatron's
   mixture-of-experts layer instead of the dense MLP (the training run's ``--num-experts``,
-  ``--moe-router-topk``, ``--moe-ffn-hidden-size`` and shared-expert flags, with
+  ``--moe-router-topk``, ``--moe-ffn-hidden-size``, shared-expert and router flags, with
   ``--disable-bias-linear``, which the
   training script requires with experts); the fit and the activation bytes are stamped with
   the layer's MLP (``mlp``: ``"dense"`` or the experts' shape) and the cost model prices no
@@ -230,6 +231,8 @@ def build_layers(args):
                       str(args.moe_shared_expert_intermediate_size)]
         if args.moe_shared_expert_gate:
             flags += ["--moe-shared-expert-gate"]
+        if args.moe_router_dtype is not None:
+            flags += ["--moe-router-dtype", args.moe_router_dtype]
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
                         ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(29500 + os.getpid() % 20000))):
@@ -472,7 +475,8 @@ def layer_model(args, config):
                        moe_ffn_hidden_size=config.moe_ffn_hidden_size,
                        moe_shared_expert_intermediate_size=(
                            config.moe_shared_expert_intermediate_size),
-                       moe_shared_expert_gate=config.moe_shared_expert_gate)
+                       moe_shared_expert_gate=config.moe_shared_expert_gate,
+                       moe_router_dtype=config.moe_router_dtype)
 
 
 def end_times(args, config, device) -> dict[str, list[float]]:
@@ -632,6 +636,8 @@ def parse(argv=None) -> argparse.Namespace:
                         help="as the job's flag (default: no shared expert)")
     parser.add_argument("--moe-shared-expert-gate", action="store_true",
                         help="as the job's flag")
+    parser.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                        help="as the job's flag (default: the model's dtype)")
     parser.add_argument("--tokens", type=int, nargs="+", required=True,
                         help="slice lengths s of the grid")
     parser.add_argument("--contexts", type=int, nargs="+", default=[0],
@@ -654,9 +660,10 @@ def parse(argv=None) -> argparse.Namespace:
     if args.num_experts is not None and not 1 <= args.moe_router_topk <= args.num_experts:
         parser.error("--num-experts must be >= 1 and --moe-router-topk in [1, --num-experts]")
     if args.num_experts is None and (args.moe_ffn_hidden_size is not None
-                                     or args.moe_shared_expert_intermediate_size is not None):
-        parser.error("--moe-ffn-hidden-size and --moe-shared-expert-intermediate-size size "
-                     "the experts: give --num-experts too")
+                                     or args.moe_shared_expert_intermediate_size is not None
+                                     or args.moe_router_dtype is not None):
+        parser.error("--moe-ffn-hidden-size, --moe-shared-expert-intermediate-size and "
+                     "--moe-router-dtype shape the experts: give --num-experts too")
     if args.moe_shared_expert_gate and args.moe_shared_expert_intermediate_size is None:
         parser.error("--moe-shared-expert-gate gates the shared expert: give "
                      "--moe-shared-expert-intermediate-size too")

@@ -107,7 +107,7 @@ QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "seq1f1b": "golden:pp2_qk_eod_uneven_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
                "sppo": "golden:pp2_qk_eod_uneven_sppo_n4_offload"}
 #: Dropless mixture of experts (Megatron's MoE layer, with a gated shared expert beside the
-#: routed ones; its auxiliary loss: :data:`MOE_AUX`);
+#: routed ones and the router in FP64; its auxiliary loss: :data:`MOE_AUX`);
 #: under the schedules that run Megatron's layer map its layouts count the embedding and the
 #: loss as layers of the split (:data:`ACCOUNTED`), under interleaved over 3 virtual stages
 #: given by their count (the first holds only the embedding, the last only the loss). Under
@@ -345,7 +345,7 @@ HONOURED: dict[str, Honoured] = {
                                values=(1.0,)),
     **{name: Honoured(MOE, _NO_TEST) for name in (
         "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-        "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")},
+        "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_dtype")},
     "moe_aux_loss_coeff": Honoured(MOE_AUX, _AUX_PER_UNIT),
     "expert_model_parallel_size": Honoured(EXPERTS, _NO_TEST, refusals=EXPERT_REFUSALS),
     "moe_token_dispatcher_type": Honoured(
@@ -714,7 +714,7 @@ REFUSED: dict[str, str] = {
         moe_pad_experts_for_cuda_graph_inference moe_paged_stash
         moe_paged_stash_buffer_size_factor_cpu moe_paged_stash_buffer_size_factor_cuda
         moe_paged_stash_page_size moe_per_layer_logging moe_permute_fusion
-        moe_permute_fusion_into_hybridep moe_router_bias_update_rate moe_router_dtype
+        moe_permute_fusion_into_hybridep moe_router_bias_update_rate
         moe_router_force_biased
         moe_router_force_load_balancing moe_router_fusion moe_router_group_topk
         moe_router_num_groups moe_router_padding_for_fp8

@@ -420,9 +420,11 @@ VARIANTS = {
     # holding only the embedding and the last only the loss). The interleaved layout averages
     # the gradients in the all-reduce (AVERAGE), the experts' scaled first. Beside the routed
     # experts a gated shared expert that every token passes through (DeepSeek's and Qwen's MoE
-    # layers).
+    # layers), and the router's logits and probabilities in FP64 (Megatron's router-dtype
+    # path; FP32 is the model's own here).
     "moe": (["--num-experts", "4", "--moe-router-topk", "3", "--moe-ffn-hidden-size", "48",
              "--moe-shared-expert-intermediate-size", "24", "--moe-shared-expert-gate",
+             "--moe-router-dtype", "fp64",
              "--disable-bias-linear", "--golden-aux-loss-coeff", AUX_LOSS_COEFF], {
         "pp2_dp2_ep2_a2a_moe_accounted_1f1b": (4, ["--pipeline-model-parallel-size", "2",
                                                    *ACCOUNTED, *EP2, *A2A_DISPATCH,

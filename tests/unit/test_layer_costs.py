@@ -63,6 +63,15 @@ def test_a_shared_expert_by_hand(tmp_path, gated, gate):
         " gated" if gate else "")
 
 
+def test_the_router_dtype_sizes_the_routers_logits_and_probabilities():
+    """BF16, top 2 of 4 experts, the router in FP32: its per-expert copy of the top-2 weights
+    (2) and the [tokens, 4] probabilities (4) take 4 bytes an element, not 2."""
+    plain = moe(dtype="bfloat16")
+    assert mlp_saved_per_token(moe(dtype="bfloat16", moe_router_dtype="fp32")) \
+        - mlp_saved_per_token(plain) == (4 - 2) * (2 + 4)
+    assert moe(moe_router_dtype="fp64").mlp_label == "4 experts, top 2, width 128, router fp64"
+
+
 def test_the_expert_width_defaults_to_the_ffn_width_as_megatron_does():
     assert moe(moe_ffn_hidden_size=None).expert_ffn == FFN
     dense = ModelConfig("dense", 6, H, HEADS, FFN, 100)
@@ -79,6 +88,7 @@ def test_the_expert_width_defaults_to_the_ffn_width_as_megatron_does():
     ({"num_experts": 0, "moe_shared_expert_intermediate_size": 8},
      "moe_shared_expert_intermediate_size must be >= 1 beside num_experts >= 1"),
     ({"moe_shared_expert_gate": True}, "give moe_shared_expert_intermediate_size too"),
+    ({"moe_router_dtype": "bf16"}, "moe_router_dtype must be one of fp32, fp64 or None"),
 ])
 def test_a_bad_moe_shape_says_what_to_change(over, message):
     with pytest.raises(ValueError, match=message):
@@ -107,17 +117,19 @@ def saved_bytes_per_token(config, num_experts, qk_layernorm=False) -> float:
     return (counts[1] - counts[0]) / 128
 
 
-@pytest.mark.parametrize("gated,dtype,shared,gate", [
-    (False, torch.float32, None, False), (True, torch.float32, None, False),
-    (False, torch.bfloat16, None, False), (True, torch.float32, SHARED, True),
-    (False, torch.float32, SHARED, True), (True, torch.bfloat16, SHARED, False)])
+@pytest.mark.parametrize("gated,dtype,shared,gate,router", [
+    (False, torch.float32, None, False, None), (True, torch.float32, None, False, None),
+    (False, torch.bfloat16, None, False, None), (True, torch.float32, SHARED, True, None),
+    (False, torch.float32, SHARED, True, "fp64"), (True, torch.bfloat16, SHARED, False, None),
+    (True, torch.bfloat16, None, False, "fp32")])
 def test_the_moe_terms_are_what_megatrons_moe_layer_saves(one_rank, gated, dtype, shared,
-                                                          gate):
+                                                          gate, router):
     """Megatron's MoE layer (local spec: ``SequentialMLP``, the ``allgather`` dispatcher,
     softmax top-2 routing, no biases, the activation fusion Megatron-LM's parser sets: SwiGLU's
-    on, GeLU's off without biases; with a shared expert, gated or not) saves, per token,
-    exactly the cost model's MoE terms more than the dense layer of the same attention saves
-    its dense MLP terms; in BF16 too (the router's softmax stays FP32)."""
+    on, GeLU's off without biases; with a shared expert, gated or not; with the router in
+    another dtype than the model's) saves, per token, exactly the cost model's MoE terms more
+    than the dense layer of the same attention saves its dense MLP terms; in BF16 too (the
+    router's softmax stays FP32)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     common = dict(num_layers=1, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
@@ -128,11 +140,12 @@ def test_the_moe_terms_are_what_megatrons_moe_layer_saves(one_rank, gated, dtype
     experts = TransformerConfig(**common, num_moe_experts=EXPERTS, moe_router_topk=TOPK,
                                 moe_ffn_hidden_size=EXPERT_FFN, moe_aux_loss_coeff=0.0,
                                 moe_shared_expert_intermediate_size=shared,
-                                moe_shared_expert_gate=gate)
+                                moe_shared_expert_gate=gate, moe_router_dtype=router)
     measured = saved_bytes_per_token(experts, EXPERTS) - saved_bytes_per_token(dense, None)
     shape = dict(dtype=str(dtype).removeprefix("torch."), gated_mlp=gated)
     planned = mlp_saved_per_token(moe(**shape, moe_shared_expert_intermediate_size=shared,
-                                      moe_shared_expert_gate=gate)) \
+                                      moe_shared_expert_gate=gate,
+                                      moe_router_dtype=router)) \
         - mlp_saved_per_token(ModelConfig("dense", 6, H, HEADS, FFN, 100, **shape))
     assert measured == planned
 
