@@ -80,6 +80,9 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   (``tests/unit/test_layer_costs.py``). What an implementation saves beyond that (an unfused
   RMSNorm, RoPE outside the attention kernel) is not counted; a measured profile's
   coefficients count it;
+- with ``--attention-output-gate`` the gate's product keeps both its operands, the
+  attention output and the gate, ``2h e`` (the meter counts ``2h e`` in FP32 and BF16), and
+  the QKV projection does ``h^2`` more multiply-adds per token;
 - with ``--qk-layernorm`` the Q and K norms keep their inputs, ``2h e`` (the keys counted as
   wide as the queries), and two FP32 statistics per head each (:func:`qk_norm_saved_per_token`;
   exact for LayerNorm by the saved-tensor meter, ``tests/unit/test_layer_costs.py``);
@@ -317,7 +320,7 @@ class CostModel:
         else:
             peak = hardware.peak_tflops * 1e12
             self.alpha1 = 2 * h / (shard * peak * hardware.attention_efficiency)
-            gemm_flops = 2 * (4 * h * h + mlp_gemm_per_token(model))
+            gemm_flops = 2 * (attention_gemm_per_token(model) + mlp_gemm_per_token(model))
             self.alpha2 = gemm_flops / (shard * peak * hardware.matmul_efficiency)
             self.beta = hardware.layer_overhead_s
 
@@ -588,6 +591,13 @@ class CostModel:
                            - (0 if final else self.kv_per_token))
         return compute, comm, stash, saving, back
 
+def attention_gemm_per_token(model: ModelConfig) -> int:
+    """Multiply-adds per token of one layer's attention projections: ``4h^2`` (QKV and the
+    output projection), ``5h^2`` with the attention output gate's rows."""
+    h = model.hidden_size
+    return (5 if model.attention_output_gate else 4) * h * h
+
+
 def mlp_gemm_per_token(model: ModelConfig) -> int:
     """Multiply-adds per token of one layer's MLP: ``h w + h f`` dense; a mixture of experts
     runs each token through ``k`` experts of ``h w_e + h F``, the router's ``h E`` and a shared
@@ -614,11 +624,12 @@ def layer_saved_per_token(model: ModelConfig) -> int:
     norms' inputs and outputs, Q, K, V, the attention output that is also the projection's
     input), the two norms' statistics, the attention's FP32 softmax statistics (log-sum-exp)
     per head, the MLP (:func:`mlp_saved_per_token`), the Q and K norms
-    (:func:`qk_norm_saved_per_token`) and the two hidden-dropout masks when that dropout is
-    on."""
+    (:func:`qk_norm_saved_per_token`), the attention output gate's two operands ``2h e``
+    and the two hidden-dropout masks when that dropout is on."""
     h, e = model.hidden_size, model.element_bytes
     masks = 2 * h * model.dropout_mask_bytes if model.hidden_dropout else 0
-    return (8 * h * e + 2 * NORM_STATISTICS + 4 * model.num_heads
+    gate = 2 * h * e if model.attention_output_gate else 0
+    return (8 * h * e + 2 * NORM_STATISTICS + 4 * model.num_heads + gate
             + qk_norm_saved_per_token(model) + mlp_saved_per_token(model) + masks)
 
 

@@ -91,6 +91,7 @@ def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
                         moe_shared_expert_gate=args.moe_shared_expert_gate,
                         moe_router_dtype=args.moe_router_dtype,
                         qk_layernorm=args.qk_layernorm,
+                        attention_output_gate=args.attention_output_gate,
                         learned_positions=args.position_embedding_type != "rope")
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
@@ -112,6 +113,7 @@ _COST_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "params_dtype", "swiglu", "hidden_dropout", "num_experts", "moe_router_topk",
                "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                "moe_shared_expert_gate", "moe_router_dtype", "qk_layernorm",
+               "attention_output_gate",
                "position_embedding_type",
                "tensor_model_parallel_size",
                "pipeline_model_parallel_size", "context_parallel_size",

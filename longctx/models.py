@@ -62,6 +62,10 @@ class ModelConfig:
     qk_layernorm: bool = False
     """Norms on the queries and keys before the attention (``--qk-layernorm``): they keep their
     inputs and per-head statistics for the backward."""
+    attention_output_gate: bool = False
+    """The attention's output scaled by a sigmoid gate that the QKV projection also computes
+    (``--attention-output-gate``: ``h`` more rows of it); the product keeps both its
+    operands."""
     learned_positions: bool = True
     """Learned absolute position embeddings (Megatron-LM's default
     ``--position-embedding-type``): the embedding keeps the position ids for its backward as
@@ -153,8 +157,8 @@ class ModelConfig:
             else self.element_bytes
 
     def params_per_layer(self) -> int:
-        """Weights and biases of one layer: QKV + output projection, the MLP, two LayerNorms.
-        A mixture-of-experts MLP is the router's ``h x E`` and ``E`` experts of ``h x w + F x h``
+        """Weights and biases of one layer: QKV (and the attention output gate's ``h`` rows) +
+        output projection, the MLP, two LayerNorms. A mixture-of-experts MLP is the router's ``h x E`` and ``E`` experts of ``h x w + F x h``
         without biases (Megatron's local experts need ``--disable-bias-linear``), and a shared
         expert's ``h x w_s + S x h`` (its gate's ``h``)."""
         h, f, w = self.hidden_size, self.ffn_hidden_size, self.mlp_width
@@ -165,7 +169,8 @@ class ModelConfig:
                 + (h if self.moe_shared_expert_gate else 0)
         else:
             mlp = h * w + w + h * f + h
-        return 4 * h * h + 4 * h + mlp + 4 * h
+        gate = h * h + h if self.attention_output_gate else 0
+        return 4 * h * h + 4 * h + gate + mlp + 4 * h
 
 
 PRESETS: dict[str, ModelConfig] = {

@@ -1,9 +1,12 @@
 """Launch multi-process gloo runs with torchrun, with a timeout, from tests."""
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -49,18 +52,34 @@ def free_port() -> int:
 def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, check=True,
              preexec_fn=None):
     """Run ``script`` on ``nprocs`` local ranks; returns the CompletedProcess. ``preexec_fn``
-    runs in the launcher's process before it starts (limits set there hold for the ranks)."""
+    runs in the launcher's process before it starts (limits set there hold for the ranks).
+
+    The launcher runs in a session of its own, and whatever of that session outlives it
+    (processes a rank started, left behind by a rank that died) is killed when it ends; its
+    output goes to files, so such a process cannot hold the run open past the launcher's end
+    (with pipes it did, until the timeout)."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path(),
                     TORCH_CPP_LOG_LEVEL="ERROR", PYTHONWARNINGS="ignore")
     full_env.update(env or {})
-    try:
-        result = subprocess.run(command, cwd=REPO, env=full_env, capture_output=True, text=True,
-                                timeout=timeout, preexec_fn=preexec_fn)
-    except subprocess.TimeoutExpired as err:
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        launcher = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=out, stderr=err,
+                                    text=True, start_new_session=True, preexec_fn=preexec_fn)
+        try:
+            returncode = launcher.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        out.seek(0)
+        err.seek(0)
+        result = subprocess.CompletedProcess(command, returncode, out.read(), err.read())
+    if returncode is None:
         pytest.fail(f"{script} on {nprocs} ranks timed out after {timeout}s:\n"
-                    f"{(err.stdout or '')[-3000:]}\n{(err.stderr or '')[-3000:]}")
+                    f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     if check and result.returncode != 0:
         pytest.fail(f"{script} on {nprocs} ranks failed ({result.returncode}):\n"
                     f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")

@@ -433,6 +433,15 @@ def _sppo_multiplex_transformer_engine(args):
     return None
 
 
+def _sppo_multiplex_output_gate(args):
+    if (args.pipeline_schedule == "sppo" and args.sppo_multiplex
+            and args.attention_output_gate):
+        return ("--sppo-multiplex with --attention-output-gate: no test proves the multiplexing "
+                "helpers' attention shares with the gate yet. Drop --sppo-multiplex (sppo "
+                "applies the gate without it)")
+    return None
+
+
 def _tensorboard(args):
     if args.tensorboard_dir:
         error = _tensorboard_import_error()
@@ -470,7 +479,7 @@ RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _average_with_per_token_loss, _distributed_optimizer_instances,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
-         _sppo_multiplex_transformer_engine,
+         _sppo_multiplex_transformer_engine, _sppo_multiplex_output_gate,
          _tensorboard, _throughput)
 
 

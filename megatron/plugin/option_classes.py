@@ -106,6 +106,12 @@ QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
                "elastic": "golden:pp2_qk_eod_uneven_elastic",
                "seq1f1b": "golden:pp2_qk_eod_uneven_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
                "sppo": "golden:pp2_qk_eod_uneven_sppo_n4_offload"}
+#: Megatron's attention output gate (its ``SelfAttention`` applies it around the document
+#: attention, per token), with grouped queries.
+OUTPUT_GATE = {"default": "golden:pp2_gate_1f1b", "1f1b": "golden:pp2_gate_1f1b",
+               "interleaved": "golden:pp2_vp2_gate_interleaved", "1f1b-ir": "golden:pp2_gate_ir",
+               "elastic": "golden:pp2_gate_elastic", "seq1f1b": "golden:pp2_gate_seq1f1b",
+               "sppo": "golden:pp2_gate_sppo_n4_offload"}
 #: Dropless mixture of experts (Megatron's MoE layer, with a gated shared expert beside the
 #: routed ones and the router in FP64; its auxiliary loss: :data:`MOE_AUX`);
 #: under the schedules that run Megatron's layer map its layouts count the embedding and the
@@ -336,6 +342,10 @@ HONOURED: dict[str, Honoured] = {
     # attention is built with), the embedding's and the logits' multipliers (which helix's
     # head and SPPO's helpers apply as Megatron's modules do), the initialisation and the
     # optimizer's per-group learning rates (Megatron-LM's loop).
+    "attention_output_gate": Honoured(OUTPUT_GATE, _NO_TEST, refusals={"helix": (
+        "--attention-output-gate is not supported by --pipeline-schedule helix: its memory "
+        "model of the layer parts does not count the gate's tensors yet; drop the flag, or "
+        "use elastic or sppo")}),
     **{name: Honoured(QK_NORM_EOD, _NO_TEST) for name in (
         "use_mup", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",
         "mup_base_head_dim", "mup_attn_scale_power")},
@@ -756,7 +766,7 @@ REFUSED: dict[str, str] = {
         use_mamba_mem_eff_path yaml_cfg
     """, _HYBRID),
     **_each("""
-        add_qkv_bias attention_output_gate
+        add_qkv_bias
         batch_invariant_mode flash_attention_version flash_decode
         mrope_section no_rope_freq qk_clip qk_clip_alpha qk_clip_threshold qk_l2_norm
         rope_scaling_factor rope_type

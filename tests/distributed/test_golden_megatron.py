@@ -499,6 +499,19 @@ VARIANTS = {
                                         "--sppo-subsequences", "4", "--sppo-offload", "off",
                                         "--sppo-multiplex", *OVERLAP]),
     }),
+    # Megatron's attention output gate (Qwen3-Next's): the QKV projection also computes a
+    # gate whose sigmoid scales the attention's output, per token, so slicing and packing keep
+    # it; with grouped queries, as those configurations run it.
+    "output_gate": (["--attention-output-gate", "--group-query-attention",
+                     "--num-query-groups", "2"], {
+        **{f"pp2_gate_{name}": (2, ["--pipeline-model-parallel-size", "2", *flags])
+           for name, flags in FOUR_SCHEDULES},
+        "pp2_vp2_gate_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                         "--num-layers-per-virtual-pipeline-stage", "1",
+                                         "--pipeline-schedule", "interleaved"]),
+        "pp2_gate_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                         "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
+    }),
     "three_microbatches": (["--golden-docs", "5"], {
         "pp2_helix_m3": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
                              "--helix-recompute-without-attention"]),

@@ -67,6 +67,7 @@ def job_args(**over) -> argparse.Namespace:
         num_attention_heads=4, hidden_dropout=0.0, num_experts=None, moe_router_topk=2,
         moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None,
         moe_shared_expert_gate=False, moe_router_dtype=None, qk_layernorm=False,
+        attention_output_gate=False,
         position_embedding_type="learned_absolute",
         ffn_hidden_size=256, params_dtype=torch.float32, swiglu=False,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=2, context_parallel_size=1,

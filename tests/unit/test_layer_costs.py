@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from longctx.chunks import Chunk, Piece
-from longctx.cost_model import (CostModel, ParallelConfig, mlp_saved_per_token,
-                                qk_norm_saved_per_token)
+from longctx.cost_model import (CostModel, ParallelConfig, layer_saved_per_token,
+                                mlp_saved_per_token, qk_norm_saved_per_token)
 from longctx.models import ModelConfig
 from test_elastic_cost_model import hand_profile
 
@@ -251,3 +251,34 @@ def test_a_whole_model_saves_what_its_stage_is_priced(one_rank, tmp_path, dtype,
     one_token = Chunk((Piece(0, 0, 0, 1, True),))
     cpu_statistics = 3 * 2 * (4 - dtype.itemsize) if dtype.itemsize < 4 else 0
     assert (counts[1] - counts[0]) / 128 == cost.stash_bytes(0, one_token) - cpu_statistics
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_attention_output_gate_terms_are_what_megatrons_layer_saves(one_rank, dtype):
+    """``--attention-output-gate``: Megatron's attention multiplies its output by the sigmoid
+    of a gate the QKV projection computes, and the product keeps both operands, ``2h e`` per
+    token (the meter on the project's layer with and without it), in BF16 too."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    common = dict(num_layers=1, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                  add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
+                  params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    measured = saved_bytes_per_token(TransformerConfig(**common, attention_output_gate=True),
+                                     None) - saved_bytes_per_token(TransformerConfig(**common),
+                                                                   None)
+    shape = dict(dtype=str(dtype).removeprefix("torch."))
+    gated = ModelConfig("gated", 6, H, HEADS, FFN, 100, attention_output_gate=True, **shape)
+    plain = ModelConfig("plain", 6, H, HEADS, FFN, 100, **shape)
+    assert measured == layer_saved_per_token(gated) - layer_saved_per_token(plain) \
+        == 2 * H * gated.element_bytes
+
+
+def test_the_attention_output_gate_by_hand(tmp_path):
+    """The gate's rows of the QKV projection: ``h^2 + h`` weights and ``h^2`` multiply-adds a
+    token more."""
+    gated = ModelConfig("gated", 6, H, HEADS, FFN, 100, attention_output_gate=True)
+    plain = ModelConfig("plain", 6, H, HEADS, FFN, 100)
+    assert gated.params_per_layer() - plain.params_per_layer() == H * H + H
+    gated_cost = CostModel(gated, hand_profile(tmp_path), ParallelConfig(pp=2))
+    plain_cost = CostModel(plain, hand_profile(tmp_path), ParallelConfig(pp=2))
+    assert gated_cost.alpha2 - plain_cost.alpha2 == pytest.approx(2 * H * H / 0.5e12)

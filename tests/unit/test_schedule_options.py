@@ -510,3 +510,19 @@ def test_distributed_optimizer_instances_are_refused_where_megatron_would_assert
     for schedule in ("1f1b", "elastic", "seq1f1b", "sppo"):
         assert arguments.parse([*BASE, "--pipeline-schedule", schedule, *overlap]) \
             .num_distributed_optimizer_instances == 2
+
+
+def test_the_attention_output_gate_is_refused_where_no_model_or_test_covers_it(monkeypatch):
+    """``--attention-output-gate`` trains under the schedules its golden layouts prove; helix
+    refuses it (its part memory model lacks the gate's tensors) and so does sppo's
+    multiplexing (no test of the helpers' shares with it), each by name."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    gate = [*BASE, "--attention-output-gate"]
+    for schedule in ("1f1b", "elastic", "seq1f1b", "sppo"):
+        assert arguments.parse([*gate, "--pipeline-schedule", schedule]).attention_output_gate
+    with pytest.raises(ValueError, match="--attention-output-gate is not supported by "
+                                         "--pipeline-schedule helix: its memory model"):
+        arguments.parse([*gate, "--pipeline-schedule", "helix"])
+    with pytest.raises(ValueError, match="--sppo-multiplex with --attention-output-gate: .* "
+                                         "Drop --sppo-multiplex"):
+        arguments.parse([*gate, "--pipeline-schedule", "sppo", "--sppo-multiplex"])
