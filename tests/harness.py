@@ -6,7 +6,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
+import time
+import uuid
 
 import pytest
 
@@ -49,37 +50,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: The environment variable that marks every process of one launch (inherited by all of them,
+#: whatever session or parent they end up with).
+LAUNCH_MARK = "LONGCTX_TEST_LAUNCH"
+
+
+def _kill_launch(mark: str) -> None:
+    """SIGKILL every process whose environment carries ``LAUNCH_MARK=mark``."""
+    entry = f"{LAUNCH_MARK}={mark}".encode()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if entry in f.read().split(b"\0"):
+                    os.kill(int(pid), signal.SIGKILL)
+
+
 def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, check=True,
              preexec_fn=None):
     """Run ``script`` on ``nprocs`` local ranks; returns the CompletedProcess. ``preexec_fn``
     runs in the launcher's process before it starts (limits set there hold for the ranks).
 
-    The launcher runs in a session of its own, and whatever of that session outlives it
-    (processes a rank started, left behind by a rank that died) is killed when it ends; its
-    output goes to files, so such a process cannot hold the run open past the launcher's end
-    (with pipes it did, until the timeout)."""
+    Once the launcher ends, every process of the launch still alive is killed (they carry
+    :data:`LAUNCH_MARK` in their environment; the ranks run in sessions of their own): a process
+    a rank started and left behind (a rank that died) would otherwise hold the output pipes
+    open, and the run with them, until the time limit."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nprocs}",
                "--master-addr=127.0.0.1", f"--master-port={free_port()}", script, *args]
     full_env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=python_path(),
                     TORCH_CPP_LOG_LEVEL="ERROR", PYTHONWARNINGS="ignore")
     full_env.update(env or {})
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        launcher = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=out, stderr=err,
-                                    text=True, start_new_session=True, preexec_fn=preexec_fn)
+    mark = uuid.uuid4().hex
+    full_env[LAUNCH_MARK] = mark
+    launcher = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    while True:
         try:
-            returncode = launcher.wait(timeout=timeout)
+            stdout, stderr = launcher.communicate(timeout=1)
+            break
         except subprocess.TimeoutExpired:
-            returncode = None
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-        out.seek(0)
-        err.seek(0)
-        result = subprocess.CompletedProcess(command, returncode, out.read(), err.read())
-    if returncode is None:
+            timed_out = timed_out or (launcher.poll() is None and time.monotonic() > deadline)
+            if launcher.returncode is not None or timed_out:
+                _kill_launch(mark)
+    _kill_launch(mark)
+    result = subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr)
+    if timed_out:
         pytest.fail(f"{script} on {nprocs} ranks timed out after {timeout}s:\n"
-                    f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+                    f"{stdout[-3000:]}\n{stderr[-3000:]}")
     if check and result.returncode != 0:
         pytest.fail(f"{script} on {nprocs} ranks failed ({result.returncode}):\n"
                     f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}")
