@@ -422,20 +422,16 @@ def _moe_transformer_engine(args):
     return None
 
 
-def _sppo_multiplex_transformer_engine(args):
-    if (args.pipeline_schedule == "sppo" and args.sppo_multiplex
-            and args.transformer_impl == "transformer_engine"):
+def _sppo_multiplex_unproven(args):
+    if args.pipeline_schedule != "sppo" or not args.sppo_multiplex:
+        return None
+    if args.transformer_impl == "transformer_engine":
         return ("--sppo-multiplex with --transformer-impl transformer_engine: the multiplexing "
                 "helpers run another stage's layers on broadcast copies of its weights "
                 "(torch.func.functional_call), and Transformer Engine's modules have not run "
                 "that way on a GPU yet. Drop --sppo-multiplex (sppo builds TE layers without "
                 "it), or pass --transformer-impl local")
-    return None
-
-
-def _sppo_multiplex_output_gate(args):
-    if (args.pipeline_schedule == "sppo" and args.sppo_multiplex
-            and args.attention_output_gate):
+    if args.attention_output_gate:
         return ("--sppo-multiplex with --attention-output-gate: no test proves the multiplexing "
                 "helpers' attention shares with the gate yet. Drop --sppo-multiplex (sppo "
                 "applies the gate without it)")
@@ -479,7 +475,7 @@ RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _average_with_per_token_loss, _distributed_optimizer_instances,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
-         _sppo_multiplex_transformer_engine, _sppo_multiplex_output_gate,
+         _sppo_multiplex_unproven,
          _tensorboard, _throughput)
 
 

@@ -174,15 +174,19 @@ def setup_model_and_optimizer():
     config.grad_scale_func = optimizer.scale_loss
     config.finalize_model_grads_func = finalize_model_grads
     if args.overlap_grad_reduce:
-        no_sync = [chunk.no_sync for chunk in model]
-        config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        config.no_sync_func = _per_chunk(model, "no_sync")
         if args.align_grad_reduce:
-            grad_sync = [chunk.start_grad_sync for chunk in model]
-            config.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
+            config.grad_sync_func = _per_chunk(model, "start_grad_sync")
     if args.overlap_param_gather and args.align_param_gather:
-        param_sync = [chunk.start_param_sync for chunk in model]
-        config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
+        config.param_sync_func = _per_chunk(model, "start_param_sync")
     return model, optimizer, scheduler, config
+
+
+def _per_chunk(model: list, method: str):
+    """Each model chunk's ``method``, as Megatron's ``train()`` hands it to the schedule: the
+    one function with one chunk, else the list."""
+    funcs = [getattr(chunk, method) for chunk in model]
+    return funcs[0] if len(funcs) == 1 else funcs
 
 
 def train_step(model, optimizer, scheduler, config, data_iterator, iteration: int = 0):
