@@ -37,18 +37,23 @@ def add_draw_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Raise ``ValueError`` for settings helix cannot run (called by the training script's
     ``check_args``)."""
-    check_layout(args.num_layers, args.pipeline_model_parallel_size)
+    if args.num_layers is not None:  # else Megatron-LM's own check names --num-layers
+        check_layout(args.num_layers, args.pipeline_model_parallel_size)
     if args.helix_folds < 1:
         raise ValueError(f"--helix-folds must be >= 1, got {args.helix_folds}")
     chunk = args.helix_mlp_chunk_size
     if chunk is not None:
-        tp = args.tensor_model_parallel_size
+        tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
         if chunk < 1:
             raise ValueError(f"--helix-mlp-chunk-size must be >= 1, got {chunk}")
-        if args.sequence_parallel and chunk % tp:
-            raise ValueError(f"--helix-mlp-chunk-size {chunk} must be a multiple of "
-                             f"--tensor-model-parallel-size {tp} with --sequence-parallel "
-                             f"(each rank chunks its shard of the sequence)")
+        shards = cp * (tp if args.sequence_parallel else 1)
+        if chunk % shards:
+            raise ValueError(
+                f"--helix-mlp-chunk-size {chunk} must be a multiple of {shards}, the ranks "
+                f"that share a sequence (--context-parallel-size {cp}"
+                + (f" x --tensor-model-parallel-size {tp} with --sequence-parallel"
+                   if args.sequence_parallel else "")
+                + "): each rank chunks its shard of the sequence")
         if getattr(args, "num_experts", None):
             raise ValueError("--helix-mlp-chunk-size needs a dense MLP: MoE routing sees the "
                              "whole sequence; drop --num-experts or the chunk size")

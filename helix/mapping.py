@@ -14,9 +14,6 @@ def attention_stage(layer: int, microbatch: int, num_stages: int) -> int:
 
 def check_layout(num_layers: int, num_stages: int) -> None:
     """Raise ``ValueError`` unless the helix mapping applies to ``L`` layers on ``p`` stages."""
-    if num_stages < 2:
-        raise ValueError("helix needs --pipeline-model-parallel-size >= 2 (with one stage "
-                         "there is nothing to place; use 1f1b)")
     if num_layers % num_stages:
         raise ValueError(f"helix places layer l's parts on stage l mod p, so --num-layers "
                          f"({num_layers}) must be a multiple of "

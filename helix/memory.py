@@ -1,6 +1,8 @@
 """The activation bytes helix's parts keep, and each stage's planned peak.
 
-Per micro-batch of ``S = seq_length x micro_batch_size`` tokens on one tensor-parallel rank,
+Per micro-batch of ``S = seq_length x micro_batch_size`` tokens (``/ cp`` of them on each
+context-parallel rank: every count below is of this rank's tokens, apart from RoPE's tables of
+the whole rows) on one tensor-parallel rank,
 ``T`` of them in the sequence-parallel parts (``S / tp`` with ``--sequence-parallel``, else
 ``S``), ``e`` bytes an element of the model's dtype, ``h`` the hidden size, ``f`` the MLP's
 width after its activation and ``w`` its first projection's (``f``, or ``2f`` gated), ``q``
@@ -29,6 +31,10 @@ keeps, as the training loop's meter counts it (autograd's saved tensors and the 
   (their inputs are views of the projection's output), their normalized inputs where the
   norm is a composite and, without RoPE, their outputs (the attention saves the normed Q and
   K; with RoPE the rotated ones, counted already), per received copy also the norms' weights;
+  under context parallelism the output twice (the whole rows' ``heads / cp``, which the
+  attention saves, and this rank's rows after the all-to-all back, the part's output) and, with
+  Q/K norms, the projection's output on this rank's rows besides Q, K and V after the
+  all-to-all (the norms' saved inputs view it);
 - *under* ``--helix-recompute-without-attention``: a boundary keeps only what it received
   (``res``, and ``o`` from another stage); its ``RECOMPUTE`` rebuilds the rest right before
   the backward. An attention keeps ``x`` (the boundary no longer does), the weight, ``o`` and
@@ -125,6 +131,9 @@ class HelixShape:
     """Bytes per token a mixture-of-experts MLP keeps beyond its input, in place of the dense
     ``mlp_first + mlp_second`` (:func:`longctx.cost_model.mlp_saved_per_token`: permuted
     copies, expert intermediates, router tensors); 0: a dense MLP."""
+    context_parallel: int = 1
+    """``cp``: ``tokens`` is this rank's ``1/cp`` of the rows; the attention runs ``heads /
+    cp`` of the whole rows (Ulysses)."""
 
 
 @dataclass(frozen=True)
@@ -193,11 +202,16 @@ class HelixMemory(CostDefaults):
         return ids + s.sequence_parallel_tokens * s.hidden * s.mask_bytes
 
     def _qkv(self) -> float:
-        """The projection's output; with RoPE also the rotated Q and K and the cosines and
-        sines each rotation keeps."""
+        """The projection's output (under context parallelism Q, K and V after the
+        all-to-all, the same bytes, and with Q/K norms also the projection's output on this
+        rank's rows, which the norms' saved inputs view); with RoPE also the rotated Q and K
+        and the cosines and sines each rotation keeps (of the whole rows)."""
         s = self.shape
-        rotated = s.tokens * ((s.qkv + s.attention) // 2 + 4 * s.rope_dim) if s.rope_dim else 0
-        return (s.tokens * s.qkv + rotated) * s.element_bytes
+        cp = s.context_parallel
+        rotated = s.tokens * (s.qkv + s.attention) // 2 + s.tokens * cp * 4 * s.rope_dim \
+            if s.rope_dim else 0
+        local = s.tokens * s.qkv if cp > 1 and s.qk_norm_rows else 0
+        return (s.tokens * s.qkv + local + rotated) * s.element_bytes
 
     def _qk_norm(self) -> float:
         """What the Q and K norms keep beyond the projection's output (their input): their
@@ -242,7 +256,10 @@ class HelixMemory(CostDefaults):
         index = part_index(action.part)
         if action.kind is Kind.ATTN_F:
             local_x = self.flow.attention_stage(index, action.unit) == index % self.flow.pp
-            kept = self._output() + s.tokens * s.heads * _FP32
+            # Under context parallelism the output of whole rows (the attention's saved
+            # output) and this rank's rows of it (the part's output) are two tensors.
+            kept = self._output() * (2 if s.context_parallel > 1 else 1) \
+                + s.tokens * s.heads * _FP32
             kept += 0.0 if s.recompute else self._qkv() + self._qk_norm()
             if s.recompute or not local_x:
                 kept += self._hidden()
@@ -315,8 +332,8 @@ def helix_shape(config, args, device_type: str) -> HelixShape:
     """The :class:`HelixShape` of a run: its model ``config`` (megatron-core's
     ``TransformerConfig``), Megatron's ``args`` (sequence length, micro-batch size, padded
     vocabulary, position embedding, helix flags) and the parameters' device type."""
-    tp = config.tensor_model_parallel_size
-    tokens = args.seq_length * args.micro_batch_size
+    tp, cp = config.tensor_model_parallel_size, config.context_parallel_size
+    tokens = args.seq_length * args.micro_batch_size // cp
     local = tokens // tp if config.sequence_parallel else tokens
     heads, groups = config.num_attention_heads, config.num_query_groups or \
         config.num_attention_heads
@@ -327,8 +344,8 @@ def helix_shape(config, args, device_type: str) -> HelixShape:
         mask = 1 if device_type == "cuda" else element
     rms = config.normalization == "RMSNorm"
     rows = args.helix_mlp_chunk_size
-    if rows is not None and config.sequence_parallel:
-        rows //= tp
+    if rows is not None:
+        rows //= cp * (tp if config.sequence_parallel else 1)
     return HelixShape(
         tokens=tokens, sequence_parallel_tokens=local, hidden=config.hidden_size,
         attention=heads * config.kv_channels // tp,
@@ -343,7 +360,7 @@ def helix_shape(config, args, device_type: str) -> HelixShape:
         qkv_bias=bool(config.add_bias_linear or config.add_qkv_bias),
         recompute=args.helix_recompute_without_attention, mlp_chunk_rows=rows,
         qk_norm_rows=(heads + groups) // tp if config.qk_layernorm else 0,
-        moe_bytes=_moe_bytes(config, args))
+        moe_bytes=_moe_bytes(config, args), context_parallel=cp)
 
 
 def _moe_bytes(config, args) -> int:

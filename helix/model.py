@@ -111,6 +111,18 @@ def shipped_weights(self_attention) -> dict:
     return found
 
 
+def before_shipping(self_attention) -> None:
+    """Run the forward pre-hooks of the modules whose weights ``pre(l)`` ships, as their own
+    forwards would before reading them: the modules' forwards run on the attention's stage with
+    the shipped tensors, and Megatron DDP's pre-hook (``--overlap-param-gather``) is where it
+    waits for their parameters' all-gather after the optimizer's step."""
+    for name in dict.fromkeys(module for module, _ in SHIPPED.values()):
+        owner = getattr(self_attention, name, None)
+        if owner is not None:
+            for hook in tuple(owner._forward_pre_hooks.values()):
+                hook(owner, ())
+
+
 def use_shipped(attention, shipped: dict) -> None:
     """Hand the foreign ``attention``'s stand-ins the weights ``shipped`` (by transfer
     name)."""

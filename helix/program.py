@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.utils import get_model_config
@@ -13,9 +14,10 @@ from helix import attention as helix_attention
 from helix.batches import HelixBatches
 from helix.chunked_loss import chunked_loss
 from helix.chunked_mlp import chunked_mlp
-from helix.model import HelixGPTModel, shipped_weights, use_shipped
+from helix.model import HelixGPTModel, before_shipping, shipped_weights, use_shipped
 from helix.schedule import HelixFlow, part, part_index
 from megatron.plugin.layers import packed_attention
+from megatron.plugin.layers.attention import heads_to_sequence, sequence_to_heads
 from megatron.plugin.layers.memory import keep
 from megatron.plugin.pipeline.extension import run_backward
 from megatron.plugin.pipeline.parts import PartProgram
@@ -29,6 +31,8 @@ class _Capture:
 
     def __init__(self, model):
         self.model = model
+        self.config = model.config
+        """The model's config (the step reads it under context parallelism)."""
         self.call = None
 
     def parameters(self):
@@ -150,6 +154,7 @@ class HelixProgram(PartProgram):
         if index == self.num_layers:
             return {"hidden": module.decoder.final_layernorm(hidden)}
         layer = module.pre_layers[index]
+        before_shipping(layer.self_attention)
         return {"x": layer.input_layernorm(hidden), "r": hidden,
                 **shipped_weights(layer.self_attention)}
 
@@ -191,23 +196,33 @@ class HelixProgram(PartProgram):
             return self._attend_packed(attention, x, shipped, layout)
 
     def _attend_packed(self, attention, x, shipped: dict, layout) -> torch.Tensor:
+        """The packed attention of ``x`` (this rank's ``1/cp`` of the rows under context
+        parallelism: Q, K and V trade it for ``heads/cp`` of the whole rows by Ulysses'
+        all-to-alls, inside the projection, so the recomputation without attention redoes
+        them, and the output trades back)."""
         core = attention.core_attention
         dropout = core.dropout if self.training else 0.0
         names = tuple(shipped)
+        group = parallel_state.get_context_parallel_group() \
+            if self.config.context_parallel_size > 1 else None
 
         def project(x, *weights):
             use_shipped(attention, dict(zip(names, weights)))
             query, key, value = attention.get_query_key_value_tensors(x)
+            if group is not None:
+                query, key, value = (sequence_to_heads(t, group) for t in (query, key, value))
             return (*core.rotate(query, key, layout), value)
 
         segments = packed_attention.row_segments(layout, x.shape[1])
         weights = tuple(shipped.values())
         if self.recompute_boundaries:
-            return helix_attention.recomputed_attention(project, x, weights, segments,
-                                                        core.softmax_scale, dropout, core.backend)
-        return packed_attention.packed_attention(*project(x, *weights), segments,
-                                                 core.softmax_scale, dropout,
-                                                 backend=core.backend)
+            out = helix_attention.recomputed_attention(project, x, weights, segments,
+                                                       core.softmax_scale, dropout, core.backend)
+        else:
+            out = packed_attention.packed_attention(*project(x, *weights), segments,
+                                                    core.softmax_scale, dropout,
+                                                    backend=core.backend)
+        return out if group is None else heads_to_sequence(out, group)
 
     def _read_batch(self, unit: int) -> None:
         capture = _Capture(self.module)

@@ -22,7 +22,8 @@ boundaries ``c = s, s + p, ...`` (one past the last too, for the attention left 
 2. boundary part, slots ``d = 1 .. p - 1``: boundary ``c``; at ``d = p - 1`` the attention of
    layer ``c`` is local and runs right after it.
 
-Each slot runs its folds back to back. A loop's forwards come first, then its backwards in
+With one stage (``p = 1``) there is one slot, and each boundary ``c`` is followed by the
+attention of layer ``c``. Each slot runs its folds back to back. A loop's forwards come first, then its backwards in
 exactly the reverse order (first in, last out: each stage's backward list for the loop is its
 forward list reversed), then the next loop. So at most one
 loop (``p F`` micro-batches) is stashed at any time, whatever the micro-batch count, and each
@@ -113,8 +114,8 @@ def helix_loops(microbatches: int, pp: int, folds: int) -> list[list[list[int]]]
 def helix_order(pp: int, num_layers: int, microbatches: int, folds: int = 2) -> Schedule:
     """Per-stage compute order: loop after loop (:func:`helix_loops`), each loop's forwards,
     then the same list reversed as its backwards."""
-    if pp < 2 or num_layers % pp:
-        raise ValueError(f"helix needs pp >= 2 and layers divisible by pp (got pp={pp}, "
+    if pp < 1 or num_layers % pp:
+        raise ValueError(f"helix needs pp >= 1 and layers divisible by pp (got pp={pp}, "
                          f"layers={num_layers})")
     if microbatches < 1 or folds < 1:
         raise ValueError(f"helix needs micro-batches >= 1 and folds >= 1 (got "
@@ -123,27 +124,42 @@ def helix_order(pp: int, num_layers: int, microbatches: int, folds: int = 2) -> 
     for stage in range(pp):
         actions: list[Action] = []
         for units in helix_loops(microbatches, pp, folds):
-            forwards: list[Action] = []
-            for c in range(stage, num_layers + pp, pp):
-                for d in range(pp - 2, -1, -1):
-                    layer = c - 1 - d
-                    for m in units[d]:
-                        if 0 <= layer < num_layers:
-                            forwards.append(Action(stage, Kind.ATTN_F, m, part(layer)))
-                        if d == 0 and c <= num_layers:
-                            forwards.append(Action(stage, Kind.FORWARD, m, part(c)))
-                if c > num_layers:
-                    continue
-                for d in range(1, pp):
-                    for m in units[d]:
-                        forwards.append(Action(stage, Kind.FORWARD, m, part(c)))
-                        if d == pp - 1 and c < num_layers:
-                            forwards.append(Action(stage, Kind.ATTN_F, m, part(c)))
+            forwards = _loop_forwards(stage, pp, num_layers, units)
             actions += forwards
             actions += [Action(a.stage, _BACKWARD_OF[a.kind], a.unit, a.part)
                         for a in reversed(forwards)]
         schedule.append(actions)
     return schedule
+
+
+def _loop_forwards(stage: int, pp: int, num_layers: int, units: list[list[int]]) -> list:
+    """Stage ``stage``'s forwards of one loop (``units[d]``: the micro-batches of slot ``d``).
+    With one stage there is one slot, and each boundary is followed by its layer's
+    attention."""
+    forwards: list[Action] = []
+    if pp == 1:
+        for c in range(num_layers + 1):
+            for m in units[0]:
+                forwards.append(Action(stage, Kind.FORWARD, m, part(c)))
+                if c < num_layers:
+                    forwards.append(Action(stage, Kind.ATTN_F, m, part(c)))
+        return forwards
+    for c in range(stage, num_layers + pp, pp):
+        for d in range(pp - 2, -1, -1):
+            layer = c - 1 - d
+            for m in units[d]:
+                if 0 <= layer < num_layers:
+                    forwards.append(Action(stage, Kind.ATTN_F, m, part(layer)))
+                if d == 0 and c <= num_layers:
+                    forwards.append(Action(stage, Kind.FORWARD, m, part(c)))
+        if c > num_layers:
+            continue
+        for d in range(1, pp):
+            for m in units[d]:
+                forwards.append(Action(stage, Kind.FORWARD, m, part(c)))
+                if d == pp - 1 and c < num_layers:
+                    forwards.append(Action(stage, Kind.ATTN_F, m, part(c)))
+    return forwards
 
 
 _BACKWARD_OF = {Kind.FORWARD: Kind.BACKWARD, Kind.ATTN_F: Kind.ATTN_B}

@@ -63,8 +63,10 @@ from longctx.model_flags import add_num_layers
 
 
 def _transfer_shapes(config, seq_length: int, micro_batch_size: int, tp: int):
-    """Shape of each helix tensor on one tensor-parallel rank."""
+    """Shape of each helix tensor on one tensor- and context-parallel rank (``1/cp`` of the
+    rows under context parallelism)."""
     hidden = config.hidden_size
+    seq_length //= config.context_parallel_size
     seq = seq_length // tp if config.sequence_parallel else seq_length
     heads_dim = config.kv_channels * config.num_attention_heads // tp
     groups_dim = config.kv_channels * config.num_query_groups // tp
@@ -97,7 +99,7 @@ def run(call: RankCall) -> list:
         pre_tensors=pre_tensors)
     result = run_this_rank(schedule, groups, call, data_iterator=batches,
                            shape_of=lambda action: shapes[action.tensor],
-                           extensions=[Parts(program)])
+                           extensions=[Parts(program, sync_each_part=True)])
     return store + result
 
 

@@ -72,7 +72,8 @@ CP = {"default": "golden:pp2_ulysses2_1f1b", "1f1b": "golden:pp2_ulysses2_1f1b",
       "interleaved": "golden:pp2_vp2_ulysses2_interleaved_default_loss",
       "1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic_default_loss",
       "seq1f1b": "golden:pp2_ulysses2_seq1f1b_default_loss_mbs2",
-      "sppo": "golden:pp2_ulysses2_sppo_default_loss_mbs2"}
+      "sppo": "golden:pp2_ulysses2_sppo_default_loss_mbs2",
+      "helix": "golden:pp2_ulysses2_helix_default_loss"}
 ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
                "interleaved": "golden:pp2_vp2_rope_interleaved",
                "1f1b-ir": "golden:pp2_rope_ir", "seq1f1b": "golden:pp2_rope_seq1f1b",
@@ -85,7 +86,8 @@ CP_COMM = {"default": "golden:pp2_ulysses2_default_loss_mbs2",
            "1f1b-ir": "golden:pp2_ulysses2_ir",
            "elastic": "golden:pp2_ulysses2_elastic_default_loss",
            "seq1f1b": "golden:pp2_ulysses2_seq1f1b_default_loss_mbs2",
-           "sppo": "golden:pp2_ulysses2_sppo_n6_offload"}
+           "sppo": "golden:pp2_ulysses2_sppo_n6_offload",
+           "helix": "golden:pp2_ulysses2_helix_default_loss"}
 #: The rope model's layouts take the model-shape flags of Megatron-LM's GPT configurations too:
 #: kv_channels other than hidden / heads, grouped-query attention, partial RoPE at another base,
 #: the MLP's width and the allocator's cache emptied around the step. Not Megatron's fused cross
@@ -202,7 +204,7 @@ MBS = {"default": "golden:pp2_block_recompute_mbs2", "1f1b": "golden:pp2_default
        "sppo": "golden:pp2_ulysses2_sppo_default_loss_mbs2", "helix": "golden:pp2_helix_mbs2",
        "gpipe": "golden:pp2_gpipe_outside"}
 #: Megatron-LM's example launch scripts trained under 1f1b and elastic, Llama-3's also under
-#: seq1f1b and sppo (finite losses and gradient norms; every iteration's loss agrees with
+#: seq1f1b, sppo and helix (finite losses and gradient norms; every iteration's loss agrees with
 #: 1f1b's to 1e-4, its gradient norm to the 3 decimals Megatron logs).
 EXAMPLES = ("tests/e2e/test_megatron_examples.py::"
             "test_megatron_example_trains_alike_under_the_schedules")
@@ -210,10 +212,12 @@ EXAMPLE_SCHEDULES = {"default": EXAMPLES, "1f1b": EXAMPLES, "elastic": EXAMPLES}
 #: Megatron's fused cross entropy (``--cross-entropy-loss-fusion``), proved by Llama-3's
 #: example, which passes it: every schedule reaches it through Megatron's ``forward_step`` and
 #: the model's own loss, on the last stage, once per unit (a micro-batch, an elastic or seq1f1b
-#: chunk, an sppo subsequence), and its loss and gradient are per token, so the units do not
+#: chunk, an sppo subsequence; under helix on stage 0, in the last boundary's backward), and its
+#: loss and gradient are per token, so the units do not
 #: change them. It returns the logits' gradient in bf16 (:data:`MODEL_SHAPE`), so schedules are
 #: compared with each other, not with the golden bound.
-FUSED_CROSS_ENTROPY = {**EXAMPLE_SCHEDULES, "seq1f1b": EXAMPLES, "sppo": EXAMPLES}
+FUSED_CROSS_ENTROPY = {**EXAMPLE_SCHEDULES, "seq1f1b": EXAMPLES, "sppo": EXAMPLES,
+                       "helix": EXAMPLES}
 #: Each schedule's short training run in fp32, bf16 and fp16 on the GPU machine.
 GPU_CHECK = "scripts/gpu_check.sh"
 PRECISION = {name: GPU_CHECK for name in
@@ -239,9 +243,11 @@ SELECTIVE = {"default": "golden:pp2_selective_recompute",
 
 #: Overlapped data-parallel gradient reduction with buckets small enough that the first stage
 #: has several (two data-parallel replicas of PP=2; the golden test also checks that the
-#: first stage's buckets started their reductions inside its last backward).
+#: first stage's buckets started their reductions inside its last backward, under helix
+#: inside the last backward of the layer parts whose parameters they hold).
 OVERLAP = {"1f1b-ir": "golden:pp2_dp2_overlap_ir", "elastic": "golden:pp2_dp2_overlap_elastic",
-           "seq1f1b": "golden:pp2_dp2_overlap_seq1f1b", "sppo": "golden:pp2_dp2_overlap_sppo"}
+           "seq1f1b": "golden:pp2_dp2_overlap_seq1f1b", "sppo": "golden:pp2_dp2_overlap_sppo",
+           "helix": "golden:pp2_dp2_dplast_distopt_helix"}
 #: Megatron's distributed optimizer with overlapped gradient reduce-scatter and parameter
 #: all-gather (two data-parallel replicas of PP=2; the golden test also compares the updated
 #: parameters with those of the reference's step, and checks that a later bucket's all-gather
@@ -252,13 +258,14 @@ DISTOPT = {"default": "golden:pp2_dp2_dplast_distopt_1f1b",
            "elastic": "golden:pp2_dp2_dplast_distopt_elastic",
            "seq1f1b": "golden:pp2_dp2_dplast_distopt_seq1f1b",
            "sppo": "golden:pp2_dp2_dplast_distopt_sppo",
+           "helix": "golden:pp2_dp2_dplast_distopt_helix",
            "interleaved": "golden:pp2_vp2_dp2_dplast_distopt_interleaved"}
 #: Megatron's rank order with the data-parallel dimension last (``--use-tp-pp-dp-mapping``):
 #: the distributed-optimizer layouts run in it (PP=2 x DP=2, where the order moves every
 #: rank's pipeline and data-parallel peers; the golden test checks the groups), the other
 #: pp2_dp2 layouts in Megatron's default order. The project asks megatron-core's
 #: ``parallel_state`` for every group and peer, so no code of it depends on the order.
-DP_LAST = {**DISTOPT, "helix": "golden:pp2_dp2_dplast_distopt_helix"}
+DP_LAST = DISTOPT
 #: Megatron's DDP averaging the gradients in its collectives (``--ddp-average-in-collective``:
 #: unscaled gradients, ``ReduceOp.AVG``; on gloo as NCCL computes it,
 #: :mod:`megatron.plugin.cpu_compat`), with Megatron's default loss (Megatron refuses it beside
@@ -282,11 +289,7 @@ AVERAGE_IN_COLLECTIVE = {
 OPTIMIZER_INSTANCES = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
                        "elastic": "golden:pp2_dp2_elastic", "seq1f1b": "golden:pp2_dp2_seq1f1b",
                        "helix": "golden:pp2_dp2_helix", "sppo": "golden:pp2_dp2_sppo_n5_offload"}
-_HELIX_OVERLAP = (
-    "{flag} is not supported by --pipeline-schedule helix: it runs each layer part's backward "
-    "apart, so a rank's last backward holds one part's parameters, and Megatron's DDP, which "
-    "counts a bucket ready only in the backward after no_sync ends, would never start the other "
-    "parts' buckets; drop {flag} (helix reduces the gradients after its last backward)")
+
 
 #: ``Honoured.refusal`` of a schedule's own flag: under a schedule without it, it does nothing.
 FOREIGN = "foreign"
@@ -322,9 +325,7 @@ HONOURED: dict[str, Honoured] = {
                  "a2a+p2p name communication it does not build: pass --cp-comm-type a2a (or "
                  "leave Megatron's default p2p, which runs the same Ulysses)",
         values=("p2p", "a2a")),
-    "context_parallel_size": Honoured(CP, _NO_TEST, refusals={
-        "helix": "helix runs each attention on one stage; --context-parallel-size > 1 is not "
-                 "supported with it (use elastic for Ulysses)"}),
+    "context_parallel_size": Honoured(CP, _NO_TEST),
     # The rope / SwiGLU / RMSNorm model (Llama's).
     "position_embedding_type": Honoured(
         ROPE_SWIGLU, _NO_TEST, values=("learned_absolute", "rope")),
@@ -404,22 +405,15 @@ HONOURED: dict[str, Honoured] = {
     # reduce-scatter and parameter all-gather through the same DDP hooks.
     "overlap_grad_reduce": Honoured({**OVERLAP, "default": EXAMPLES, "1f1b": EXAMPLES,
                                      "interleaved": DISTOPT["interleaved"]},
-                                    _NO_TEST, refusals={"helix": _HELIX_OVERLAP}),
+                                    _NO_TEST),
     "ddp_bucket_size": Honoured({**OVERLAP, "default": DISTOPT["default"],
                                  "1f1b": DISTOPT["1f1b"],
-                                 "interleaved": DISTOPT["interleaved"]}, _NO_TEST, refusals={
-        "helix": "--ddp-bucket-size sizes the buckets that --overlap-grad-reduce reduces during "
-                 "the backward, which helix does not run: drop it"}),
+                                 "interleaved": DISTOPT["interleaved"]}, _NO_TEST),
     "use_distributed_optimizer": Honoured(DP_LAST, _NO_TEST),
     "ddp_average_in_collective": Honoured(AVERAGE_IN_COLLECTIVE, _NO_TEST),
     "num_distributed_optimizer_instances": Honoured(OPTIMIZER_INSTANCES, _NO_TEST),
     "use_tp_pp_dp_mapping": Honoured(DP_LAST, _NO_TEST),
-    "overlap_param_gather": Honoured(DISTOPT, _NO_TEST, refusals={"helix": (
-        "--overlap-param-gather is not supported by --pipeline-schedule helix: helix ships a "
-        "layer's weights to the attention's stage before that layer's own forward, which is "
-        "where Megatron's DDP waits for the parameters' all-gather, so the shipped weights "
-        "could be the step's old ones; drop --overlap-param-gather (the distributed optimizer "
-        "then gathers the parameters in its step)")}),
+    "overlap_param_gather": Honoured(DISTOPT, _NO_TEST),
     "grad_reduce_in_bf16": Honoured(
         {"default": EXAMPLES, "1f1b": EXAMPLES},
         "no test proves it under this schedule yet: drop it"),

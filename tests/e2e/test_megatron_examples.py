@@ -2,8 +2,8 @@
 (``examples/gpt3/train_gpt3_175b_distributed.sh``) and the Llama-3 8B example's real-data branch
 (``examples/llama/train_llama3_8b_h100_fp8.sh``), flag for flag apart from sizes, paths, the
 launcher and FP8, on 2 CPU ranks under ``1f1b`` and ``elastic``, Llama-3's also under
-``seq1f1b`` (documents cut into chunks of a quarter of the longest one) and ``sppo`` (each
-document cut into 4 subsequences).
+``seq1f1b`` (documents cut into chunks of a quarter of the longest one), ``sppo`` (each
+document cut into 4 subsequences) and ``helix`` (the loss in the last boundary's backward).
 
 The tokenizers are built here (nothing is downloaded): a byte-level BPE trained on the
 project's own sources, saved as a HuggingFace tokenizer directory (Llama-3's
@@ -24,8 +24,11 @@ lengths (0.19) and refused where it cannot (0.17). The document schedules also r
 ``--grad-reduce-in-bf16`` (no test proves it under them); Llama-3's
 ``--cross-entropy-loss-fusion`` is kept under each: Megatron's fused cross entropy returns the
 logits' gradient in bf16, beyond the golden tests' bound, and this test is its proof (the last
-stage computes it per micro-batch, chunk or subsequence, and it is per token).
-The schedules then train the same documents from the same seed. GPT-3's example leaves
+stage computes it per micro-batch, chunk or subsequence, helix's stage 0 per micro-batch in its
+last boundary's backward, and it is per token).
+The schedules then train the same documents from the same seed (helix, whose stages build
+layer parts and so draw other weights from it, from the weights ``1f1b`` starts from, saved at
+iteration 0 by ``initial_weights_worker.py``). GPT-3's example leaves
 dropout at Megatron's default (0.1): two schedules that pack the same documents into different
 rows draw different masks, so the test sets ``--hidden-dropout 0 --attention-dropout 0`` for it
 (as Llama-3's example does itself); that dropout trains identically under a schedule is the
@@ -111,7 +114,11 @@ def llama3(data, tokenizer, checkpoints, tensorboard, cache):
 
 
 #: The schedules each example trains under; every other's losses are compared with the first's.
-SCHEDULES = {"gpt3": ("1f1b", "elastic"), "llama3": ("1f1b", "elastic", "seq1f1b", "sppo")}
+SCHEDULES = {"gpt3": ("1f1b", "elastic"),
+             "llama3": ("1f1b", "elastic", "seq1f1b", "sppo", "helix")}
+#: Schedules whose run loads the weights the first schedule's run started from (see
+#: :func:`initial_weights`).
+SAME_WEIGHTS_LOADED = ("helix",)
 #: Flags a schedule's run adds: seq1f1b cuts the documents into chunks of a quarter of the
 #: longest one's tokens and sppo each document into 4 subsequences, so that the last stage
 #: computes the loss (Llama-3's: Megatron's fused cross entropy) per chunk and per subsequence.
@@ -140,6 +147,18 @@ ADDS = {
                         "--profile starts and stops CUDA's profiler (for nsys) unless "
                         "--use-pytorch-profiler is given"),
 }
+
+
+def initial_weights(argv, env, directory) -> str:
+    """The weights ``argv``'s run starts from (its model at iteration 0, from the same seed;
+    no optimizer state, which a first step starts without), saved by
+    ``initial_weights_worker.py``, for a schedule that builds other layers on each
+    stage and so draws other weights from the same seed (helix: its stages hold layer
+    parts)."""
+    saved = str(directory / "initial")
+    argv = [*drop(drop(argv, "--save", 1), "--load", 1), "--save", saved, "--no-save-optim"]
+    torchrun(2, "tests/e2e/initial_weights_worker.py", argv, env=env, timeout=420)
+    return saved
 
 
 def drop(argv, flag, values):
@@ -234,7 +253,7 @@ def losses(stdout: str) -> list[float]:
 @pytest.mark.parametrize("name", ["gpt3", "llama3"])
 def test_megatron_example_trains_alike_under_the_schedules(workspace, name):
     env = workspace[3]
-    trained, norms = {}, {}
+    trained, norms, command_lines = {}, {}, {}
     for schedule in SCHEDULES[name]:
         argv = example(workspace, name, schedule) + ["--pipeline-schedule", schedule,
                                                      *SCHEDULE_FLAGS.get(schedule, [])]
@@ -255,6 +274,11 @@ def test_megatron_example_trains_alike_under_the_schedules(workspace, name):
                 argv += added[0]
         assert not drops and not adds, (drops, adds)
         assert parse_refusal(argv, env) is None
+        if schedule in SAME_WEIGHTS_LOADED:
+            start = initial_weights(command_lines[SCHEDULES[name][0]], env,
+                                    workspace[0] / f"{name}_{schedule}")
+            argv = [*drop(argv, "--load", 1), "--load", start, "--no-load-optim"]
+        command_lines[schedule] = argv
         result = torchrun(2, SCRIPT, argv, env=env, timeout=420)
         trained[schedule] = losses(result.stdout)
         assert len(trained[schedule]) == ITERATIONS, result.stdout[-3000:]

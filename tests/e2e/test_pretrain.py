@@ -193,8 +193,6 @@ def test_bad_input_fails_on_every_rank_without_a_checkpoint(tmp_path, flags, mes
      "--context-parallel-size 4"),
     (["--pipeline-schedule", "elastic", "--elastic-slices", "0"],
      "--elastic-slices: must be a positive integer or 'auto', got '0'"),
-    (["--pipeline-schedule", "helix", "--pipeline-model-parallel-size", "1"],
-     "helix needs --pipeline-model-parallel-size >= 2"),
     (["--pipeline-schedule", "helix", "--num-layers-per-virtual-pipeline-stage", "1"],
      "helix interleaves layer parts itself: drop --num-layers-per-virtual-pipeline-stage"),
     (["--pipeline-schedule", "helix", "--helix-mlp-chunk-size", "0"],
@@ -338,8 +336,10 @@ def test_helix_continues_a_1f1b_checkpoint_like_1f1b_and_ships_weights(tmp_path)
 
 @pytest.mark.parametrize("ranks,layout", [
     (2, ["--qk-layernorm", "--normalization", "RMSNorm"]),
-    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])],
-    ids=["pp2_qk_norm", "pp2_tp2_sp"])
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    (4, ["--context-parallel-size", "2", "--position-embedding-type", "rope",
+         "--qk-layernorm"])],
+    ids=["pp2_qk_norm", "pp2_tp2_sp", "pp2_cp2_rope_qk_norm"])
 def test_helix_recomputation_draws_the_dropout_masks_of_the_forward(tmp_path, ranks, layout):
     """With dropout on, ``--helix-recompute-without-attention`` rebuilds the parts around the
     attention before their backward: its dropout must draw the masks the forward drew, so the
@@ -348,7 +348,9 @@ def test_helix_recomputation_draws_the_dropout_masks_of_the_forward(tmp_path, ra
     Megatron's ``TransformerBlock``), whose replay the recomputation must restore too. Both
     runs' planned activation bytes (:mod:`helix.memory`) are within 10% of what the training
     loop's meter measures on each stage, every iteration; at PP=2 with Q/K norms (RMSNorm: on a
-    CPU a composite that also keeps its normalized input)."""
+    CPU a composite that also keeps its normalized input), and with Ulysses context
+    parallelism (the attention's all-to-alls redone in the recomputation; RoPE over the whole
+    rows)."""
     flags = [flag for flag in TINY]
     for name in ("--hidden-dropout", "--attention-dropout"):
         flags[flags.index(name) + 1] = "0.1"

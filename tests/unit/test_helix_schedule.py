@@ -14,7 +14,7 @@ def run(pp, layers, microbatches, folds=2, recompute=False, t_pre=1.0, t_attn=3.
     return schedule, simulate(schedule, costs, eager_sends=True)
 
 
-@pytest.mark.parametrize("pp,layers", [(2, 4), (3, 6), (4, 8)])
+@pytest.mark.parametrize("pp,layers", [(1, 4), (2, 4), (3, 6), (4, 8)])
 @pytest.mark.parametrize("microbatches", [1, 3, 4, 5, 9])
 def test_every_part_runs_where_the_helix_mapping_puts_it(pp, layers, microbatches):
     folds = 2
@@ -37,6 +37,19 @@ def test_every_part_runs_where_the_helix_mapping_puts_it(pp, layers, microbatche
         for layer in range(layers):
             assert {(Kind.ATTN_F, m, layer), (Kind.ATTN_B, m, layer)} <= seen
     assert not any(unit >= microbatches for _, unit, _ in seen)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_one_stage_runs_each_boundary_then_its_attention_with_no_transfer_or_idle(recompute):
+    """p = 1: one slot per loop, its folds back to back at each boundary and attention, in
+    layer order; nothing crosses a link and the stage never waits."""
+    schedule, result = run(1, 3, 5, recompute=recompute)
+    assert not any(a.is_send() or a.is_recv() for a in schedule[0])
+    forwards = [str(a) for a in schedule[0][:12]]
+    assert forwards == ["0F0.l0", "0ATTN_F0.l0", "0F1.l0", "0ATTN_F1.l0", "0F0.l1",
+                        "0ATTN_F0.l1", "0F1.l1", "0ATTN_F1.l1", "0F0.l2", "0ATTN_F0.l2",
+                        "0F1.l2", "0ATTN_F1.l2"]
+    assert result.idle == [pytest.approx(0.0)]
 
 
 def test_each_loop_runs_its_backwards_as_its_forwards_reversed_first_in_last_out():
@@ -148,7 +161,7 @@ def test_padding_completes_to_a_multiple_of_p_times_folds(microbatches, expected
 def test_bad_layouts_are_refused():
     with pytest.raises(ValueError, match="layers divisible by pp"):
         helix_order(3, 4, 3)
-    with pytest.raises(ValueError, match="pp >= 2"):
-        helix_order(1, 4, 3)
+    with pytest.raises(ValueError, match="pp >= 1"):
+        helix_order(0, 4, 3)
     with pytest.raises(ValueError, match="micro-batches >= 1"):
         helix_order(2, 4, 0)

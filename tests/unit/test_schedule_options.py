@@ -198,27 +198,15 @@ def test_document_schedules_refuse_what_their_executors_do_not_run(schedule, des
 
 
 @pytest.mark.parametrize("schedule", DOCUMENT_SCHEDULES)
-def test_overlapped_gradient_reduction_is_honoured_or_refused_with_the_reason(schedule,
-                                                                               monkeypatch):
-    """``--overlap-grad-reduce`` (with ``--ddp-bucket-size``) under the executor's schedules
-    that prove it (golden layouts ``option_classes.OVERLAP``); helix refuses both, saying
-    why."""
+def test_overlapped_gradient_reduction_is_honoured(schedule, monkeypatch):
+    """``--overlap-grad-reduce`` (with ``--ddp-bucket-size``) under every executor schedule,
+    each proved by a golden layout (``option_classes.OVERLAP``)."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = [*BASE, "--pipeline-schedule", schedule, "--overlap-grad-reduce",
             "--ddp-bucket-size", "10000"]
-    if schedule in option_classes.OVERLAP:
-        args = arguments.parse(argv)
-        assert args.overlap_grad_reduce and args.ddp_bucket_size == 10000
-        return
-    with pytest.raises(ValueError) as refused:
-        arguments.parse(argv)
-    message = str(refused.value)
-    if schedule == "helix":
-        assert "a rank's last backward holds one part's parameters" in message
-        assert "drop --overlap-grad-reduce" in message
-        assert "--ddp-bucket-size sizes the buckets" in message
-    else:
-        assert "--overlap-grad-reduce" in message
+    assert schedule in option_classes.OVERLAP
+    args = arguments.parse(argv)
+    assert args.overlap_grad_reduce and args.ddp_bucket_size == 10000
 
 
 #: Megatron's uneven pipeline splits: honoured where the schedule runs Megatron's layer map
@@ -526,3 +514,19 @@ def test_the_attention_output_gate_is_refused_where_no_model_or_test_covers_it(m
     with pytest.raises(ValueError, match="--sppo-multiplex with --attention-output-gate: .* "
                                          "Drop --sppo-multiplex"):
         arguments.parse([*gate, "--pipeline-schedule", "sppo", "--sppo-multiplex"])
+
+
+@pytest.mark.parametrize("extra,chunk,shards", [
+    (["--context-parallel-size", "2"], "3", 2),
+    (["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel"], "6", 4)])
+def test_helix_mlp_chunks_cover_whole_rows_of_every_rank_sharing_a_sequence(extra, chunk, shards,
+                                                                            monkeypatch):
+    """Each rank that holds a share of a sequence (context and sequence parallelism) chunks
+    its share: ``--helix-mlp-chunk-size`` must divide among them, and the refusal says so."""
+    monkeypatch.setenv("WORLD_SIZE", str(2 * shards))
+    argv = [*BASE, "--pipeline-schedule", "helix", *extra]
+    arguments.parse([*argv, "--helix-mlp-chunk-size", str(2 * shards)])
+    with pytest.raises(ValueError, match=f"--helix-mlp-chunk-size {chunk} must be a multiple "
+                                         f"of {shards}, the ranks that share a sequence"):
+        arguments.parse([*argv, "--helix-mlp-chunk-size", chunk])

@@ -159,12 +159,11 @@ class DocumentAttention(MegatronModule):
         group = None
         if self.config.context_parallel_size > 1:
             group = parallel_state.get_context_parallel_group()
-            query, key, value = (_sequence_to_heads(t, group) for t in (query, key, value))
+            query, key, value = (sequence_to_heads(t, group) for t in (query, key, value))
         with self.dropout_rng():
             out = self._attend(query, key, value, packed_seq_params)
         if group is not None:
-            out = all_to_all_hp2sp(out.reshape(-1, out.shape[-1]), group)
-            out = out.view(-1, query.shape[1], out.shape[-1])
+            out = heads_to_sequence(out, group)
         return out
 
     def dropout_rng(self):
@@ -267,7 +266,7 @@ def flash_usable(x: torch.Tensor) -> bool:
     return False
 
 
-def _sequence_to_heads(t: torch.Tensor, group) -> torch.Tensor:
+def sequence_to_heads(t: torch.Tensor, group) -> torch.Tensor:
     """``[s/cp, b, heads, dim]`` on each rank -> ``[s, b, heads/cp, dim]`` (Ulysses)."""
     size = group.size()
     local, batch, heads, dim = t.shape
@@ -276,6 +275,14 @@ def _sequence_to_heads(t: torch.Tensor, group) -> torch.Tensor:
                          f"by the Ulysses degree (--context-parallel-size) {size}")
     out = all_to_all_sp2hp(t.reshape(local * batch, heads * dim), group)
     return out.view(local * size, batch, heads // size, dim)
+
+
+def heads_to_sequence(out: torch.Tensor, group) -> torch.Tensor:
+    """``[s, b, heads/cp x dim]`` attention output -> ``[s/cp, b, heads x dim]`` on each
+    rank (Ulysses' way back)."""
+    batch = out.shape[1]
+    out = all_to_all_hp2sp(out.reshape(-1, out.shape[-1]), group)
+    return out.view(-1, batch, out.shape[-1])
 
 
 def document_layer_spec(num_layers: int, normalization: str = "LayerNorm",

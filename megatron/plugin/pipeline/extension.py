@@ -50,6 +50,12 @@ class StageExtension:
     def start(self, run) -> None:
         """Check the rank's actions (``run.actions``) before anything runs."""
 
+    def grad_sync_backwards(self, actions: list[Action]) -> set[int] | None:
+        """Indices of the backwards of ``actions`` (the rank's list) to run with gradient sync
+        enabled, when it is not only the rank's last backward (Megatron's rule): each must hold
+        the last gradients of the step of the parameters it touches."""
+        return None
+
     def step_kwargs(self) -> dict:
         """Keyword arguments ``forward_step_func`` gets on every forward."""
         return {}

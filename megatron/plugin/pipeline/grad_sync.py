@@ -15,8 +15,11 @@ the same hooks, inside the backward action that produces them: the K/V store's c
 gradients are activation gradients, consumed by the backward of an earlier slice; SPPO's
 multiplexed owner hands its helpers' weight gradients to autograd with its parameters as roots
 within the backward of its share, so those parameters count twice in every step and their
-bucket starts after the second. Helix refuses the overlap (its last backward holds one layer
-part's parameters: :mod:`megatron.plugin.option_classes`).
+bucket starts after the second. Helix runs each layer part's backward apart, and every backward
+of a part touches the same parameters, so each parameter's last gradient of the step comes in
+the last backward of some part: those backwards run with sync enabled and the others without
+(:meth:`~megatron.plugin.pipeline.parts.Parts.grad_sync_backwards`), and a bucket's reduction
+starts in the last of them that holds its parameters, before the rank's last backward.
 
 A step whose counts differ from the first step's would have started a bucket's reduction
 before its last gradient was in, or never: :meth:`GradSync.check_ready_counts` refuses it

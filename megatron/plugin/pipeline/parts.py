@@ -48,8 +48,12 @@ class PartProgram(Protocol):
 class Parts(StageExtension):
     """Runs a :class:`PartProgram`'s actions and carries its tensors (module docstring)."""
 
-    def __init__(self, program: PartProgram):
+    def __init__(self, program: PartProgram, sync_each_part: bool = False):
         self.program = program
+        self.sync_each_part = sync_each_part
+        """Whether every backward of a part touches the same parameters (helix's boundaries),
+        so that each parameter's last gradient of the step comes in the last backward of some
+        part: those run with gradient sync enabled (:meth:`grad_sync_backwards`)."""
         self.mailbox: dict[tuple, torch.Tensor] = {}
         self.arriving: dict[tuple, object] = {}
         """Route -> the posted batch of receives that brings it (eager sends)."""
@@ -61,6 +65,13 @@ class Parts(StageExtension):
 
     def claims(self, transfer: Action) -> bool:
         return transfer.part is not None
+
+    def grad_sync_backwards(self, actions: list[Action]) -> set[int] | None:
+        if not self.sync_each_part:
+            return None
+        last = {a.part: i for i, a in enumerate(actions)
+                if a.kind is Kind.BACKWARD and a.part is not None}
+        return set(last.values())
 
     def outgoing(self, transfer: Action):
         return self.mailbox.pop(self._route(transfer))

@@ -40,8 +40,16 @@ class StageRun:
                 self.config, ctx.model, ctx.is_last_stage)
         self.sync = GradSync(self.config, ctx.model)
         self.sync.disable()
-        self.last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD),
-                                 default=None)
+        last_backward = max((i for i, a in enumerate(actions) if a.kind is Kind.BACKWARD),
+                            default=None)
+        chosen = [found for ext in self.extensions
+                  if (found := ext.grad_sync_backwards(actions)) is not None]
+        if len(chosen) > 1:
+            raise ValueError(f"pipeline rank {self.rank}: {len(chosen)} extensions choose the "
+                             f"backwards that run with gradient sync; at most one may")
+        self.sync_backwards = chosen[0] if chosen else \
+            ({last_backward} if last_backward is not None else set())
+        """Indices of the backwards that run with gradient sync enabled."""
         self.batches = dict(transfer_batches(actions))
         self.total_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         self.forward_data_store: list = []
@@ -81,10 +89,16 @@ class StageRun:
 
     def before_backward(self, index: int) -> None:
         """Megatron's rule: gradient sync resumes right before the last backward (only on
-        rank 0 when a ``grad_sync_func`` exists)."""
-        if index == self.last_backward and (self.config.grad_sync_func is None
-                                            or self.rank == 0):
+        rank 0 when a ``grad_sync_func`` exists); with an extension's choice
+        (:meth:`StageExtension.grad_sync_backwards`) it runs during the backwards chosen and
+        is off during the others."""
+        if self.actions[index].kind is not Kind.BACKWARD:
+            return
+        if index in self.sync_backwards and (self.config.grad_sync_func is None
+                                             or self.rank == 0):
             self.sync.enable()
+        else:
+            self.sync.disable()
 
     def trace(self, name: str, start: float, end: float, category: str = "compute",
               nbytes: int = 0) -> None:
