@@ -295,11 +295,21 @@ def _moe_expert_biases(args):
 
 
 def _moe_model_parallel(args):
-    if args.num_experts and (args.tensor_model_parallel_size > 1
-                             or args.context_parallel_size > 1):
-        return ("no test proves --num-experts with tensor or context parallelism yet (the "
-                "experts' token exchange over those groups): use --tensor-model-parallel-size "
-                "1 and --context-parallel-size 1 with MoE layers")
+    """MoE layers at tensor (sequence) or context parallelism run under every schedule (golden
+    layouts ``pp2_tp2_sp_moe_*``, ``pp2_ulysses2_moe_*``); the per-document auxiliary loss of
+    elastic and seq1f1b counts a document's tokens in one router call, which then holds a shard
+    of its rows."""
+    sharded = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
+    if args.num_experts and sharded and args.moe_aux_loss_coeff \
+            and args.pipeline_schedule in option_classes.AUX_PER_DOCUMENT:
+        return (f"--moe-aux-loss-coeff with --tensor-model-parallel-size > 1 or "
+                f"--context-parallel-size > 1 is not supported by --pipeline-schedule "
+                f"{args.pipeline_schedule}: its auxiliary loss is defined per document from the "
+                f"tokens one router call holds (megatron/plugin/layers/document_router.py), and "
+                f"with tensor (sequence) or context parallelism a call holds a shard of each "
+                f"document's rows; use --pipeline-schedule 1f1b, interleaved or 1f1b-ir (per "
+                f"micro-batch, as Megatron), drop --moe-aux-loss-coeff, or use "
+                f"--tensor-model-parallel-size 1 and --context-parallel-size 1")
     return None
 
 

@@ -260,6 +260,10 @@ DISTOPT = {"default": "golden:pp2_dp2_dplast_distopt_1f1b",
            "sppo": "golden:pp2_dp2_dplast_distopt_sppo",
            "helix": "golden:pp2_dp2_dplast_distopt_helix",
            "interleaved": "golden:pp2_vp2_dp2_dplast_distopt_interleaved"}
+#: The distributed optimizer's all-gathers dispatched in its step (two replicas of PP=2 with
+#: two virtual stages: the losses of the run that gathers in the forwards, every iteration).
+PARAM_GATHER_IN_STEP = ("tests/e2e/test_pretrain.py::"
+                        "test_parameter_gather_in_the_optimizer_step_trains_alike")
 #: Megatron's rank order with the data-parallel dimension last (``--use-tp-pp-dp-mapping``):
 #: the distributed-optimizer layouts run in it (PP=2 x DP=2, where the order moves every
 #: rank's pipeline and data-parallel peers; the golden test checks the groups), the other
@@ -414,6 +418,14 @@ HONOURED: dict[str, Honoured] = {
     "num_distributed_optimizer_instances": Honoured(OPTIMIZER_INSTANCES, _NO_TEST),
     "use_tp_pp_dp_mapping": Honoured(DP_LAST, _NO_TEST),
     "overlap_param_gather": Honoured(DISTOPT, _NO_TEST),
+    # Megatron-LM accepts it under its interleaved schedule only (virtual stages, the legacy
+    # --ckpt-format torch), where its train() leaves the dispatch to the optimizer's step.
+    "overlap_param_gather_with_optimizer_step": Honoured(
+        {name: PARAM_GATHER_IN_STEP for name in ("default", "interleaved")},
+        "it dispatches the parameter all-gathers in the optimizer's step for Megatron's "
+        "interleaved schedule (virtual pipeline stages), which this schedule does not run: "
+        "drop the flag (--overlap-param-gather then gathers the parameters during the next "
+        "step's forwards)"),
     "grad_reduce_in_bf16": Honoured(
         {"default": EXAMPLES, "1f1b": EXAMPLES},
         "no test proves it under this schedule yet: drop it"),
@@ -828,11 +840,6 @@ REFUSED: dict[str, str] = {
         train_data_path  valid_data_path validation_set_names
     """, _DATA),
     "rampup_batch_size": "the global batch size (documents) is fixed: drop --rampup-batch-size",
-    "overlap_param_gather_with_optimizer_step": (
-        "Megatron-LM runs it under its interleaved schedule in the legacy --ckpt-format torch "
-        "only (it asserts it beside distributed checkpointing), which no test here runs: drop "
-        "the flag (--overlap-param-gather then gathers the parameters during the next step's "
-        "forwards)"),
     **_each("""
         moe_expert_capacity_factor moe_expert_rank_capacity_factor
         moe_pad_expert_input_to_capacity moe_token_drop_policy

@@ -162,6 +162,10 @@ TUNED_P2P = ["--overlap-p2p-communication-warmup-flush",
 EP2 = ["--expert-model-parallel-size", "2"]
 ETP2 = ["--expert-tensor-parallel-size", "2"]
 A2A_DISPATCH = ["--moe-token-dispatcher-type", "alltoall"]
+#: A document schedule's flags for the MoE layouts at tensor or context parallelism.
+MOE_SCHEDULES = {"1f1b": ["--pipeline-schedule", "1f1b"],
+                 "ir": ["--pipeline-schedule", "1f1b-ir"], "elastic": ELASTIC, "seq1f1b": SEQ1F1B,
+                 "helix": HELIX, "sppo": [*SPPO, "--sppo-subsequences", "4"]}
 #: The schedules that run Megatron's layer map (``name`` of a layout tag, flags).
 FOUR_SCHEDULES = (("1f1b", ["--pipeline-schedule", "1f1b"]),
                   ("ir", ["--pipeline-schedule", "1f1b-ir"]), ("elastic", ELASTIC),
@@ -449,6 +453,18 @@ VARIANTS = {
         "pp2_dp2_etp2_a2a_moe_ir": (4, ["--pipeline-model-parallel-size", "2", *ETP2,
                                         *A2A_DISPATCH, "--pipeline-schedule", "1f1b-ir", *AUX]),
         "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        # Tensor (sequence) and context parallelism: the router sees this rank's rows, the
+        # experts' tokens are exchanged over those ranks; Megatron's auxiliary loss under its
+        # own schedules (per micro-batch), none under the document schedules (their
+        # per-document loss counts a document's tokens in one router call: refused there).
+        **{f"pp2_{parallel}_moe_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
+                                              *layout, *(AUX if name in ("1f1b", "ir") else [])])
+           for parallel, flags, names in (
+               ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+                ("1f1b", "ir", "elastic", "seq1f1b", "helix", "sppo")),
+               ("ulysses2", ["--context-parallel-size", "2", *A2A],
+                ("1f1b", "elastic", "helix", "sppo")))
+           for name, layout in MOE_SCHEDULES.items() if name in names},
         "pp2_moe_accounted_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2",
                                                   *ACCOUNTED, *SPPO, "--sppo-subsequences",
                                                   "4", "--sppo-offload", "0.5"]),
@@ -1028,14 +1044,16 @@ def test_experts_are_spread_over_the_ranks_asked(golden, tag):
     """Each rank of the moe runs holds 1 / (EP x ETP) of the experts' weights of its MoE layers
     (per layer, the experts' fc1 and fc2 of hidden x ffn entries each) and its expert groups
     have EP and ETP ranks, carved from its data-parallel replicas: the expert-parallel runs
-    place 2 of the 4 experts on each rank, the experts' tensor-parallel runs half of every
-    expert on each, so the gradients checked above are those of spread experts. Spread
-    experts are all reduced apart from the other weights (Megatron's expert buckets), whole
-    ones with them."""
+    place 2 of the 4 experts on each rank, the experts' tensor-parallel runs (ETP defaults to
+    the tensor-parallel size) half of every expert on each, so the gradients checked above
+    are those of spread experts. Experts spread otherwise than the dense weights (over
+    expert-parallel ranks, or tensor-parallel ranks of another count) are all reduced apart
+    from the other weights (Megatron's expert buckets), the others with them."""
     need(tag)
     model_flags, layouts = VARIANTS["moe"]
     nprocs, flags = layouts[tag]
-    ep, etp = _count(flags, EP2[0]), _count(flags, ETP2[0])
+    tp = _count(flags, "--tensor-model-parallel-size")
+    ep, etp = _count(flags, EP2[0]), _count(flags, ETP2[0], default=tp)
     per_layer = (_count(model_flags, "--num-experts") * 2 * _count(TINY_MODEL, "--hidden-size")
                  * _count(model_flags, "--moe-ffn-hidden-size"))
     for rank in range(nprocs):
@@ -1045,8 +1063,8 @@ def test_experts_are_spread_over_the_ranks_asked(golden, tag):
         assert record["expert_entries"] * ep * etp == record["moe_layers"] * per_layer, record
         assert (len(record["expert_model"]), len(record["expert_tensor"])) == (ep, etp), record
         assert rank in record["expert_model"] and rank in record["expert_tensor"], record
-        spread = ep * etp > 1
-        assert record["expert_entries_apart"] == (record["expert_entries"] if spread else 0)
-        if spread:
+        apart = ep > 1 or etp != tp
+        assert record["expert_entries_apart"] == (record["expert_entries"] if apart else 0)
+        if apart:
             assert sorted({*record["expert_model"], *record["expert_tensor"]}) \
                 == sorted(record["data"]), record

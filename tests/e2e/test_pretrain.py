@@ -1,5 +1,6 @@
 """End to end: ``pretrain_gpt_elastic.py`` on 2 CPU ranks (PP=2) with the embedded corpus."""
 import json
+import re
 import os
 
 import pytest
@@ -112,6 +113,32 @@ def test_tensor_parallel_ranks_read_the_same_documents(tmp_path):
 #: and parameter all-gather overlapped; its checkpoint is Megatron's distributed format.
 DISTOPT_DP2 = ["--pipeline-model-parallel-size", "1", "--use-distributed-optimizer",
                "--overlap-grad-reduce", "--overlap-param-gather", "--ckpt-format", "torch_dist"]
+
+
+def test_parameter_gather_in_the_optimizer_step_trains_alike(tmp_path):
+    """``--overlap-param-gather-with-optimizer-step`` (Megatron-LM's interleaved schedule, its
+    legacy ``--ckpt-format torch``): the distributed optimizer dispatches each bucket's
+    parameter all-gather in its step instead of the next step's forwards, which only changes
+    when the same parameters arrive, so two data-parallel replicas at PP = 2 with two virtual
+    stages print the losses of the run without it, every iteration (each after the previous
+    steps' updates). Megatron-LM's path for it ran: it turns off the bucketing by size (the
+    first chunk of the first stage has more buckets without it; a tied embedding keeps a bucket
+    of its own either way)."""
+    common = [*TINY, "--num-layers", "4", "--num-layers-per-virtual-pipeline-stage", "1",
+              "--global-batch-size", "8", "--use-distributed-optimizer", "--overlap-grad-reduce",
+              "--overlap-param-gather", "--ddp-bucket-size", "10000", "--ckpt-format", "torch",
+              "--train-iters", "4", "--pipeline-schedule", "interleaved"]
+    runs, buckets = {}, {}
+    for name, flags in (("forwards", []), ("step", ["--overlap-param-gather-with-optimizer-step"])):
+        out = tmp_path / f"{name}.jsonl"
+        result = torchrun(4, SCRIPT, [*common, *flags, "--metrics-jsonl", str(out)])
+        runs[name] = metrics(out)
+        buckets[name] = sum(int(n) for n in re.findall(
+            r"Number of buckets for gradient all-reduce / reduce-scatter: (\d+)",
+            result.stdout + result.stderr))
+    assert buckets["step"] < buckets["forwards"], buckets
+    assert [r["iteration"] for r in runs["step"]] == [1, 2, 3, 4]
+    assert [r["lm_loss"] for r in runs["step"]] == [r["lm_loss"] for r in runs["forwards"]]
 
 
 @pytest.mark.parametrize("schedule,flags,dropout", [

@@ -530,3 +530,28 @@ def test_helix_mlp_chunks_cover_whole_rows_of_every_rank_sharing_a_sequence(extr
     with pytest.raises(ValueError, match=f"--helix-mlp-chunk-size {chunk} must be a multiple "
                                          f"of {shards}, the ranks that share a sequence"):
         arguments.parse([*argv, "--helix-mlp-chunk-size", chunk])
+
+
+MOE = ["--num-experts", "4", "--disable-bias-linear", "--moe-ffn-hidden-size", "48"]
+
+
+@pytest.mark.parametrize("parallel", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--context-parallel-size", "2"]], ids=["tp2_sp", "cp2"])
+@pytest.mark.parametrize("schedule", ["1f1b", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo"])
+def test_moe_layers_run_at_tensor_and_context_parallelism(parallel, schedule, monkeypatch):
+    """MoE layers with tensor (sequence) or context parallelism under every schedule (golden
+    layouts ``pp2_tp2_sp_moe_*``, ``pp2_ulysses2_moe_*``); Megatron's auxiliary loss too
+    under its own schedules, where it is per micro-batch, but not under the per-document one
+    of elastic and seq1f1b, whose router call then holds a shard of each document's rows."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    argv = [*BASE, *MOE, *parallel, "--pipeline-schedule", schedule]
+    arguments.parse(argv)
+    if schedule not in ("1f1b", "1f1b-ir", "elastic", "seq1f1b"):
+        return  # helix and sppo refuse the auxiliary loss at every layout
+    aux = [*argv, "--moe-aux-loss-coeff", "0.01"]
+    if schedule in option_classes.AUX_PER_DOCUMENT:
+        with pytest.raises(ValueError, match="a call holds a shard of each document's rows"):
+            arguments.parse(aux)
+    else:
+        assert arguments.parse(aux).moe_aux_loss_coeff == 0.01

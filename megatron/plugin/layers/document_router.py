@@ -30,8 +30,9 @@ however a schedule cuts and packs them. The logged ``load_balancing_loss`` (Mega
 tracker, which the training log divides by Megatron's number of micro-batches ``M`` and
 averages over the replicas) is recorded as ``aux_d x M x DP / G`` per document, so that it
 shows the mean of ``aux_d`` over the documents under either loss. Only ``aux_loss`` is built
-(the start-up refuses the other balancing types); MoE runs at TP = CP = 1 here, so a call holds
-its documents' whole rows.
+(the start-up refuses the other balancing types), and only at TP = CP = 1 (the start-up
+refuses it with tensor or context parallelism, where a call holds a shard of each document's
+rows), so a call holds its documents' whole rows.
 
 Runtime. Each call learns its rows' segments from the layout the layer passes (the same
 :class:`~megatron.plugin.layers.layout.PackedDocuments` every attention gets). A whole
