@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import inspect
 import logging
 import os
@@ -225,7 +226,9 @@ def reset() -> None:
     * the checkpoint version and loaded iteration that Megatron's loader records;
     * every process group but the default one, destroyed (Megatron's teardown forgets its
       groups without destroying them, and on gloo each group keeps its own polling threads,
-      which would add up over the layouts of a launch and slow every later one), and the
+      which would add up over the layouts of a launch and slow every later one), then the
+      garbage collector run: a group whose last references sit in reference cycles (models,
+      optimizers and their hooks) keeps its threads until the cycles are collected; and the
       caches of the groups the schedules create themselves
       (:mod:`megatron.plugin.pipeline.group_cache`: a cache hit on some ranks but not on others
       would stall the group creation the others enter);
@@ -255,6 +258,7 @@ def reset() -> None:
         for group in [group for group in dist.distributed_c10d._world.pg_map
                       if group is not default]:
             dist.destroy_process_group(group)
+    gc.collect()
     registry.restore_megatron()
     cpu_compat.HITS.clear()
 
