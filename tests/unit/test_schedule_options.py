@@ -249,8 +249,9 @@ MOE_REFUSED = [
                                                   "exchange tokens"),
     (["--moe-token-dispatcher-type", "flex"], "(it honours allgather and alltoall)"),
     ([], "add --disable-bias-linear"),
-    (["--context-parallel-size", "2"], "use --tensor-model-parallel-size 1 and "
-                                       "--context-parallel-size 1 with MoE layers"),
+    (["--context-parallel-size", "2", "--moe-aux-loss-coeff", "0.01"],
+     "with tensor (sequence) or context parallelism a call holds a shard of each document's "
+     "rows"),
     (["--expert-tensor-parallel-size", "2"], "the calls would not pair up. Drop "
                                              "--expert-tensor-parallel-size, or use 1f1b"),
 ]
