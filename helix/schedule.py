@@ -23,12 +23,12 @@ boundaries ``c = s, s + p, ...`` (one past the last too, for the attention left 
    layer ``c`` is local and runs right after it.
 
 With one stage (``p = 1``) there is one slot, and each boundary ``c`` is followed by the
-attention of layer ``c``. Each slot runs its folds back to back. A loop's forwards come first, then its backwards in
-exactly the reverse order (first in, last out: each stage's backward list for the loop is its
-forward list reversed), then the next loop. So at most one
-loop (``p F`` micro-batches) is stashed at any time, whatever the micro-batch count, and each
-loop adds its own bubble. With ``F = 2`` two micro-batches are in flight on every hop, so one
-fold's transfer can overlap the other fold's compute.
+attention of layer ``c``. Each slot runs its folds back to back. A loop's forwards come first,
+then its backwards in exactly the reverse order (first in, last out: each stage's backward list
+for the loop is its forward list reversed), then the next loop. So at most one loop (``p F``
+micro-batches) is stashed at any time, whatever the micro-batch count, and each loop adds its
+own bubble. With ``F = 2`` two micro-batches are in flight on every hop, so one fold's transfer
+can overlap the other fold's compute.
 
 Transfers (:func:`add_helix_communication`): sends right after the compute that produces
 them (eager: the stage goes on at once); receives are *posted one compute ahead*

@@ -251,7 +251,11 @@ OVERLAP = {"1f1b-ir": "golden:pp2_dp2_overlap_ir", "elastic": "golden:pp2_dp2_ov
 #: Megatron's distributed optimizer with overlapped gradient reduce-scatter and parameter
 #: all-gather (two data-parallel replicas of PP=2; the golden test also compares the updated
 #: parameters with those of the reference's step, and checks that a later bucket's all-gather
-#: is in flight when the first layer's forward starts).
+#: is in flight when the first layer's forward starts). They run Megatron's rank order with the
+#: data-parallel dimension last (``--use-tp-pp-dp-mapping``; at PP=2 x DP=2 the order moves
+#: every rank's pipeline and data-parallel peers; the golden test checks the groups), the
+#: other pp2_dp2 layouts Megatron's default order. The project asks megatron-core's
+#: ``parallel_state`` for every group and peer, so no code of it depends on the order.
 DISTOPT = {"default": "golden:pp2_dp2_dplast_distopt_1f1b",
            "1f1b": "golden:pp2_dp2_dplast_distopt_1f1b",
            "1f1b-ir": "golden:pp2_dp2_dplast_distopt_ir",
@@ -264,12 +268,6 @@ DISTOPT = {"default": "golden:pp2_dp2_dplast_distopt_1f1b",
 #: two virtual stages: the losses of the run that gathers in the forwards, every iteration).
 PARAM_GATHER_IN_STEP = ("tests/e2e/test_pretrain.py::"
                         "test_parameter_gather_in_the_optimizer_step_trains_alike")
-#: Megatron's rank order with the data-parallel dimension last (``--use-tp-pp-dp-mapping``):
-#: the distributed-optimizer layouts run in it (PP=2 x DP=2, where the order moves every
-#: rank's pipeline and data-parallel peers; the golden test checks the groups), the other
-#: pp2_dp2 layouts in Megatron's default order. The project asks megatron-core's
-#: ``parallel_state`` for every group and peer, so no code of it depends on the order.
-DP_LAST = DISTOPT
 #: Megatron's DDP averaging the gradients in its collectives (``--ddp-average-in-collective``:
 #: unscaled gradients, ``ReduceOp.AVG``; on gloo as NCCL computes it,
 #: :mod:`megatron.plugin.cpu_compat`), with Megatron's default loss (Megatron refuses it beside
@@ -413,10 +411,10 @@ HONOURED: dict[str, Honoured] = {
     "ddp_bucket_size": Honoured({**OVERLAP, "default": DISTOPT["default"],
                                  "1f1b": DISTOPT["1f1b"],
                                  "interleaved": DISTOPT["interleaved"]}, _NO_TEST),
-    "use_distributed_optimizer": Honoured(DP_LAST, _NO_TEST),
+    "use_distributed_optimizer": Honoured(DISTOPT, _NO_TEST),
     "ddp_average_in_collective": Honoured(AVERAGE_IN_COLLECTIVE, _NO_TEST),
     "num_distributed_optimizer_instances": Honoured(OPTIMIZER_INSTANCES, _NO_TEST),
-    "use_tp_pp_dp_mapping": Honoured(DP_LAST, _NO_TEST),
+    "use_tp_pp_dp_mapping": Honoured(DISTOPT, _NO_TEST),
     "overlap_param_gather": Honoured(DISTOPT, _NO_TEST),
     # Megatron-LM accepts it under its interleaved schedule only (virtual stages, the legacy
     # --ckpt-format torch), where its train() leaves the dispatch to the optimizer's step.

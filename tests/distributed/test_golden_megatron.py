@@ -162,14 +162,13 @@ TUNED_P2P = ["--overlap-p2p-communication-warmup-flush",
 EP2 = ["--expert-model-parallel-size", "2"]
 ETP2 = ["--expert-tensor-parallel-size", "2"]
 A2A_DISPATCH = ["--moe-token-dispatcher-type", "alltoall"]
-#: A document schedule's flags for the MoE layouts at tensor or context parallelism.
-MOE_SCHEDULES = {"1f1b": ["--pipeline-schedule", "1f1b"],
-                 "ir": ["--pipeline-schedule", "1f1b-ir"], "elastic": ELASTIC, "seq1f1b": SEQ1F1B,
-                 "helix": HELIX, "sppo": [*SPPO, "--sppo-subsequences", "4"]}
 #: The schedules that run Megatron's layer map (``name`` of a layout tag, flags).
 FOUR_SCHEDULES = (("1f1b", ["--pipeline-schedule", "1f1b"]),
                   ("ir", ["--pipeline-schedule", "1f1b-ir"]), ("elastic", ELASTIC),
                   ("seq1f1b", SEQ1F1B))
+#: A schedule's flags for the MoE layouts at tensor or context parallelism.
+MOE_SCHEDULES = {**dict(FOUR_SCHEDULES), "helix": HELIX,
+                 "sppo": [*SPPO, "--sppo-subsequences", "4"]}
 
 
 def more_schedules(name: str) -> dict:
