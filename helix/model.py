@@ -41,6 +41,7 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 
 from helix.mapping import boundaries_of, check_layout
 from megatron.plugin.layers.norm import SequenceParallelNorm
+from megatron.plugin.pipeline.param_gather import wait_for_parameters
 
 
 class ShippedQKV(torch.nn.Module):
@@ -112,15 +113,11 @@ def shipped_weights(self_attention) -> dict:
 
 
 def before_shipping(self_attention) -> None:
-    """Run the forward pre-hooks of the modules whose weights ``pre(l)`` ships, as their own
-    forwards would before reading them: the modules' forwards run on the attention's stage with
-    the shipped tensors, and Megatron DDP's pre-hook (``--overlap-param-gather``) is where it
-    waits for their parameters' all-gather after the optimizer's step."""
-    for name in dict.fromkeys(module for module, _ in SHIPPED.values()):
-        owner = getattr(self_attention, name, None)
-        if owner is not None:
-            for hook in tuple(owner._forward_pre_hooks.values()):
-                hook(owner, ())
+    """Wait for the parameters ``pre(l)`` ships (:func:`wait_for_parameters`): the modules'
+    forwards run on the attention's stage with the shipped tensors."""
+    wait_for_parameters(getattr(self_attention, name) for name in
+                        dict.fromkeys(module for module, _ in SHIPPED.values())
+                        if getattr(self_attention, name, None) is not None)
 
 
 def use_shipped(attention, shipped: dict) -> None:

@@ -102,14 +102,6 @@ def check_args(args: argparse.Namespace) -> None:
                              f"helpers run another stage's layers on their own modules, so the "
                              f"stages must hold equal layers; drop {', '.join(uneven)} or "
                              f"--sppo-multiplex")
-        if getattr(args, "overlap_param_gather", False):
-            raise ValueError("--overlap-param-gather is not supported with --sppo-multiplex: "
-                             "a block's owner broadcasts the block's parameters to its helpers "
-                             "before its own forward of the block, where Megatron's DDP waits "
-                             "for their all-gather, so the helpers could run on the previous "
-                             "step's weights; drop --overlap-param-gather (the distributed "
-                             "optimizer then gathers the parameters in its step) or "
-                             "--sppo-multiplex")
     if args.sppo_host_memory_gb is not None and args.sppo_host_memory_gb <= 0:
         raise ValueError(f"--sppo-host-memory-gb must be > 0, got {args.sppo_host_memory_gb}")
     if args.sppo_memory_gb is not None and args.sppo_memory_gb <= 0:

@@ -29,7 +29,9 @@ group, in the same order on every member: blocks in ascending order in Left-SP, 
 Right-SP, layer by layer inside a block):
 
 - **Weights**: chosen: the owner broadcasts block ``k``'s parameters (its TP shard; block 0
-  includes the embedding tables) to the helpers at the start of the Left-SP share; a helper
+  includes the embedding tables) to the helpers at the start of the Left-SP share, after
+  waiting for their all-gather as its modules' forwards would (``--overlap-param-gather``:
+  :mod:`megatron.plugin.pipeline.param_gather`); a helper
   runs its own layer modules with those tensors and keeps them, referenced by its share's saved
   activations, until its Right-SP backward, which ends with a reduction of the helpers'
   weight-gradient shares into the owner's parameters (where autograd, and Megatron DDP's

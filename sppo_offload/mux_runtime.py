@@ -48,6 +48,7 @@ from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.pipeline.chunks import DocumentChunks, chunk_backward
 from megatron.plugin.pipeline.extension import run_backward
 from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.param_gather import wait_for_parameters
 
 from sppo_offload.multiplex import (MultiplexFlow, block_of, grad_name, mux, piece_name,
                                     pieces, share_bounds)
@@ -217,11 +218,16 @@ class MultiplexProgram:
         return tensors, header
 
     def _share_weights(self, block: int):
-        """Broadcast ``block``'s parameters from its owner. A helper gets ``(all leaves, layer
-        parameters by layer, embedding tables)``, the owner ``(its parameters, None, None)``."""
+        """Broadcast ``block``'s parameters from its owner, which first waits for their
+        all-gather after the optimizer's step (:func:`wait_for_parameters`). A helper gets
+        ``(all leaves, layer parameters by layer, embedding tables)``, the owner ``(its
+        parameters, None, None)``."""
         group, ranks = self.groups[block]
         owner = ranks[0]
         if self.stage == block:
+            modules = [*self.gpt.decoder.layers.modules(),
+                       *(self.gpt.embedding.modules() if block == 0 else ())]
+            wait_for_parameters(modules)
             tensors, header = self._owned(block)
             dist.broadcast(torch.tensor(header, dtype=torch.int64,
                                         device=collective_device(group)), owner, group=group)

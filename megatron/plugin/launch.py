@@ -228,7 +228,14 @@ def reset() -> None:
       groups without destroying them, and on gloo each group keeps its own polling threads,
       which would add up over the layouts of a launch and slow every later one), then the
       garbage collector run: a group whose last references sit in reference cycles (models,
-      optimizers and their hooks) keeps its threads until the cycles are collected; and the
+      optimizers and their hooks) keeps its threads until the cycles are collected. A cycle
+      through autograd's C++ nodes is never collected: DDP's gradient hooks sit on each
+      parameter's gradient accumulator, and while something else holds that node (the fp32
+      distributed optimizer's shards, views of the parameters with autograd history, do; so
+      do the MoE layouts with tensor or context parallelism) the collector cannot see the
+      hooks' references back to the wrapper. So every Megatron DDP wrapper still alive after
+      the collection is emptied (nothing may use a run's model after a reset: its groups are
+      gone), which frees its model, buffers and groups, and the collector runs again; and the
       caches of the groups the schedules create themselves
       (:mod:`megatron.plugin.pipeline.group_cache`: a cache hit on some ranks but not on others
       would stall the group creation the others enter);
@@ -259,8 +266,20 @@ def reset() -> None:
                       if group is not default]:
             dist.destroy_process_group(group)
     gc.collect()
+    _empty_uncollected_wrappers()
     registry.restore_megatron()
     cpu_compat.HITS.clear()
+
+
+def _empty_uncollected_wrappers() -> None:
+    from megatron.core.distributed import DistributedDataParallel
+
+    wrappers = [obj for obj in gc.get_objects() if isinstance(obj, DistributedDataParallel)]
+    for wrapper in wrappers:
+        wrapper.__dict__.clear()
+    if wrappers:
+        del wrappers
+        gc.collect()
 
 
 def shutdown() -> None:

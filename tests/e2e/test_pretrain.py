@@ -141,6 +141,25 @@ def test_parameter_gather_in_the_optimizer_step_trains_alike(tmp_path):
     assert [r["lm_loss"] for r in runs["step"]] == [r["lm_loss"] for r in runs["forwards"]]
 
 
+def test_multiplexed_helpers_get_the_gathered_parameters(tmp_path):
+    """``sppo --sppo-multiplex`` under the distributed optimizer, two data-parallel replicas of
+    PP = 2, a document each: with ``--overlap-param-gather`` a block's owner waits for its parameters'
+    all-gather before broadcasting them to its helpers (the other replica's half of every
+    bucket is updated there), so every iteration, each after the previous steps' updates,
+    prints the losses of the run whose optimizer gathers the parameters in its step."""
+    common = [*TINY, "--global-batch-size", "2", "--train-iters", "3",
+              "--pipeline-schedule", "sppo", "--sppo-subsequences", "4", "--sppo-offload", "off",
+              "--sppo-multiplex", "--use-distributed-optimizer", "--overlap-grad-reduce",
+              "--ddp-bucket-size", "10000"]
+    runs = {}
+    for name, flags in (("step", []), ("forwards", ["--overlap-param-gather"])):
+        out = tmp_path / f"{name}.jsonl"
+        torchrun(4, SCRIPT, [*common, *flags, "--metrics-jsonl", str(out)])
+        runs[name] = metrics(out)
+    assert [r["iteration"] for r in runs["forwards"]] == [1, 2, 3]
+    assert [r["lm_loss"] for r in runs["forwards"]] == [r["lm_loss"] for r in runs["step"]]
+
+
 @pytest.mark.parametrize("schedule,flags,dropout", [
     ("1f1b", [], "0.1"),
     pytest.param("elastic", DISTOPT_DP2, "0.1", id="elastic-dp2-distributed-optimizer")])

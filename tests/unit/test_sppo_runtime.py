@@ -199,8 +199,6 @@ TINY = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--sppo-memory-gb", "-1"], "--sppo-memory-gb must be > 0"),
     (["--sppo-multiplex", "--tensor-model-parallel-size", "2"],
      "--sppo-multiplex runs with --tensor-model-parallel-size 1"),
-    (["--sppo-multiplex", "--use-distributed-optimizer", "--overlap-grad-reduce",
-      "--overlap-param-gather"], "--overlap-param-gather is not supported with --sppo-multiplex"),
     (["--sppo-multiplex", "--decoder-first-pipeline-num-layers", "1",
       "--decoder-last-pipeline-num-layers", "1"],
      "--decoder-first-pipeline-num-layers, --decoder-last-pipeline-num-layers with "

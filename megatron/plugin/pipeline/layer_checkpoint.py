@@ -25,7 +25,6 @@ new graph (see :mod:`megatron.plugin.layers.kv_store`): what other slices read i
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -140,13 +139,12 @@ class _Armed:
         return False
 
 
-_LAYERS: "weakref.WeakKeyDictionary[torch.nn.Module, LeadingLayers]" = \
-    weakref.WeakKeyDictionary()
-
-
 def leading_layers(model) -> LeadingLayers:
-    """The :class:`LeadingLayers` of ``model`` (one per model: it hooks the model's layers)."""
-    layers = _LAYERS.get(model)
+    """The :class:`LeadingLayers` of ``model`` (one per model: it hooks the model's layers),
+    an attribute of the model, so that it lives and dies with the model (a weak-keyed table
+    would keep every model alive: its value reaches the key through the layers' config, whose
+    ``grad_scale_func`` is the optimizer's, which holds the model)."""
+    layers = getattr(model, "_leading_layers", None)
     if layers is None:
-        layers = _LAYERS[model] = LeadingLayers(model)
+        layers = model._leading_layers = LeadingLayers(model)
     return layers
