@@ -294,25 +294,6 @@ def _moe_expert_biases(args):
     return None
 
 
-def _moe_model_parallel(args):
-    """MoE layers at tensor (sequence) or context parallelism run under every schedule (golden
-    layouts ``pp2_tp2_sp_moe_*``, ``pp2_ulysses2_moe_*``); the per-document auxiliary loss of
-    elastic and seq1f1b counts a document's tokens in one router call, which then holds a shard
-    of its rows."""
-    sharded = args.tensor_model_parallel_size > 1 or args.context_parallel_size > 1
-    if args.num_experts and sharded and args.moe_aux_loss_coeff \
-            and args.pipeline_schedule in option_classes.AUX_PER_DOCUMENT:
-        return (f"--moe-aux-loss-coeff with --tensor-model-parallel-size > 1 or "
-                f"--context-parallel-size > 1 is not supported by --pipeline-schedule "
-                f"{args.pipeline_schedule}: its auxiliary loss is defined per document from the "
-                f"tokens one router call holds (megatron/plugin/layers/document_router.py), and "
-                f"with tensor (sequence) or context parallelism a call holds a shard of each "
-                f"document's rows; use --pipeline-schedule 1f1b, interleaved or 1f1b-ir (per "
-                f"micro-batch, as Megatron), drop --moe-aux-loss-coeff, or use "
-                f"--tensor-model-parallel-size 1 and --context-parallel-size 1")
-    return None
-
-
 def _moe_expert_tensor_parallel(args):
     expert_tp = getattr(args, "expert_tensor_parallel_size", None)
     if not args.num_experts or expert_tp is None \
@@ -481,7 +462,7 @@ def _schedule_checks(args):
 #: The checks across options (what one option's class cannot say): each returns what to
 #: change, or ``None``. They take the parsed flags before or after Megatron-LM's validation.
 RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
-         _moe_expert_biases, _moe_model_parallel, _moe_expert_tensor_parallel,
+         _moe_expert_biases, _moe_expert_tensor_parallel,
          _average_with_per_token_loss, _distributed_optimizer_instances,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,

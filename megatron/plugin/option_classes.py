@@ -169,7 +169,9 @@ EXPERT_REFUSALS = {schedule: _REPLICAS_APART.replace("{schedule}", schedule).rep
 #: it over the same micro-batches); under :data:`AUX_PER_DOCUMENT`, defined per document
 #: (:mod:`megatron.plugin.layers.document_router`; the elastic layout passes it with the
 #: per-token loss and the seq1f1b layout with Megatron's default loss, against a reference that
-#: computes it over whole documents).
+#: computes it over whole documents; so do the layouts at tensor (sequence) and context
+#: parallelism, ``pp2_tp2_sp_moe_elastic``, ``pp2_tp2_sp_moe_seq1f1b`` and
+#: ``pp2_ulysses2_moe_elastic``, whose router calls hold parts of the rows).
 AUX_PER_DOCUMENT = ("elastic", "seq1f1b")
 MOE_AUX = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir",
                                         *AUX_PER_DOCUMENT)}

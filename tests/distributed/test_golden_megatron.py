@@ -452,12 +452,14 @@ VARIANTS = {
         "pp2_dp2_etp2_a2a_moe_ir": (4, ["--pipeline-model-parallel-size", "2", *ETP2,
                                         *A2A_DISPATCH, "--pipeline-schedule", "1f1b-ir", *AUX]),
         "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
-        # Tensor (sequence) and context parallelism: the router sees this rank's rows, the
-        # experts' tokens are exchanged over those ranks; Megatron's auxiliary loss under its
-        # own schedules (per micro-batch), none under the document schedules (their
-        # per-document loss counts a document's tokens in one router call: refused there).
+        # Tensor (sequence) and context parallelism: the router sees this rank's part of the
+        # rows, the experts' tokens are exchanged over those ranks; the auxiliary loss under
+        # Megatron's schedules (per micro-batch) and elastic and seq1f1b (per document, each
+        # document's routings counted over the ranks that hold parts of its rows); helix and
+        # sppo refuse it.
         **{f"pp2_{parallel}_moe_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
-                                              *layout, *(AUX if name in ("1f1b", "ir") else [])])
+                                              *layout, *(AUX if name in ("1f1b", "ir", "elastic",
+                                                                         "seq1f1b") else [])])
            for parallel, flags, names in (
                ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                 ("1f1b", "ir", "elastic", "seq1f1b", "helix", "sppo")),

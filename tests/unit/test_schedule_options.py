@@ -249,9 +249,6 @@ MOE_REFUSED = [
                                                   "exchange tokens"),
     (["--moe-token-dispatcher-type", "flex"], "(it honours allgather and alltoall)"),
     ([], "add --disable-bias-linear"),
-    (["--context-parallel-size", "2", "--moe-aux-loss-coeff", "0.01"],
-     "with tensor (sequence) or context parallelism a call holds a shard of each document's "
-     "rows"),
     (["--expert-tensor-parallel-size", "2"], "the calls would not pair up. Drop "
                                              "--expert-tensor-parallel-size, or use 1f1b"),
 ]
@@ -542,17 +539,13 @@ MOE = ["--num-experts", "4", "--disable-bias-linear", "--moe-ffn-hidden-size", "
 @pytest.mark.parametrize("schedule", ["1f1b", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo"])
 def test_moe_layers_run_at_tensor_and_context_parallelism(parallel, schedule, monkeypatch):
     """MoE layers with tensor (sequence) or context parallelism under every schedule (golden
-    layouts ``pp2_tp2_sp_moe_*``, ``pp2_ulysses2_moe_*``); Megatron's auxiliary loss too
-    under its own schedules, where it is per micro-batch, but not under the per-document one
-    of elastic and seq1f1b, whose router call then holds a shard of each document's rows."""
+    layouts ``pp2_tp2_sp_moe_*``, ``pp2_ulysses2_moe_*``), with the auxiliary loss under
+    Megatron's schedules (per micro-batch) and elastic and seq1f1b (per document, counted over
+    the ranks that hold parts of a document's rows)."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = [*BASE, *MOE, *parallel, "--pipeline-schedule", schedule]
     arguments.parse(argv)
-    if schedule not in ("1f1b", "1f1b-ir", "elastic", "seq1f1b"):
+    if schedule not in ("1f1b", "1f1b-ir", *option_classes.AUX_PER_DOCUMENT):
         return  # helix and sppo refuse the auxiliary loss at every layout
     aux = [*argv, "--moe-aux-loss-coeff", "0.01"]
-    if schedule in option_classes.AUX_PER_DOCUMENT:
-        with pytest.raises(ValueError, match="a call holds a shard of each document's rows"):
-            arguments.parse(aux)
-    else:
-        assert arguments.parse(aux).moe_aux_loss_coeff == 0.01
+    assert arguments.parse(aux).moe_aux_loss_coeff == 0.01

@@ -30,9 +30,18 @@ however a schedule cuts and packs them. The logged ``load_balancing_loss`` (Mega
 tracker, which the training log divides by Megatron's number of micro-batches ``M`` and
 averages over the replicas) is recorded as ``aux_d x M x DP / G`` per document, so that it
 shows the mean of ``aux_d`` over the documents under either loss. Only ``aux_loss`` is built
-(the start-up refuses the other balancing types), and only at TP = CP = 1 (the start-up
-refuses it with tensor or context parallelism, where a call holds a shard of each document's
-rows), so a call holds its documents' whole rows.
+(the start-up refuses the other balancing types).
+
+Tensor (sequence) and context parallelism: a router call then holds one contiguous part of
+each row, the ranks of Megatron's ``tp_cp_group`` the others: context-parallel rank ``c``
+holds the ``c``-th of ``CP`` contiguous shares of the row
+(:meth:`~megatron.plugin.batches.MicroBatch.context_share`), and under sequence parallelism
+tensor-parallel rank ``t`` the ``t``-th contiguous part of that share (Megatron's scatter to
+the sequence-parallel region). Each call lists every document of its rows (the same list on
+each rank of the group), counts the routings of the tokens it holds and sums the counts over
+the group, as Megatron's router sums its call's ``tokens_per_expert``; ``P`` stays the call's
+own (each token's gradient needs only ``N``), and the logged value, a sum over the group's
+calls like Megatron's, adds up the parts.
 
 Runtime. Each call learns its rows' segments from the layout the layer passes (the same
 :class:`~megatron.plugin.layers.layout.PackedDocuments` every attention gets). A whole
@@ -135,6 +144,13 @@ class DocumentRouter(TopKRouter):
                                f"needs the call's document layout (PackedDocuments with "
                                f"segments)")
         rows = len(layout.segments)
+        held = scores.shape[0] // rows
+        parts, part, group = self._row_part()
+        length = max(segment.stop for segments in layout.segments for segment in segments)
+        if held * parts != length:
+            raise RuntimeError(f"MoE layer {self.layer_number}: a router call holds {held} "
+                               f"positions of each {length}-token row, not 1/{parts} of it")
+        first, last = part * held, (part + 1) * held
         owner = torch.full((scores.shape[0],), -1, dtype=torch.long)
         documents: list[_Document] = []
         for row, segments in enumerate(layout.segments):
@@ -146,7 +162,9 @@ class DocumentRouter(TopKRouter):
                         f"MoE layer {self.layer_number}: slice {segment.slice_index} of document "
                         f"{segment.doc_key!r} carries no document length (Segment.doc_tokens); "
                         f"the per-document auxiliary loss needs it")
-                owner[segment.start * rows + row:segment.stop * rows:rows] = len(documents)
+                start, stop = max(segment.start, first) - first, min(segment.stop, last) - first
+                if start < stop:
+                    owner[start * rows + row:stop * rows:rows] = len(documents)
                 documents.append(_Document(segment.doc_key, segment.slice_index,
                                            segment.doc_tokens or segment.length,
                                            segment.length))
@@ -161,12 +179,25 @@ class DocumentRouter(TopKRouter):
         sums = torch.zeros_like(counts)
         counts.index_add_(0, owner[valid], routed[valid].float())
         sums.index_add_(0, owner[valid], scores[valid].float())
+        if parts > 1:
+            torch.distributed.all_reduce(counts, group=group)
         for index, doc in enumerate(documents):
             if doc.key is None:
                 doc.counts, doc.scores = counts[index], sums[index]
             else:
                 self._add_slice(doc, counts[index], sums[index], layout)
         return _Call(owner, documents)
+
+    def _row_part(self) -> tuple:
+        """``(parts, part, group)``: how many contiguous parts of each row the ranks of
+        ``group`` hold (``tp_cp_group`` under sequence parallelism, else ``cp_group``), and
+        which one this rank holds (module docstring)."""
+        if self.config.sequence_parallel and self.tp_group.size() > 1:
+            tp, group = self.tp_group.size(), self.tp_cp_group
+        else:
+            tp, group = 1, self.cp_group
+        tp_rank = self.tp_group.rank() if tp > 1 else 0
+        return self.cp_group.size() * tp, self.cp_group.rank() * tp + tp_rank, group
 
     def _add_slice(self, doc: _Document, counts, sums, layout) -> None:
         entry = self._store.get(doc.key)
