@@ -52,6 +52,10 @@ def flags(schedule: str) -> list[str]:
             *SCHEDULE_FLAGS[schedule]]
 
 
+#: Set in a job's environment, which every process of the job inherits.
+JOB_MARK = "LONGCTX_TEST_JOB"
+
+
 def batch_job(tmp_path, argv, shutdown_s: int) -> tuple[list[str], dict]:
     """The command and environment of the batch script as sbatch runs it (a copy, from its
     spool directory), with the srun and scontrol stand-ins on PATH; torchrun gives its workers
@@ -68,8 +72,21 @@ def batch_job(tmp_path, argv, shutdown_s: int) -> tuple[list[str], dict]:
                SLURM_SUBMIT_DIR=REPO, GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
                SRUN_LOG=str(tmp_path / "srun.log"), SCONTROL_LOG=str(tmp_path / "scontrol.log"),
                OMP_NUM_THREADS="1", PYTHONPATH=python_path(), PYTHONWARNINGS="ignore",
-               TORCH_CPP_LOG_LEVEL="ERROR", TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(shutdown_s))
+               TORCH_CPP_LOG_LEVEL="ERROR", TORCH_ELASTIC_SHUTDOWN_TIMEOUT=str(shutdown_s),
+               **{JOB_MARK: str(tmp_path)})
     return ["bash", str(job), *argv], env
+
+
+def kill_leftovers(env: dict) -> None:
+    """Kill the processes of the job of ``env`` that outlived it. A rank killed, or stopped by
+    torchrun for a restart, leaves the processes it spawned (Megatron's checkpoint writer,
+    elastic's planning worker) to init, where they would wait for good, about 550 MB each."""
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(JOB_MARK) == env[JOB_MARK]:
+                process.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
 
 
 def last_records(path) -> dict[int, dict]:
@@ -149,6 +166,7 @@ def test_killed_workers_are_restarted_and_the_run_ends_as_if_uninterrupted(
     finally:
         if job.poll() is None:
             job.kill()
+        kill_leftovers(env)
     output = log.read_text()
     assert job.returncode == 0, output[-4000:]
     assert output.count("will not load any checkpoints") == 1  # the first start only
@@ -176,6 +194,7 @@ def test_sigterm_saves_requeues_and_the_requeued_job_resumes(tmp_path, uninterru
     finally:
         if job.poll() is None:
             job.kill()
+        kill_leftovers(env)
     output = log.read_text()
     assert job.returncode == 0, output[-4000:]
     assert took < 60, took

@@ -73,8 +73,10 @@ def test_a_stalled_worker_is_stopped_and_the_batch_planned_in_the_foreground(cap
         assert result == [3, 4] and not timing.background
         assert "background planning failed (TimeoutError" in caplog.text
         # The stuck worker does not keep its core.
+        assert workers, "submit started no worker process"
         for worker in workers:
             worker.join(timeout=10)
-        assert workers and not any(worker.is_alive() for worker in workers)
+        alive = [(worker.pid, worker.exitcode) for worker in workers if worker.is_alive()]
+        assert not alive, f"workers still running 10 s after being stopped: {alive}"
     finally:
         planner.close()
