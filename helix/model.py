@@ -115,9 +115,9 @@ def shipped_weights(self_attention) -> dict:
 def before_shipping(self_attention) -> None:
     """Wait for the parameters ``pre(l)`` ships (:func:`wait_for_parameters`): the modules'
     forwards run on the attention's stage with the shipped tensors."""
-    wait_for_parameters(getattr(self_attention, name) for name in
-                        dict.fromkeys(module for module, _ in SHIPPED.values())
-                        if getattr(self_attention, name, None) is not None)
+    modules = (getattr(self_attention, name, None)
+               for name in dict.fromkeys(module for module, _ in SHIPPED.values()))
+    wait_for_parameters(module for module in modules if module is not None)
 
 
 def use_shipped(attention, shipped: dict) -> None:

@@ -204,30 +204,30 @@ class MultiplexProgram:
         return share_bounds(self.tokens, self.pp, block)[self.stage - block]
 
     def _owned(self, block: int) -> tuple[list, list[int]]:
-        """The owner's parameters of ``block`` in shipping order, and the embedding header."""
+        """The owner's parameters of ``block`` in shipping order, and the embedding header,
+        once their all-gather after the optimizer's step is in (:func:`wait_for_parameters`,
+        as the modules' own forwards would wait)."""
+        layers = self.gpt.decoder.layers
+        embedding = self.gpt.embedding if block == 0 else None
+        wait_for_parameters([*layers.modules(), *(embedding.modules() if embedding else ())])
         tensors, header = [], [0, 0]
-        if block == 0:
-            embedding = self.gpt.embedding
+        if embedding is not None:
             tensors.append(embedding.word_embeddings.weight)
             header[0] = embedding.word_embeddings.weight.shape[0]
             positions = getattr(embedding, "position_embeddings", None)
             if positions is not None:
                 tensors.append(positions.weight)
                 header[1] = positions.weight.shape[0]
-        tensors += [p for _, p in self.gpt.decoder.layers.named_parameters()]
+        tensors += [p for _, p in layers.named_parameters()]
         return tensors, header
 
     def _share_weights(self, block: int):
-        """Broadcast ``block``'s parameters from its owner, which first waits for their
-        all-gather after the optimizer's step (:func:`wait_for_parameters`). A helper gets
+        """Broadcast ``block``'s parameters (:meth:`_owned`) from its owner. A helper gets
         ``(all leaves, layer parameters by layer, embedding tables)``, the owner ``(its
         parameters, None, None)``."""
         group, ranks = self.groups[block]
         owner = ranks[0]
         if self.stage == block:
-            modules = [*self.gpt.decoder.layers.modules(),
-                       *(self.gpt.embedding.modules() if block == 0 else ())]
-            wait_for_parameters(modules)
             tensors, header = self._owned(block)
             dist.broadcast(torch.tensor(header, dtype=torch.int64,
                                         device=collective_device(group)), owner, group=group)

@@ -458,8 +458,8 @@ VARIANTS = {
         # document's routings counted over the ranks that hold parts of its rows); helix and
         # sppo refuse it.
         **{f"pp2_{parallel}_moe_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
-                                              *layout, *(AUX if name in ("1f1b", "ir", "elastic",
-                                                                         "seq1f1b") else [])])
+                                              *layout,
+                                              *(AUX if name in dict(FOUR_SCHEDULES) else [])])
            for parallel, flags, names in (
                ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                 ("1f1b", "ir", "elastic", "seq1f1b", "helix", "sppo")),

@@ -145,7 +145,8 @@ class DocumentRouter(TopKRouter):
                                f"segments)")
         rows = len(layout.segments)
         held = scores.shape[0] // rows
-        parts, part, group = self._row_part()
+        group, part = self._row_part()
+        parts = group.size()
         length = max(segment.stop for segments in layout.segments for segment in segments)
         if held * parts != length:
             raise RuntimeError(f"MoE layer {self.layer_number}: a router call holds {held} "
@@ -189,15 +190,13 @@ class DocumentRouter(TopKRouter):
         return _Call(owner, documents)
 
     def _row_part(self) -> tuple:
-        """``(parts, part, group)``: how many contiguous parts of each row the ranks of
-        ``group`` hold (``tp_cp_group`` under sequence parallelism, else ``cp_group``), and
-        which one this rank holds (module docstring)."""
+        """``(group, part)``: the ranks that hold the contiguous parts of each row, one each
+        (``tp_cp_group`` under sequence parallelism, else ``cp_group``), and which part this
+        rank holds (module docstring)."""
         if self.config.sequence_parallel and self.tp_group.size() > 1:
-            tp, group = self.tp_group.size(), self.tp_cp_group
-        else:
-            tp, group = 1, self.cp_group
-        tp_rank = self.tp_group.rank() if tp > 1 else 0
-        return self.cp_group.size() * tp, self.cp_group.rank() * tp + tp_rank, group
+            tp = self.tp_group.size()
+            return self.tp_cp_group, self.cp_group.rank() * tp + self.tp_group.rank()
+        return self.cp_group, self.cp_group.rank()
 
     def _add_slice(self, doc: _Document, counts, sums, layout) -> None:
         entry = self._store.get(doc.key)
