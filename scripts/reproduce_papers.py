@@ -47,6 +47,10 @@ Rows:
   baselines' ZeRO + A2A over elastic's, the speedups and the bubble bound; the shares' why is
   elastic's own ZeRO-3, over each stage's SP group inside a node (the paper's InfiniPipe,
   L358), priced as DeepSpeed's and added to elastic's time in DeepSpeed's speedups' why.
+  Fig. 10's batch panel (L391) for 13B at 64K and batches of 128, 256 and 512 documents
+  (:data:`BATCHES`): elastic's throughput gain over the smallest batch, the baselines' (about
+  none), elastic over FlexSP and DeepSpeed at 512, and elastic's bubble ratio falling with the
+  batch (Fig. 11, L397).
 - ``table3``: InfiniPipe's Table 3, the all-to-all share of GPT-13B's time under Ulysses SP of 8,
   16 and 32 GPUs at 32K tokens (one sequence): the layers' collectives over the layers' forward
   and backward (the embedding, head and ZeRO traffic of the paper's end-to-end time are left
@@ -222,7 +226,7 @@ def elastic_speedup(model: str, context: int, profile: HardwareProfile, document
              "elastic_a2a_s": sum(a2a) / len(a2a), "elastic_zero3_s": sum(zero3) / len(zero3),
              "elastic_bubble": ours["bubble_ratio"],
              "seq1f1b_s": None if seq.get("oom") else seq["iteration_time_s"],
-             "longest_document": max(raw), "truncated": cut}
+             "tokens": sum(lengths), "longest_document": max(raw), "truncated": cut}
     if model != "gpt-7b":
         found.update(sequence_parallel_baselines(model, context, profile, lengths))
     return found
@@ -376,16 +380,24 @@ def recompute_term(cells: list[dict], ratio=None) -> dict | None:
 CELLS = tuple((m, c) for c in (49152, 98304) for m in ("gpt-7b", "gpt-13b", "gpt-30b")) + \
     (("gpt-13b", 65536), ("gpt-13b", 196608))
 """The InfiniPipe cells: Fig. 8's grid, then Fig. 10's 13B at 64K and 192K."""
+BATCHES = (128, 256, 512)
+"""Fig. 10's global batch sizes (L391: 128 to 512 sequences), priced for 13B at 64K: Fig. 10's
+batch panel does not state its context, Fig. 11's ablation over the same batch sizes states 64K
+(L387), and the 64K cell at 512 sequences is Fig. 10's context panel's first point."""
 
 
 def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> list[dict]:
     profile = testbed("infinipipe-a800")
+    batches = [(("gpt-13b", 65536), size) for size in BATCHES if size != documents]
     if cache is not None:
         # Batch by batch, so that an interrupted run leaves whole batches in the cache.
         for seed in seeds:
-            for model, context in CELLS:
-                seeded(model, context, profile, documents, seed, cache)
+            for (model, context), size in [(cell, documents) for cell in CELLS] + batches:
+                seeded(model, context, profile, size, seed, cache)
     grid = {(m, c): elastic_cell(m, c, profile, documents, seeds, cache) for m, c in CELLS}
+    by_batch = {size: elastic_cell(m, c, profile, size, seeds, cache)
+                for (m, c), size in batches}
+    by_batch[documents] = grid["gpt-13b", 65536]
     rows = []
     for context, published in ((49152, 1.27), (98304, 1.40)):
         cells = [grid[m, context] for m in ("gpt-7b", "gpt-13b", "gpt-30b")]
@@ -430,6 +442,55 @@ def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> li
         rows.append(row("InfiniPipe", f"elastic / FlexSP, 13B, {context // 1024}K (Fig. 10, "
                         f"L384, the range's {ref})", flexsp, cell["speedup_flexsp"],
                         profile.name, recompute_term([cell]), cells=[cell]))
+    rows += batch_scaling(by_batch, profile.name)
+    return rows
+
+
+def throughput(cell: dict, name: str) -> float | None:
+    """Tokens a second of system ``name`` in ``cell``: the batches' mean tokens over their
+    mean seconds (``None`` where it fits no batch)."""
+    seconds = cell[f"{name}_s"]
+    return None if seconds is None else cell["tokens"] / seconds
+
+
+def gain(cells: dict[int, dict], name: str, size: int) -> float | None:
+    """``name``'s throughput at a batch of ``size`` sequences over that at the smallest."""
+    small, large = throughput(cells[min(cells)], name), throughput(cells[size], name)
+    return None if small is None or large is None else large / small
+
+
+def batch_scaling(cells: dict[int, dict], profile: str) -> list[dict]:
+    """Fig. 10's batch panel (L391) and Fig. 11's bubble trend (L397), 13B at 64K
+    (:data:`BATCHES`), ``cells`` by batch size: elastic's throughput grows with the batch, up
+    to 1.18x its throughput at 128; the baselines' "remains almost the same" (1 within the
+    band); elastic over FlexSP and DeepSpeed at the largest batch (the text credits the more
+    sequences' lower bubble ratio); and elastic's bubble ratio lower at the largest batch than at
+    the smallest (L397: it decreases as the batch grows). Each batch size draws its own
+    batches (the same seeds), so a gain also carries the mixtures' differences."""
+    low, high = min(cells), max(cells)
+    where = "13B, 64K"
+    detail = [{k: c[k] for k in c if k in ("seeds", "tokens", "elastic_bubble")
+               or k.endswith("_s") or k.startswith("speedup_")} | {"documents": size}
+              for size, c in sorted(cells.items())]
+    growth = {size: gain(cells, "elastic", size) for size in cells if size != low}
+    rows = [row("InfiniPipe", f"elastic's throughput over its own at a batch of {low}, max "
+                f"over {' and '.join(map(str, growth))}, {where} (Fig. 10, L391: 'up to')", 1.18,
+                max(growth.values()), profile, cells=detail)]
+    for name, label in (("seq1f1b", "Seq1F1B"), ("deepspeed", "DeepSpeed"),
+                        ("megatron", "Megatron-LM"), ("flexsp", "FlexSP")):
+        rows.append(row("InfiniPipe", f"{label}'s throughput at a batch of {high} over {low}, "
+                        f"{where} (Fig. 10, L391: 'almost the same')", 1.0,
+                        gain(cells, name, high), profile))
+    large = cells[high]
+    for name, label, published in (("flexsp", "FlexSP", 1.33), ("deepspeed", "DeepSpeed", 1.49)):
+        rows.append(row("InfiniPipe", f"elastic / {label}, {where}, a batch of {high} (Fig. 10, "
+                        f"L391)", published, large[f"speedup_{name}"], profile,
+                        recompute_term([large]) if name == "flexsp"
+                        else zero3_term([large], name)))
+    rows.append(bound_row("InfiniPipe", f"elastic's bubble ratio at a batch of {high} over "
+                          f"{low}, {where} (Fig. 11, L397: it decreases as the batch grows)",
+                          ("<=", 1.0), large["elastic_bubble"] / cells[low]["elastic_bubble"],
+                          profile))
     return rows
 
 
