@@ -50,7 +50,8 @@ Rows:
   Fig. 10's batch panel (L391) for 13B at 64K and batches of 128, 256 and 512 documents
   (:data:`BATCHES`): elastic's throughput gain over the smallest batch, the baselines' (about
   none), elastic over FlexSP and DeepSpeed at 512, and elastic's bubble ratio falling with the
-  batch (Fig. 11, L397).
+  batch (Fig. 11, L397). Fig. 10's context panel as L386 reads it: every system's throughput
+  falls from 64K to 192K, Megatron-LM's the least and Seq1F1B's the most.
 - ``table3``: InfiniPipe's Table 3, the all-to-all share of GPT-13B's time under Ulysses SP of 8,
   16 and 32 GPUs at 32K tokens (one sequence): the layers' collectives over the layers' forward
   and backward (the embedding, head and ZeRO traffic of the paper's end-to-end time are left
@@ -442,7 +443,38 @@ def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> li
         rows.append(row("InfiniPipe", f"elastic / FlexSP, 13B, {context // 1024}K (Fig. 10, "
                         f"L384, the range's {ref})", flexsp, cell["speedup_flexsp"],
                         profile.name, recompute_term([cell]), cells=[cell]))
+    rows += context_scaling(grid["gpt-13b", 65536], grid["gpt-13b", 196608], profile.name)
     rows += batch_scaling(by_batch, profile.name)
+    return rows
+
+
+SYSTEMS = {"elastic": "elastic", "seq1f1b": "Seq1F1B", "deepspeed": "DeepSpeed",
+           "megatron": "Megatron-LM", "flexsp": "FlexSP"}
+"""The systems of Fig. 10, by their cells' keys."""
+
+
+def context_scaling(short: dict, long: dict, profile: str) -> list[dict]:
+    """Fig. 10's context panel as the text reads it (L386), 13B from 64K to 192K: every
+    system's throughput falls; Megatron-LM's the least (the share of its 64K throughput it
+    keeps over the largest share another system keeps: at least 1); Seq1F1B's the most (its
+    share over the smallest another keeps: at most 1). Where a system fits no batch of a cell
+    its share is left out."""
+    kept = {name: None if throughput(short, name) is None or throughput(long, name) is None
+            else throughput(long, name) / throughput(short, name) for name in SYSTEMS}
+    kept = {name: share for name, share in kept.items() if share is not None}
+    where = "13B, 192K over 64K (Fig. 10, L386"
+    detail = {"share_of_64k_throughput_kept": kept}
+    rows = [bound_row("InfiniPipe", f"the largest share of its throughput a system keeps, "
+                      f"{where}: all decrease)", ("<=", 1.0), max(kept.values()), profile,
+                      **detail)]
+    for name, op, pick, claim in (("megatron", ">=", max, "the least degradation"),
+                                  ("seq1f1b", "<=", min, "the most sensitive")):
+        others = [share for other, share in kept.items() if other != name]
+        if name in kept and others:
+            rows.append(bound_row("InfiniPipe", f"{SYSTEMS[name]}'s share kept over the "
+                                  f"{'largest' if pick is max else 'smallest'} another system "
+                                  f"keeps, {where}: {claim})", (op, 1.0),
+                                  kept[name] / pick(others), profile, **detail))
     return rows
 
 
@@ -476,9 +508,8 @@ def batch_scaling(cells: dict[int, dict], profile: str) -> list[dict]:
     rows = [row("InfiniPipe", f"elastic's throughput over its own at a batch of {low}, max "
                 f"over {' and '.join(map(str, growth))}, {where} (Fig. 10, L391: 'up to')", 1.18,
                 max(growth.values()), profile, cells=detail)]
-    for name, label in (("seq1f1b", "Seq1F1B"), ("deepspeed", "DeepSpeed"),
-                        ("megatron", "Megatron-LM"), ("flexsp", "FlexSP")):
-        rows.append(row("InfiniPipe", f"{label}'s throughput at a batch of {high} over {low}, "
+    for name in BASELINES:
+        rows.append(row("InfiniPipe", f"{SYSTEMS[name]}'s throughput at a batch of {high} over {low}, "
                         f"{where} (Fig. 10, L391: 'almost the same')", 1.0,
                         gain(cells, name, high), profile))
     large = cells[high]
