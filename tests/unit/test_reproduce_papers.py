@@ -10,6 +10,16 @@ from harness import REPO, python_path
 BAND = 0.15
 
 
+def scripts_module():
+    """``scripts/reproduce_papers.py`` imported as a module."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import reproduce_papers
+    finally:
+        sys.path.remove(os.path.join(REPO, "scripts"))
+    return reproduce_papers
+
+
 def test_table3_and_helixpipe_rows(tmp_path):
     out, table = tmp_path / "rows.json", tmp_path / "rows.md"
     result = subprocess.run(
@@ -51,11 +61,7 @@ def test_the_flexsp_rows_term_is_flexsp_recomputing_every_layer():
     """Two cells by hand: the term's size is the most extra seconds recomputing costs FlexSP
     (3 s, the 13B cell), the row's number with it the largest ratio over the cells (13 / 10;
     FlexSP over DeepSpeed: 30 / 24); a cell without FlexSP prices nothing."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    try:
-        import reproduce_papers
-    finally:
-        sys.path.remove(os.path.join(REPO, "scripts"))
+    reproduce_papers = scripts_module()
     cells = [{"model": "gpt-13b", "context": 49152, "elastic_s": 10.0, "flexsp_s": 10.0,
               "flexsp_recompute_s": 13.0, "deepspeed_s": 15.0},
              {"model": "gpt-30b", "context": 98304, "elastic_s": 20.0, "flexsp_s": 22.0,
@@ -66,3 +72,57 @@ def test_the_flexsp_rows_term_is_flexsp_recomputing_every_layer():
     over = reproduce_papers.recompute_term(cells, lambda cell, flexsp: cell["deepspeed_s"] / flexsp)
     assert over["simulated_with"] == 30.0 / 24.0
     assert reproduce_papers.recompute_term([dict(cells[0], flexsp_s=None)]) is None
+
+
+def cell(tokens, **seconds):
+    """A cell of ``tokens`` mean tokens and each system's mean seconds (``NAME=s``)."""
+    found = {"model": "gpt-13b", "context": 65536, "seeds": [0], "tokens": tokens,
+             "elastic_bubble": seconds.pop("bubble"), "flexsp_recompute_s": None,
+             "deepspeed_zero3_s": 0.0, "elastic_zero3_s": 0.0}
+    found.update({f"{name}_s": value for name, value in seconds.items()})
+    found.update({f"speedup_{name}": found[f"{name}_s"] / found["elastic_s"]
+                  for name in seconds if name != "elastic"})
+    return found
+
+
+def test_the_batch_panel_rows_are_throughputs_over_the_smallest_batch():
+    """Three batches by hand: elastic's gain is the best of 256 (2000 tokens in 8 s over 1000 in
+    5 s: 1.25) and 512 (4000 in 17 s: 1.18); a baseline's is at the largest batch (FlexSP 4000
+    in 26 s over 1000 in 5 s: 1.54, out of the band); the speedups are the largest batch's, and
+    the bubble row is its bubble over the smallest's."""
+    rp = scripts_module()
+    times = dict(seq1f1b=6.0, deepspeed=7.0, megatron=10.0)
+    cells = {128: cell(1000, elastic=5.0, flexsp=5.0, bubble=0.2, **times),
+             256: cell(2000, elastic=8.0, flexsp=10.0, bubble=0.15, **times),
+             512: cell(4000, elastic=17.0, flexsp=26.0, bubble=0.1,
+                       **{name: 4 * s for name, s in times.items()})}
+    rows = {row["what"].split(" (")[0]: row for row in rp.batch_scaling(cells, "p")}
+    assert rows["elastic's throughput over its own at a batch of 128, max over 256 and "
+                "512, 13B, 64K"]["simulated"] == (2000 / 8.0) / (1000 / 5.0)
+    flexsp = rows["FlexSP's throughput at a batch of 512 over 128, 13B, 64K"]
+    assert flexsp["simulated"] == (4000 / 26.0) / (1000 / 5.0) and flexsp["verdict"] == "open"
+    assert rows["Megatron-LM's throughput at a batch of 512 over 128, 13B, 64K"]["verdict"] \
+        == "agrees"
+    assert rows["elastic / DeepSpeed, 13B, 64K, a batch of 512"]["simulated"] == 28.0 / 17.0
+    assert rows["elastic's bubble ratio at a batch of 512 over 128, 13B, 64K"]["simulated"] \
+        == 0.1 / 0.2
+
+
+def test_the_context_panel_rows_compare_the_shares_kept():
+    """64K to 192K by hand (tokens 1000 then 900): the shares kept are elastic 0.9 / 1.2 =
+    0.75, Seq1F1B 0.9 / 1.5 = 0.6, Megatron-LM 0.9 / 1.0 = 0.9 (the most: its row is over
+    FlexSP's 0.9 / 1.1, the next), FlexSP 0.818; DeepSpeed fits no 192K batch and is left out.
+    Seq1F1B's row is over the smallest another keeps, elastic's."""
+    rp = scripts_module()
+    short = cell(1000, elastic=1.0, seq1f1b=1.0, megatron=1.0, deepspeed=1.0, flexsp=1.0,
+                 bubble=0.1)
+    long = cell(900, elastic=1.2, seq1f1b=1.5, megatron=1.0, deepspeed=1.0, flexsp=1.1,
+                bubble=0.1)
+    long["deepspeed_s"] = None
+    rows = rp.context_scaling(short, long, "p")
+    kept = rows[0]["share_of_64k_throughput_kept"]
+    assert set(kept) == {"elastic", "seq1f1b", "megatron", "flexsp"}
+    assert rows[0]["simulated"] == max(kept.values()) == kept["megatron"]
+    assert rows[1]["simulated"] == kept["megatron"] / (0.9 / 1.1)
+    assert rows[2]["simulated"] == kept["seq1f1b"] / kept["elastic"]
+    assert [row["verdict"] for row in rows] == ["agrees"] * 3
