@@ -405,7 +405,7 @@ def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> li
         rows.append(row("InfiniPipe", f"elastic / Seq1F1B, {context // 1024}K, max over "
                         f"7B/13B/30B (Fig. 8, L367){longest(cells)}", published,
                         best(cells, "speedup_seq1f1b"), profile.name, cells=cells))
-    cells = [cell for (m, _), cell in grid.items() if m != "gpt-7b"]
+    cells = [grid[m, c] for c in (49152, 98304) for m in ("gpt-13b", "gpt-30b")]
     for name, label, published in (("deepspeed", "DeepSpeed-Ulysses (SP 32, ZeRO-3)", 2.07),
                                    ("megatron", "Megatron-LM (TP 8 x CP 4 ring attention)",
                                     2.60)):
