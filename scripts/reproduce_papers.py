@@ -777,10 +777,8 @@ def sppo() -> list[dict]:
             # the lowest (highest) over the lengths with the term priced, and its cell's size
             cell = pick(found, key=lambda c: c["layouts"]["megatron_collectives"]
                         ["speedup_hidden"])
-            exposed = cell["layouts"]["megatron_collectives"]
-            why = term(f"{MEGATRON_COLLECTIVES}, at {cell['seq_length'] // 1024}K",
-                       exposed["seconds"], f"s of Megatron-LM's {exposed['iteration_s']:.3g} s "
-                       f"iteration", exposed["speedup_hidden"], COLLECTIVES_SOURCE)
+            why = collectives_term(cell["layouts"]["megatron_collectives"], cell["seq_length"],
+                                   layouts[MEGATRON][0], profile)
         rows.append(row("SPPO", f"SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the {label}, "
                         f"Table 4's layouts (Fig. 10, L272)", published, value, profile.name,
                         why, cells=cells))
@@ -791,9 +789,11 @@ def sppo() -> list[dict]:
         searched, searched_layouts = speedup(sixty_five, 128, tokens)
         shared, _ = speedup(sixty_five, 128, tokens,
                             dict.fromkeys((SPPO, MEGATRON), layouts[SPPO]), counts[tokens])
+        why = None if ratio is None else collectives_term(
+            chosen["megatron_collectives"], tokens, layouts[MEGATRON][0], profile)
         rows.append(row("SPPO", f"SPPO / Megatron-LM, 65B, 128 GPUs, {tokens // 1024}K, "
                         f"Table 4's layouts (Fig. 10, L276)", published, ratio, profile.name,
-                        layouts=chosen, speedup_at_searched_layouts=searched,
+                        why, layouts=chosen, speedup_at_searched_layouts=searched,
                         searched_layouts=searched_layouts,
                         speedup_megatron_at_sppo_layout=shared))
     # The offload ablation (L284): full offloading over none, at Table 4's layout and N.
@@ -875,11 +875,19 @@ def sppo() -> list[dict]:
     return rows
 
 
-MEGATRON_COLLECTIVES = ("Megatron-LM's TP + SP all-gathers and reduce-scatters (TP 32 over 4 "
-                        "nodes) left exposed between its GEMMs; hidden")
 COLLECTIVES_SOURCE = ("the cost model's layer collectives (rings over the nodes' NICs, "
                       "longctx.collectives) in the forward, backward and recomputed forward; "
                       "paper_terms.plan_collectives_s")
+
+
+def collectives_term(exposed: dict, tokens: int, tp: int, profile: HardwareProfile) -> dict:
+    """The SPPO speed rows' why: Megatron-LM's TP + SP collectives (``exposed``,
+    :func:`megatron_collectives`) hidden, at ``tokens``, TP ``tp`` on ``profile``'s nodes."""
+    nodes = tp // profile.gpus_per_node
+    return term(f"Megatron-LM's TP + SP all-gathers and reduce-scatters (TP {tp} over {nodes} "
+                f"nodes) left exposed between its GEMMs; hidden, at {tokens // 1024}K",
+                exposed["seconds"], f"s of Megatron-LM's {exposed['iteration_s']:.3g} s "
+                f"iteration", exposed["speedup_hidden"], COLLECTIVES_SOURCE)
 
 
 def megatron_collectives(sppo_plan, megatron_plan) -> dict:
