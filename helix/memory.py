@@ -363,6 +363,25 @@ def helix_shape(config, args, device_type: str) -> HelixShape:
         moe_bytes=_moe_bytes(config, args), context_parallel=cp)
 
 
+def model_shape(model: ModelConfig, seq: int, tp: int, recompute: bool) -> HelixShape:
+    """The :class:`HelixShape` of a priced model (:class:`~longctx.models.ModelConfig`, one
+    ``seq``-token sequence a micro-batch, TP ``tp`` with sequence parallelism on CUDA), as
+    :func:`helix_shape` reads a run: GPT's LayerNorm and biases, learned positions or full
+    RoPE, no Q/K norms, no MLP chunks; ``recompute``: recomputation without attention."""
+    h, ffn = model.hidden_size, model.ffn_hidden_size
+    head = h // model.num_heads
+    return HelixShape(
+        tokens=seq, sequence_parallel_tokens=seq // tp, hidden=h, attention=h // tp,
+        mlp_first=model.mlp_width // tp, mlp_second=ffn // tp, qkv=3 * h // tp,
+        heads=model.num_heads // tp, vocab=model.vocab_size // tp,
+        element_bytes=model.element_bytes,
+        mask_bytes=model.dropout_mask_bytes if model.hidden_dropout else 0,
+        norm_statistics=2, norm_normalized=False, norm_weight=False,
+        position_ids=model.learned_positions, rope_dim=0 if model.learned_positions else head,
+        qkv_bias=True, recompute=recompute, mlp_chunk_rows=None,
+        moe_bytes=mlp_saved_per_token(model) if model.num_experts else 0)
+
+
 def _moe_bytes(config, args) -> int:
     """:attr:`HelixShape.moe_bytes` of a run (0 without experts)."""
     if not config.num_moe_experts:

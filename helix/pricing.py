@@ -45,9 +45,13 @@ parallelism (TP = SP = the node's GPUs) inside it, ``microbatches`` full-length 
   ``(p - 1)(F + B - W)``, HelixPipe's eq. (3) ``(p - 1)(t_qkv + 3 t_attn + t_post) L / p`` at
   ``backward_factor = 2``.
 
-Helix's own memory is not priced: the comparison assumes that it fits, as it did in the
-paper's runs with recomputation without attention (a known limit, stated where the
-comparison is reported).
+Helix's own memory does not enter :func:`compare` (the comparison assumes that it fits, as it
+did in the paper's runs with recomputation without attention). :func:`helix_peaks` gives it
+beside :func:`one_f_one_b_peaks`: each stage's planned activation peak in the two-fold
+schedule (:func:`helix.memory.planned_peaks` over :func:`helix.memory.model_shape`, the bytes
+helix's runtime keeps) on top of the model state 1F1B's stage of the same index holds (the
+choice: helix places a layer's parts cyclically, so each stage holds about ``L / p`` layers'
+weights as 1F1B's does; the embedding and head are charged where 1F1B has them).
 """
 from __future__ import annotations
 
@@ -110,6 +114,18 @@ def one_f_one_b_peaks(model: ModelConfig, hardware: HardwareProfile, seq: int, p
         peaks.append(cost.static_bytes(stage) + min(pp - stage, microbatches) * kept
                      + rebuilt + cost.stage_workspace(stage, chunk))
     return peaks
+
+
+def helix_peaks(model: ModelConfig, hardware: HardwareProfile, seq: int, pp: int, tp: int,
+                microbatches: int, recompute: bool, folds: int = 2) -> list[float]:
+    """Peak bytes of each helix stage (module doc); ``recompute``: recomputation without
+    attention."""
+    from helix.memory import model_shape, planned_peaks
+
+    cost = CostModel(model, hardware, ParallelConfig(pp=pp, tp=tp))
+    activations = planned_peaks(model_shape(model, seq, tp, recompute), pp, model.num_layers,
+                                microbatches, folds, recompute)
+    return [cost.static_bytes(stage) + kept for stage, kept in enumerate(activations)]
 
 
 def compare(model: ModelConfig, hardware: HardwareProfile, seq: int, pp: int, tp: int,

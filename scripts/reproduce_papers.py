@@ -72,8 +72,10 @@ Rows:
   and gives the ratio over 1F1B too). AdaPipe (adaptive recomputation and partitioning) is not
   expressible yet.
 - ``helix_figures``: HelixPipe's Fig. 11 (the throughput recomputation without attention costs
-  helix, GPT-3B on 4 stages: bounds at 32K and 64K, about none at 96K on the A800 cluster) and
-  Fig. 4 (1F1B's activation memory of the first two of 8 stages for 13B at 128K, over 80 GB).
+  helix, GPT-3B on 4 stages: bounds at 32K and 64K, about none at 96K on the A800 cluster; and
+  without it nothing beyond 128K fits, L294), Fig. 4 (1F1B's activation memory of the first two
+  of 8 stages for 13B at 128K, over 80 GB) and Fig. 10 (3B at 128K on 8 stages: helix's peak
+  the lowest and its stages the most balanced, L288).
 - ``sppo``: SPPO over Megatron-LM (full recomputation) for GPT-7B on 32 GPUs at 512K-896K, and
   GPT-65B on 128 GPUs at 600K and 640K, each at the layout the paper's Table 4 states for it
   (L247-268, all DP 1): SPPO at SP 8 x PP 4 (7B) and SP 16 x PP 8 (65B) with Table 4's
@@ -708,6 +710,54 @@ def helix_figures() -> list[dict]:
         rows.append(bound_row("HelixPipe", f"1F1B activation memory, GB, 13B, stage {stage} of "
                               f"8, 128K, TP 8 (Fig. 4, L126: over 80 GB)", (">=", 80.0),
                               activations, profile.name))
+    return rows + helix_memory()
+
+
+HELIX_STEP = 8192
+"""Tokens between the lengths the longest-sequence rows of helix try."""
+
+
+def helix_memory() -> list[dict]:
+    """HelixPipe's memory claims, each stage's peak from :func:`helix.pricing.helix_peaks`
+    (helix, recomputation without attention unless said) and
+    :func:`~helix.pricing.one_f_one_b_peaks` (1F1B, recomputing only where it does not fit, as
+    the speed rows): Fig. 10 (L286-288: GPT-3B at 128K on 8 stages, 16 micro-batches; the
+    same memory on both clusters, so the A800's) -- helix's highest stage below 1F1B's, and its
+    stages the most balanced (highest over lowest, over 1F1B's); and L294 (Fig. 11's 3B on 4
+    stages, 8 micro-batches): without recomputation without attention helix trains nothing
+    beyond 128K, with it longer (the longest length in steps of :data:`HELIX_STEP` whose
+    highest stage fits the GPU, on each cluster)."""
+    from helix.pricing import compare, helix_peaks
+
+    model = HELIX_MODELS["gpt-3b"]
+    profile = testbed("helixpipe-a800")
+    helix = helix_peaks(model, profile, 131072, pp=8, tp=8, microbatches=16, recompute=True)
+    baseline = compare(model, profile, 131072, pp=8, tp=8, microbatches=16,
+                       helix_recompute=True)
+    ours, theirs = [p / GB for p in helix], baseline["1f1b_peak_gb"]
+    where = "gpt-3b, 128K, 8 stages (Fig. 10, L288"
+    detail = {"helix_peak_gb": ours, "1f1b_peak_gb": theirs,
+              "1f1b_recompute": baseline["1f1b_recompute"]}
+    rows = [bound_row("HelixPipe", f"helix's highest stage peak over 1F1B's, {where}: the lowest)",
+                      ("<=", 1.0), max(ours) / max(theirs), profile.name, **detail),
+            bound_row("HelixPipe", f"helix's stage peaks, highest over lowest, over 1F1B's, "
+                      f"{where}: the most balanced)", ("<=", 1.0),
+                      (max(ours) / min(ours)) / (max(theirs) / min(theirs)), profile.name,
+                      **detail)]
+    for name in ("helixpipe-a800", "helixpipe-h20"):
+        profile = testbed(name)
+        cluster = name.split("-")[1].upper()
+        for recompute, claim in ((False, ("<=", 128.0)), (True, (">=", 128.0))):
+            tokens = 0
+            while max(helix_peaks(model, profile, tokens + HELIX_STEP, pp=4, tp=8,
+                                  microbatches=8, recompute=recompute)) <= profile.hbm_gb * GB:
+                tokens += HELIX_STEP
+            label = "without" if not recompute else "with"
+            rows.append(bound_row("HelixPipe", f"longest sequence helix fits {label} "
+                                  f"recomputation without attention, K tokens, gpt-3b, "
+                                  f"{cluster} ({profile.hbm_gb:g} GB), 4 stages (Fig. 11, L294: "
+                                  f"{'nothing beyond' if not recompute else 'beyond'} 128K)",
+                                  claim, tokens / 1024, profile.name))
     return rows
 
 

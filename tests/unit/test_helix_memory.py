@@ -80,3 +80,32 @@ def test_qk_norms_keep_their_statistics_copies_and_weights():
                     if a.kind is Kind.ATTN_B)
     assert recomputing.workspace_bytes(backward) == recomputing._qkv() + 1024 * 8 * 72
     assert plain._qk_norm() == 0
+
+
+def test_a_priced_models_shape_is_the_one_a_run_of_it_reads():
+    """helix.memory.model_shape (the simulator's models) against helix_shape (what a training
+    run reads from megatron-core's config and Megatron's arguments): GPT-3B at TP 8 with
+    sequence parallelism, on CUDA, with dropout and learned positions, then with RoPE."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    from helix.memory import helix_shape, model_shape
+    from longctx.models import ModelConfig
+
+    model = ModelConfig("gpt-3b", 16, 4096, 32, 16384, 50304, hidden_dropout=True)
+    config = TransformerConfig(num_layers=16, hidden_size=4096, num_attention_heads=32,
+                               ffn_hidden_size=16384, tensor_model_parallel_size=8,
+                               sequence_parallel=True, params_dtype=torch.bfloat16,
+                               hidden_dropout=0.1, add_bias_linear=True)
+    for learned in (True, False):
+        args = SimpleNamespace(
+            seq_length=131072, micro_batch_size=1, padded_vocab_size=50304,
+            position_embedding_type="learned_absolute" if learned else "rope",
+            rotary_percent=1.0, helix_mlp_chunk_size=None,
+            helix_recompute_without_attention=True)
+        priced = dataclasses.replace(model, learned_positions=learned)
+        assert model_shape(priced, 131072, 8, recompute=True) == \
+            helix_shape(config, args, "cuda")
