@@ -70,7 +70,9 @@ Rows:
   The paper's number is over its best baseline (1F1B, ZB1P or AdaPipe); the simulated one
   over the faster of the project's 1F1B and ZB1P (:mod:`helix.pricing`; the detail names it
   and gives the ratio over 1F1B too). AdaPipe (adaptive recomputation and partitioning) is not
-  expressible yet.
+  expressible yet. Fig. 8's trends (L254-256) over 2, 4 and 8 nodes, 32K-128K and the three
+  models on both clusters: a gain at every size past 32K, growing with the length, smaller on
+  the A800.
 - ``helix_figures``: HelixPipe's Fig. 11 (the throughput recomputation without attention costs
   helix, GPT-3B on 4 stages: bounds at 32K and 64K, about none at 96K on the A800 cluster; and
   without it nothing beyond 128K fits, L294), Fig. 4 (1F1B's activation memory of the first two
@@ -653,25 +655,80 @@ def helixpipe() -> list[dict]:
     short = {"helixpipe-h20": (">=", 1.0, "L254: comparable or faster"),
              "helixpipe-a800": ("<=", 1.0, "L258: 1F1B is the best method")}
     models = (HELIX_MODELS["gpt-1.3b"], HELIX_MODELS["gpt-3b"], get_model("gpt-7b"))
+    # Fig. 8's grid: each cluster, model, pipeline of 2, 4 or 8 nodes (twice as many
+    # micro-batches, L237) and length.
+    grid = {(name, model.name, pp, seq): compare(model, testbed(name), seq, pp=pp, tp=8,
+                                                 microbatches=2 * pp, helix_recompute=True)
+            for name in published for model in models for pp in HELIX_STAGES
+            for seq in HELIX_LENGTHS}
     rows = []
     for name, numbers in published.items():
         profile = testbed(name)
         cluster = name.split("-")[1].upper()
         for model, number in zip(models, numbers):
-            found = compare(model, profile, 131072, pp=8, tp=8, microbatches=16,
-                            helix_recompute=True)
+            found = grid[name, model.name, 8, 131072]
             rows.append(row("HelixPipe", f"helix / best of 1F1B, ZB1P, {model.name}, "
                             f"{cluster}, 128K, 64 GPUs (Fig. 8, L249-254)", number,
                             found["speedup"], profile.name, **found,
                             differs=helix_bubble(found)))
         op, bound, source = short[name]
         for model in models:
-            found = compare(model, profile, 32768, pp=8, tp=8, microbatches=16,
-                            helix_recompute=True)
+            found = grid[name, model.name, 8, 32768]
             rows.append(bound_row("HelixPipe", f"helix / best of 1F1B, ZB1P, {model.name}, "
                                   f"{cluster}, 32K, 64 GPUs ({source})", (op, bound),
                                   found["speedup"], profile.name, **found,
                                   differs=helix_bubble(found)))
+    return rows + helix_scaling(grid)
+
+
+HELIX_STAGES = (2, 4, 8)
+"""Fig. 8's pipeline sizes (nodes; L254: 'smaller cluster sizes')."""
+HELIX_LENGTHS = (32768, 65536, 131072)
+"""Fig. 8's sequence lengths."""
+
+
+def helix_scaling(grid: dict) -> list[dict]:
+    """Fig. 8's trends as L254-256 states them, over ``grid`` (:func:`helixpipe`'s
+    ``(cluster, model, stages, length) -> compare()``): on each cluster helix is faster than
+    the best baseline at every pipeline size and every length but 32K (the least speedup over
+    them, at least 1; L254 states only 'comparable' at 32K); its speedup grows with the length
+    (the least ratio of a length's speedup to the next shorter one's); and it is smaller on the
+    A800 cluster than on the H20 (the least H20 / A800 ratio). Rows over both clusters name
+    both testbeds. The last one's why is the
+    baseline recomputing every layer on the A800 (80 GB) where it fits the H20 (96 GB): the
+    same ratio over the settings where the baseline recomputes on neither cluster (the paper's
+    AdaPipe, which recomputes only what memory needs, is not expressible)."""
+    rows = []
+    lengths = HELIX_LENGTHS[1:]
+    settings = "2, 4 and 8 stages, " + " and ".join(f"{s // 1024}K" for s in lengths) + \
+        ", gpt-1.3b/3b/7b"
+    for name in ("helixpipe-h20", "helixpipe-a800"):
+        least = min(found["speedup"] for (cluster, _, _, seq), found in grid.items()
+                    if cluster == name and seq in lengths)
+        rows.append(bound_row("HelixPipe", f"helix / best of 1F1B, ZB1P, the least over "
+                              f"{settings}, {name.split('-')[1].upper()} (Fig. 8, L256: a "
+                              f"consistent gain)", (">=", 1.0), least, name))
+    growth = min(grid[(*setting, longer)]["speedup"] / grid[(*setting, shorter)]["speedup"]
+                 for setting in {key[:3] for key in grid}
+                 for shorter, longer in zip(HELIX_LENGTHS, HELIX_LENGTHS[1:]))
+    rows.append(bound_row("HelixPipe", "helix / best baseline at a length over at the next "
+                          "shorter, the least over 32K-64K-128K, models, stages and clusters "
+                          "(Fig. 8, L256: growing with the length)", (">=", 1.0), growth,
+                          "helixpipe-h20, helixpipe-a800"))
+    pairs = [(grid["helixpipe-h20", m, p, seq], grid[c, m, p, seq])
+             for (c, m, p, seq) in grid if c == "helixpipe-a800"]
+    plain = [h20["speedup"] / a800["speedup"] for h20, a800 in pairs
+             if not (h20["1f1b_recompute"] or a800["1f1b_recompute"])]
+    recomputing = sum(a800["1f1b_recompute"] and not h20["1f1b_recompute"]
+                      for h20, a800 in pairs)
+    why = term("the baseline recomputing every layer on the A800 (80 GB) where it fits the "
+               "H20 (96 GB)", recomputing, f"of {len(pairs)} settings", min(plain),
+               "helix.pricing.compare (1f1b_recompute); HelixPipe L231 (the GPUs' memory)")
+    rows.append(bound_row("HelixPipe", "helix's speedup on H20 over on A800, the least over "
+                          "models, stages and lengths (Fig. 8, L256: smaller on A800)",
+                          (">=", 1.0), min(h20["speedup"] / a800["speedup"]
+                                           for h20, a800 in pairs),
+                          "helixpipe-h20, helixpipe-a800", why))
     return rows
 
 
