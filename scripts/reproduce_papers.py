@@ -51,7 +51,7 @@ Rows:
   Fig. 10's batch panel (L391) for 13B at 64K and batches of 128, 256 and 512 documents
   (:data:`BATCHES`): elastic's throughput gain over the smallest batch, the baselines' (about
   none), elastic over FlexSP and DeepSpeed at 512, and elastic's bubble ratio falling with the
-  batch (Fig. 11, L397). Fig. 10's context panel as L386 reads it: every system's throughput
+  batch (Fig. 11, L397). Fig. 10's context panel as L384 reads it: every system's throughput
   falls from 64K to 192K, Megatron-LM's the least and Seq1F1B's the most.
 - ``table3``: InfiniPipe's Table 3, the all-to-all share of GPT-13B's time under Ulysses SP of 8,
   16 and 32 GPUs at 32K tokens (one sequence): the layers' collectives over the layers' forward
@@ -251,9 +251,9 @@ def sequence_parallel_baselines(model: str, context: int, profile: HardwareProfi
     GPUs with ZeRO-3 over all of them (:mod:`elastic_pipe.flexsp`): ``NAME_s`` seconds
     (``None`` when nothing fits), and for the Ulysses ones ``NAME_zero3_s`` (the exposed ZeRO-3
     traffic) and ``NAME_a2a_s``; ``flexsp_recompute_s`` and ``flexsp_recompute_a2a_s``, FlexSP
-    with every layer recomputed (:data:`RECOMPUTE`). Ulysses over 32 GPUs needs a head count that 32 divides: the
-    presets' 40 and 56 heads become 64 for it (the cost model's time and memory do not depend
-    on the split)."""
+    with every layer recomputed (:data:`RECOMPUTE`). Ulysses over 32 GPUs needs a head count
+    that 32 divides: the presets' 40 and 56 heads become 64 for it (the cost model's time and
+    memory do not depend on the split)."""
     from elastic_pipe.baselines import packed_1f1b
     from elastic_pipe.evaluation import report
     from elastic_pipe.flexsp import plan_flexsp
@@ -465,15 +465,15 @@ SYSTEMS = {"elastic": "elastic", "seq1f1b": "Seq1F1B", "deepspeed": "DeepSpeed",
 
 
 def context_scaling(short: dict, long: dict, profile: str) -> list[dict]:
-    """Fig. 10's context panel as the text reads it (L386), 13B from 64K to 192K: every
+    """Fig. 10's context panel as the text reads it (L384), 13B from 64K to 192K: every
     system's throughput falls; Megatron-LM's the least (the share of its 64K throughput it
     keeps over the largest share another system keeps: at least 1); Seq1F1B's the most (its
-    share over the smallest another keeps: at most 1). Where a system fits no batch of a cell
+    share over the smallest another keeps: at most 1). Where a system misses any batch of a cell
     its share is left out."""
     kept = {name: None if throughput(short, name) is None or throughput(long, name) is None
             else throughput(long, name) / throughput(short, name) for name in SYSTEMS}
     kept = {name: share for name, share in kept.items() if share is not None}
-    where = "13B, 192K over 64K (Fig. 10, L386"
+    where = "13B, 192K over 64K (Fig. 10, L384"
     detail = {"share_of_64k_throughput_kept": kept}
     rows = [bound_row("InfiniPipe", f"the largest share of its throughput a system keeps, "
                       f"{where}: all decrease)", ("<=", 1.0), max(kept.values()), profile,
@@ -491,7 +491,7 @@ def context_scaling(short: dict, long: dict, profile: str) -> list[dict]:
 
 def throughput(cell: dict, name: str) -> float | None:
     """Tokens a second of system ``name`` in ``cell``: the batches' mean tokens over their
-    mean seconds (``None`` where it fits no batch)."""
+    mean seconds (``None`` where it misses any batch)."""
     seconds = cell[f"{name}_s"]
     return None if seconds is None else cell["tokens"] / seconds
 
@@ -520,8 +520,8 @@ def batch_scaling(cells: dict[int, dict], profile: str) -> list[dict]:
                 f"over {' and '.join(map(str, growth))}, {where} (Fig. 10, L391: 'up to')", 1.18,
                 max(growth.values()), profile, cells=detail)]
     for name in BASELINES:
-        rows.append(row("InfiniPipe", f"{SYSTEMS[name]}'s throughput at a batch of {high} over {low}, "
-                        f"{where} (Fig. 10, L391: 'almost the same')", 1.0,
+        rows.append(row("InfiniPipe", f"{SYSTEMS[name]}'s throughput at a batch of {high} over "
+                        f"{low}, {where} (Fig. 10, L391: 'almost the same')", 1.0,
                         gain(cells, name, high), profile))
     large = cells[high]
     for name, label, published in (("flexsp", "FlexSP", 1.33), ("deepspeed", "DeepSpeed", 1.49)):
@@ -647,8 +647,6 @@ all-to-all's share of them; their product is the all-to-all's seconds."""
 # -- HelixPipe ----------------------------------------------------------------------------------
 
 def helixpipe() -> list[dict]:
-    from helix.pricing import compare
-
     published = {"helixpipe-h20": (1.28, 1.20, 1.26), "helixpipe-a800": (1.16, 1.13, 1.13)}
     # At 32K the text states bounds only (the numbers are in Fig. 8): on the A800 cluster 1F1B
     # is the best method (L258), elsewhere at shorter lengths helix performs comparably or
@@ -658,8 +656,7 @@ def helixpipe() -> list[dict]:
     models = (HELIX_MODELS["gpt-1.3b"], HELIX_MODELS["gpt-3b"], get_model("gpt-7b"))
     # Fig. 8's grid: each cluster, model, pipeline of 2, 4 or 8 nodes (twice as many
     # micro-batches, L237) and length.
-    grid = {(name, model.name, pp, seq): compare(model, testbed(name), seq, pp=pp, tp=8,
-                                                 microbatches=2 * pp, helix_recompute=True)
+    grid = {(name, model.name, pp, seq): compare_helix(model, testbed(name), seq, pp)
             for name in published for model in models for pp in HELIX_STAGES
             for seq in HELIX_LENGTHS}
     rows = []
@@ -679,7 +676,7 @@ def helixpipe() -> list[dict]:
                                   f"{cluster}, 32K, 64 GPUs ({source})", (op, bound),
                                   found["speedup"], profile.name, **found,
                                   differs=helix_bubble(found)))
-    return rows + helix_scaling(grid)
+    return rows + helix_scaling(grid, {model.name: model for model in models})
 
 
 HELIX_STAGES = (2, 4, 8)
@@ -688,49 +685,68 @@ HELIX_LENGTHS = (32768, 65536, 131072)
 """Fig. 8's sequence lengths."""
 
 
-def helix_scaling(grid: dict) -> list[dict]:
-    """Fig. 8's trends as L254-256 states them, over ``grid`` (:func:`helixpipe`'s
-    ``(cluster, model, stages, length) -> compare()``): on each cluster helix is faster than
-    the best baseline at every pipeline size and every length but 32K (the least speedup over
-    them, at least 1; L254 states only 'comparable' at 32K); its speedup grows with the length
-    (the least ratio of a length's speedup to the next shorter one's); and it is smaller on the
-    A800 cluster than on the H20 (the least H20 / A800 ratio). Rows over both clusters name
-    both testbeds. The last one's why is the
-    baseline recomputing every layer on the A800 (80 GB) where it fits the H20 (96 GB): the
-    same ratio over the settings where the baseline recomputes on neither cluster (the paper's
-    AdaPipe, which recomputes only what memory needs, is not expressible)."""
+def helix_scaling(grid: dict, models: dict) -> list[dict]:
+    """Fig. 8's trends as L256 states them, over ``grid`` (:func:`helixpipe`'s ``(cluster,
+    model, stages, length) -> compare()``; ``models`` by name): helix is faster than the best
+    baseline "for all settings other than those with 32k sequence length and A800 GPU devices"
+    (the least speedup on each cluster over its settings: every length on the H20, past 32K on
+    the A800; at least 1); its speedup grows with the length (the least ratio of a length's
+    speedup to the next shorter one's); and it is smaller on the A800 cluster than on the H20
+    (the least H20 / A800 ratio). Rows over both clusters name both testbeds; each row's
+    detail holds every setting's speedup. The last row's why is the baseline recomputing
+    every layer on the A800 (80 GB) where it fits the H20 (96 GB): those settings' A800 side
+    priced with the H20's memory (the paper's AdaPipe, which recomputes only what memory
+    needs, is not expressible)."""
+    detail = {"speedups": {f"{cluster} {model} {stages} stages {seq // 1024}K": found["speedup"]
+                           for (cluster, model, stages, seq), found in grid.items()}}
     rows = []
-    lengths = HELIX_LENGTHS[1:]
-    settings = "2, 4 and 8 stages, " + " and ".join(f"{s // 1024}K" for s in lengths) + \
-        ", gpt-1.3b/3b/7b"
-    for name in ("helixpipe-h20", "helixpipe-a800"):
+    for name, lengths in (("helixpipe-h20", HELIX_LENGTHS), ("helixpipe-a800", HELIX_LENGTHS[1:])):
         least = min(found["speedup"] for (cluster, _, _, seq), found in grid.items()
                     if cluster == name and seq in lengths)
-        rows.append(bound_row("HelixPipe", f"helix / best of 1F1B, ZB1P, the least over "
-                              f"{settings}, {name.split('-')[1].upper()} (Fig. 8, L256: a "
-                              f"consistent gain)", (">=", 1.0), least, name))
+        named = [f"{seq // 1024}K" for seq in lengths]
+        at = ", ".join(named[:-1]) + " and " + named[-1]
+        rows.append(bound_row("HelixPipe", f"helix / best of 1F1B, ZB1P, the least over 2, 4 and "
+                              f"8 stages, {at}, gpt-1.3b/3b/7b, {name.split('-')[1].upper()} "
+                              f"(Fig. 8, L256: a gain in every setting but 32K on the A800)",
+                              (">=", 1.0), least, name, **detail))
     growth = min(grid[(*setting, longer)]["speedup"] / grid[(*setting, shorter)]["speedup"]
                  for setting in {key[:3] for key in grid}
                  for shorter, longer in zip(HELIX_LENGTHS, HELIX_LENGTHS[1:]))
-    rows.append(bound_row("HelixPipe", "helix / best baseline at a length over at the next "
-                          "shorter, the least over 32K-64K-128K, models, stages and clusters "
-                          "(Fig. 8, L256: growing with the length)", (">=", 1.0), growth,
-                          "helixpipe-h20, helixpipe-a800"))
-    pairs = [(grid["helixpipe-h20", m, p, seq], grid[c, m, p, seq])
-             for (c, m, p, seq) in grid if c == "helixpipe-a800"]
-    plain = [h20["speedup"] / a800["speedup"] for h20, a800 in pairs
-             if not (h20["1f1b_recompute"] or a800["1f1b_recompute"])]
-    recomputing = sum(a800["1f1b_recompute"] and not h20["1f1b_recompute"]
-                      for h20, a800 in pairs)
+    both = "helixpipe-h20, helixpipe-a800"
+    rows.append(bound_row("HelixPipe", "helix's speedup at each length over its speedup at the "
+                          "next shorter one, the least over 32K, 64K and 128K, the models, "
+                          "stages and clusters (Fig. 8, L256: growing with the length)",
+                          (">=", 1.0), growth, both, **detail))
+    h20 = testbed("helixpipe-h20")
+    ratios, priced, moved = [], [], 0
+    for (cluster, model, stages, seq), a800 in grid.items():
+        if cluster != "helixpipe-a800":
+            continue
+        other = grid["helixpipe-h20", model, stages, seq]
+        ratios.append(other["speedup"] / a800["speedup"])
+        if a800["1f1b_recompute"] and not other["1f1b_recompute"]:
+            moved += 1
+            a800 = compare_helix(models[model], testbed(cluster), seq, stages, h20.hbm_gb)
+        priced.append(other["speedup"] / a800["speedup"])
     why = term("the baseline recomputing every layer on the A800 (80 GB) where it fits the "
-               "H20 (96 GB)", recomputing, f"of {len(pairs)} settings", min(plain),
-               "helix.pricing.compare (1f1b_recompute); HelixPipe L231 (the GPUs' memory)")
+               "H20 (96 GB): the A800's side of those settings priced with 96 GB",
+               moved, f"of {len(ratios)} settings", min(priced),
+               "helix.pricing.compare (1f1b_recompute, memory_gb); longctx/profiles a800.json, "
+               "h20.json (hbm_gb)")
     rows.append(bound_row("HelixPipe", "helix's speedup on H20 over on A800, the least over "
                           "models, stages and lengths (Fig. 8, L256: smaller on A800)",
-                          (">=", 1.0), min(h20["speedup"] / a800["speedup"]
-                                           for h20, a800 in pairs),
-                          "helixpipe-h20, helixpipe-a800", why))
+                          (">=", 1.0), min(ratios), both, why, **detail))
     return rows
+
+
+def compare_helix(model, profile: HardwareProfile, seq: int, stages: int,
+                  memory_gb: float | None = None) -> dict:
+    """:func:`helix.pricing.compare` at HelixPipe's layout (a node of TP 8 a stage, twice as
+    many micro-batches as stages, L237; recomputation without attention)."""
+    from helix.pricing import compare
+
+    return compare(model, profile, seq, pp=stages, tp=8, microbatches=2 * stages,
+                   helix_recompute=True, memory_gb=memory_gb)
 
 
 def helix_figures() -> list[dict]:
@@ -861,22 +877,25 @@ def sppo() -> list[dict]:
             chosen["megatron_collectives"] = megatron_collectives(solved[SPPO], solved[MEGATRON])
         return ratio, chosen
 
-    # Table 4 (L247-268): (SPPO's SP, PP), the tuned Megatron-LM's (SP, PP), N per length.
-    table4 = {"gpt-7b": ({SPPO: (8, 4), MEGATRON: (32, 1)},
-                         {524288: 32, 655360: 64, 786432: 80, 917504: 128}),
-              "gpt-65b": ({SPPO: (16, 8), MEGATRON: (64, 2)}, {614400: 64, 655360: 80})}
+    def at_table4(name: str, tokens: int, layouts=None):
+        """``speedup`` at Table 4's layouts (or ``layouts``) and N for ``tokens``."""
+        gpus, sppo_layout, megatron_layout, counts = TABLE4[name]
+        chosen = layouts or {SPPO: sppo_layout, MEGATRON: megatron_layout}
+        return speedup(get_model(name), gpus, tokens, chosen, counts[tokens])
+
+    def at_sppo_layout(name: str, tokens: int) -> float | None:
+        """SPPO over Megatron-LM, both at SPPO's layout (Table 4's "Mega. & SPPO")."""
+        return at_table4(name, tokens, dict.fromkeys((SPPO, MEGATRON), TABLE4[name][1]))[0]
+
     seven = get_model("gpt-7b")
     cells = []
-    layouts, counts = table4["gpt-7b"]
-    for tokens, n in counts.items():
-        ratio, chosen = speedup(seven, 32, tokens, layouts, n)
+    for tokens in ran_by_megatron("gpt-7b"):
+        ratio, chosen = at_table4("gpt-7b", tokens)
         searched, searched_layouts = speedup(seven, 32, tokens)
         cells.append({"seq_length": tokens, "speedup": ratio, "layouts": chosen,
                       "speedup_at_searched_layouts": searched,
                       "searched_layouts": searched_layouts,
-                      "speedup_megatron_at_sppo_layout": speedup(
-                          seven, 32, tokens, dict.fromkeys((SPPO, MEGATRON), layouts[SPPO]),
-                          n)[0]})
+                      "speedup_megatron_at_sppo_layout": at_sppo_layout("gpt-7b", tokens)})
     found = [c for c in cells if c["speedup"]]
     for label, published, pick in (("lowest", 1.13, min), ("highest", 1.29, max)):
         value, why = None, None
@@ -886,42 +905,43 @@ def sppo() -> list[dict]:
             cell = pick(found, key=lambda c: c["layouts"]["megatron_collectives"]
                         ["speedup_hidden"])
             why = collectives_term(cell["layouts"]["megatron_collectives"], cell["seq_length"],
-                                   layouts[MEGATRON][0], profile)
+                                   TABLE4["gpt-7b"][2][0], profile)
         rows.append(row("SPPO", f"SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the {label}, "
                         f"Table 4's layouts (Fig. 10, L272)", published, value, profile.name,
                         why, cells=cells))
     sixty_five = get_model("gpt-65b")
-    layouts, counts = table4["gpt-65b"]
-    for tokens, published in ((614400, 3.38), (655360, 3.12)):
-        ratio, chosen = speedup(sixty_five, 128, tokens, layouts, counts[tokens])
+    quoted = {614400: 3.38, 655360: 3.12}
+    for tokens, published in quoted.items():
+        ratio, chosen = at_table4("gpt-65b", tokens)
         searched, searched_layouts = speedup(sixty_five, 128, tokens)
-        shared, _ = speedup(sixty_five, 128, tokens,
-                            dict.fromkeys((SPPO, MEGATRON), layouts[SPPO]), counts[tokens])
         why = None if ratio is None else collectives_term(
-            chosen["megatron_collectives"], tokens, layouts[MEGATRON][0], profile)
+            chosen["megatron_collectives"], tokens, TABLE4["gpt-65b"][2][0], profile)
         rows.append(row("SPPO", f"SPPO / Megatron-LM, 65B, 128 GPUs, {tokens // 1024}K, "
                         f"Table 4's layouts (Fig. 10, L276)", published, ratio, profile.name,
                         why, layouts=chosen, speedup_at_searched_layouts=searched,
                         searched_layouts=searched_layouts,
-                        speedup_megatron_at_sppo_layout=shared))
-    # L272's "consistently outperforms" at Table 4's other lengths that Megatron-LM ran (its
-    # longest for 13B and 65B is 768K, L274-276): the least speedup over them.
-    others = {"gpt-13b": (64, {SPPO: (8, 8), MEGATRON: (8, 8)},
-                          {524288: 32, 655360: 48, 786432: 64}),
-              "gpt-65b": (128, layouts, {524288: 32, 786432: 96})}
-    least = {f"{name} {tokens // 1024}K": speedup(get_model(name), gpus, tokens, chosen, n)[0]
-             for name, (gpus, chosen, counts) in others.items() for tokens, n in counts.items()}
-    rows.append(bound_row("SPPO", "SPPO / Megatron-LM, the least over 13B at 512K-768K and 65B "
-                          "at 512K and 768K, Table 4's layouts (Fig. 10, L272: consistently "
-                          "outperforms)", (">=", 1.0), min(least.values()), profile.name,
-                          speedups=least))
+                        speedup_megatron_at_sppo_layout=at_sppo_layout("gpt-65b", tokens)))
+    # L272: SPPO "consistently outperforms ... achieving speedups ranging from 1.13x to 3.38x",
+    # at Table 4's other lengths that Megatron-LM ran: both ends of the range.
+    others = {f"{name} {tokens // 1024}K": at_table4(name, tokens)
+              for name in ("gpt-13b", "gpt-65b") for tokens in ran_by_megatron(name)
+              if not (name == "gpt-65b" and tokens in quoted)}
+    speedups = {key: ratio for key, (ratio, _) in others.items()}
+    detail = {"speedups": speedups, "layouts": {key: chosen for key, (_, chosen) in
+                                                others.items()}}
+    for end, bound, pick in (("low", (">=", 1.13), min), ("high", ("<=", 3.38), max)):
+        rows.append(bound_row("SPPO", f"SPPO / Megatron-LM over 13B at 512K-768K and 65B at "
+                              f"512K and 768K, Table 4's layouts (Fig. 10, L272: 1.13 to 3.38, "
+                              f"the range's {end} end)", bound, pick(speedups.values()),
+                              profile.name, **detail))
     # The offload ablation (L284): full offloading over none, at Table 4's layout and N.
-    thirteen = get_model("gpt-13b")
-    for model, gpus, tokens, layout, n, published in (
-            (thirteen, 64, 524288, (8, 8), 32, 0.91), (sixty_five, 128, 655360, (16, 8), 80, 2.1)):
+    for name, tokens, published in (("gpt-13b", 524288, 0.91), ("gpt-65b", 655360, 2.1)):
+        gpus, layout, _, counts = TABLE4[name]
+        model = get_model(name)
+
         def rate(offload, memory_gb=80.0):
             return solve(SPPO, tokens, model, profile, SolverConfig(
-                gpus=gpus, memory_gb=memory_gb, layout=layout, subsequences=n,
+                gpus=gpus, memory_gb=memory_gb, layout=layout, subsequences=counts[tokens],
                 offload=offload)).tokens_per_s
 
         full, why, ratio = rate(1.0), None, None
@@ -945,19 +965,20 @@ def sppo() -> list[dict]:
 
     # The longest sequences Table 4 lists and L272-276 state, at Table 4's layouts. SPPO's
     # are Table 4's longest lengths for the model (the paper ran none longer): lower bounds.
-    for model, gpus, layout, published, source in ((sixty_five, 128, (16, 8), 1024, "L274"),
-                                                   (thirteen, 64, (8, 8), 1280, "L276")):
-        rows.append(bound_row("SPPO", f"longest sequence, sppo, {model.name}, {gpus} GPUs, SP "
+    for name, source in (("gpt-65b", "L274"), ("gpt-13b", "L276")):
+        gpus, layout, _, counts = TABLE4[name]
+        rows.append(bound_row("SPPO", f"longest sequence, sppo, {name}, {gpus} GPUs, SP "
                               f"{layout[0]} x PP {layout[1]} (Table 4), K tokens ({source}; "
                               f"Table 4's longest for the model: a lower bound)",
-                              (">=", published), longest_length(SPPO, model, gpus, layout),
+                              (">=", max(counts) // 1024),
+                              longest_length(SPPO, get_model(name), gpus, layout),
                               profile.name))
     # Megatron-LM's, with (detail) the longest at SPPO's layout: Table 4's first columns are
     # "Mega. & SPPO" and L276 compares "under the same parallelism strategy".
-    for model, gpus, layout, shared, published, source in (
-            (sixty_five, 128, (64, 2), (16, 8), 768, "L274"),
-            (thirteen, 64, (8, 8), (8, 8), 768, "L276"),
-            (seven, 32, (32, 1), (8, 4), 896, "L272: OOM past 896K")):
+    for name, source in (("gpt-65b", "L274"), ("gpt-13b", "L276"),
+                         ("gpt-7b", "L272: OOM past 896K")):
+        gpus, shared, layout, _ = TABLE4[name]
+        model, published = get_model(name), MEGATRON_LONGEST[name] // 1024
         found = longest_length(MEGATRON, model, gpus, layout)
         why, ledger = None, {}
         if found > published:
@@ -992,6 +1013,23 @@ def sppo() -> list[dict]:
                         longest_length(method, seven, gpus) / base if base else None,
                         profile.name, why))
     return rows
+
+
+TABLE4 = {"gpt-7b": (32, (8, 4), (32, 1), {524288: 32, 655360: 64, 786432: 80, 917504: 128,
+                                          1048576: 160}),
+          "gpt-13b": (64, (8, 8), (8, 8), {524288: 32, 655360: 48, 786432: 64, 1048576: 80,
+                                            1310720: 160}),
+          "gpt-65b": (128, (16, 8), (64, 2), {524288: 32, 614400: 64, 655360: 80, 786432: 96,
+                                              1048576: 128})}
+"""SPPO's Table 4 (L247-268): each model's GPUs, SPPO's (SP, PP), the tuned Megatron-LM's
+(SP, PP), and SPPO's subsequence count N by length (tokens)."""
+MEGATRON_LONGEST = {"gpt-7b": 917504, "gpt-13b": 786432, "gpt-65b": 786432}
+"""The longest sequence Megatron-LM trained (L272: OOM past 896K; L274, L276: 768K)."""
+
+
+def ran_by_megatron(name: str) -> list[int]:
+    """Table 4's lengths of model ``name`` that Megatron-LM trained (:data:`MEGATRON_LONGEST`)."""
+    return [tokens for tokens in TABLE4[name][3] if tokens <= MEGATRON_LONGEST[name]]
 
 
 COLLECTIVES_SOURCE = ("the cost model's layer collectives (rings over the nodes' NICs, "

@@ -89,7 +89,7 @@ def cell(tokens, **seconds):
 def test_the_batch_panel_rows_are_throughputs_over_the_smallest_batch():
     """Three batches by hand: elastic's gain is the best of 256 (2000 tokens in 8 s over 1000 in
     5 s: 1.25) and 512 (4000 in 17 s: 1.18); a baseline's is at the largest batch (FlexSP 4000
-    in 26 s over 1000 in 5 s: 1.54, out of the band); the speedups are the largest batch's, and
+    in 26 s over 1000 in 5 s: 0.77, out of the band); the speedups are the largest batch's, and
     the bubble row is its bubble over the smallest's."""
     rp = scripts_module()
     times = dict(seq1f1b=6.0, deepspeed=7.0, megatron=10.0)
@@ -144,3 +144,27 @@ def test_the_computation_rows_leave_out_all_to_alls_and_bubbles():
     assert low["verdict"] == "accounted" and low["why"]["simulated_with"] == 23.2 / 16.0
     assert low["why"]["size"] == 6.0
     assert high["verdict"] == "agrees" and high["why"] is None
+
+
+def test_the_helix_trend_rows_read_the_grid():
+    """A grid by hand, one model on 2 stages at three lengths on both clusters: the H20's least
+    over every length, the A800's past 32K, the least growth from one length to the next
+    (1.1 / 1.0), and the least H20 / A800 ratio (1.2 / 1.5 at 128K, where only the A800's
+    baseline recomputes: its why reprices that setting at the H20's memory, here at the
+    compare() the rows run)."""
+    rp = scripts_module()
+    speedups = {("helixpipe-h20", 32768): 0.9, ("helixpipe-h20", 65536): 1.1,
+                ("helixpipe-h20", 131072): 1.2, ("helixpipe-a800", 32768): 0.8,
+                ("helixpipe-a800", 65536): 1.0, ("helixpipe-a800", 131072): 1.5}
+    grid = {(cluster, "gpt-1.3b", 2, seq): {"speedup": value, "1f1b_recompute":
+                                            cluster == "helixpipe-a800" and seq == 131072}
+            for (cluster, seq), value in speedups.items()}
+    model = rp.HELIX_MODELS["gpt-1.3b"]
+    h20, a800, growth, smaller = rp.helix_scaling(grid, {"gpt-1.3b": model})
+    assert h20["simulated"] == 0.9 and a800["simulated"] == 1.0
+    assert growth["simulated"] == min(1.1 / 0.9, 1.2 / 1.1, 1.0 / 0.8, 1.5 / 1.0)
+    assert smaller["simulated"] == 1.2 / 1.5 and smaller["why"]["size"] == 1
+    repriced = rp.compare_helix(model, rp.testbed("helixpipe-a800"), 131072, 2, 96.0)
+    assert smaller["why"]["simulated_with"] == min(0.9 / 0.8, 1.1 / 1.0,
+                                                   1.2 / repriced["speedup"])
+    assert len(h20["speedups"]) == 6
