@@ -52,7 +52,9 @@ Rows:
   (:data:`BATCHES`): elastic's throughput gain over the smallest batch, the baselines' (about
   none), elastic over FlexSP and DeepSpeed at 512, and elastic's bubble ratio falling with the
   batch (Fig. 11, L397). Fig. 10's context panel as L384 reads it: every system's throughput
-  falls from 64K to 192K, Megatron-LM's the least and Seq1F1B's the most.
+  falls from 64K to 192K, Megatron-LM's the least and Seq1F1B's the most. Each panel's
+  "consistently outperforms" (L356, L384, L391): elastic's least speedup over every baseline
+  in every cell.
 - ``table3``: InfiniPipe's Table 3, the all-to-all share of GPT-13B's time under Ulysses SP of 8,
   16 and 32 GPUs at 32K tokens (one sequence): the layers' collectives over the layers' forward
   and backward (the embedding, head and ZeRO traffic of the paper's end-to-end time are left
@@ -456,7 +458,31 @@ def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> li
                         profile.name, recompute_term([cell]), cells=[cell]))
     rows += context_scaling(grid["gpt-13b", 65536], grid["gpt-13b", 196608], profile.name)
     rows += batch_scaling(by_batch, profile.name)
+    figure8 = {f"{m} {c // 1024}K": grid[m, c] for c in (49152, 98304)
+               for m in ("gpt-7b", "gpt-13b", "gpt-30b")}
+    panels = (("7B/13B/30B at 48K and 96K (Fig. 8, L356", figure8),
+              ("13B at 64K and 192K (Fig. 10, L384", {f"13B {c // 1024}K": grid["gpt-13b", c]
+                                                       for c in (65536, 196608)}),
+              ("13B at 64K, batches of 128 to 512 (Fig. 10, L391",
+               {f"13B 64K, a batch of {size}": cell for size, cell in sorted(by_batch.items())}))
+    rows += [consistently(cells, panel, profile.name) for panel, cells in panels]
     return rows
+
+
+def consistently(cells: dict[str, dict], panel: str, profile: str) -> dict:
+    """A panel's "consistently outperforms" (L356, L384, L391): elastic's least speedup over
+    every baseline priced in every cell of ``cells`` (named), at least 1; the detail gives each
+    baseline's least and the cell it is in. ``panel`` names the cells and the figure."""
+    least = {}
+    for name in BASELINES:
+        priced = [(cell[f"speedup_{name}"], where) for where, cell in cells.items()
+                  if cell.get(f"speedup_{name}")]
+        if priced:
+            least[name] = dict(zip(("speedup", "cell"), min(priced)))
+    return bound_row("InfiniPipe", f"elastic over every baseline, the least over {panel}: "
+                     f"consistently outperforms)",
+                     (">=", 1.0), min(entry["speedup"] for entry in least.values()), profile,
+                     least=least)
 
 
 SYSTEMS = {"elastic": "elastic", "seq1f1b": "Seq1F1B", "deepspeed": "DeepSpeed",

@@ -168,3 +168,18 @@ def test_the_helix_trend_rows_read_the_grid():
     assert smaller["why"]["simulated_with"] == min(0.9 / 0.8, 1.1 / 1.0,
                                                    1.2 / repriced["speedup"])
     assert len(h20["speedups"]) == 6
+
+
+def test_consistently_is_the_least_speedup_over_baselines_and_cells():
+    """Two cells by hand: FlexSP's 0.97 in the second cell is the least; a baseline that fits
+    no batch of a cell (DeepSpeed's None) is left out of that cell."""
+    rp = scripts_module()
+    cells = {"a": {"speedup_seq1f1b": 1.2, "speedup_deepspeed": 1.5, "speedup_flexsp": 1.1},
+             "b": {"speedup_seq1f1b": 1.1, "speedup_deepspeed": None, "speedup_flexsp": 0.97,
+                   "speedup_megatron": 2.0}}
+    found = rp.consistently(cells, "two cells (Fig. 0, L0", "p")
+    assert found["simulated"] == 0.97 and found["verdict"] == "agrees"
+    assert found["least"]["flexsp"] == {"speedup": 0.97, "cell": "b"}
+    assert found["least"]["deepspeed"] == {"speedup": 1.5, "cell": "a"}
+    assert found["what"] == ("elastic over every baseline, the least over two cells (Fig. 0, L0: "
+                             "consistently outperforms)")
