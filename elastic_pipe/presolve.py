@@ -101,10 +101,21 @@ class BackgroundPlanner:
         self._pending = None
 
 
+STOP_GRACE_S = 2.0
+"""Seconds a worker has to end after SIGTERM before :func:`stop_workers` sends SIGKILL."""
+
+
 def stop_workers(pool: futures.ProcessPoolExecutor) -> None:
-    """Terminate ``pool``'s worker processes and shut it down: a stuck solve would otherwise
-    keep its core until it ends. ``ProcessPoolExecutor`` has no public call for this before
+    """Stop ``pool``'s worker processes and shut it down: a stuck solve would otherwise keep
+    its core until it ends. Each worker gets SIGTERM, and SIGKILL if it has not ended
+    :data:`STOP_GRACE_S` later. ``ProcessPoolExecutor`` has no public call for this before
     Python 3.14 (``terminate_workers``); its process table is read instead."""
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in processes:
         process.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
     pool.shutdown(wait=False, cancel_futures=True)

@@ -3,6 +3,7 @@ worker that dies is replaced by planning in the foreground with a warning."""
 import logging
 import multiprocessing
 import os
+import signal
 import time
 
 from elastic_pipe.presolve import BackgroundPlanner
@@ -78,5 +79,34 @@ def test_a_stalled_worker_is_stopped_and_the_batch_planned_in_the_foreground(cap
             worker.join(timeout=10)
         alive = [(worker.pid, worker.exitcode) for worker in workers if worker.is_alive()]
         assert not alive, f"workers still running 10 s after being stopped: {alive}"
+    finally:
+        planner.close()
+
+
+def stall_deaf_to_sigterm(key):
+    """In the worker: ignore SIGTERM, say so by creating the file ``key[0]``, then stall."""
+    if multiprocessing.parent_process() is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(key[0], "w").close()
+        time.sleep(3600)
+    return list(key)
+
+
+def test_a_worker_that_outlives_sigterm_is_killed(tmp_path):
+    marker = str(tmp_path / "ignoring")
+    planner = BackgroundPlanner(stall_deaf_to_sigterm, timeout_s=1.0)
+    others = set(multiprocessing.active_children())
+    try:
+        planner.submit((marker,))
+        workers = [p for p in multiprocessing.active_children() if p not in others]
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert os.path.exists(marker), "the worker never started ignoring SIGTERM"
+        result, timing = planner.take((marker,))
+        assert result == [marker] and not timing.background
+        for worker in workers:
+            worker.join(timeout=10)
+        assert [worker.exitcode for worker in workers] == [-signal.SIGKILL]
     finally:
         planner.close()
