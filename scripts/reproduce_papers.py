@@ -89,8 +89,9 @@ Rows:
   priced as hidden (:func:`paper_terms.plan_collectives_s`). The detail also gives the ratio
   with each method at the best layout ``sppo_offload.solver`` finds for it, and with
   Megatron-LM at SPPO's layout (Table 4's first columns are "Mega. & SPPO"; L276: "under the
-  same parallelism strategy"). L272's "consistently outperforms" at Table 4's other lengths
-  that Megatron-LM ran (13B at 512K-768K, 65B at 512K and 768K): the least speedup.
+  same parallelism strategy"). L272's range, "speedups ranging from 1.13x to 3.38x", at
+  Table 4's other lengths that Megatron-LM ran (13B at 512K-768K, 65B at 512K and 768K): both
+  ends.
   The offload ablation (L284: full offloading over none for 13B at 512K and 65B at 640K, at
   Table 4's layout and N). The longest sequence at Table 4's layouts (65B on 128 GPUs, 13B on
   64, Megatron-LM's 7B on 32: L272-276): SPPO's as lower bounds (the paper's lengths are
@@ -766,13 +767,14 @@ def helix_scaling(grid: dict, models: dict) -> list[dict]:
 
 
 def compare_helix(model, profile: HardwareProfile, seq: int, stages: int,
-                  memory_gb: float | None = None) -> dict:
+                  memory_gb: float | None = None, recompute: bool = True) -> dict:
     """:func:`helix.pricing.compare` at HelixPipe's layout (a node of TP 8 a stage, twice as
-    many micro-batches as stages, L237; recomputation without attention)."""
+    many micro-batches as stages, L237); ``recompute``: helix's recomputation without
+    attention."""
     from helix.pricing import compare
 
     return compare(model, profile, seq, pp=stages, tp=8, microbatches=2 * stages,
-                   helix_recompute=True, memory_gb=memory_gb)
+                   helix_recompute=recompute, memory_gb=memory_gb)
 
 
 def helix_figures() -> list[dict]:
@@ -780,8 +782,6 @@ def helix_figures() -> list[dict]:
     costs up to 20% of throughput at 32K and 64K and about none at 96K on the A800 cluster;
     8 micro-batches, twice the pipeline, as L237) and Fig. 4 (L126: 1F1B's activation memory
     of a 13B model on 8 stages of 8 A800s at 128K, FP16: the first two stages over 80 GB)."""
-    from helix.pricing import compare
-
     rows = []
     model = HELIX_MODELS["gpt-3b"]
     for name in ("helixpipe-a800", "helixpipe-h20"):
@@ -790,8 +790,8 @@ def helix_figures() -> list[dict]:
         for seq in (32768, 65536, 98304):
             if seq == 98304 and cluster != "A800":
                 continue
-            times = {flag: compare(model, profile, seq, pp=4, tp=8, microbatches=8,
-                                   helix_recompute=flag)["helix_s"] for flag in (True, False)}
+            times = {flag: compare_helix(model, profile, seq, 4, recompute=flag)["helix_s"]
+                     for flag in (True, False)}
             what = (f"helix with / without recomputation without attention, throughput, "
                     f"gpt-3b, {cluster}, {seq // 1024}K, 4 stages (Fig. 11")
             ratio = times[False] / times[True]
@@ -827,13 +827,12 @@ def helix_memory() -> list[dict]:
     stages, 8 micro-batches): without recomputation without attention helix trains nothing
     beyond 128K, with it longer (the longest length in steps of :data:`HELIX_STEP` whose
     highest stage fits the GPU, on each cluster)."""
-    from helix.pricing import compare, helix_peaks
+    from helix.pricing import helix_peaks
 
     model = HELIX_MODELS["gpt-3b"]
     profile = testbed("helixpipe-a800")
     helix = helix_peaks(model, profile, 131072, pp=8, tp=8, microbatches=16, recompute=True)
-    baseline = compare(model, profile, 131072, pp=8, tp=8, microbatches=16,
-                       helix_recompute=True)
+    baseline = compare_helix(model, profile, 131072, 8)
     ours, theirs = [p / GB for p in helix], baseline["1f1b_peak_gb"]
     where = "gpt-3b, 128K, 8 stages (Fig. 10, L288"
     detail = {"helix_peak_gb": ours, "1f1b_peak_gb": theirs,
@@ -930,8 +929,7 @@ def sppo() -> list[dict]:
             # the lowest (highest) over the lengths with the term priced, and its cell's size
             cell = pick(found, key=lambda c: c["layouts"]["megatron_collectives"]
                         ["speedup_hidden"])
-            why = collectives_term(cell["layouts"]["megatron_collectives"], cell["seq_length"],
-                                   TABLE4["gpt-7b"][2][0], profile)
+            why = collectives_term(cell["layouts"], cell["seq_length"], profile)
         rows.append(row("SPPO", f"SPPO / Megatron-LM, 7B, 32 GPUs, 512K-896K, the {label}, "
                         f"Table 4's layouts (Fig. 10, L272)", published, value, profile.name,
                         why, cells=cells))
@@ -940,8 +938,7 @@ def sppo() -> list[dict]:
     for tokens, published in quoted.items():
         ratio, chosen = at_table4("gpt-65b", tokens)
         searched, searched_layouts = speedup(sixty_five, 128, tokens)
-        why = None if ratio is None else collectives_term(
-            chosen["megatron_collectives"], tokens, TABLE4["gpt-65b"][2][0], profile)
+        why = None if ratio is None else collectives_term(chosen, tokens, profile)
         rows.append(row("SPPO", f"SPPO / Megatron-LM, 65B, 128 GPUs, {tokens // 1024}K, "
                         f"Table 4's layouts (Fig. 10, L276)", published, ratio, profile.name,
                         why, layouts=chosen, speedup_at_searched_layouts=searched,
@@ -1063,9 +1060,13 @@ COLLECTIVES_SOURCE = ("the cost model's layer collectives (rings over the nodes'
                       "paper_terms.plan_collectives_s")
 
 
-def collectives_term(exposed: dict, tokens: int, tp: int, profile: HardwareProfile) -> dict:
-    """The SPPO speed rows' why: Megatron-LM's TP + SP collectives (``exposed``,
-    :func:`megatron_collectives`) hidden, at ``tokens``, TP ``tp`` on ``profile``'s nodes."""
+def collectives_term(layouts: dict, tokens: int, profile: HardwareProfile) -> dict:
+    """The SPPO speed rows' why: Megatron-LM's TP + SP collectives hidden, at ``tokens``, from a
+    speed cell's ``layouts`` (its ``megatron_collectives``, :func:`megatron_collectives`, and
+    Megatron-LM's TP) on ``profile``'s nodes."""
+    from sppo_offload.solver import MEGATRON
+
+    exposed, tp = layouts["megatron_collectives"], layouts[MEGATRON]["sp"]
     nodes = tp // profile.gpus_per_node
     return term(f"Megatron-LM's TP + SP all-gathers and reduce-scatters (TP {tp} over {nodes} "
                 f"nodes) left exposed between its GEMMs; hidden, at {tokens // 1024}K",
