@@ -18,6 +18,7 @@ import concurrent.futures as futures
 import logging
 import multiprocessing
 import time
+from multiprocessing import connection
 from dataclasses import dataclass
 from typing import Callable
 
@@ -113,9 +114,13 @@ def stop_workers(pool: futures.ProcessPoolExecutor) -> None:
     processes = list((getattr(pool, "_processes", None) or {}).values())
     for process in processes:
         process.terminate()
+    # A worker's sentinel is ready once it has ended, reaped or not: the pool's own thread may
+    # reap it meanwhile, so a worker is killed only while its sentinel says it still runs.
+    running = {process.sentinel: process for process in processes}
     deadline = time.monotonic() + STOP_GRACE_S
-    for process in processes:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
+    while running and (left := deadline - time.monotonic()) > 0:
+        for ended in connection.wait(list(running), left):
+            del running[ended]
+    for process in running.values():
+        process.kill()
     pool.shutdown(wait=False, cancel_futures=True)

@@ -367,7 +367,14 @@ def model_shape(model: ModelConfig, seq: int, tp: int, recompute: bool) -> Helix
     """The :class:`HelixShape` of a priced model (:class:`~longctx.models.ModelConfig`, one
     ``seq``-token sequence a micro-batch, TP ``tp`` with sequence parallelism on CUDA), as
     :func:`helix_shape` reads a run: GPT's LayerNorm and biases, learned positions or full
-    RoPE, no Q/K norms, no MLP chunks; ``recompute``: recomputation without attention."""
+    RoPE, no Q/K norms, no MLP chunks; ``recompute``: recomputation without attention. A model
+    with Q/K norms or the attention output gate is refused (their bytes are not in this
+    reading)."""
+    unread = [flag for flag, on in (("qk_layernorm", model.qk_layernorm),
+                                    ("attention_output_gate", model.attention_output_gate)) if on]
+    if unread:
+        raise ValueError(f"model {model.name}: helix's priced shape does not read "
+                         f"{', '.join(unread)}; price it from a run's arguments (helix_shape)")
     h, ffn = model.hidden_size, model.ffn_hidden_size
     head = h // model.num_heads
     return HelixShape(

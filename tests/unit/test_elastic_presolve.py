@@ -96,6 +96,7 @@ def test_a_worker_that_outlives_sigterm_is_killed(tmp_path):
     marker = str(tmp_path / "ignoring")
     planner = BackgroundPlanner(stall_deaf_to_sigterm, timeout_s=1.0)
     others = set(multiprocessing.active_children())
+    workers = []
     try:
         planner.submit((marker,))
         workers = [p for p in multiprocessing.active_children() if p not in others]
@@ -110,3 +111,5 @@ def test_a_worker_that_outlives_sigterm_is_killed(tmp_path):
         assert [worker.exitcode for worker in workers] == [-signal.SIGKILL]
     finally:
         planner.close()
+        for worker in workers:
+            worker.kill()

@@ -1,5 +1,7 @@
 """helix.memory: the part model's bookkeeping (its bytes are held to the training loop's meter
 by the end-to-end tests)."""
+import pytest
+
 from helix.memory import HelixMemory, HelixShape, planned_peaks, weight_holders
 from helix.schedule import HelixFlow, planned_helix
 from megatron.plugin.pipeline.ir import Kind
@@ -109,3 +111,19 @@ def test_a_priced_models_shape_is_the_one_a_run_of_it_reads():
         priced = dataclasses.replace(model, learned_positions=learned)
         assert model_shape(priced, 131072, 8, recompute=True) == \
             helix_shape(config, args, "cuda")
+
+
+def test_a_priced_model_with_what_its_shape_does_not_read_is_refused():
+    """Q/K norms and the attention output gate add bytes model_shape has no field for: it
+    names them instead of pricing the model without them."""
+    import dataclasses
+
+    from helix.memory import model_shape
+    from longctx.models import ModelConfig
+
+    model = ModelConfig("gpt-3b", 16, 4096, 32, 16384, 50304)
+    for flags, named in (({"qk_layernorm": True}, "qk_layernorm"),
+                         ({"qk_layernorm": True, "attention_output_gate": True},
+                          "qk_layernorm, attention_output_gate")):
+        with pytest.raises(ValueError, match=f"does not read {named};"):
+            model_shape(dataclasses.replace(model, **flags), 131072, 8, recompute=True)
