@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from harness import REPO, python_path
 BAND = 0.15
 
@@ -89,8 +91,9 @@ def cell(tokens, **seconds):
 def test_the_batch_panel_rows_are_throughputs_over_the_smallest_batch():
     """Three batches by hand: elastic's gain is the best of 256 (2000 tokens in 8 s over 1000 in
     5 s: 1.25) and 512 (4000 in 17 s: 1.18); a baseline's is at the largest batch (FlexSP 4000
-    in 26 s over 1000 in 5 s: 0.77, out of the band); the speedups are the largest batch's, and
-    the bubble row is its bubble over the smallest's."""
+    in 26 s over 1000 in 5 s: 0.77, out of the band); the speedups are the largest batch's, the
+    bubble row is its bubble over the smallest's, and elastic's gain at the largest batch over
+    each baseline's is the least over the baselines."""
     rp = scripts_module()
     times = dict(seq1f1b=6.0, deepspeed=7.0, megatron=10.0)
     cells = {128: cell(1000, elastic=5.0, flexsp=5.0, bubble=0.2, **times),
@@ -107,6 +110,19 @@ def test_the_batch_panel_rows_are_throughputs_over_the_smallest_batch():
     assert rows["elastic / DeepSpeed, 13B, 64K, a batch of 512"]["simulated"] == 28.0 / 17.0
     assert rows["elastic's bubble ratio at a batch of 512 over 128, 13B, 64K"]["simulated"] \
         == 0.1 / 0.2
+    contrast = "elastic's throughput gain over each baseline's, the least, a batch of 512 over " \
+        "128, 13B, 64K"
+    elastic = (4000 / 17.0) / (1000 / 5.0)
+    assert rows[contrast]["gain_over"]["flexsp"] == elastic / ((4000 / 26.0) / (1000 / 5.0))
+    assert rows[contrast]["simulated"] == pytest.approx(elastic)  # the others gain 1
+    assert rows[contrast]["verdict"] == "agrees"
+
+    # FlexSP gaining 1.25 (4000 in 16 s) beside elastic's 1.18: the contrast falls to 0.94, out
+    # of the band; the documents' mean length is the same at both batches (the why's 1.0).
+    cells[512]["flexsp_s"] = 16.0
+    rows = {row["what"].split(" (")[0]: row for row in rp.batch_scaling(cells, "p")}
+    assert rows[contrast]["simulated"] == elastic / ((4000 / 16.0) / (1000 / 5.0))
+    assert rows[contrast]["verdict"] == "open" and rows[contrast]["why"]["size"] == 1.0
 
 
 def test_the_context_panel_rows_compare_the_shares_kept():
@@ -149,7 +165,7 @@ def test_the_computation_rows_leave_out_all_to_alls_and_bubbles():
 def test_the_helix_trend_rows_read_the_grid():
     """A grid by hand, one model on 2 stages at three lengths on both clusters: the H20's least
     over every length, the A800's past 32K, the least growth from one length to the next
-    (1.1 / 1.0), and the least H20 / A800 ratio (1.2 / 1.5 at 128K, where only the A800's
+    (1.2 / 1.1), and the least H20 / A800 ratio (1.2 / 1.5 at 128K, where only the A800's
     baseline recomputes: its why reprices that setting at the H20's memory, here at the
     compare() the rows run)."""
     rp = scripts_module()
