@@ -18,8 +18,8 @@ import concurrent.futures as futures
 import logging
 import multiprocessing
 import time
-from multiprocessing import connection
 from dataclasses import dataclass
+from multiprocessing import connection
 from typing import Callable
 
 log = logging.getLogger(__name__)

@@ -538,9 +538,10 @@ def batch_scaling(cells: dict[int, dict], profile: str) -> list[dict]:
     """Fig. 10's batch panel (L391) and Fig. 11's bubble trend (L397), 13B at 64K
     (:data:`BATCHES`), ``cells`` by batch size: elastic's throughput grows with the batch, up
     to 1.18x its throughput at 128; the baselines' "remains almost the same" (1 within the
-    band), so elastic's gain over each baseline's is the paper's 1.18; elastic over FlexSP and DeepSpeed at the largest batch (the text credits the more
-    sequences' lower bubble ratio); and elastic's bubble ratio lower at the largest batch than at
-    the smallest (L397: it decreases as the batch grows). Each batch size draws its own
+    band), so elastic's gain over each baseline's is the paper's 1.18; elastic over FlexSP and
+    DeepSpeed at the largest batch (the text credits the more sequences' lower bubble ratio);
+    and elastic's bubble ratio lower at the largest batch than at the smallest (L397: it
+    decreases as the batch grows). Each batch size draws its own
     batches (the same seeds), so a gain also carries the mixtures' differences."""
     low, high = min(cells), max(cells)
     where = "13B, 64K"
