@@ -106,8 +106,12 @@ def test_a_worker_that_outlives_sigterm_is_killed(tmp_path):
         assert os.path.exists(marker), "the worker never started ignoring SIGTERM"
         result, timing = planner.take((marker,))
         assert result == [marker] and not timing.background
-        for worker in workers:
-            worker.join(timeout=10)
+        # The pool's own thread may reap the worker while this one does: a join can return
+        # before the exit code is set, so it is read until set (a worker never killed stays
+        # alive, and its exit code None).
+        deadline = time.monotonic() + 10
+        while any(worker.exitcode is None for worker in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert [worker.exitcode for worker in workers] == [-signal.SIGKILL]
     finally:
         planner.close()
