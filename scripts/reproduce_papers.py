@@ -406,8 +406,6 @@ panel); read this way the paper's two runs of it differ by 2%."""
 def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> list[dict]:
     profile = testbed("infinipipe-a800")
     batches = [(("gpt-13b", 65536), size) for size in BATCHES if size != documents]
-    # The batch panel is BATCHES whatever ``documents`` is; the grid's 64K cell is one of them
-    # where ``documents`` is a batch size of the panel.
     if cache is not None:
         # Batch by batch, so that an interrupted run leaves whole batches in the cache.
         for seed in seeds:
@@ -416,7 +414,7 @@ def infinipipe(documents: int, seeds: list[int], cache: str | None = None) -> li
     grid = {(m, c): elastic_cell(m, c, profile, documents, seeds, cache) for m, c in CELLS}
     by_batch = {size: elastic_cell(m, c, profile, size, seeds, cache)
                 for (m, c), size in batches}
-    if documents in BATCHES:
+    if documents in BATCHES:  # the grid's 64K cell is that batch's
         by_batch[documents] = grid["gpt-13b", 65536]
     rows = []
     for context, published in ((49152, 1.27), (98304, 1.40)):
@@ -541,8 +539,8 @@ def batch_scaling(cells: dict[int, dict], profile: str) -> list[dict]:
     band), so elastic's gain over each baseline's is the paper's 1.18; elastic over FlexSP and
     DeepSpeed at the largest batch (the text credits the more sequences' lower bubble ratio);
     and elastic's bubble ratio lower at the largest batch than at the smallest (L397: it
-    decreases as the batch grows). Each batch size draws its own
-    batches (the same seeds), so a gain also carries the mixtures' differences."""
+    decreases as the batch grows). Each batch size draws its own batches (the same seeds), so a
+    gain also carries the mixtures' differences."""
     low, high = min(cells), max(cells)
     where = "13B, 64K"
     detail = [{k: c[k] for k in c if k in ("seeds", "tokens", "elastic_bubble")
@@ -552,12 +550,12 @@ def batch_scaling(cells: dict[int, dict], profile: str) -> list[dict]:
     rows = [row("InfiniPipe", f"elastic's throughput over its own at a batch of {low}, max "
                 f"over {' and '.join(map(str, growth))}, {where} (Fig. 10, L391: 'up to')", 1.18,
                 max(growth.values()), profile, cells=detail)]
-    for name in BASELINES:
+    gains = {name: gain(cells, name, high) for name in BASELINES}
+    for name, value in gains.items():
         rows.append(row("InfiniPipe", f"{SYSTEMS[name]}'s throughput at a batch of {high} over "
-                        f"{low}, {where} (Fig. 10, L391: 'almost the same')", 1.0,
-                        gain(cells, name, high), profile))
-    contrast = {name: growth[high] / gain(cells, name, high) for name in BASELINES
-                if gain(cells, name, high)}
+                        f"{low}, {where} (Fig. 10, L391: 'almost the same')", 1.0, value,
+                        profile))
+    contrast = {name: growth[high] / value for name, value in gains.items() if value}
     per_document = {size: cells[size]["tokens"] / size for size in (low, high)}
     mixture = term("the larger batches' shorter documents, which every system gains from: the "
                    "largest batch's mean document", per_document[high] / per_document[low],
