@@ -15,6 +15,7 @@ batch after the last one it trained on. Start-up logs it (:func:`sample_meaning`
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -22,6 +23,8 @@ import numpy as np
 
 from megatron.plugin.option_classes import COUNT_DOCUMENTS
 from megatron.plugin.sources import build_document_sources
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,8 @@ def sample_meaning(args) -> str:
     """The start-up line that says what a sample is under the chosen schedule."""
     flags = sorted("--" + dest.replace("_", "-") for dest in COUNT_DOCUMENTS
                    if dest != "global_batch_size")
-    return (f"pretrain_gpt_elastic.py: a sample is one document (its first "
-            f"{args.seq_length + 1} tokens where longer) under --pipeline-schedule "
+    return (f"pretrain_gpt_elastic.py: a sample is one document (or a piece of "
+            f"{args.seq_length + 1} tokens of a longer one) under --pipeline-schedule "
             f"{args.pipeline_schedule}, not a sequence of --seq-length tokens as in Megatron-LM: "
             f"--global-batch-size {args.global_batch_size} is {args.global_batch_size} "
             f"documents per step, and {', '.join(flags)} count documents")
@@ -81,6 +84,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     del train_val_test_num_samples, vp_stage  # every batch is drawn by its index
     args = get_args()
     sources = build_document_sources(args, get_tokenizer().vocab_size)
+    if args.rank == 0:
+        for source in sources.values():
+            if source is not None:
+                log.info("pretrain_gpt_elastic.py: %s", source.summary())
     batch = args.global_batch_size
     starts = {"train": args.consumed_train_samples // batch,
               "valid": args.consumed_valid_samples // batch, "test": 0}

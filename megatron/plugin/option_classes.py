@@ -860,8 +860,8 @@ REFUSED: dict[str, str] = {
 }
 
 
-#: The options that count samples. pretrain_gpt_elastic.py's sample is one whole document (its
-#: first ``--seq-length + 1`` tokens where longer) under every schedule, Megatron-LM's a
+#: The options that count samples. pretrain_gpt_elastic.py's sample is one whole document (or
+#: a piece of ``--seq-length + 1`` tokens of a longer one) under every schedule, Megatron-LM's a
 #: sequence of ``--seq-length`` tokens: these options keep their role and count documents
 #: (start-up says so: :func:`megatron.plugin.document_data.sample_meaning`). Each is also in
 #: one class above (``--rampup-batch-size`` is refused: the batch of documents is fixed).

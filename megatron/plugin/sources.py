@@ -1,21 +1,25 @@
 """Document-level batches from Megatron ``.bin/.idx`` datasets (or mock data).
 
-Each iteration draws ``--global-batch-size`` whole documents. The draw is a pure function of
-``(seed, split, iteration)``, so every rank computes the same batch without communication and a
-run resumed at iteration ``i`` continues with exactly the documents it would have seen (the data
-position is Megatron-LM's ``consumed_train_samples``, in documents, stored in the checkpoint).
+Each iteration draws ``--global-batch-size`` units: documents, or pieces of documents longer
+than ``--seq-length``. The draw is a pure function of ``(seed, split, iteration)``, so every rank
+computes the same batch without communication and a run resumed at iteration ``i`` continues
+with exactly the units it would have seen (the data position is Megatron-LM's
+``consumed_train_samples``, in units, stored in the checkpoint).
 
 Choices, written down:
 
 * **Split**: ``--split 969,30,1`` cuts each dataset's *documents* into contiguous train / valid /
   test ranges, as Megatron-LM's ``get_split_indices`` does.
+* **Long documents**: a document longer than ``--seq-length`` inputs is cut into pieces of
+  ``seq_length + 1`` tokens that overlap by one, each trained as a document of its own, as
+  Megatron-LM's samples cut it: every token is trained (:class:`_DatasetStream`). Start-up logs
+  how many were cut (:meth:`DocumentSource.summary`). Documents shorter than 2 tokens (no
+  input/label pair) have nothing to train.
 * **Order**: per dataset, an endless stream of epochs, each a seeded permutation of the split's
-  documents; iteration ``i`` takes the next ``c_k`` documents of dataset ``k``'s stream.
-* **Blending** (``--data-path W1 P1 W2 P2 ...``): ``c_k`` is the weight's share of the global
-  batch, rounded by largest remainder (fixed for the run; each dataset with a positive weight
-  gets at least its rounded share).
-* **Truncation**: a document longer than ``--seq-length`` inputs keeps its first
-  ``seq_length + 1`` tokens. Documents shorter than 2 tokens (no input/label pair) are skipped.
+  units.
+* **Blending** (``--data-path W1 P1 W2 P2 ...``): Megatron-LM's blend, whose weights share out
+  tokens, over the run and not batch by batch (:mod:`megatron.plugin.blending`); a dataset with
+  a small weight is read as often as Megatron reads it.
 * **Reading**: ``.bin`` files are memory-mapped unless ``--no-mmap-bin-files`` (then read
   into memory, as Megatron-LM's ``IndexedDataset`` does). No index files are built (the draws
   are computed), so ``--data-cache-path`` has nothing to hold and is accepted as is.
@@ -36,6 +40,7 @@ import numpy as np
 import torch.distributed as dist
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
+from megatron.plugin.blending import Blend
 from megatron.plugin.corpus import embedded_corpus
 
 SPLITS = ("train", "valid", "test")
@@ -78,80 +83,120 @@ def split_ranges(split: str, count: int) -> list[tuple[int, int]]:
     return [(max(a, 0), max(b, 0)) for a, b in zip(bounds, bounds[1:])]
 
 
-def batch_shares(weights: Sequence[float], batch: int) -> list[int]:
-    """Documents per dataset per batch: ``weights`` scaled to ``batch``, largest remainder."""
-    total = sum(weights)
-    exact = [w / total * batch for w in weights]
-    shares = [int(x) for x in exact]
-    order = sorted(range(len(exact)), key=lambda i: shares[i] - exact[i])
-    for i in order[:batch - sum(shares)]:
-        shares[i] += 1
-    return shares
-
-
 class _DatasetStream:
-    """Seeded epochs over the usable documents of one split of one dataset."""
+    """Seeded epochs over the training units of one split of one dataset.
 
-    def __init__(self, dataset: IndexedDataset, first: int, stop: int, seed: int):
+    A unit is a document of 2 to ``seq_length + 1`` tokens, or a piece of a longer one: a
+    document of ``n`` tokens is ``ceil((n - 1) / seq_length)`` pieces, piece ``p`` its tokens
+    ``[p * seq_length, (p + 1) * seq_length + 1)`` (the last one shorter). Consecutive pieces
+    share one token, the label of one being the first input of the next, as Megatron-LM's
+    samples of one document do; so each of the document's ``n - 1`` labels is trained once an
+    epoch. A piece is a document of its own for attention and positions, as Megatron's sample
+    is (its tokens see none of the sample before, its positions start at 0). Documents of
+    fewer than 2 tokens (no input/label pair) have no unit.
+    """
+
+    def __init__(self, dataset: IndexedDataset, first: int, stop: int, seed: int,
+                 seq_length: int):
         self.dataset = dataset
         index = dataset.index
-        bounds = np.asarray(index.document_indices)
-        lengths = np.add.reduceat(np.asarray(index.sequence_lengths, dtype=np.int64),
-                                  bounds[first:stop]) if stop > first else np.zeros(0, np.int64)
-        ids = np.arange(first, stop)
-        self.doc_ids = ids[lengths >= 2] if len(lengths) == len(ids) else ids[:0]
+        bounds = np.asarray(index.document_indices, dtype=np.int64)
+        ends = np.concatenate(([0], np.cumsum(index.sequence_lengths, dtype=np.int64)))
+        lengths = ends[bounds[first + 1:stop + 1]] - ends[bounds[first:stop]]
+        pieces = np.where(lengths >= 2, -(-(lengths - 1) // seq_length), 0)
+        self.unit_document = np.repeat(np.arange(first, stop, dtype=np.int64), pieces)
+        first_piece = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        self.unit_start = (np.arange(len(self.unit_document)) - first_piece) * seq_length
+        self.unit_labels = np.minimum(seq_length,
+                                      np.repeat(lengths, pieces) - 1 - self.unit_start)
+        self.documents = int(np.count_nonzero(pieces))
+        self.documents_cut = int(np.count_nonzero(pieces > 1))
+        self.tokens_per_epoch = int(self.unit_labels.sum())
         self.seed = seed
-        self._epoch: tuple[int, np.ndarray] | None = None
+        self._epochs: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def __len__(self) -> int:
-        return len(self.doc_ids)
+        return len(self.unit_document)
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if self._epoch is None or self._epoch[0] != epoch:
-            rng = np.random.default_rng([self.seed, epoch])
-            self._epoch = (epoch, self.doc_ids[rng.permutation(len(self.doc_ids))])
-        return self._epoch[1]
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's order of the units, and the token offset (in labels) where each of them
+        starts within the epoch."""
+        if epoch not in self._epochs:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(self))
+            labels = self.unit_labels[order]
+            if len(self._epochs) == 2:
+                del self._epochs[min(self._epochs)]
+            self._epochs[epoch] = (order, np.cumsum(labels) - labels)
+        return self._epochs[epoch]
 
-    def take(self, start: int, count: int, max_tokens: int) -> list[np.ndarray]:
-        docs = []
-        for position in range(start, start + count):
-            epoch, offset = divmod(position, len(self.doc_ids))
-            docs.append(self._read(int(self._permutation(epoch)[offset]), max_tokens))
-        return docs
+    def units_before(self, tokens: np.ndarray) -> np.ndarray:
+        """For each token offset of the endless stream (sorted), the number of units that
+        start before it."""
+        epochs = tokens // self.tokens_per_epoch
+        counts = np.empty_like(tokens)
+        for epoch in np.unique(epochs):
+            mine = epochs == epoch
+            starts = self._epoch(int(epoch))[1]
+            counts[mine] = epoch * len(self) + np.searchsorted(
+                starts, tokens[mine] - epoch * self.tokens_per_epoch, side="left")
+        return counts
 
-    def _read(self, doc_id: int, max_tokens: int) -> np.ndarray:
+    def read(self, unit: int) -> np.ndarray:
+        """The tokens of the stream's ``unit``-th unit."""
+        epoch, offset = divmod(unit, len(self))
+        chosen = int(self._epoch(epoch)[0][offset])
+        start = int(self.unit_start[chosen])
+        return self._tokens(int(self.unit_document[chosen]), start,
+                            start + int(self.unit_labels[chosen]) + 1)
+
+    def _tokens(self, document: int, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)`` of a document (which may span several index sequences)."""
         bounds = self.dataset.index.document_indices
-        pieces, remaining = [], max_tokens
-        for seq in range(int(bounds[doc_id]), int(bounds[doc_id + 1])):
-            if remaining == 0:
+        pieces, offset = [], 0
+        for seq in range(int(bounds[document]), int(bounds[document + 1])):
+            length = int(self.dataset.index.sequence_lengths[seq])
+            lo, hi = max(start - offset, 0), min(stop - offset, length)
+            if lo < hi:
+                pieces.append(self.dataset.get(seq, lo, hi - lo))
+            offset += length
+            if offset >= stop:
                 break
-            length = min(int(self.dataset.index.sequence_lengths[seq]), remaining)
-            pieces.append(self.dataset.get(seq, 0, length))
-            remaining -= length
         return np.concatenate(pieces).astype(np.int64)
 
 
 class DocumentSource:
-    """``documents(iteration)``: the global batch of one split at one iteration."""
+    """``documents(iteration)``: the global batch of one split at one iteration, the next
+    ``--global-batch-size`` units of the split's blend (:class:`~megatron.plugin.blending.Blend`)."""
 
     def __init__(self, streams: list[_DatasetStream], weights: list[float],
                  global_batch_size: int, seq_length: int, vocab_size: int, name: str):
         live = [(s, w) for s, w in zip(streams, weights) if w > 0 and len(s)]
         self.streams = [s for s, _ in live]
-        self.shares = batch_shares([w for _, w in live], global_batch_size) if live else []
-        self.max_tokens = seq_length + 1
+        self.blend = Blend(self.streams, [w for _, w in live], seq_length) if live else None
+        self.global_batch_size = global_batch_size
+        self.seq_length = seq_length
         self.vocab_size = vocab_size
         self.name = name
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.streams)
 
+    def summary(self) -> str:
+        """The start-up line that says what the split holds and what was cut."""
+        documents = sum(s.documents for s in self.streams)
+        cut = sum(s.documents_cut for s in self.streams)
+        tokens = sum(s.tokens_per_epoch for s in self.streams)
+        return (f"{self.name} split: {documents} documents, {tokens} tokens to train an epoch; "
+                f"{cut} documents longer than --seq-length {self.seq_length} + 1 tokens are "
+                f"cut into {len(self) - documents + cut} pieces, each trained as a document "
+                "of its own")
+
     def documents(self, iteration: int) -> list[np.ndarray]:
         if not self.streams:
             raise ValueError(f"the {self.name} split has no documents: adjust --split")
-        docs = []
-        for stream, share in zip(self.streams, self.shares):
-            docs.extend(stream.take(iteration * share, share, self.max_tokens))
+        batch = self.global_batch_size
+        docs = [self.streams[k].read(unit)
+                for k, unit in self.blend.units(iteration * batch, batch)]
         for doc in docs:
             if int(doc.max()) >= self.vocab_size:
                 raise ValueError(
@@ -179,6 +224,11 @@ class MockSource:
 
     def __len__(self) -> int:
         return self.global_batch_size
+
+    def summary(self) -> str:
+        """The start-up line that says what the split holds."""
+        return (f"{self.name} split: --mock-data, {self.global_batch_size} generated documents "
+                f"of 2 to {self.seq_length + 1} tokens an iteration")
 
     def documents(self, iteration: int) -> list[np.ndarray]:
         rng = np.random.default_rng([self.seed, self.split, iteration])
@@ -254,7 +304,8 @@ def build_document_sources(args: argparse.Namespace, vocab_size: int):
         streams = []
         for k, dataset in enumerate(datasets):
             start, stop = split_ranges(split, len(dataset.index.document_indices) - 1)[i]
-            streams.append(_DatasetStream(dataset, start, stop, seed=args.seed * 1000 + 10 * k + i))
+            streams.append(_DatasetStream(dataset, start, stop, args.seed * 1000 + 10 * k + i,
+                                          args.seq_length))
         sources[name] = DocumentSource(streams, [w for w, _ in pairs], args.global_batch_size,
                                        args.seq_length, vocab_size, name)
     if len(sources["train"]) == 0:

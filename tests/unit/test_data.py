@@ -67,23 +67,47 @@ def test_preprocess_refuses_unknown_tokenizers_and_needs_one(tmp_path):
                               str(tmp_path / "y")])
 
 
-def test_batches_are_deterministic_resumable_and_truncated(dataset):
+def test_batches_are_deterministic_and_resumable(dataset):
     train = sources.build_document_sources(data_args(data_path=[dataset]), VOCAB)["train"]
-    again = sources.build_document_sources(data_args(data_path=[dataset]), VOCAB)["train"]
-    seen = []
-    for iteration in range(6):
+    for iteration in (5, 0, 3):  # a fresh source at any iteration: a resumed run
+        again = sources.build_document_sources(data_args(data_path=[dataset]), VOCAB)["train"]
         batch = train.documents(iteration)
         assert len(batch) == 4
         assert all(2 <= len(doc) <= 17 for doc in batch)  # seq_length + 1 tokens at most
         for a, b in zip(batch, again.documents(iteration)):
             np.testing.assert_array_equal(a, b)
-        seen.extend(tuple(doc) for doc in batch)
-    # The train split is the first 10 documents; 9 have >= 2 tokens (with EOD). One epoch
-    # of all 9 before any repeats.
-    assert len(train) == 9
-    assert len(set(seen[:9])) == 9 and set(seen) == set(seen[:9])
-    # The 41-token document is cut to seq_length + 1 tokens.
-    assert max(len(doc) for doc in seen) == 17
+
+
+def test_an_epoch_trains_every_token_of_long_documents_once(dataset):
+    """The train split is the first 9 documents (8,1,1 of 11) of 4, 41, 2, 8, 13, 26, 6, 10
+    and 31 tokens with their end-of-document token; at --seq-length 16, those of 41, 26 and 31
+    tokens are cut into 3, 2 and 2 pieces: 13 units holding 132 labels. Four epochs of 13
+    units are 13 batches of 4: every label of every document is trained 4 times, in Megatron's
+    micro-batches as in the pieces."""
+    from megatron.plugin.batches import pack_micro_batches
+
+    args = data_args(data_path=[dataset])
+    train = sources.build_document_sources(args, VOCAB)["train"]
+    assert len(train) == 13
+    assert train.summary() == (
+        "train split: 9 documents, 132 tokens to train an epoch; 3 documents longer than "
+        "--seq-length 16 + 1 tokens are cut into 7 pieces, each trained as a document of "
+        "its own")
+    data = IndexedDataset(dataset)
+    documents = [np.asarray(data.get(i), dtype=np.int64) for i in range(9)]
+    pairs = {}  # (input, label) pairs of each document: the document's first token names it
+    for iteration in range(13):
+        batch = train.documents(iteration)
+        for unit in batch:
+            key = int(unit[0])
+            pairs.setdefault(key, []).extend(zip(unit[:-1].tolist(), unit[1:].tolist()))
+        trained = sum(float(m.loss_mask.sum()) for m in pack_micro_batches(batch, args.seq_length))
+        assert trained == sum(len(unit) - 1 for unit in batch)
+    for doc in documents:
+        if len(doc) >= 2:
+            expected = list(zip(doc[:-1].tolist(), doc[1:].tolist())) * 4
+            assert sorted(pairs.pop(int(doc[0]))) == sorted(expected)
+    assert not pairs
 
 
 def test_no_mmap_bin_files_reads_the_same_documents_into_memory(dataset, monkeypatch):
@@ -104,15 +128,58 @@ def test_no_mmap_bin_files_reads_the_same_documents_into_memory(dataset, monkeyp
         np.testing.assert_array_equal(a, b)
 
 
-def test_split_and_blend():
+def test_split_and_data_path():
     assert sources.split_ranges("969,30,1", 1000) == [(0, 969), (969, 999), (999, 1000)]
     assert sources.split_ranges("1,0,0", 7) == [(0, 7), (7, 7), (7, 7)]
-    assert sources.batch_shares([0.7, 0.3], 10) == [7, 3]
-    assert sources.batch_shares([1, 1, 1], 4) in ([2, 1, 1], [1, 2, 1], [1, 1, 2])
     assert sources.parse_data_path(["0.3", "a", "0.7", "b"]) == [(0.3, "a"), (0.7, "b")]
     assert sources.parse_data_path(["a", "b"]) == [(1.0, "a"), (1.0, "b")]
     with pytest.raises(ValueError, match="pairs"):
         sources.parse_data_path(["0.3", "a", "0.7"])
+
+
+def _datasets(tmp_path, lengths_per_dataset):
+    """One dataset per list of document lengths; dataset ``k``'s tokens are all ``k + 1``
+    (the end-of-document token aside), so a drawn unit names its dataset."""
+    prefixes = []
+    for k, lengths in enumerate(lengths_per_dataset):
+        prefix = str(tmp_path / f"blend{k}")
+        corpus.write_dataset(prefix, [np.full(n, k + 1) for n in lengths], vocab_size=VOCAB)
+        prefixes.append(prefix)
+    return prefixes
+
+
+@pytest.mark.parametrize("weights,batch", [([0.05, 0.95], 8), ([1, 1, 1], 4), ([3, 1], 5)])
+def test_blended_datasets_give_megatrons_token_shares_over_the_run(tmp_path, weights, batch):
+    """Megatron-LM's blend gives sample ``i`` (``--seq-length`` tokens) to the dataset its
+    helper names; here each dataset's labels over the run match Megatron's samples of it in
+    tokens, to within the bound of :mod:`megatron.plugin.blending` (one unit for the blocks
+    the run covers, plus the block it is in), however long its documents are: short documents
+    in dataset 0, long ones (cut into pieces) in the others."""
+    from megatron.core.datasets import helpers_cpp
+
+    rng = np.random.default_rng(0)
+    lengths = [rng.integers(2, 9, 60)] + [rng.integers(10, 60, 40)
+                                          for _ in weights[1:]]
+    data_path = [str(x) for pair in zip(weights, _datasets(tmp_path, lengths)) for x in pair]
+    args = data_args(data_path=data_path, split="1,0,0", global_batch_size=batch)
+    train = sources.build_document_sources(args, VOCAB)["train"]
+    labels = np.zeros(len(weights), dtype=np.int64)
+    for iteration in range(300):
+        for unit in train.documents(iteration):
+            labels[int(unit[0]) - 1] += len(unit) - 1
+    total = int(labels.sum())
+    samples = total // args.seq_length
+    dataset = np.zeros(samples, dtype=np.int16)
+    helpers_cpp.build_blending_indices(dataset, np.zeros(samples, dtype=np.int64),
+                                       np.asarray(weights, float) / sum(weights),
+                                       len(weights), samples, False)
+    megatron = np.bincount(dataset, minlength=len(weights)) * args.seq_length
+    assert np.abs(labels - megatron).max() <= (len(weights) + 2) * args.seq_length, \
+        (labels, megatron)
+    assert (labels > 0).all()
+    resumed = sources.build_document_sources(args, VOCAB)["train"]
+    for a, b in zip(resumed.documents(250), train.documents(250)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_missing_data_path_names_the_files(tmp_path):

@@ -47,7 +47,8 @@ def test_every_option_that_counts_samples_is_named_as_counting_documents(monkeyp
     args = arguments.parse([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
                             "--pipeline-schedule", "sppo"])
     assert sample_meaning(args) == (
-        "pretrain_gpt_elastic.py: a sample is one document (its first 65 tokens where longer) "
+        "pretrain_gpt_elastic.py: a sample is one document (or a piece of 65 tokens of a longer "
+        "one) "
         "under --pipeline-schedule sppo, not a sequence of --seq-length tokens as in "
         "Megatron-LM: --global-batch-size 12 is 12 documents per step, and --lr-decay-samples, "
         "--lr-warmup-samples, --lr-wsd-decay-samples, --rampup-batch-size, --train-samples "
