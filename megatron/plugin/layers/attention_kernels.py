@@ -23,7 +23,9 @@ Kernels, chosen by :func:`block_kernel` from the device, the dtype, the dropout 
   (:func:`~megatron.plugin.layers.rng.device_generator`: on CUDA the GPU's, on the CPU the
   CPU's), the one Megatron's RNG tracker forks there, as torch's operators draw theirs; the
   forward keeps that generator's state (16 bytes on CUDA, 5056 on the CPU) and the backward
-  draws the mask again from it; nothing of the block's ``[heads, s, t]`` scores is kept.
+  draws the mask again from it (the state rather than a seed drawn from the generator: on CUDA
+  such a seed would be read back to the host, a synchronisation per block); nothing of the
+  block's ``[heads, s, t]`` scores is kept.
 
 Torch's operators rather than flash-attn's: they ship with every torch the project supports
 (2.6 on), take the same arguments on every GPU, and their forward returns the log-sum-exp and

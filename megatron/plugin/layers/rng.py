@@ -27,7 +27,8 @@ def device_generator(device: torch.device) -> torch.Generator:
     changed inside the fork); on the CPU the compat layer's twin of the fork swaps the CPU
     generator's. A draw from this generator inside the fork therefore takes each
     tensor-parallel rank's own stream, as Megatron's dropout does; a draw from the CPU generator
-    on CUDA would take the data-parallel stream, equal on every tensor-parallel rank."""
+    on CUDA would read a stream the fork does not touch, the same on every tensor-parallel
+    rank."""
     if device.type == "cuda":
         index = torch.cuda.current_device() if device.index is None else device.index
         return torch.cuda.default_generators[index]
