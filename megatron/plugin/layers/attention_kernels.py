@@ -19,9 +19,13 @@ Kernels, chosen by :func:`block_kernel` from the device, the dtype, the dropout 
   is padded along the queries; the kernel trims it and pads the merged one back).
 * :class:`CpuFlash`: the fused CPU flash kernel SDPA picks on CPU, without dropout.
 * :class:`CpuMath`: the block computed with matrix products (any device and dtype, dropout
-  included): the mask is drawn from a generator seeded by one draw of the default CPU generator
-  (so Megatron's RNG tracker decides it, as it does SDPA's) and drawn again from that seed in
-  backward; nothing of the block's ``[heads, s, t]`` scores is kept.
+  included): the mask is drawn from the default generator of the inputs' device
+  (:func:`~megatron.plugin.layers.rng.device_generator`: on CUDA the GPU's, on the CPU the
+  CPU's), the one Megatron's RNG tracker forks there, as torch's operators draw theirs; the
+  forward keeps that generator's state (16 bytes on CUDA, 5056 on the CPU) and the backward
+  draws the mask again from it (the state rather than a seed drawn from the generator: on CUDA
+  such a seed would be read back to the host, a synchronisation per block); nothing of the
+  block's ``[heads, s, t]`` scores is kept.
 
 Torch's operators rather than flash-attn's: they ship with every torch the project supports
 (2.6 on), take the same arguments on every GPU, and their forward returns the log-sum-exp and
@@ -48,6 +52,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from megatron.plugin.layers import rng
 
 FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 """Element types the fused CPU flash kernel takes."""
@@ -101,27 +107,34 @@ class CpuMath:
             lse = torch.logsumexp(scores, dim=-1)
         return torch.exp(scores - lse.unsqueeze(-1)), lse
 
-    def _keep(self, p: torch.Tensor, seed):
-        """``p`` with dropout applied (scaled by ``1 / (1 - dropout)``), its mask from ``seed``."""
-        if seed is None:
+    def _keep(self, p: torch.Tensor, generator: torch.Generator | None):
+        """``p`` with dropout applied (scaled by ``1 / (1 - dropout)``), its mask drawn from
+        ``generator`` (``None``: no dropout)."""
+        if generator is None:
             return p
-        generator = torch.Generator(device=p.device).manual_seed(seed)
         kept = torch.rand(p.shape, generator=generator, device=p.device) >= self.dropout
         return p * kept / (1.0 - self.dropout)
 
+    @staticmethod
+    def _replayed(state, device) -> torch.Generator | None:
+        """A generator of ``device`` at the forward's ``state`` (``None`` without dropout)."""
+        return None if state is None else torch.Generator(device=device).set_state(state)
+
     def forward(self, q, k, v, causal: bool):
         p, lse = self._probabilities(q, k, causal)
-        seed = int(torch.randint(2**62, (1,))) if self.dropout > 0 else None
-        out = torch.matmul(self._keep(p, seed), v.to(p.dtype))
-        return out.to(q.dtype), lse, seed
+        generator = rng.device_generator(p.device) if self.dropout > 0 else None
+        state = None if generator is None else generator.get_state()
+        out = torch.matmul(self._keep(p, generator), v.to(p.dtype))
+        return out.to(q.dtype), lse, state
 
     def backward(self, grad, q, k, v, out, lse, causal: bool, state):
         p, _ = self._probabilities(q, k, causal, lse)
         work = p.dtype
         grad = grad.to(work)
-        dropped = self._keep(p, state)
+        dropped = self._keep(p, self._replayed(state, p.device))
         grad_value = torch.matmul(dropped.transpose(-1, -2), grad)
-        grad_p = self._keep(torch.matmul(grad, v.to(work).transpose(-1, -2)), state)
+        grad_p = self._keep(torch.matmul(grad, v.to(work).transpose(-1, -2)),
+                            self._replayed(state, p.device))
         row = (grad * out.to(work)).sum(-1, keepdim=True)
         grad_scores = p * (grad_p - row) * self._scale(q)
         grad_query = torch.matmul(grad_scores, k.to(work))
