@@ -1,7 +1,7 @@
 """End to end: ``pretrain_gpt_elastic.py`` on 2 CPU ranks (PP=2) with the embedded corpus."""
 import json
-import re
 import os
+import re
 
 import pytest
 import torch
@@ -33,8 +33,13 @@ def test_training_logs_megatron_lines_and_metrics(tmp_path):
     lines = [line for line in result.stdout.splitlines() if " iteration " in line]
     assert len(lines) == 8
     # What a sample is, said once (rank 0) at start-up.
-    assert result.stdout.count("pretrain_gpt_elastic.py: a sample is one document (its first "
-                               "129 tokens where longer) under --pipeline-schedule 1f1b") == 1
+    assert result.stdout.count("pretrain_gpt_elastic.py: a sample is one document (or a piece "
+                               "of 129 tokens of a longer one) under --pipeline-schedule "
+                               "1f1b") == 1
+    # What the train split holds, and the documents cut, said once too.
+    assert len(re.findall(r"pretrain_gpt_elastic\.py: train split: \d+ documents, \d+ tokens "
+                          r"to train an epoch; \d+ documents longer than --seq-length 128 \+ 1 "
+                          r"tokens are cut into \d+ pieces", result.stdout)) == 1
     assert "lm loss:" in lines[0] and "elapsed time per iteration (ms):" in lines[0]
     # What the schedule reports reaches Megatron's log line (and its TensorBoard/W&B writers).
     assert "peak activation bytes:" in lines[0] and "tokens per second:" in lines[0]
