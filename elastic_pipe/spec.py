@@ -40,8 +40,9 @@ from megatron.plugin.pipeline.layer_checkpoint import leading_layers
 from megatron.plugin.executor_call import megatron_process_groups, run_this_rank
 from megatron.plugin.pipeline.p2p import neighbour_links
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
+from megatron.plugin.substitutions import Substitution
 
-from longctx import job_costs
+from longctx import fixed_checkpointing, job_costs
 
 from elastic_pipe.drawing import DRAW_ARGUMENTS, plan_builder
 from elastic_pipe.flags import add_arguments, check_args
@@ -72,6 +73,29 @@ def _report(planned: PlannedBatch) -> dict:
             "plan_solve_s": planned.timing.solve_s, "plan_wait_s": planned.timing.waited_s}
 
 
+def _aux_coefficients(args) -> list:
+    coeff = args.moe_aux_loss_coeff
+    return list(coeff) if isinstance(coeff, (list, tuple)) else [coeff]
+
+
+def _per_document_aux(args) -> str:
+    shown = " ".join(f"{coeff:g}" for coeff in _aux_coefficients(args))
+    return (f"--moe-aux-loss-coeff {shown} under --pipeline-schedule {args.pipeline_schedule}: "
+            f"the auxiliary load-balancing loss is Megatron's aux_loss formula applied to each "
+            f"document's tokens alone (megatron/plugin/layers/document_router.py), not to each "
+            f"micro-batch's as in Megatron-LM: the same only where each micro-batch would hold "
+            f"one document without padding, other router gradients otherwise")
+
+
+#: The accepted values that run something other than they name under elastic and seq1f1b.
+SUBSTITUTIONS = (
+    Substitution("--moe-aux-loss-coeff",
+                 lambda args: bool(args.num_experts) and any(_aux_coefficients(args)),
+                 _per_document_aux),
+    fixed_checkpointing.SUBSTITUTION,
+)
+
+
 def _spec(name: str) -> ScheduleSpec:
     prepare_input, prefetch_input = input_functions(name)
     return ScheduleSpec(name, run=_run, input_type=PlannedBatch,
@@ -79,7 +103,8 @@ def _spec(name: str) -> ScheduleSpec:
                         check_args=check_args, plans_recomputation=True,
                         prepare_input=prepare_input, prefetch_input=prefetch_input,
                         report=_report, build_ir=plan_builder(name),
-                        draw_arguments=DRAW_ARGUMENTS, draw_units=False)
+                        draw_arguments=DRAW_ARGUMENTS, draw_units=False,
+                        substitutions=SUBSTITUTIONS)
 
 
 ELASTIC = _spec("elastic")

@@ -40,6 +40,8 @@ import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from megatron.plugin.substitutions import Substitution
+
 METHODS = ("uniform", "block")
 
 SELECTIVE_REFUSAL = (
@@ -101,3 +103,17 @@ def check_args(args: argparse.Namespace, alternative: str = "") -> None:
         raise ValueError(SELECTIVE_REFUSAL.format(schedule=args.pipeline_schedule,
                                                   alternative=alternative))
     fixed_checkpointing(args)
+
+
+def _rebuilt_together(args: argparse.Namespace) -> str:
+    return (f"{fixed_checkpointing(args).flags()} under --pipeline-schedule "
+            f"{args.pipeline_schedule}: the plan recomputes the layers Megatron's method names, "
+            f"but keeps only the input of each stage's checkpointed range and rebuilds the range "
+            f"in one pass before each unit's backward, where Megatron-LM keeps each checkpointed "
+            f"group's input and rebuilds one group at a time inside the backward: the same loss "
+            f"and gradients, other memory")
+
+
+#: What a schedule that plans Megatron's full recomputation as this table says at start-up.
+SUBSTITUTION = Substitution("--recompute-granularity",
+                            lambda args: args.recompute_granularity == "full", _rebuilt_together)

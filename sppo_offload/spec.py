@@ -69,11 +69,13 @@ from megatron.plugin.pipeline.layer_checkpoint import leading_layers
 from megatron.plugin.executor_call import megatron_process_groups, run_this_rank
 from megatron.plugin.pipeline.p2p import neighbour_links
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
+from megatron.plugin.substitutions import Substitution
 
-from longctx import job_costs
+from longctx import fixed_checkpointing, job_costs
 
 from sppo_offload.flags import NAME, add_arguments, add_draw_arguments, check_args
 from sppo_offload.mux_runtime import MultiplexProgram, block_groups
+from sppo_offload.offload import OFF
 from sppo_offload.pipeline import sppo_ir
 from sppo_offload.subsequence_batch import SubsequenceBatch, prepare_input
 
@@ -104,10 +106,28 @@ def run(call: RankCall) -> list:
     return store + result
 
 
+def _offloads(args) -> bool:
+    return args.sppo_offload not in (OFF, 0) and \
+        fixed_checkpointing.fixed_checkpointing(args) is None
+
+
+def _host_to_host(args) -> str:
+    return (f"--sppo-offload {args.sppo_offload} on a machine without CUDA: the activations "
+            f"already live in host memory, so an offload copies them within it, synchronously, "
+            f"and the process holds as much memory as without offloading (the activation meter "
+            f"counts the copies as moved)")
+
+
+#: The accepted values that run something other than they name under sppo.
+SUBSTITUTIONS = (
+    Substitution("--sppo-offload", _offloads, _host_to_host, device="cpu"),
+    fixed_checkpointing.SUBSTITUTION,
+)
+
 SPEC = ScheduleSpec(NAME, run=run, input_type=SubsequenceBatch,
                     argument_groups=(job_costs.add_arguments, add_arguments),
                     check_args=check_args, plans_recomputation=True,
                     prepare_input=prepare_input, build_ir=sppo_ir,
                     report=lambda batch: {"planned_activation_bytes":
                                           batch.planned_activation_bytes},
-                    draw_arguments=(add_draw_arguments,))
+                    draw_arguments=(add_draw_arguments,), substitutions=SUBSTITUTIONS)

@@ -12,7 +12,9 @@ reduction under the project's schedules, Ulysses' head divisibility, the schedul
 ``check_args``, what needs CUDA, the flash attention backend in fp32, Transformer Engine
 without CUDA or its package or with ``--sppo-multiplex``, ``--tensorboard-dir`` without
 ``tensorboard``);
-:func:`check_args` runs the rules again on the validated arguments.
+:func:`check_args` runs the rules again on the validated arguments, and
+:func:`substitution_lines` says what runs where an accepted value names something else
+(:mod:`megatron.plugin.substitutions`).
 
 Defaults that differ from Megatron-LM's, and why:
 
@@ -42,7 +44,7 @@ from typing import Sequence
 
 import torch
 
-from megatron.plugin import cpu_compat, flop_count, option_classes, registry
+from megatron.plugin import cpu_compat, flop_count, option_classes, registry, substitutions
 
 #: ``args_defaults`` for Megatron's parser (applied where a flag was not given).
 DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"}
@@ -473,6 +475,14 @@ RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
 def rule_refusals(args: argparse.Namespace) -> list[str]:
     """The messages of the :data:`RULES` that refuse ``args``."""
     return [message for rule in RULES if (message := rule(args)) is not None]
+
+
+def substitution_lines(args: argparse.Namespace) -> list[str]:
+    """What start-up says runs in place of what an accepted option names: the core's records
+    and the selected schedule's (:mod:`megatron.plugin.substitutions`), on the arguments the
+    refusals let through."""
+    spec = registry.spec(args.pipeline_schedule)
+    return substitutions.lines(args, () if spec is None else spec.substitutions)
 
 
 def check_args(args: argparse.Namespace) -> None:

@@ -312,10 +312,19 @@ def _parses_in_initialize() -> bool:
 
 def _after_parsing(args) -> None:
     arguments.check_args(args)
-    if args.rank == 0:
-        log.info(sample_meaning(args))
+    announce(args)
     run_settings.configure(args.pipeline_timeout_s, args.trace_dir)
     registry.use_schedule(args.pipeline_schedule)
+
+
+def announce(args) -> None:
+    """Rank 0's start-up lines, once per start-up: what a sample is, and what runs in place of
+    what an accepted option names (:func:`megatron.plugin.arguments.substitution_lines`)."""
+    if args.rank != 0:
+        return
+    log.info(sample_meaning(args))
+    for line in arguments.substitution_lines(args):
+        log.info(line)
 
 
 def _with_checks(initialize_megatron):

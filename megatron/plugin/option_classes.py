@@ -322,7 +322,8 @@ HONOURED: dict[str, Honoured] = {
     # the attention's result is the same for each. The document attention runs Ulysses for
     # every value (megatron/plugin/layers/attention.py): a2a is what runs, and p2p gets the
     # same loss and gradients with Ulysses' communication (4 all-to-alls per layer) and
-    # memory (each rank attends over whole rows for heads / CP heads) instead of a ring's.
+    # memory (each rank attends over whole rows for heads / CP heads) instead of a ring's,
+    # which start-up says (megatron/plugin/substitutions.py).
     "cp_comm_type": Honoured(
         CP_COMM, "the document attention exchanges Q, K and V by Ulysses all-to-all whatever "
                  "--cp-comm-type names (the result of attention is the same); allgather and "

@@ -45,12 +45,18 @@ the name and one way to run is optional):
    are refused at registration. ``units`` is the drawing's ``--microbatches``; a schedule
    that makes its units from its own flags (elastic plans a batch's documents) sets
    ``draw_units=False`` and gets ``None``.
+8. ``substitutions``: :class:`~megatron.plugin.substitutions.Substitution` records of the
+   accepted option values that run something other than they name under this schedule (or
+   nothing on this device); start-up says each that applies once, beside the core's
+   (:mod:`megatron.plugin.substitutions`).
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from megatron.plugin.substitutions import Substitution
 
 #: What ``report`` may return; ``planned_activation_bytes`` is a per-stage figure.
 REPORT_KEYS = ("planned_activation_bytes", "plan_solve_s", "plan_wait_s",
@@ -93,6 +99,7 @@ class ScheduleSpec:
     build_ir: Callable | None = None
     draw_arguments: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
     draw_units: bool = True
+    substitutions: tuple[Substitution, ...] = ()
     forward_backward: Callable = field(init=False, repr=False, compare=False)
     """Megatron's forward-backward signature: ``megatron_function``, or ``run`` wrapped."""
 

@@ -29,17 +29,19 @@ def metrics(path):
 def test_training_logs_megatron_lines_and_metrics(tmp_path):
     out = tmp_path / "metrics.jsonl"
     result = torchrun(2, SCRIPT, [*TINY, "--train-iters", "8", "--pipeline-schedule", "1f1b",
-                                  "--metrics-jsonl", str(out)])
+                                  "--metrics-jsonl", str(out), "--apply-query-key-layer-scaling"])
     lines = [line for line in result.stdout.splitlines() if " iteration " in line]
     assert len(lines) == 8
-    # What a sample is, said once (rank 0) at start-up.
+    # What a sample is, what the train split holds (the documents cut), and what runs in
+    # place of an accepted option's value, said once (rank 0) at start-up.
     assert result.stdout.count("pretrain_gpt_elastic.py: a sample is one document (or a piece "
                                "of 129 tokens of a longer one) under --pipeline-schedule "
                                "1f1b") == 1
-    # What the train split holds, and the documents cut, said once too.
     assert len(re.findall(r"pretrain_gpt_elastic\.py: train split: \d+ documents, \d+ tokens "
                           r"to train an epoch; \d+ documents longer than --seq-length 128 \+ 1 "
                           r"tokens are cut into \d+ pieces", result.stdout)) == 1
+    assert result.stdout.count("pretrain_gpt_elastic.py: --apply-query-key-layer-scaling: the "
+                               "document attention's kernels compute the scores") == 1
     assert "lm loss:" in lines[0] and "elapsed time per iteration (ms):" in lines[0]
     # What the schedule reports reaches Megatron's log line (and its TensorBoard/W&B writers).
     assert "peak activation bytes:" in lines[0] and "tokens per second:" in lines[0]
