@@ -10,10 +10,11 @@ with the network the paper states (the ``TESTBEDS`` notes cite the line of the p
 what a paper does not state is the shipped profile's. Each row gives the published number, the
 simulated one, simulated over published, and a verdict in the band :data:`BAND` (15%):
 ``agrees`` (within it; a row whose paper states a bound -- a number in a figure only, or a
-length it demonstrates -- has no ratio and agrees on the bound's side or within the band of
-it); otherwise its ``why``: the term (or setting) that differs, its computed size and the
-simulated number with it priced in (:mod:`paper_terms`), ``accounted`` when that is within the
-band and ``open`` when it is not or cannot be priced. No row carries a hand-written label;
+length it demonstrates -- has no ratio and agrees only on the bound's side); otherwise its
+``why``: the term (or setting) that differs, its computed size and the simulated number with
+it priced in (:mod:`paper_terms`), ``accounted`` when that is within the band (a bound row's:
+on the bound's side), else ``near`` for a bound row that misses its bound by at most the band,
+and ``open`` otherwise. No row carries a hand-written label;
 ``tests/unit/test_reproduction_table.py`` reads the committed table and fails on a row that
 drifts. A summary gives the median |simulated / published - 1| and the count within the band.
 
@@ -146,8 +147,9 @@ HELIX_MODELS = {
 }
 BAND = 0.15
 """A row agrees when simulated / published is within this of 1 (a bound row: when the simulated
-number is on the bound's side or within this of it); a row that does not is accounted for when
-its computed term, priced in, brings it within the same band."""
+number is on the bound's side); a row that does not is accounted for when its computed term,
+priced in, brings it within the same band (a bound row: onto the bound's side). A bound row
+neither agreeing nor accounted for is near when it misses the bound by at most this of it."""
 
 
 def testbed(name: str) -> HardwareProfile:
@@ -169,16 +171,27 @@ def within(value: float | None, published: float) -> bool:
     return value is not None and abs(value / published - 1) <= BAND
 
 
-def on_side(value: float | None, op: str, bound: float) -> bool:
+def on_side(value: float | None, op: str, bound: float, slack: float = 0.0) -> bool:
+    """``value`` is on the side ``op`` of ``bound`` (the bound itself included), or misses it
+    by at most ``slack`` of it."""
     if value is None:
         return False
-    return value <= bound * (1 + BAND) if op == "<=" else value >= bound * (1 - BAND)
+    return value <= bound * (1 + slack) if op == "<=" else value >= bound * (1 - slack)
 
 
-def verdict(agrees: bool, why: dict | None, accounts: bool) -> str:
+VERDICTS = ("agrees", "accounted", "near", "open")
+"""The verdicts, in the order :func:`verdict` tries them."""
+
+
+def verdict(agrees: bool, why: dict | None, accounts: bool, near: bool = False) -> str:
+    """``agrees``; else ``accounted`` where the row's why, priced in, agrees; else ``near``
+    where ``near`` is given (a bound row missing its bound by at most :data:`BAND`); else
+    ``open``."""
     if agrees:
         return "agrees"
-    return "accounted" if why is not None and accounts else "open"
+    if why is not None and accounts:
+        return "accounted"
+    return "near" if near else "open"
 
 
 def row(paper: str, what: str, published: float, simulated: float | None, profile: str,
@@ -198,15 +211,18 @@ def bound_row(paper: str, what: str, bound: tuple[str, float], simulated: float,
               why: dict | None = None, **detail) -> dict:
     """A row whose paper states a bound in its text, not a number (the number is in a figure
     only, or the paper demonstrates a length without its maximum): ``bound`` is ``("<=", x)``
-    or ``(">=", x)``. It has no ratio."""
+    or ``(">=", x)``. It has no ratio; it agrees only on the bound's side, and a row that
+    misses it by at most :data:`BAND` of it, with no term bringing it onto that side, is
+    ``near``."""
     op, value = bound
     agrees = on_side(simulated, op, value)
     why = None if agrees else why
     accounts = why is not None and on_side(why["simulated_with"], op, value)
+    near = on_side(simulated, op, value, BAND)
     return {"paper": paper, "what": what, "published": None,
             "published_bound": f"{op} {value:g}", "simulated": simulated,
             "simulated_over_published": None, "profile": profile,
-            "verdict": verdict(agrees, why, accounts), "why": why, **detail}
+            "verdict": verdict(agrees, why, accounts, near), "why": why, **detail}
 
 
 # -- InfiniPipe ---------------------------------------------------------------------------------
@@ -1188,12 +1204,10 @@ def markdown(rows: list[dict]) -> str:
 
 def summary(rows: list[dict]) -> dict:
     """How the rows with a ratio stand: their count, the median of |simulated / published - 1|,
-    how many are within :data:`BAND`; and every row's verdict counted."""
+    how many are within :data:`BAND`; and the rows of each verdict (:data:`VERDICTS`)."""
     off = [abs(r["simulated_over_published"] - 1) for r in rows
            if r["simulated_over_published"] is not None]
-    verdicts = {}
-    for r in rows:
-        verdicts[r["verdict"]] = verdicts.get(r["verdict"], 0) + 1
+    verdicts = {name: sum(r["verdict"] == name for r in rows) for name in VERDICTS}
     return {"rows": len(rows), "ratios": len(off),
             "median_abs_off": statistics.median(off) if off else None,
             "within_band": sum(x <= BAND for x in off), "band": BAND, "verdicts": verdicts}
