@@ -1,5 +1,7 @@
-"""Report: the auxiliary load-balancing loss per document (``elastic``, ``seq1f1b``) against
-Megatron's per micro-batch (``1f1b`` and Megatron's other schedules), on one model and batch.
+"""Report: the project's load-balancing loss per document (``--moe-per-document-aux-loss-coeff``,
+``elastic`` and ``seq1f1b``) against Megatron's ``aux_loss`` per micro-batch
+(``--moe-aux-loss-coeff`` under ``1f1b``, ``interleaved`` and ``1f1b-ir``), on one model and
+batch: the gap for which ``elastic`` and ``seq1f1b`` refuse ``--moe-aux-loss-coeff``.
 
     python scripts/aux_gap.py [--json OUT]
 
@@ -18,7 +20,7 @@ batch: the logged value (the Switch loss without the coefficient, mean over the 
 document (mean over the documents) and Megatron's (mean over the micro-batches), and the
 relative difference ``|g_doc - g_megatron| / |g_megatron|`` of the router weights' gradients
 (every layer's router weights together) of the auxiliary term alone and of the whole step's
-loss at ``--moe-aux-loss-coeff`` 0.01, under the per-token loss and Megatron's default loss.
+loss at coefficient 0.01, under the per-token loss and Megatron's default loss.
 """
 import argparse
 import json

@@ -66,6 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write one JSON object per iteration to this file (last rank)")
     g.add_argument("--trace-dir", default=None,
                    help="write Chrome-trace JSON of the executor's actions per rank")
+    g.add_argument("--moe-per-document-aux-loss-coeff", type=float, default=0.0,
+                   help="elastic and seq1f1b with --num-experts: coefficient of a "
+                        "load-balancing loss of this project's, not Megatron's: the Switch "
+                        "formula of Megatron's aux_loss over each document's own tokens "
+                        "(megatron/plugin/layers/document_router.py), where Megatron's "
+                        "--moe-aux-loss-coeff takes it over each micro-batch's packed rows, "
+                        "which these schedules do not run (0: off)")
     added = set()
     for spec in registry.specs():
         for add in spec.argument_groups:

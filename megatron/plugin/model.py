@@ -11,7 +11,6 @@ from megatron.plugin import registry
 from megatron.plugin.layers.attention import RopeSettings, document_layer_spec
 from megatron.plugin.layers.te_layers import document_te_layer_spec
 from megatron.plugin.cpu_compat import megatron_core_version
-from megatron.plugin.option_classes import AUX_PER_DOCUMENT
 
 
 def model_config(args: argparse.Namespace) -> TransformerConfig:
@@ -33,6 +32,13 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     Under a schedule whose plan runs Megatron's full recomputation
     (``ScheduleSpec.plans_recomputation``) the config asks for none: the plan checkpoints the
     layers the flags name.
+
+    ``--moe-per-document-aux-loss-coeff`` is the config's ``moe_aux_loss_coeff``, which only the
+    routers read: with it the MoE layers' routers are
+    :class:`~megatron.plugin.layers.document_router.DocumentRouter` (:func:`layer_spec`), which
+    take the coefficient for their loss per document (the option classes refuse Megatron's
+    ``--moe-aux-loss-coeff`` beside it, and the flag under the schedules that build Megatron's
+    router).
 
     Under ``--transformer-impl transformer_engine`` ``disable_parameter_transpose_cache`` is on
     (the config field has no flag). Megatron's TE linears tell TE whether a forward is the first
@@ -61,6 +67,8 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
+    if args.moe_per_document_aux_loss_coeff:
+        config.moe_aux_loss_coeff = args.moe_per_document_aux_loss_coeff
     if args.transformer_impl == "transformer_engine":
         config.disable_parameter_transpose_cache = True
     if args.overlap_grad_reduce or (args.pipeline_schedule == "sppo" and args.sppo_multiplex):
@@ -82,8 +90,9 @@ def layer_spec(args: argparse.Namespace, num_layers: int, rope: RopeSettings | N
     (:func:`~megatron.plugin.layers.attention.document_layer_spec`) or its Transformer Engine
     layers (:func:`~megatron.plugin.layers.te_layers.document_te_layer_spec`), with the document
     attention and ``--qk-layernorm`` either way (the start-up refuses MoE layers with
-    Transformer Engine); MoE layers take their auxiliary loss per document under the
-    schedules of :data:`~megatron.plugin.option_classes.AUX_PER_DOCUMENT`. A schedule's own
+    Transformer Engine); MoE layers take their load-balancing loss per document with
+    ``--moe-per-document-aux-loss-coeff`` (which the option classes accept under the schedules
+    of :data:`~megatron.plugin.option_classes.AUX_PER_DOCUMENT` only). A schedule's own
     ``build_model`` (helix) takes the local layer: the start-up refuses Transformer Engine
     under it."""
     if args.transformer_impl == "transformer_engine":
@@ -91,7 +100,7 @@ def layer_spec(args: argparse.Namespace, num_layers: int, rope: RopeSettings | N
     return document_layer_spec(num_layers, args.normalization, rope,
                                qk_layernorm=args.qk_layernorm, num_experts=args.num_experts,
                                per_document_aux=bool(args.num_experts)
-                               and args.pipeline_schedule in AUX_PER_DOCUMENT)
+                               and args.moe_per_document_aux_loss_coeff > 0)
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None,

@@ -115,7 +115,8 @@ OUTPUT_GATE = {"default": "golden:pp2_gate_1f1b", "1f1b": "golden:pp2_gate_1f1b"
                "elastic": "golden:pp2_gate_elastic", "seq1f1b": "golden:pp2_gate_seq1f1b",
                "sppo": "golden:pp2_gate_sppo_n4_offload"}
 #: Dropless mixture of experts (Megatron's MoE layer, with a gated shared expert beside the
-#: routed ones and the router in FP64; its auxiliary loss: :data:`MOE_AUX`);
+#: routed ones and the router in FP64; its auxiliary loss: :data:`MOE_AUX`, or the project's
+#: per document: :data:`MOE_AUX_PER_DOCUMENT`);
 #: under the schedules that run Megatron's layer map its layouts count the embedding and the
 #: loss as layers of the split (:data:`ACCOUNTED`), under interleaved over 3 virtual stages
 #: given by their count (the first holds only the embedding, the last only the loss). Under
@@ -163,28 +164,46 @@ EXPERT_REFUSALS = {schedule: _REPLICAS_APART.replace("{schedule}", schedule).rep
                        ("helix", "runs each replica's own packed micro-batches, completed with "
                                  "empty slots, through layer parts split across stages, and no "
                                  "test proves that its MoE calls pair up across replicas"))}
-#: Megatron's auxiliary load-balancing loss (``aux_loss``): where the router's calls are
-#: Megatron's micro-batches, Megatron's own (the moe layouts of Megatron's schedules and 1f1b-ir
-#: pass it, under interleaved with Megatron's default loss, against a reference that computes
-#: it over the same micro-batches); under :data:`AUX_PER_DOCUMENT`, defined per document
-#: (:mod:`megatron.plugin.layers.document_router`; the elastic layout passes it with the
-#: per-token loss and the seq1f1b layout with Megatron's default loss, against a reference that
-#: computes it over whole documents; so do the layouts at tensor (sequence) and context
-#: parallelism, ``pp2_tp2_sp_moe_elastic``, ``pp2_tp2_sp_moe_seq1f1b`` and
-#: ``pp2_ulysses2_moe_elastic``, whose router calls hold parts of the rows).
-AUX_PER_DOCUMENT = ("elastic", "seq1f1b")
-MOE_AUX = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir",
-                                        *AUX_PER_DOCUMENT)}
+#: Megatron's auxiliary load-balancing loss (``aux_loss``): the Switch formula over the tokens
+#: of each router call, padding included, which Megatron's schedules make once per micro-batch.
+#: Honoured where the router's calls are Megatron's micro-batches (the moe layouts of Megatron's
+#: schedules and 1f1b-ir pass it, under interleaved with Megatron's default loss, against a
+#: reference that computes it over the same micro-batches; the router gradients it adds are
+#: checked far above the comparison's bound by ``test_the_aux_loss_moves_the_router_gradients``).
+MOE_AUX = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir")}
 _AUX_PER_UNIT = (
-    "Megatron's auxiliary load-balancing loss is a formula over each call of the router, "
-    "which Megatron's schedules make once per micro-batch; elastic and seq1f1b run it per "
-    "document (each document's own routings and scores, a split document's slices counted "
-    "together before their backwards), but this schedule calls the router on units of its "
-    "own (helix: MLP chunks of micro-batches that are not the document chunks; sppo: "
-    "subsequences whose multiplexed shares cut a slice over several ranks), for which no "
-    "test proves that definition: use --pipeline-schedule elastic, seq1f1b, 1f1b, "
-    "interleaved or 1f1b-ir with --moe-aux-loss-coeff, or leave it at 0 (dropless routing "
-    "without it is exact under every schedule)")
+    "Megatron's auxiliary load-balancing loss is a formula over the tokens of each call of "
+    "the router (padding included), which Megatron's schedules make once per micro-batch of "
+    "--micro-batch-size packed rows; this schedule calls the router on units of its own "
+    "(sppo: subsequences whose multiplexed shares cut a slice over several ranks; helix: MLP "
+    "chunks of micro-batches), whose statistics are not Megatron's: use --pipeline-schedule "
+    "1f1b, interleaved or 1f1b-ir with --moe-aux-loss-coeff, or leave it at 0 (dropless "
+    "routing without it is exact under every schedule)")
+#: The schedules that can take the per-document load-balancing loss of the project's own
+#: (``--moe-per-document-aux-loss-coeff``, :mod:`megatron.plugin.layers.document_router`):
+#: their router calls are document chunks (packed documents, or slices of one), never
+#: Megatron's micro-batches.
+AUX_PER_DOCUMENT = ("elastic", "seq1f1b")
+_AUX_REFUSALS = {schedule: (
+    f"--moe-aux-loss-coeff is not supported by --pipeline-schedule {schedule}: Megatron's "
+    f"auxiliary load-balancing loss (aux_loss) is a formula over the tokens of each micro-batch "
+    f"of --micro-batch-size packed rows, padding included, and {schedule} calls the router on "
+    f"document chunks of its own (packed documents, or slices of one), so it cannot compute "
+    f"Megatron's value (scripts/aux_gap.py measures how far the router gradients are). Use "
+    f"--pipeline-schedule 1f1b, interleaved or 1f1b-ir for Megatron's loss; or pass "
+    f"--moe-per-document-aux-loss-coeff instead, the same formula over each document's own "
+    f"tokens (a loss of this project's, not Megatron's); or leave it at 0 (dropless routing "
+    f"without it is exact under every schedule)") for schedule in AUX_PER_DOCUMENT}
+#: The per-document load-balancing loss (:data:`AUX_PER_DOCUMENT`): the elastic layout passes it
+#: with the per-token loss and the seq1f1b layout with Megatron's default loss, against a
+#: reference that computes it over whole documents; so do the layouts at tensor (sequence) and
+#: context parallelism, ``pp2_tp2_sp_moe_elastic``, ``pp2_tp2_sp_moe_seq1f1b`` and
+#: ``pp2_ulysses2_moe_elastic``, whose router calls hold parts of the rows.
+MOE_AUX_PER_DOCUMENT = {name: MOE[name] for name in AUX_PER_DOCUMENT}
+_AUX_PER_DOCUMENT_ELSEWHERE = (
+    "the per-document load-balancing loss is built only for the schedules whose router calls "
+    "are document chunks (elastic, seq1f1b): drop --moe-per-document-aux-loss-coeff, and pass "
+    "--moe-aux-loss-coeff for Megatron's per micro-batch (1f1b, interleaved, 1f1b-ir)")
 #: Megatron's uneven pipeline splits (its layer map, ``get_num_layers_to_build``), where the
 #: schedule runs that map: a first stage of 1 and a last of 3 layers; the embedding and the
 #: loss each counted as a layer.
@@ -362,7 +381,9 @@ HONOURED: dict[str, Honoured] = {
     **{name: Honoured(MOE, _NO_TEST) for name in (
         "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
         "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_dtype")},
-    "moe_aux_loss_coeff": Honoured(MOE_AUX, _AUX_PER_UNIT),
+    "moe_aux_loss_coeff": Honoured(MOE_AUX, _AUX_PER_UNIT, refusals=_AUX_REFUSALS),
+    "moe_per_document_aux_loss_coeff": Honoured(MOE_AUX_PER_DOCUMENT,
+                                                _AUX_PER_DOCUMENT_ELSEWHERE),
     "expert_model_parallel_size": Honoured(EXPERTS, _NO_TEST, refusals=EXPERT_REFUSALS),
     "moe_token_dispatcher_type": Honoured(
         DISPATCHER, "no test proves the other dispatchers here (flex runs NVIDIA's DeepEP or "
@@ -849,12 +870,12 @@ REFUSED: dict[str, str] = {
          "which tokens are dropped would depend on the schedule: drop the flag (dropless "
          "routing, exact under every schedule)"),
     "moe_router_load_balancing_type": (
-        "only Megatron's default aux_loss is proven (per micro-batch, under the schedules that "
-        "run Megatron's micro-batches); seq_aux_loss (per row of a micro-batch: rows of packed "
-        "documents here), global_aux_loss (tokens per expert averaged over the step's "
-        "micro-batches so far and the data-parallel ranks), sinkhorn, quantile_balancing and "
-        "none are not: drop --moe-router-load-balancing-type (leave --moe-aux-loss-coeff at 0 "
-        "for no auxiliary loss)"),
+        "only Megatron's default aux_loss is proven (per micro-batch, under 1f1b, interleaved "
+        "and 1f1b-ir, which run Megatron's micro-batches); seq_aux_loss (per row of a "
+        "micro-batch: rows of packed documents here), global_aux_loss (tokens per expert "
+        "averaged over the step's micro-batches so far and the data-parallel ranks), sinkhorn, "
+        "quantile_balancing and none are not: drop --moe-router-load-balancing-type (leave "
+        "--moe-aux-loss-coeff at 0 for no auxiliary loss)"),
     "moe_router_enable_expert_bias": "the expert bias is updated from the tokens routed in the "
                                      "step, padding included, and each schedule pads "
                                      "differently; drop --moe-router-enable-expert-bias",

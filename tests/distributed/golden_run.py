@@ -36,8 +36,8 @@ Modes:
   :data:`DEFAULT_LOSS_MICRO_BATCH_SIZES`; see :func:`default_loss_gradients`); with
   ``--golden-aux-loss-coeff C`` also both losses plus Megatron's auxiliary load-balancing loss
   at coefficient ``C`` over Megatron's micro-batches of each size (``reference_aux_mbs<N>.pt``,
-  ``reference_default_mbs<N>_aux.pt``; see :func:`aux_loss_gradients`) and defined per
-  document (``reference_docaux.pt``, ``reference_default_mbs1_docaux.pt``; see
+  ``reference_default_mbs<N>_aux.pt``; see :func:`aux_loss_gradients`) and the project's
+  loss per document (``reference_docaux.pt``, ``reference_default_mbs1_docaux.pt``; see
   :func:`document_aux_gradients`); then, for every
   tag given, load that run's gradient checkpoint into the single-process layout. Everything is
   written with ``torch.save`` for the test to compare.
@@ -99,7 +99,8 @@ def golden_arguments(parser):
     group.add_argument("--golden-aux-loss-coeff", type=float, default=0.0,
                        help="reference mode: also write the references with Megatron's "
                             "auxiliary load-balancing loss at this coefficient (the layouts "
-                            "that name them pass it as --moe-aux-loss-coeff)")
+                            "that name them pass it as --moe-aux-loss-coeff) and with the "
+                            "project's per document (as --moe-per-document-aux-loss-coeff)")
     return parser
 
 

@@ -144,10 +144,12 @@ MUP = ["--use-mup", "--mup-base-hidden-size", "16", "--mup-embedding-mult", "1.5
        "--mup-output-mult", "0.25", "--mup-base-head-dim", "4", "--mup-attn-scale-power", "0.75"]
 #: Megatron's auxiliary load-balancing loss at the coefficient Megatron-LM recommends to
 #: start from; the moe variant's reference adds it over Megatron's micro-batches
-#: (``golden_run.aux_loss_gradients``) for the layouts of Megatron's schedules that pass it,
-#: and per document (``golden_run.document_aux_gradients``) for those of elastic and seq1f1b.
+#: (``golden_run.aux_loss_gradients``) for the layouts of Megatron's schedules and 1f1b-ir that
+#: pass it. DOC_AUX: the project's loss per document at the same coefficient, which elastic and
+#: seq1f1b take instead (``golden_run.document_aux_gradients``).
 AUX_LOSS_COEFF = "0.01"
 AUX = ["--moe-aux-loss-coeff", AUX_LOSS_COEFF]
+DOC_AUX = ["--moe-per-document-aux-loss-coeff", AUX_LOSS_COEFF]
 #: Flags of Megatron-LM's configurations that no layer of these models reads, given beside
 #: tensor parallelism: the experts' tensor-parallel size without experts (it sizes Megatron's
 #: expert groups only) and apex's persistent LayerNorm kernel (the norms are torch's).
@@ -169,6 +171,16 @@ FOUR_SCHEDULES = (("1f1b", ["--pipeline-schedule", "1f1b"]),
 #: A schedule's flags for the MoE layouts at tensor or context parallelism.
 MOE_SCHEDULES = {**dict(FOUR_SCHEDULES), "helix": HELIX,
                  "sppo": [*SPPO, "--sppo-subsequences", "4"]}
+
+
+def aux_flags(name: str) -> list:
+    """The load-balancing loss of a MoE layout under the schedule ``name`` of
+    :data:`MOE_SCHEDULES`: Megatron's where the router's calls are Megatron's micro-batches, the
+    project's per document under elastic and seq1f1b, none under helix and sppo (they refuse
+    both)."""
+    if name in ("1f1b", "ir"):
+        return AUX
+    return DOC_AUX if name in AUX_PER_DOCUMENT else []
 
 
 def more_schedules(name: str) -> dict:
@@ -417,10 +429,10 @@ VARIANTS = {
     }),
     # Dropless mixture of experts: Megatron's MoE layer (4 experts, top-3 routing, no biases,
     # as Megatron-LM's MoE configurations) in every layer. Routing is per token, so cutting and
-    # packing documents keeps every token's experts. Megatron's auxiliary load-balancing loss
-    # too (AUX): under the schedules that run Megatron's micro-batches Megatron's (under
-    # interleaved with Megatron's default loss), under elastic (split and packed documents) and
-    # seq1f1b (with Megatron's default loss) per document. Under Megatron's schedules and
+    # packing documents keeps every token's experts. A load-balancing loss too: under the
+    # schedules that run Megatron's micro-batches Megatron's (AUX; under interleaved with
+    # Megatron's default loss), under elastic (split and packed documents) and seq1f1b (with
+    # Megatron's default loss) the project's per document (DOC_AUX). Under Megatron's schedules and
     # 1f1b-ir the experts spread over the two data-parallel replicas of PP=2 (EP2: 2 experts on
     # each rank; its tokens exchanged by Megatron's all-to-all dispatcher, or by its default
     # all-gather one) or each expert split over them (--expert-tensor-parallel-size 2, the
@@ -442,7 +454,8 @@ VARIANTS = {
         "pp2_dp2_ep2_moe_accounted_ir": (4, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
                                              *EP2, "--pipeline-schedule", "1f1b-ir", *AUX]),
         **{f"pp2_moe_accounted_{name}": (2, ["--pipeline-model-parallel-size", "2", *ACCOUNTED,
-                                             *flags, *AUX]) for name, flags in FOUR_SCHEDULES[2:]},
+                                             *flags, *DOC_AUX])
+           for name, flags in FOUR_SCHEDULES[2:]},
         "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved": (4, [
             "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3",
             *ACCOUNTED, *EP2, *A2A_DISPATCH, "--pipeline-schedule", "interleaved", *AUX,
@@ -453,13 +466,13 @@ VARIANTS = {
                                         *A2A_DISPATCH, "--pipeline-schedule", "1f1b-ir", *AUX]),
         "pp2_moe_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
         # Tensor (sequence) and context parallelism: the router sees this rank's part of the
-        # rows, the experts' tokens are exchanged over those ranks; the auxiliary loss under
-        # Megatron's schedules (per micro-batch) and elastic and seq1f1b (per document, each
-        # document's routings counted over the ranks that hold parts of its rows); helix and
-        # sppo refuse it.
+        # rows, the experts' tokens are exchanged over those ranks; Megatron's auxiliary loss
+        # under 1f1b and 1f1b-ir (per micro-batch), the project's per document under elastic
+        # and seq1f1b (each document's routings counted over the ranks that hold parts of its
+        # rows): aux_flags; helix and sppo refuse both.
         **{f"pp2_{parallel}_moe_{name}": (4, ["--pipeline-model-parallel-size", "2", *flags,
                                               *layout,
-                                              *(AUX if name in dict(FOUR_SCHEDULES) else [])])
+                                              *aux_flags(name)])
            for parallel, flags, names in (
                ("tp2_sp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
                 ("1f1b", "ir", "elastic", "seq1f1b", "helix", "sppo")),
@@ -583,13 +596,11 @@ def loss_flags(common: list, tag: str) -> list:
 
 def reference_file(tag: str, flags: list) -> str:
     """The reference a layout is compared with (with Megatron's auxiliary loss over its
-    micro-batches where the layout passes ``AUX``, or per document under the schedules that
-    define it so)."""
+    micro-batches where the layout passes ``AUX``, or the loss per document where it passes
+    ``DOC_AUX``)."""
     size = flags[flags.index("--micro-batch-size") + 1] if "--micro-batch-size" in flags else "1"
     aux = AUX[0] in flags
-    schedule = flags[flags.index("--pipeline-schedule") + 1] \
-        if "--pipeline-schedule" in flags else "default"
-    if aux and schedule in AUX_PER_DOCUMENT:
+    if DOC_AUX[0] in flags:
         assert size == "1", f"{tag}: the per-document references are at micro-batch size 1"
         return "reference_default_mbs1_docaux.pt" if tag in DEFAULT_LOSS \
             else "reference_docaux.pt"
@@ -718,7 +729,8 @@ def test_the_aux_loss_moves_the_router_gradients(golden):
     with (per-token and default loss; Megatron's and per document) is far above the
     comparison's bound in every router's gradient: a run that dropped or mis-scaled it would
     fail there."""
-    need(*(tag for tag, (_, flags) in VARIANTS["moe"][1].items() if AUX[0] in flags))
+    need(*(tag for tag, (_, flags) in VARIANTS["moe"][1].items()
+           if AUX[0] in flags or DOC_AUX[0] in flags))
     root = golden / "moe"
     for plain, aux in [("reference.pt", "reference_aux_mbs1.pt"),
                        ("reference_default_mbs1.pt", "reference_default_mbs1_aux.pt"),

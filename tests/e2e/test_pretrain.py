@@ -486,7 +486,7 @@ UNIFORM_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "u
                              "--moe-shared-expert-intermediate-size", "64",
                              "--moe-shared-expert-gate",
                              "--disable-bias-linear", "--qk-layernorm",
-                             "--moe-aux-loss-coeff", "0.01"],
+                             "--moe-per-document-aux-loss-coeff", "0.01"],
                  id="elastic-moe-qk-norm")])
 def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     """With Megatron-LM's default dropout (0.1 on the attention and the hidden states) the
@@ -501,7 +501,7 @@ def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     ``test_helix_recomputation_draws_the_dropout_masks_of_the_forward``. With
     mixture-of-experts layers (4 experts, top 2, and a gated shared expert) the plan counts
     each token's expert copies, expert intermediates, router tensors and shared expert's
-    tensors instead of a dense MLP's; priced as a dense MLP, the stages held 1.4x their plan; that run also trains Megatron's auxiliary load-balancing
+    tensors instead of a dense MLP's; priced as a dense MLP, the stages held 1.4x their plan; that run also trains the project's load-balancing
     loss per document (:mod:`megatron.plugin.layers.document_router`) under the dropout.
     Seq1f1b runs Megatron's full recomputation of every layer (uniform, one layer a unit),
     whose fixed table the plan prices: the layers' kept inputs, one layer rebuilt at a time in

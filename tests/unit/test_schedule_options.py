@@ -343,26 +343,66 @@ def test_moe_options_outside_dropless_routing_are_refused_by_name(flags, refusal
         arguments.check_command_line(argv)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b",
-                                      "helix", "sppo"])
-def test_the_aux_loss_is_taken_where_the_router_runs_micro_batches_or_documents(schedule,
-                                                                                monkeypatch):
-    """Megatron's auxiliary load-balancing loss is a formula per router call: taken under the
-    schedules whose calls are Megatron's micro-batches and, defined per document, under
-    elastic and seq1f1b (golden); refused by name, saying what is built, under those that call
-    the router on units of their own."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
+AUX_SCHEDULES = ["1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo"]
+
+
+def _moe_argv(schedule: str, *flags: str) -> list:
     argv = [*BASE, "--pipeline-schedule", schedule, "--num-experts", "4",
-            "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"]
+            "--disable-bias-linear", *flags]
     if schedule == "interleaved":
         argv += ["--num-layers-per-virtual-pipeline-stage", "1"]
-    if schedule not in ("helix", "sppo"):
+    return argv
+
+
+@pytest.mark.parametrize("schedule", AUX_SCHEDULES)
+def test_megatrons_aux_loss_is_taken_only_where_the_router_runs_megatrons_micro_batches(
+        schedule, monkeypatch):
+    """Megatron's auxiliary load-balancing loss is a formula over each router call's tokens,
+    once per micro-batch of packed rows: taken under the schedules whose calls are Megatron's
+    micro-batches (golden against Megatron's value); refused by name under the others, elastic
+    and seq1f1b naming the per-document loss as what to pass instead."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = _moe_argv(schedule, "--moe-aux-loss-coeff", "0.01")
+    if schedule in ("1f1b", "interleaved", "1f1b-ir"):
         assert arguments.check_command_line(argv).moe_aux_loss_coeff == [0.01]
         return
-    with pytest.raises(ValueError, match="--moe-aux-loss-coeff.*elastic and seq1f1b run it per "
-                                         "document.*this schedule calls the router on units of "
-                                         "its own"):
+    if schedule in option_classes.AUX_PER_DOCUMENT:
+        refusal = (f"--moe-aux-loss-coeff is not supported by --pipeline-schedule {schedule}: "
+                   f".*cannot compute Megatron's value.*pass --moe-per-document-aux-loss-coeff "
+                   f"instead")
+    else:
+        refusal = "--moe-aux-loss-coeff.*this schedule calls the router on units of its own"
+    with pytest.raises(ValueError, match=refusal):
         arguments.check_command_line(argv)
+
+
+@pytest.mark.parametrize("schedule", AUX_SCHEDULES)
+def test_the_per_document_aux_loss_is_the_project_flag_of_elastic_and_seq1f1b(schedule,
+                                                                              monkeypatch):
+    """``--moe-per-document-aux-loss-coeff`` (the project's loss per document, golden against
+    a reference of that definition) is taken under elastic and seq1f1b, where it builds the
+    per-document router with its coefficient, and refused elsewhere with Megatron's flag named
+    instead; without it those schedules build Megatron's router, with no auxiliary loss."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from megatron.plugin import model
+    from megatron.plugin.layers.document_router import DocumentRouter
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = _moe_argv(schedule, "--moe-per-document-aux-loss-coeff", "0.01")
+    if schedule not in option_classes.AUX_PER_DOCUMENT:
+        with pytest.raises(ValueError, match="--moe-per-document-aux-loss-coeff.*pass "
+                                             "--moe-aux-loss-coeff for Megatron's"):
+            arguments.check_command_line(argv)
+        return
+    for flags, router, coeff in ((argv, DocumentRouter, 0.01),
+                                 (_moe_argv(schedule), TopKRouter, 0.0)):
+        args = arguments.parse(flags)
+        mlp = model.layer_spec(args, 1, None).layer_specs[0].submodules.mlp
+        # megatron-core 0.19 gives the MoE layer's spec as a partial, 0.17 and 0.18 a ModuleSpec
+        submodules = mlp.keywords["submodules"] if hasattr(mlp, "keywords") else mlp.submodules
+        assert submodules.router is router
+        assert model.model_config(args).moe_aux_loss_coeff == coeff
 
 
 #: A flag of one schedule's group under a schedule without that group would do nothing:
@@ -539,13 +579,15 @@ MOE = ["--num-experts", "4", "--disable-bias-linear", "--moe-ffn-hidden-size", "
 @pytest.mark.parametrize("schedule", ["1f1b", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo"])
 def test_moe_layers_run_at_tensor_and_context_parallelism(parallel, schedule, monkeypatch):
     """MoE layers with tensor (sequence) or context parallelism under every schedule (golden
-    layouts ``pp2_tp2_sp_moe_*``, ``pp2_ulysses2_moe_*``), with the auxiliary loss under
-    Megatron's schedules (per micro-batch) and elastic and seq1f1b (per document, counted over
-    the ranks that hold parts of a document's rows)."""
+    layouts ``pp2_tp2_sp_moe_*``, ``pp2_ulysses2_moe_*``), with Megatron's auxiliary loss
+    under 1f1b and 1f1b-ir (per micro-batch) and the project's per document under elastic and
+    seq1f1b (counted over the ranks that hold parts of a document's rows)."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = [*BASE, *MOE, *parallel, "--pipeline-schedule", schedule]
     arguments.parse(argv)
-    if schedule not in ("1f1b", "1f1b-ir", *option_classes.AUX_PER_DOCUMENT):
-        return  # helix and sppo refuse the auxiliary loss at every layout
-    aux = [*argv, "--moe-aux-loss-coeff", "0.01"]
-    assert arguments.parse(aux).moe_aux_loss_coeff == 0.01
+    if schedule in ("1f1b", "1f1b-ir"):
+        aux = [*argv, "--moe-aux-loss-coeff", "0.01"]
+        assert arguments.parse(aux).moe_aux_loss_coeff == 0.01
+    elif schedule in option_classes.AUX_PER_DOCUMENT:
+        aux = [*argv, "--moe-per-document-aux-loss-coeff", "0.01"]
+        assert arguments.parse(aux).moe_per_document_aux_loss_coeff == 0.01

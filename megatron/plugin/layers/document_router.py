@@ -1,7 +1,9 @@
-"""Megatron's auxiliary load-balancing loss (``--moe-aux-loss-coeff``, ``aux_loss``) defined per
-document, for the schedules whose router calls are document chunks (``elastic``, ``seq1f1b``):
-:class:`DocumentRouter` and the layer that hands it its call's layout
-(:class:`DocumentRoutedLayer`).
+"""A load-balancing loss of the project's own, ``--moe-per-document-aux-loss-coeff``: the formula
+of Megatron's auxiliary loss (``aux_loss``) over each document's own tokens, for the schedules
+whose router calls are document chunks (``elastic``, ``seq1f1b``), which cannot compute
+Megatron's per micro-batch and refuse ``--moe-aux-loss-coeff``: :class:`DocumentRouter` and the
+layer that hands it its call's layout (:class:`DocumentRoutedLayer`). The coefficient reaches
+the router as the config's ``moe_aux_loss_coeff`` (:func:`megatron.plugin.model.model_config`).
 
 Definition, per MoE layer. Megatron's router applies the Switch Transformer's formula to the
 tokens of one call, which its schedules make once per micro-batch. Here it is applied to the
