@@ -40,7 +40,6 @@ from megatron.plugin.pipeline.layer_checkpoint import leading_layers
 from megatron.plugin.executor_call import megatron_process_groups, run_this_rank
 from megatron.plugin.pipeline.p2p import neighbour_links
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
-from megatron.plugin.substitutions import Substitution
 
 from longctx import fixed_checkpointing, job_costs
 
@@ -73,27 +72,8 @@ def _report(planned: PlannedBatch) -> dict:
             "plan_solve_s": planned.timing.solve_s, "plan_wait_s": planned.timing.waited_s}
 
 
-def _aux_coefficients(args) -> list:
-    coeff = args.moe_aux_loss_coeff
-    return list(coeff) if isinstance(coeff, (list, tuple)) else [coeff]
-
-
-def _per_document_aux(args) -> str:
-    shown = " ".join(f"{coeff:g}" for coeff in _aux_coefficients(args))
-    return (f"--moe-aux-loss-coeff {shown} under --pipeline-schedule {args.pipeline_schedule}: "
-            f"the auxiliary load-balancing loss is Megatron's aux_loss formula applied to each "
-            f"document's tokens alone (megatron/plugin/layers/document_router.py), not to each "
-            f"micro-batch's as in Megatron-LM: the same only where each micro-batch would hold "
-            f"one document without padding, other router gradients otherwise")
-
-
 #: The accepted values that run something other than they name under elastic and seq1f1b.
-SUBSTITUTIONS = (
-    Substitution("--moe-aux-loss-coeff",
-                 lambda args: bool(args.num_experts) and any(_aux_coefficients(args)),
-                 _per_document_aux),
-    fixed_checkpointing.SUBSTITUTION,
-)
+SUBSTITUTIONS = (fixed_checkpointing.SUBSTITUTION,)
 
 
 def _spec(name: str) -> ScheduleSpec:

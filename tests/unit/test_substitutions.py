@@ -67,10 +67,6 @@ SAID = {
     "layer_scaling": (2, ["--apply-query-key-layer-scaling"], True,
                       "--apply-query-key-layer-scaling: the document attention's kernels "
                       "compute the scores and their softmax in fp32"),
-    "aux_loss_per_document": (2, ["--pipeline-schedule", "seq1f1b", *MOE], False,
-                              "--moe-aux-loss-coeff 0.01 under --pipeline-schedule seq1f1b: the "
-                              "auxiliary load-balancing loss is Megatron's aux_loss formula "
-                              "applied to each document's tokens alone"),
     "recompute_as_plan_elastic": (2, ["--pipeline-schedule", "elastic", *FULL], False,
                                   "--recompute-granularity full --recompute-method block "
                                   "--recompute-num-layers 1 under --pipeline-schedule elastic: "
