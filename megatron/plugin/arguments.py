@@ -390,6 +390,23 @@ def _cpu_profile(args):
     return None
 
 
+#: Megatron-LM's memory reports that read CUDA's caching allocator or driver and have no CPU
+#: meaning: without CUDA the first fails on an empty ``torch.cuda.memory_stats()`` at the first
+#: log line, the others call into a driver that is not there.
+_CUDA_MEMORY_REPORTS = ("log_memory_to_tensorboard", "record_memory_history",
+                        "log_device_memory_used")
+
+
+def _cpu_memory_reports(args):
+    given = [f"--{name.replace('_', '-')}" for name in _CUDA_MEMORY_REPORTS
+             if getattr(args, name, False)]
+    if given and not torch.cuda.is_available():
+        return (f"{', '.join(given)} read CUDA's memory allocator, which a machine without a GPU "
+                "does not have (Megatron-LM would fail at its first log line): drop them there; "
+                "--metrics-jsonl records each step's peak activation bytes on any device")
+    return None
+
+
 def _flash_precision(args):
     backend = getattr(args, "attention_backend", None)
     if torch.cuda.is_available() and getattr(backend, "name", None) == "flash" \
@@ -474,7 +491,7 @@ RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_expert_tensor_parallel,
          _average_with_per_token_loss, _distributed_optimizer_instances,
          _cpu_half_precision, _cpu_timeout_after_init,
-         _cpu_profile, _flash_precision, _transformer_engine, _moe_transformer_engine,
+         _cpu_profile, _cpu_memory_reports, _flash_precision, _transformer_engine, _moe_transformer_engine,
          _sppo_multiplex_unproven,
          _tensorboard, _throughput)
 

@@ -358,3 +358,20 @@ def test_the_distributed_optimizer_runs_without_cuda_and_half_precision_does_not
     with pytest.raises(arguments.Refusals, match="--bf16 and --fp16 need CUDA"):
         arguments.check_command_line([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
                                       "--pipeline-schedule", "1f1b", *distopt, "--bf16"])
+
+
+def test_cudas_memory_reports_are_refused_without_cuda_naming_each(monkeypatch):
+    """Megatron-LM's allocator reports fail without CUDA (an empty ``memory_stats()`` at the
+    first log line, no driver for the snapshot): refused together at start-up there, accepted
+    where CUDA is."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    reports = ["--log-memory-to-tensorboard", "--record-memory-history",
+               "--log-device-memory-used"]
+    argv = [*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+            "--tensorboard-dir", "tb", *reports]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    with pytest.raises(arguments.Refusals, match=re.escape(
+            ", ".join(reports) + " read CUDA's memory allocator")):
+        arguments.check_command_line(argv)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    assert arguments._cpu_memory_reports(arguments.parse(argv)) is None
