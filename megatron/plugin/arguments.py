@@ -3,16 +3,15 @@
 Megatron-LM parses and validates every one of its flags (``megatron.training.arguments``);
 :func:`add_arguments` is the extra-args hook that adds ``--pipeline-schedule``, the runtime's
 flags and each registered schedule's group. Before Megatron-LM's validation,
-:func:`check_command_line` refuses, all at once and by name with what to use instead, the
-flags Megatron-LM requires and lacks (:func:`missing_flags`; its validation names one per
-launch), every option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
-selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
-options: a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside it,
-distributed optimizer instances that do not divide the replicas or that overlap their
-reduction under the project's schedules, Ulysses' head divisibility, the schedule's own
-``check_args``, what needs CUDA, the flash attention backend in fp32, Transformer Engine
-without CUDA or its package or with ``--sppo-multiplex``, ``--tensorboard-dir`` without
-``tensorboard``);
+:func:`check_command_line` refuses, all at once and by name with what to use instead, the flags
+Megatron-LM requires and lacks (:func:`missing_flags`; its validation names one per launch),
+every option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
+selected schedule, or does not classify, and every rule of :data:`RULES` (checks across options:
+a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside it, distributed
+optimizer instances that do not divide the replicas or that overlap their reduction under the
+project's schedules, Ulysses' head divisibility, the schedule's own ``check_args``, what needs
+CUDA, the flash attention backend in fp32, Transformer Engine without CUDA or its package or
+with ``--sppo-multiplex``, ``--tensorboard-dir`` without ``tensorboard``);
 :func:`check_args` runs the rules again on the validated arguments.
 
 Defaults that differ from Megatron-LM's, and why:
