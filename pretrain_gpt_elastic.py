@@ -13,7 +13,7 @@ import sys
 def main() -> int:
     # Imported here, not at the top: the elastic planner's worker process (spawned) re-imports
     # this file and needs none of torch or Megatron.
-    from megatron.plugin.launch import run_pretrain
+    from megatron.plugin.launch import report_error, run_pretrain
 
     # The elastic cost model's refits, unprefixed, on stdout beside Megatron's log lines.
     handler = logging.StreamHandler(sys.stdout)
@@ -25,7 +25,7 @@ def main() -> int:
     try:
         run_pretrain()
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
+        report_error(err)
         return 2
     return 0
 

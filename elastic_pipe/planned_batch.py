@@ -12,6 +12,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.plugin.default_loss import unit_weights
+from megatron.plugin.reporting import summary_level
 
 from longctx.chunk_rows import ChunkRows, chunk_batch, is_split
 from longctx.cost_model import CostModel
@@ -102,9 +103,9 @@ def input_functions(name: str):
         _check_agreement(plan)
         batch = planned_batch(plan, documents, share, args, timing,
                               elastic_cost_model(args, model))
-        log.info("%s plan: %d chunks in %d pipelines, predicted %.3f s, solved in %.2f s, "
-                 "%.2f s of it hidden", name, len(batch), len(plan.pipelines),
-                 plan.predicted_time_s, timing.solve_s, timing.solve_s - timing.waited_s)
+        log.log(summary_level(), "%s plan: %d chunks in %d pipelines, predicted %.3f s, "
+                "solved in %.2f s, waited %.2f s for it", name, len(batch), len(plan.pipelines),
+                plan.predicted_time_s, timing.solve_s, timing.waited_s)
         return batch, len(batch)
 
     def prefetch_input(documents, args, model):

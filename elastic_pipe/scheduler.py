@@ -409,8 +409,8 @@ def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
     if len(docs) not in _shortest(points, {key: 0 for key in candidates})[0]:
         raise ValueError(_infeasible_message(docs, cost, config, points))
     keys = sorted(candidates)
-    log.info("chunked %d candidate pipelines in %.2f s", len(keys),
-             time.perf_counter() - started)
+    log.debug("chunked %d candidate pipelines in %.2f s", len(keys),
+              time.perf_counter() - started)
     cases = {key: pipeline_case(cost, candidates[key][0].chunks, candidates[key][1])
              for key in keys}
     uniform = {key: start_table(cases[key].problem, config.fixed) for key in keys}
@@ -432,8 +432,8 @@ def _plan(docs: list[tuple[int, int]], cost: CostModel, config: SchedulerConfig,
               for key in keys}
     answered = solve_open(cases, uniform, upper, floor, worth, points, config, pool, progress)
     solved.update(answered)
-    log.info("solved %d of %d candidate pipelines with CP-SAT (the rest are bounded out or "
-             "need no checkpointing)", len(answered), len(keys))
+    log.debug("solved %d of %d candidate pipelines with CP-SAT (the rest are bounded out or "
+              "need no checkpointing)", len(answered), len(keys))
     _, choice = _shortest(points, {key: value for key, (_, value) in solved.items()})
     bounds, end = [], len(docs)
     while end:

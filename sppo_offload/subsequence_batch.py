@@ -13,6 +13,7 @@ from megatron.core import parallel_state
 from megatron.plugin.default_loss import unit_weights
 from megatron.plugin.pipeline.ir import Action
 from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
+from megatron.plugin.reporting import summary_level
 
 from longctx.chunk_rows import ChunkRows, chunk_batch
 from longctx.cost_model import GB, CostModel
@@ -89,9 +90,9 @@ def prepare_input(documents, args, model):
                              subsequences=plan, offloader=offloader,
                              multiplex=args.sppo_multiplex,
                              planned_activation_bytes=peaks[stage] - cost.static_bytes(stage))
-    log.info("sppo plan: %d documents in %d units, %d offloaded and %d layers of each "
-             "recomputed on stage %d", len(share), len(batch),
-             sum(a > 0 for a in plan.alphas[stage]), plan.recomputes(stage), stage)
+    log.log(summary_level(), "sppo plan: %d documents in %d units, %d offloaded and %d layers "
+            "of each recomputed on stage %d", len(share), len(batch),
+            sum(a > 0 for a in plan.alphas[stage]), plan.recomputes(stage), stage)
     return batch, len(batch)
 
 

@@ -3,15 +3,15 @@
 Megatron-LM parses and validates every one of its flags (``megatron.training.arguments``);
 :func:`add_arguments` is the extra-args hook that adds ``--pipeline-schedule``, the runtime's
 flags and each registered schedule's group. Before Megatron-LM's validation,
-:func:`check_command_line` refuses, all at once and by name with what to use instead, every
-option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
-selected schedule, or does not classify, and every rule of :data:`RULES` (checks across
-options: a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside it,
-distributed optimizer instances that do not divide the replicas or that overlap their
-reduction under the project's schedules, Ulysses' head divisibility, the schedule's own
-``check_args``, what needs CUDA, the flash attention backend in fp32, Transformer Engine
-without CUDA or its package or with ``--sppo-multiplex``, ``--tensorboard-dir`` without
-``tensorboard``);
+:func:`check_command_line` refuses, all at once and by name with what to use instead, the flags
+Megatron-LM requires and lacks (:func:`missing_flags`; its validation names one per launch),
+every option given that :mod:`megatron.plugin.option_classes` refuses, does not prove under the
+selected schedule, or does not classify, and every rule of :data:`RULES` (checks across options:
+a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside it, distributed
+optimizer instances that do not divide the replicas or that overlap their reduction under the
+project's schedules, Ulysses' head divisibility, the schedule's own ``check_args``, what needs
+CUDA, the flash attention backend in fp32, Transformer Engine without CUDA or its package or
+with ``--sppo-multiplex``, ``--tensorboard-dir`` without ``tensorboard``);
 :func:`check_args` runs the rules again on the validated arguments, and
 :func:`substitution_lines` says what runs where an accepted value names something else
 (:mod:`megatron.plugin.substitutions`).
@@ -164,7 +164,8 @@ def check_command_line(argv: Sequence[str], training: bool = False,
     """Refuse, all at once and before anything slow (Megatron-LM's validation, tokenizers,
     process groups), what ``argv`` asks that this script would not honour: an unknown
     ``--pipeline-schedule``, every option given that :mod:`megatron.plugin.option_classes`
-    refuses or does not classify, and the rules of :data:`RULES` (``training``: also what
+    refuses or does not classify, Megatron-LM's required flags not given
+    (:func:`missing_flags`), and the rules of :data:`RULES` (``training``: also what
     Megatron-LM's training loop needs). ``--help`` prints and exits here. The flags of
     ``extra_args_provider`` (a tool's or test's own) are its business. Returns the parsed flags
     (Megatron-LM's validation has not run on them)."""
@@ -174,7 +175,7 @@ def check_command_line(argv: Sequence[str], training: bool = False,
         parser = extra_args_provider(parser) or parser
     args, given = given_options(parser, argv)
     given = {dest: value for dest, value in given.items() if dest in known}
-    messages = []
+    messages = missing_flags(args, training)
     try:
         registry.check_name(args.pipeline_schedule)
     except ValueError as err:
@@ -187,6 +188,36 @@ def check_command_line(argv: Sequence[str], training: bool = False,
     if messages:
         raise Refusals(messages)
     return args
+
+
+#: What Megatron-LM's ``validate_args`` asserts is given, one assertion per launch: the
+#: micro-batch and the model's shape (``--use-checkpoint-args`` takes the shape from ``--load``'s
+#: checkpoint). ``dest -> flag``.
+_REQUIRED_BATCH = {"micro_batch_size": "--micro-batch-size"}
+_REQUIRED_SHAPE = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+                   "num_attention_heads": "--num-attention-heads",
+                   "seq_length": "--seq-length",
+                   "max_position_embeddings": "--max-position-embeddings"}
+
+
+def missing_flags(args: argparse.Namespace, training: bool = False) -> list[str]:
+    """Megatron-LM's required flags that ``args`` lacks, named together in one message (none:
+    an empty list): :data:`_REQUIRED_BATCH` and :data:`_REQUIRED_SHAPE`, and with ``training``
+    the training length (``--train-iters`` or ``--train-samples``, unless ``--skip-train``:
+    Megatron-LM's loop multiplies by it)."""
+    required = dict(_REQUIRED_BATCH)
+    if not args.use_checkpoint_args:
+        required.update(_REQUIRED_SHAPE)
+    missing = [flag for dest, flag in required.items() if getattr(args, dest) is None]
+    if training and not args.skip_train and args.train_iters is None and \
+            args.train_samples is None:
+        missing.append("--train-iters N (or --train-samples N)")
+    if not missing:
+        return []
+    shown = missing[0] if len(missing) == 1 else \
+        f"{', '.join(missing[:-1])} and {missing[-1]}"
+    return [f"Megatron-LM needs {shown}, not given: pass "
+            f"{'it' if len(missing) == 1 else 'each'}"]
 
 
 def parse(argv: Sequence[str]) -> argparse.Namespace:

@@ -10,7 +10,8 @@ the ranks that report the timeout are the healthy ones.
 rendezvous store (torchrun's agent store, which outlives the workers) every ``interval_s``
 seconds, whatever the main thread is doing; a rank waiting in a collective keeps counting, a
 stopped process does not. On a timeout, :func:`frozen_ranks` reads every rank's count twice,
-a few intervals apart, and the error log names the ranks whose count did not move.
+a few intervals apart, and the error log names the ranks whose count did not move, once for
+all the ranks that timed out alike.
 Counts, not clocks: nodes' clocks need not agree.
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ import logging
 import os
 import threading
 import time
+
+from megatron.plugin import error_once
 
 log = logging.getLogger(__name__)
 
@@ -82,19 +85,18 @@ def start(store, interval_s: float = 2.0) -> Heartbeat | None:
 
 
 def report(heartbeat: Heartbeat | None, error: BaseException) -> None:
-    """Log which ranks to look at after ``error``, a timeout of this rank."""
-    rank = os.environ.get("RANK", "?")
+    """Log which ranks to look at after ``error``, a timeout of this rank: once for the ranks
+    that time out alike (:mod:`megatron.plugin.error_once`, in the heartbeat's store)."""
     if heartbeat is None:
         log.error("rank %s: a wait timed out (%s); run under torchrun to have the stopped "
-                  "rank named", rank, error)
+                  "rank named", os.environ.get("RANK", "?"), error)
         return
-    frozen = heartbeat.frozen_ranks()
+    frozen = ", ".join(map(str, heartbeat.frozen_ranks()))
     if frozen:
-        log.error("rank %s timed out waiting; rank(s) %s stopped answering (their process is "
-                  "stopped, frozen or gone): look at rank(s) %s", rank,
-                  ", ".join(map(str, frozen)), ", ".join(map(str, frozen)))
+        message = (f"timed out waiting; rank(s) {frozen} stopped answering (their process is "
+                   f"stopped, frozen or gone): look at rank(s) {frozen}")
     else:
-        log.error("rank %s timed out waiting, and every rank's process still runs: a rank is "
-                  "slower than the timeout allows or waits elsewhere (raise "
-                  "--distributed-timeout-minutes / --pipeline-timeout-s if it is only slow)",
-                  rank)
+        message = ("timed out waiting, and every rank's process still runs: a rank is slower "
+                   "than the timeout allows or waits elsewhere (raise "
+                   "--distributed-timeout-minutes / --pipeline-timeout-s if it is only slow)")
+    error_once.report(message, heartbeat.rank, heartbeat.world_size, heartbeat.store, log.error)

@@ -30,8 +30,8 @@ from typing import Callable, Sequence
 import torch
 from megatron.core.enums import ModelType
 
-from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, hang_report,
-                             optimizer_state, registry)
+from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, error_once, gpt2_bpe,
+                             hang_report, optimizer_state, registry)
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
@@ -102,6 +102,19 @@ def _pretrain(store) -> None:
     pretrain(container, train_valid_test_dataset_provider=train_valid_test_datasets_provider,
              model_provider=model_provider, model_type=MODEL_TYPE,
              forward_step_func=forward_step, store=store)
+
+
+def report_error(error: BaseException) -> None:
+    """Print ``error`` (a refusal: the training script exits 2 with it) to stderr once for the
+    ranks it happened on (:mod:`megatron.plugin.error_once`, through torchrun's agent store)."""
+    def write(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if "RANK" not in os.environ:
+        write(f"error: {error}")
+        return
+    error_once.report(str(error), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                      _agent_store("errors"), write)
 
 
 def _restart_store():

@@ -669,8 +669,41 @@ INERT = _names("""
 """)
 
 
-#: Refused under every schedule when given with a value other than the default.
-REFUSED: dict[str, str] = {
+_FULL_RECOMPUTE = ("--recompute-granularity full --recompute-method uniform "
+                   "--recompute-num-layers 1 (every layer of each stage recomputed) or "
+                   "--recompute-method block --recompute-num-layers N (the first N layers of "
+                   "each stage)")
+#: ``--recompute-activations`` is Megatron-LM's older spelling of ``--recompute-granularity
+#: selective`` (``validate_args`` sets the granularity from it and drops it). Refused by name with
+#: what to pass instead, per schedule (``*``: a schedule not named here): selective
+#: recomputation where a golden layout proves it (:data:`SELECTIVE`), else the schedule's own
+#: recomputation (the document schedules refuse selective in their ``check_args``:
+#: :mod:`longctx.fixed_checkpointing` says why).
+RECOMPUTE_ACTIVATIONS = {
+    **{schedule: "it is Megatron-LM's older spelling of --recompute-granularity selective "
+                 "(recompute the core attention): pass --recompute-granularity selective "
+                 "instead" for schedule in SELECTIVE},
+    **{schedule: "it is Megatron-LM's older spelling of --recompute-granularity selective, "
+                 f"which --pipeline-schedule {schedule} does not run (a split document's "
+                 f"slices keep their K and V with the graph): pass {_FULL_RECOMPUTE}, or drop "
+                 "it and the planner recomputes what --elastic-memory-gb needs"
+       for schedule in ("elastic", "seq1f1b")},
+    "sppo": "it is Megatron-LM's older spelling of --recompute-granularity selective, which "
+            "--pipeline-schedule sppo does not run (a subsequence keeps its K and V with the "
+            f"graph): pass {_FULL_RECOMPUTE}, or offload activations to host memory instead "
+            "(--sppo-offload)",
+    "helix": "it is Megatron-LM's older spelling of --recompute-granularity selective; helix "
+             "recomputes its own layer parts: pass --helix-recompute-without-attention "
+             "(pre/post-attention parts recomputed, attention never)",
+    "*": "it is Megatron-LM's older spelling of --recompute-granularity selective: pass "
+         "--recompute-granularity selective where the schedule runs it (default, 1f1b, "
+         f"interleaved, 1f1b-ir), else {_FULL_RECOMPUTE}",
+}
+
+
+#: Refused under every schedule when given with a value other than the default: the reason,
+#: or a mapping of schedule (``*``: any other) to the reason under it.
+REFUSED: dict[str, str | Mapping[str, str]] = {
     **_each("""
         bert_binary_head bert_embedder_type bert_load biencoder_projection_dim
         biencoder_shared_query_context_model block_data_path classes_fraction
@@ -815,7 +848,7 @@ REFUSED: dict[str, str] = {
         glu_linear_offset layernorm_epsilon
         make_vocab_size_divisible_by mlp_chunks_for_prefill mlp_chunks_for_training
         onnx_safe openai_gelu
-        quick_geglu recompute_activations recompute_modules
+        quick_geglu recompute_modules
         use_fused_weighted_squared_relu
     """, _UNPROVEN_MODEL),
     **_each("""
@@ -876,6 +909,7 @@ REFUSED: dict[str, str] = {
         "averaged over the step's micro-batches so far and the data-parallel ranks), sinkhorn, "
         "quantile_balancing and none are not: drop --moe-router-load-balancing-type (leave "
         "--moe-aux-loss-coeff at 0 for no auxiliary loss)"),
+    "recompute_activations": RECOMPUTE_ACTIVATIONS,
     "moe_router_enable_expert_bias": "the expert bias is updated from the tokens routed in the "
                                      "step, padding included, and each schedule pads "
                                      "differently; drop --moe-router-enable-expert-bias",
@@ -936,7 +970,7 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
             continue
         if dest in REFUSED:
             reasons.setdefault("{} not supported by pretrain_gpt_elastic.py: "
-                               + REFUSED[dest], []).append(flag)
+                               + _refusal(dest, schedule), []).append(flag)
             refused.append(dest)
             continue
         honoured = HONOURED.get(dest)
@@ -962,6 +996,12 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
         messages.append(f"{_together(left)} accepted by Megatron-LM only beside a flag refused "
                         f"above: drop {' and '.join(left)} with it")
     return messages
+
+
+def _refusal(dest: str, schedule: str) -> str:
+    """The reason :data:`REFUSED` gives for ``dest`` under ``schedule``."""
+    reason = REFUSED[dest]
+    return reason if isinstance(reason, str) else reason.get(schedule, reason["*"])
 
 
 def _among(value, values) -> bool:

@@ -19,6 +19,10 @@ micro-batches, the padded share of Megatron's packed rows) and turns it into:
   per-stage peaks (activations, planned, device) and predictions in full, for benchmarks and
   plots.
 
+A line a schedule logs once per step on every rank (its plan's summary) is logged at
+:func:`summary_level`: the rank that prints Megatron-LM's iteration line says it, the others at
+debug level, so the log grows by one line a step however many ranks run.
+
 Memory figures are the maximum over all ranks; per-stage figures the maximum over the ranks of
 that stage. A figure that is not measured here (the device peak off CUDA, the planned peak of a
 schedule without a plan) is left out of the record. Token counts are global (all data-parallel
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import time
 
 import torch
@@ -48,6 +53,15 @@ LOG_NAMES = {
     "padding_microbatches": "padding micro-batches",
     "padding_fraction": "padding fraction",
 }
+
+
+def summary_level() -> int:
+    """The level of a line that every rank logs once a step: ``INFO`` on the last rank, which
+    prints Megatron-LM's iteration line (``print_rank_last``) and writes ``--metrics-jsonl``,
+    ``DEBUG`` on the others (``--logging-level 10`` shows every rank's)."""
+    if not dist.is_initialized() or dist.get_rank() == dist.get_world_size() - 1:
+        return logging.INFO
+    return logging.DEBUG
 
 
 class StepReporter:

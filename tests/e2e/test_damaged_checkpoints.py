@@ -23,8 +23,10 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_still_loads(tmp_path):
 
     failed = torchrun(2, SCRIPT, resume, check=False, timeout=240)
     assert failed.returncode != 0
-    assert (f"error: --load {save}: the checkpoint of iteration 2 ({save}/iter_0000002) cannot "
-            f"be loaded (FileNotFoundError: ") in failed.stderr, failed.stderr[-3000:]
+    # The lost shard is rank 1's: the rank that hit it names itself.
+    assert (f"error on rank 1 of 2: --load {save}: the checkpoint of iteration 2 "
+            f"({save}/iter_0000002) cannot be loaded (FileNotFoundError: ") in failed.stderr, \
+        failed.stderr[-3000:]
     assert "__1_0.distcp" in failed.stderr
     assert "with --ckpt-step ITERATION" in failed.stderr
 
@@ -36,8 +38,11 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_still_loads(tmp_path):
     wider[wider.index("--hidden-size") + 1] = "64"
     mismatched = torchrun(2, SCRIPT, wider, check=False, timeout=240)
     assert mismatched.returncode != 0
-    assert (f"error: --load {save}: the checkpoint of iteration 1 ({save}/iter_0000001) cannot "
-            "be loaded") in mismatched.stderr, mismatched.stderr[-3000:]
+    # Each stage names its own mismatched tensor: a line per rank, each naming its rank.
+    for rank in (0, 1):
+        assert (f"error on rank {rank} of 2: --load {save}: the checkpoint of iteration 1 "
+                f"({save}/iter_0000001) cannot be loaded") in mismatched.stderr, \
+            mismatched.stderr[-3000:]
     assert "Global shape mismatch" in mismatched.stderr
     assert "load it with the flags it was saved with" in mismatched.stderr
 

@@ -87,7 +87,8 @@ def test_a_stopped_rank_is_named_under_the_executor_and_megatrons_schedule(tmp_p
                                 *COLLECTIVES], 1, mid_schedule=True)
         megatron = pool.submit(stop_a_rank, tmp_path / "megatron", "1f1b", COLLECTIVES, 0)
         output, took = executor.result()
-        assert "rank 0 timed out waiting; rank(s) 1 stopped answering" in output, output[-3000:]
+        assert "error on rank 0 of 2: timed out waiting; rank(s) 1 stopped answering" in output, \
+            output[-3000:]
         if "Timed out waiting 60000ms" in output:
             assert took < 60 + 60
         else:
@@ -96,5 +97,5 @@ def test_a_stopped_rank_is_named_under_the_executor_and_megatrons_schedule(tmp_p
             assert took < 10 + 60
         output, took = megatron.result()
         assert "Timed out waiting 60000ms" in output, output[-3000:]
-        assert "rank 1 timed out waiting; rank(s) 0 stopped answering" in output
+        assert "error on rank 1 of 2: timed out waiting; rank(s) 0 stopped answering" in output
         assert took < 60 + 60

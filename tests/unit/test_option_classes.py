@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from harness import REPO, TINY_MODEL, python_path
+from harness import NULL_TOKENIZER_256, REPO, TINY_MODEL, python_path
 from megatron.plugin import arguments, option_classes, registry
 
 SCRIPT = "pretrain_gpt_elastic.py"
@@ -280,6 +280,28 @@ def test_a_missing_flag_is_named_beside_the_refused_ones(monkeypatch):
     for named in ("choose a degree that divides them", "--multi-latent-attention is not supported",
                   "--eval-interval is not set"):
         assert named in text, text
+
+
+def test_every_required_megatron_flag_missing_is_named_in_one_start_up(monkeypatch):
+    """Megatron-LM's validation asserts its required flags one at a time (six launches to learn
+    them); the start-up check names every one missing at once, beside the other refusals."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*NULL_TOKENIZER_256, "--calculate-per-token-loss", "--eval-interval", "1",
+            "--pipeline-schedule", "elastic", "--qk-l2-norm"]
+    with pytest.raises(ValueError) as refused:
+        arguments.check_command_line(argv, training=True)
+    text = str(refused.value)
+    assert ("Megatron-LM needs --micro-batch-size, --num-layers, --hidden-size, "
+            "--num-attention-heads, --seq-length, --max-position-embeddings and --train-iters N "
+            "(or --train-samples N), not given: pass each") in text, text
+    assert "--qk-l2-norm is not supported" in text, text
+    # Tools that do not train need no training length; --use-checkpoint-args takes the shape
+    # from the checkpoint.
+    with pytest.raises(ValueError, match=r"Megatron-LM needs --micro-batch-size, not given: "
+                                         r"pass it$"):
+        arguments.check_command_line([*NULL_TOKENIZER_256, "--calculate-per-token-loss",
+                                      "--use-checkpoint-args", "--load", "ckpt"])
+    assert arguments.missing_flags(arguments.check_command_line(TINY_MODEL), True) == []
 
 
 _LENGTH = TINY_MODEL.index("--train-iters")

@@ -431,6 +431,35 @@ def test_flags_of_another_schedule_are_refused(schedule, flags, refusal, monkeyp
         arguments.parse(argv)
 
 
+_FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]
+#: What each schedule's refusal of --recompute-activations names instead.
+RECOMPUTE_ACTIVATIONS_INSTEAD = {
+    **{schedule: ["--recompute-granularity", "selective"]
+       for schedule in ("default", "1f1b", "interleaved", "1f1b-ir")},
+    "elastic": _FULL_UNIFORM, "seq1f1b": _FULL_UNIFORM, "sppo": _FULL_UNIFORM,
+    "helix": ["--helix-recompute-without-attention"],
+}
+
+
+@pytest.mark.parametrize("schedule", registry.schedule_names())
+def test_recompute_activations_is_refused_naming_what_the_schedule_takes_instead(schedule,
+                                                                                monkeypatch):
+    """``--recompute-activations`` (Megatron-LM's spelling of ``--recompute-granularity
+    selective``) is refused under every schedule, naming the recomputation the schedule runs;
+    the flags named are accepted there."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    argv = [*BASE, "--pipeline-schedule", schedule, *_layout_flags(schedule)]
+    instead = RECOMPUTE_ACTIVATIONS_INSTEAD[schedule]
+    with pytest.raises(ValueError) as refused:
+        arguments.check_command_line([*argv, "--recompute-activations"])
+    text = str(refused.value)
+    assert ("--recompute-activations is not supported by pretrain_gpt_elastic.py: it is "
+            "Megatron-LM's older spelling of --recompute-granularity selective") in text, text
+    assert f"pass {' '.join(instead)}" in text, text
+    arguments.parse([*argv, *instead])
+
+
 #: Megatron options of the attention, position embedding and model that a schedule's model
 #: would not honour: ``(flags, schedule, what the refusal names)``.
 MODEL_REFUSED = [
