@@ -17,7 +17,8 @@ micro-batches, the padded share of Megatron's packed rows) and turns it into:
   :data:`LOG_NAMES`' values.
 * **one JSON object per training step** in ``--metrics-jsonl`` (written by the last rank):
   per-stage peaks (activations, planned, device) and predictions in full, for benchmarks and
-  plots.
+  plots; an iteration trained again after a resume replaces its row
+  (:mod:`megatron.plugin.metrics_file`).
 
 Memory figures are the maximum over all ranks; per-stage figures the maximum over the ranks of
 that stage. A figure that is not measured here (the device peak off CUDA, the planned peak of a
@@ -27,13 +28,13 @@ replicas).
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.plugin import metrics_file
 from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.layers.memory import SavedTensorMeter, device_peak_bytes, reset_device_peak
 from megatron.plugin.schedule_spec import REPORT_KEYS
@@ -124,8 +125,7 @@ class StepReporter:
         self.last = record
         if not forward_only and args.metrics_jsonl and \
                 dist.get_rank() == dist.get_world_size() - 1:
-            with open(args.metrics_jsonl, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            metrics_file.write(args.metrics_jsonl, record)
         return record
 
 
