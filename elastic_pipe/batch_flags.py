@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from longctx.cost_model import CostModel, ParallelConfig
 from longctx.hardware import load_profile, profiles_help
-from longctx.model_flags import add_model_arguments, model_config
+from longctx.model_flags import add_model_arguments, missing_shape_flags, model_config
 from elastic_pipe.scheduler import SchedulerConfig
 from elastic_pipe.sequence_processor import ChunkingConfig
 from elastic_pipe.workloads import WORKLOADS, dataset_lengths, read_lengths, sample, truncate
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="context length; longer documents are truncated")
     add_model_arguments(parser)
     parser.add_argument("--hardware", default="a800", help=f"{profiles_help()} or a profile .json")
-    parser.add_argument("--sp", type=int, default=8, help="Ulysses sequence-parallel degree")
+    parser.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     parser.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     parser.add_argument("--memory-gb", type=float, help="GB per GPU (default: the profile's)")
@@ -49,15 +49,29 @@ class PlanningInputs:
     config: SchedulerConfig
 
 
+def missing_flags(args: argparse.Namespace) -> list[str]:
+    """What the flags of :func:`add_arguments` and ``--num-layers`` leave out, each entry a
+    flag (or a choice of flags) with what it is for: the batch's source, the documents a
+    ``--workload`` draws, the shape of a ``--model custom``."""
+    missing = []
+    if not (args.lengths or args.data_path or args.workload):
+        missing.append("--lengths FILE, --data-path PREFIX or --workload NAME (the batch)")
+    if args.workload and not args.global_batch_size:
+        missing.append("--global-batch-size (the documents --workload draws)")
+    shape = missing_shape_flags(args)
+    if shape:
+        missing.append(f"{' '.join(shape)} (the shape of --model custom)")
+    return missing
+
+
 def batch_lengths(args: argparse.Namespace) -> list[int]:
-    """The document lengths of the batch the flags name (``ValueError`` naming what is
-    missing)."""
+    """The document lengths of the batch the flags name (``ValueError`` naming everything
+    :func:`missing_flags` finds)."""
+    missing = missing_flags(args)
+    if missing:
+        raise ValueError("missing " + "; ".join(missing))
     if args.workload:
-        if not args.global_batch_size:
-            raise ValueError("--workload needs --global-batch-size (the documents to draw)")
         return WORKLOADS[args.workload](args.global_batch_size, args.seed)
-    if not (args.lengths or args.data_path):
-        raise ValueError("give the batch: --lengths FILE, --data-path PREFIX or --workload NAME")
     lengths = read_lengths(args.lengths) if args.lengths else dataset_lengths(args.data_path)
     if args.global_batch_size:
         lengths = sample(lengths, args.global_batch_size, args.seed)

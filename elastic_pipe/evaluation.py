@@ -105,3 +105,12 @@ def plan_schedule(lengths: tuple[int, ...], name: str, model: ModelConfig,
                          f"device even with every layer checkpointed; raise the memory budget "
                          f"(--elastic-memory-gb), add pipeline stages or shorten --seq-length")
     return plan
+
+
+def plan_schedule_with_workers(workers: int, lengths: tuple[int, ...], name: str,
+                               model: ModelConfig, hardware: HardwareProfile,
+                               parallel: ParallelConfig, config: SchedulerConfig) -> Plan:
+    """:func:`plan_schedule` with ``workers`` solver processes: the same plan (the scheduler's
+    plan does not depend on them), for a process that may fork (the background planner's)."""
+    return plan_schedule(lengths, name, model, hardware, parallel,
+                         dataclasses.replace(config, workers=workers))

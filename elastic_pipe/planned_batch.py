@@ -3,6 +3,7 @@ background while the previous batch trains (:class:`~elastic_pipe.presolve.Backg
 checked to agree across the replica's ranks, lowered, and cut into chunk rows."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import pickle
@@ -18,11 +19,11 @@ from longctx.chunk_rows import ChunkRows, chunk_batch, is_split
 from longctx.cost_model import CostModel
 from longctx.replicas import replica_share
 
-from elastic_pipe.evaluation import plan_schedule
+from elastic_pipe.evaluation import plan_schedule, plan_schedule_with_workers
 from elastic_pipe.flags import scheduler_config
 from elastic_pipe.lowering import activation_peaks, lower
 from elastic_pipe.plan_types import Plan
-from elastic_pipe.presolve import BackgroundPlanner, PlanTiming
+from elastic_pipe.presolve import BackgroundPlanner, PlanTiming, planner_processes
 from elastic_pipe.run_costs import MEASURED, elastic_cost_model, refit_cost_model
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,9 @@ _PLANNERS: dict[str, BackgroundPlanner] = {}
 
 def _planner(name: str, args) -> BackgroundPlanner:
     if name not in _PLANNERS:
-        _PLANNERS[name] = BackgroundPlanner(plan_schedule, timeout_s=args.pipeline_timeout_s)
+        _PLANNERS[name] = BackgroundPlanner(
+            plan_schedule, timeout_s=args.pipeline_timeout_s,
+            worker_fn=functools.partial(plan_schedule_with_workers, planner_processes()))
     return _PLANNERS[name]
 
 

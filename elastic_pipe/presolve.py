@@ -7,6 +7,10 @@ current batch has been handed to the schedule. :meth:`BackgroundPlanner.take` re
 when asked for the same lengths, waiting for it if it is not done yet; the time spent waiting is
 the part of the solve that was *not* hidden behind training.
 
+The worker may run solver processes of its own (:func:`planner_processes`: the CPUs
+Slurm's ``--cpus-per-task`` gives the node's task, shared by its ranks); the training process
+never forks them (a fork copies its threads' locks and communicators).
+
 Failures never stop training: when the worker dies, raises or has not answered within
 ``timeout_s`` of being asked, :meth:`take` logs a warning, stops the worker and plans in the
 foreground (the planner is deterministic, so the plan is the one the worker would have
@@ -17,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures as futures
 import logging
 import multiprocessing
+import os
 import time
 from dataclasses import dataclass
 from multiprocessing import connection
@@ -51,9 +56,13 @@ class BackgroundPlanner:
     *and* the same arguments (a cost model refitted since the submission is planned again).
     """
 
-    def __init__(self, fn: Callable, timeout_s: float = 600.0):
+    def __init__(self, fn: Callable, timeout_s: float = 600.0,
+                 worker_fn: Callable | None = None):
         self.fn = fn
         self.timeout_s = timeout_s
+        self.worker_fn = worker_fn or fn
+        """What the worker runs in place of ``fn``: the same result, with what the training
+        process must not use (solver processes of its own: :func:`planner_processes`)."""
         self._pool: futures.ProcessPoolExecutor | None = None
         self._pending: tuple[object, futures.Future] | None = None
 
@@ -65,7 +74,8 @@ class BackgroundPlanner:
             if self._pool is None:
                 self._pool = futures.ProcessPoolExecutor(
                     1, mp_context=multiprocessing.get_context("spawn"))
-            self._pending = ((key, args), self._pool.submit(_timed, self.fn, (key, *args)))
+            self._pending = ((key, args), self._pool.submit(_timed, self.worker_fn,
+                                                            (key, *args)))
         except Exception as error:  # noqa: BLE001 -- a broken pool must not stop training
             log.warning("could not start background planning (%s); planning in the "
                         "foreground", error)
@@ -100,6 +110,22 @@ class BackgroundPlanner:
             stop_workers(self._pool)
         self._pool = None
         self._pending = None
+
+
+def planner_processes(environ=os.environ, cpus: int | None = None) -> int:
+    """Solver processes for one rank's background planner: the CPUs this process may run on
+    (``cpus``, default its affinity: what Slurm binds a task to from ``--cpus-per-task``;
+    ``SLURM_CPUS_PER_TASK`` when smaller, where Slurm does not bind) shared by the node's ranks
+    (torchrun's ``LOCAL_WORLD_SIZE``), less one for the rank itself; at least 1 (the worker then
+    solves in its own process)."""
+    if cpus is None:
+        cpus = len(os.sched_getaffinity(0))
+    allotted = environ.get("SLURM_CPUS_PER_TASK", "")
+    if allotted.isdigit() and int(allotted) > 0:
+        cpus = min(cpus, int(allotted))
+    ranks = environ.get("LOCAL_WORLD_SIZE", "")
+    share = cpus // int(ranks) if ranks.isdigit() and int(ranks) > 0 else cpus
+    return max(1, share - 1)
 
 
 STOP_GRACE_S = 2.0

@@ -43,6 +43,7 @@ from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
 from longctx import fixed_checkpointing, job_costs
 
+from elastic_pipe.batch_flags import missing_flags
 from elastic_pipe.drawing import DRAW_ARGUMENTS, plan_builder
 from elastic_pipe.flags import add_arguments, check_args
 from elastic_pipe.planned_batch import PlannedBatch, input_functions
@@ -84,7 +85,8 @@ def _spec(name: str) -> ScheduleSpec:
                         prepare_input=prepare_input, prefetch_input=prefetch_input,
                         report=_report, build_ir=plan_builder(name),
                         draw_arguments=DRAW_ARGUMENTS, draw_units=False,
-                        substitutions=SUBSTITUTIONS)
+                        substitutions=SUBSTITUTIONS,
+                        draw_missing=missing_flags)
 
 
 ELASTIC = _spec("elastic")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -38,12 +39,23 @@ def read_lengths(path: str) -> list[int]:
 
 
 def dataset_lengths(prefix: str) -> list[int]:
-    """Document lengths of a Megatron ``.bin/.idx`` dataset (megatron-core, imported lazily)."""
+    """Document lengths of a Megatron ``.bin/.idx`` dataset (megatron-core, imported lazily).
+
+    ``IndexedDataset.sequence_lengths`` is a view into the index's memory map, which the
+    dataset unmaps when it is freed: the lengths are copied out while it is alive."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    if not Path(prefix + ".idx").is_file():
-        raise ValueError(f"no Megatron dataset at {prefix!r} (expected {prefix}.idx and .bin)")
-    return [int(n) for n in IndexedDataset(prefix).sequence_lengths]
+    missing = [prefix + suffix for suffix in (".idx", ".bin")
+               if not Path(prefix + suffix).is_file()]
+    if missing:
+        raise ValueError(f"--data-path {prefix}: {' and '.join(missing)} not found; give a "
+                         f"Megatron dataset's prefix, without .bin/.idx")
+    try:
+        dataset = IndexedDataset(prefix)
+    except (AssertionError, ValueError, struct.error) as error:
+        raise ValueError(f"--data-path {prefix}: {prefix}.idx cannot be read ({error}): it is "
+                         f"damaged or not a Megatron index") from None
+    return dataset.sequence_lengths.tolist()
 
 
 def sample(lengths: list[int], count: int, seed: int) -> list[int]:

@@ -27,11 +27,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                             help="model shape (overrides the preset's value)")
 
 
+def missing_shape_flags(args: argparse.Namespace) -> list[str]:
+    """The shape flags ``--model custom`` needs and was not given (none for a preset)."""
+    if args.model != "custom":
+        return []
+    return [f"--{f.replace('_', '-')}" for f in SHAPE_FLAGS if not getattr(args, f)]
+
+
 def model_config(args: argparse.Namespace) -> ModelConfig:
     """The model the flags of :func:`add_model_arguments` and :func:`add_num_layers` give."""
     shape = {flag: getattr(args, flag) for flag in SHAPE_FLAGS if getattr(args, flag)}
     if args.model == "custom":
-        missing = [f"--{f.replace('_', '-')}" for f in SHAPE_FLAGS if f not in shape]
+        missing = missing_shape_flags(args)
         if missing:
             raise ValueError(f"--model custom needs {' '.join(missing)}")
         base = {}

@@ -11,7 +11,8 @@ a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside
 optimizer instances that do not divide the replicas or that overlap their reduction under the
 project's schedules, Ulysses' head divisibility, the schedule's own ``check_args``, what needs
 CUDA, the flash attention backend in fp32, Transformer Engine without CUDA or its package or
-with ``--sppo-multiplex``, ``--tensorboard-dir`` without ``tensorboard``);
+with ``--sppo-multiplex``, ``--tensorboard-dir`` without ``tensorboard``, the folders of
+``--metrics-jsonl`` and ``--trace-dir``, made here or refused when they cannot be written);
 :func:`check_args` runs the rules again on the validated arguments, and
 :func:`substitution_lines` says what runs where an accepted value names something else
 (:mod:`megatron.plugin.substitutions`).
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import os
 import sys
 from typing import Sequence
 
@@ -505,6 +507,40 @@ def _throughput(args):
     return None
 
 
+def _metrics_folder(args):
+    path = args.metrics_jsonl
+    if not path:
+        return None
+    if os.path.isdir(path):
+        return (f"--metrics-jsonl {path} is a folder: give a file path (the folder it names is "
+                "made if missing)")
+    return _folder_refusal("--metrics-jsonl", path, os.path.dirname(os.path.abspath(path)))
+
+
+def _trace_folder(args):
+    return _folder_refusal("--trace-dir", args.trace_dir, args.trace_dir) \
+        if args.trace_dir else None
+
+
+def _folder_refusal(flag: str, value: str, folder: str) -> str | None:
+    """Make ``folder``, where a run writes what ``flag`` asks for, and say why it cannot be
+    written, if it cannot. Made here rather than checked: whether a folder can be made is
+    known by making it, and the run needs it (every rank makes it: each writes its own trace,
+    and the metrics' last rank may be on another host)."""
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return (f"{flag} {value}: {folder} is a file, not a folder: give a path under a folder "
+                f"you can write, or drop {flag}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        return (f"{flag} {value}: the folder {folder} cannot be made ({error.strerror}): "
+                f"give a path under a folder you can write, or drop {flag}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return (f"{flag} {value}: the folder {folder} is not writable: give a path under a "
+                f"folder you can write, or drop {flag}")
+    return None
+
+
 def _schedule_checks(args):
     spec = registry.spec(args.pipeline_schedule)
     if spec is None or spec.check_args is None:
@@ -524,7 +560,7 @@ RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _cpu_memory_reports, _flash_precision, _transformer_engine, _moe_transformer_engine,
          _sppo_multiplex_unproven,
-         _tensorboard, _throughput)
+         _tensorboard, _throughput, _metrics_folder, _trace_folder)
 
 
 def rule_refusals(args: argparse.Namespace) -> list[str]:

@@ -26,12 +26,13 @@ class Drawable:
     build_ir: Callable[..., Built]
     draw_arguments: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
     draw_units: bool = True
+    draw_missing: Callable[[argparse.Namespace], list[str]] | None = None
 
 
 def _add_own_arguments(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
     parser.add_argument("--schedule", required=True,
                         help="a schedule with an IR builder: " + ", ".join(names))
-    parser.add_argument("--pp", type=int, required=True)
+    parser.add_argument("--pp", type=int, help="pipeline stages (required)")
     parser.add_argument("--microbatches", type=int,
                         help="units to schedule (micro-batches; subsequences for sppo); left "
                              "out for a schedule that makes its own from its flags")
@@ -87,13 +88,17 @@ class DrawCommand:
                     raise ValueError(f"{flag} is a drawing flag of "
                                      f"{' / '.join(self.owners[add])} and would do nothing "
                                      f"for {drawable.name}: drop it")
-        if drawable.draw_units and args.microbatches is None:
-            raise ValueError(f"{drawable.name} needs --microbatches")
         if not drawable.draw_units and args.microbatches is not None:
             raise ValueError(f"{drawable.name} makes its units from its own flags: drop "
                              f"--microbatches")
         knobs = {dest: getattr(args, dest) for add in drawable.draw_arguments
                  for _, dest, _ in self.flags[add]}
+        missing = [flag for flag, absent in (("--pp", args.pp is None), (
+            "--microbatches", drawable.draw_units and args.microbatches is None)) if absent]
+        if drawable.draw_missing is not None:
+            missing += drawable.draw_missing(argparse.Namespace(**knobs))
+        if missing:
+            raise ValueError(f"{drawable.name} needs {'; '.join(missing)}")
         options = Options(forward=args.forward_cost, backward=args.backward_cost,
                           transfer=args.transfer_cost)
         return drawable.build_ir(args.pp, args.microbatches, options, **knobs)

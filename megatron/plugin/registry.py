@@ -136,7 +136,8 @@ def get_schedule(name: str) -> Callable:
 
 
 def _drawable(found: ScheduleSpec) -> Drawable:
-    return Drawable(found.name, found.build_ir, found.draw_arguments, found.draw_units)
+    return Drawable(found.name, found.build_ir, found.draw_arguments, found.draw_units,
+                    found.draw_missing)
 
 
 def drawables() -> list[Drawable]:

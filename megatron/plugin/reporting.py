@@ -17,7 +17,8 @@ micro-batches, the padded share of Megatron's packed rows) and turns it into:
   :data:`LOG_NAMES`' values.
 * **one JSON object per training step** in ``--metrics-jsonl`` (written by the last rank):
   per-stage peaks (activations, planned, device) and predictions in full, for benchmarks and
-  plots.
+  plots; an iteration trained again after a resume replaces its row
+  (:mod:`megatron.plugin.metrics_file`).
 
 A line a schedule logs once per step on every rank (its plan's summary) is logged at
 :func:`summary_level`: the rank that prints Megatron-LM's iteration line says it, the others at
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from megatron.plugin import metrics_file
 from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.layers.memory import SavedTensorMeter, device_peak_bytes, reset_device_peak
 from megatron.plugin.schedule_spec import REPORT_KEYS
@@ -138,8 +140,7 @@ class StepReporter:
         self.last = record
         if not forward_only and args.metrics_jsonl and \
                 dist.get_rank() == dist.get_world_size() - 1:
-            with open(args.metrics_jsonl, "a") as f:
-                f.write(json.dumps(record) + "\n")
+            metrics_file.write(args.metrics_jsonl, record)
         return record
 
 

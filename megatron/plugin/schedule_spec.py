@@ -44,7 +44,10 @@ the name and one way to run is optional):
    ``dest``. A function may be shared by schedules (added once); two that add the same flag
    are refused at registration. ``units`` is the drawing's ``--microbatches``; a schedule
    that makes its units from its own flags (elastic plans a batch's documents) sets
-   ``draw_units=False`` and gets ``None``.
+   ``draw_units=False`` and gets ``None``. ``draw_missing(flags) -> list[str]`` names what
+   the drawing flags (a namespace of the schedule's own, by ``dest``) leave out that
+   ``build_ir`` needs, so that the drawing names it together with a missing ``--pp`` or
+   ``--microbatches``.
 8. ``substitutions``: :class:`~megatron.plugin.substitutions.Substitution` records of the
    accepted option values that run something other than they name under this schedule (or
    nothing on this device); start-up says each that applies once, beside the core's
@@ -100,6 +103,7 @@ class ScheduleSpec:
     draw_arguments: tuple[Callable[[argparse.ArgumentParser], None], ...] = ()
     draw_units: bool = True
     substitutions: tuple[Substitution, ...] = ()
+    draw_missing: Callable[[argparse.Namespace], list[str]] | None = None
     forward_backward: Callable = field(init=False, repr=False, compare=False)
     """Megatron's forward-backward signature: ``megatron_function``, or ``run`` wrapped."""
 
@@ -107,7 +111,8 @@ class ScheduleSpec:
         if (self.run is None) == (self.megatron_function is None):
             raise ValueError(f"schedule {self.name!r}: give exactly one of run and "
                              f"megatron_function")
-        if self.build_ir is None and (self.draw_arguments or not self.draw_units):
+        if self.build_ir is None and (self.draw_arguments or not self.draw_units
+                                      or self.draw_missing):
             raise ValueError(f"schedule {self.name!r}: drawing flags without build_ir")
         object.__setattr__(self, "forward_backward",
                            self.megatron_function or _megatron_signature(self))

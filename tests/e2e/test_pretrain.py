@@ -181,7 +181,9 @@ def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule,
     replicas) the checkpoint carries each replica's shard of the optimizer state; Megatron's
     checkpoint keeps the random states of data-parallel rank 0 only, and elastic's replicas run
     different chunks and draw different numbers of masks: every replica takes rank 0's states
-    after each step (:mod:`megatron.plugin.random_states`)."""
+    after each step (:mod:`megatron.plugin.random_states`). The metrics go to a folder the
+    first launch makes; rows that a run killed after its checkpoint left for iterations 4 and 5
+    are replaced by the resumed run's, not repeated."""
     with_dropout = [flag for flag in TINY]
     for name in ("--hidden-dropout", "--attention-dropout"):
         with_dropout[with_dropout.index(name) + 1] = dropout
@@ -189,12 +191,14 @@ def test_interrupted_and_resumed_run_prints_identical_losses(tmp_path, schedule,
     whole = tmp_path / "whole.jsonl"
     torchrun(2, SCRIPT, [*common, "--metrics-jsonl", str(whole)])
     save = tmp_path / "ckpt"
-    part = tmp_path / "part.jsonl"
+    part = tmp_path / "not-yet" / "part.jsonl"
     same = [*common, "--save", str(save), "--load", str(save), "--save-interval", "100",
             "--metrics-jsonl", str(part)]
     first = torchrun(2, SCRIPT, [*same, "--exit-interval", "3"])
     assert "will not load any checkpoints and will start from random" in first.stdout
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    with open(part, "a") as f:
+        f.writelines(json.dumps({"iteration": i, "lm_loss": 0.0}) + "\n" for i in (4, 5))
     torchrun(2, SCRIPT, same)
     expected = [r["lm_loss"] for r in metrics(whole)]
     resumed = [r["lm_loss"] for r in metrics(part)]

@@ -10,7 +10,7 @@ on one node of 2 CPU ranks, with ``--save DIR --load DIR``:
   requeue the job and exits 0 within a bounded time, and the requeued job (the same command)
   resumes and ends like the uninterrupted run.
 
-``srun`` and ``scontrol`` are local stand-ins (``test_slurm.py``'s shim; ``scontrol`` answers
+``srun`` and ``scontrol`` are local stand-ins (``test_slurm.py``'s: ``scontrol`` answers
 ``show hostnames`` and records ``requeue``).
 """
 import os
@@ -26,18 +26,11 @@ import pytest
 
 from harness import REPO, free_port, python_path, torchrun
 from test_pretrain import TINY, metrics
-from test_slurm import SHIM
+from test_slurm import SCONTROL, SHIM
 
 SCRIPT = "pretrain_gpt_elastic.py"
 BATCH = os.path.join(REPO, "scripts/slurm/pretrain_gpt_elastic.sbatch")
 ITERATIONS = 10
-SCONTROL = """#!/usr/bin/env bash
-# scontrol stand-in: the node list's hosts, and requeue requests recorded.
-case "$1" in
-  show) echo "$3" ;;
-  requeue) echo "requeue $2" >> "$SCONTROL_LOG" ;;
-esac
-"""
 SCHEDULE_FLAGS = {"1f1b": [], "elastic": ["--elastic-slices", "2"], "helix": [],
                   "sppo": ["--sppo-subsequences", "2"]}
 pytestmark = pytest.mark.timeout(900)
@@ -69,6 +62,7 @@ def batch_job(tmp_path, argv, shutdown_s: int) -> tuple[list[str], dict]:
     job.write_text(open(BATCH).read())
     env = dict(os.environ, PATH=f"{tools}:{os.environ['PATH']}", PYTHON=sys.executable,
                SLURM_JOB_ID="42", SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="127.0.0.1",
+               SLURM_CPUS_PER_TASK="2",
                SLURM_SUBMIT_DIR=REPO, GPUS_PER_NODE="2", MASTER_PORT=str(free_port()),
                SRUN_LOG=str(tmp_path / "srun.log"), SCONTROL_LOG=str(tmp_path / "scontrol.log"),
                OMP_NUM_THREADS="1", PYTHONPATH=python_path(), PYTHONWARNINGS="ignore",
@@ -90,8 +84,7 @@ def kill_leftovers(env: dict) -> None:
 
 
 def last_records(path) -> dict[int, dict]:
-    """Per iteration, the record of its last run (an iteration redone after a restart is
-    recorded again)."""
+    """Per iteration, its record."""
     return {record["iteration"]: record for record in metrics(path)}
 
 
@@ -131,8 +124,10 @@ def uninterrupted(tmp_path_factory):
 
 
 def assert_same_run(path, expected: dict) -> None:
+    """One row per iteration (a restarted run replaces the rows of the iterations it trains
+    again), each with the uninterrupted run's tokens and loss."""
+    assert [record["iteration"] for record in metrics(path)] == list(range(1, ITERATIONS + 1))
     got = last_records(path)
-    assert sorted(got) == list(range(1, ITERATIONS + 1))
     assert [got[i]["num_tokens"] for i in sorted(got)] == \
         [expected[i]["num_tokens"] for i in sorted(expected)]
     assert [got[i]["lm_loss"] for i in sorted(got)] == \

@@ -1,8 +1,33 @@
-"""``python -m elastic_pipe.plan`` writes the documented JSON and refuses bad input."""
+"""``python -m elastic_pipe.plan`` and ``scripts/show_schedule.py`` plan a batch read from a
+file, a Megatron dataset or the embedded corpus, write the documented JSON and refuse bad
+input, naming every missing flag at once."""
 import json
+import os
+import subprocess
+import sys
 
+import numpy as np
+import pytest
+from harness import REPO, python_path
+
+from megatron.plugin import registry
+from megatron.plugin.corpus import embedded_corpus, write_dataset
+from megatron.plugin.drawing import DrawCommand
 from elastic_pipe.plan import main
 from elastic_pipe.workloads import read_lengths, sample
+
+#: A model small enough to plan in a moment, with 4 heads: Ulysses at the old ``--sp 8``
+#: default cannot split it.
+SMALL_MODEL = ["--model", "custom", "--num-layers", "4", "--hidden-size", "64",
+               "--num-attention-heads", "4", "--ffn-hidden-size", "256", "--vocab-size", "257",
+               "--memory-gb", "16", "--workers", "1", "--solver-time-limit", "0.05"]
+
+
+def run(*command):
+    """A command in a process of its own, as a user runs it (the dataset's memory map lives
+    and dies there)."""
+    return subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=python_path()))
 
 
 def test_cli_json_fields_and_baselines(tmp_path, capsys):
@@ -43,3 +68,55 @@ def test_cli_unknown_names_and_empty_file(tmp_path, capsys):
     (tmp_path / "empty.txt").write_text("")
     assert main(["--lengths", str(tmp_path / "empty.txt")]) == 2
     assert "no document lengths" in capsys.readouterr().err
+
+
+def test_cli_plans_a_megatron_dataset(tmp_path):
+    """The lengths are read from the dataset's index: the one document over the context is the
+    one truncated."""
+    prefix = tmp_path / "docs_text_document"
+    write_dataset(prefix, [np.arange(n) % 256 for n in (900, 40, 5000, 300, 1200, 70)], 257)
+    out = tmp_path / "plan.json"
+    result = run("-m", "elastic_pipe.plan", "--data-path", str(prefix), "--seq-length", "4096",
+                 "--pp", "2", *SMALL_MODEL, "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert json.loads(out.read_text())["truncated"] == 1
+    assert "simulated iteration" in result.stdout
+
+
+def test_show_schedule_draws_the_embedded_corpus():
+    """show_schedule's path in this process (a read through a closed memory map ends it)."""
+    command = DrawCommand(registry.drawables())
+    args = command.parse(["--schedule", "elastic", "--pp", "2", "--data-path", embedded_corpus(),
+                          "--global-batch-size", "16", "--seq-length", "8192", *SMALL_MODEL])
+    built = command.build(registry.drawable("elastic"), args)
+    assert len(built.schedule) == 2 and all(built.schedule)
+
+
+def test_a_damaged_dataset_is_named(tmp_path, capsys):
+    prefix = tmp_path / "docs"
+    write_dataset(prefix, [np.arange(50)], 257)
+    os.remove(f"{prefix}.bin")
+    assert main(["--data-path", str(prefix)]) == 2
+    assert f"--data-path {prefix}: {prefix}.bin not found" in capsys.readouterr().err
+    write_dataset(prefix, [np.arange(50)], 257)
+    with open(f"{prefix}.idx", "r+b") as index:
+        index.truncate(12)
+    assert main(["--data-path", str(prefix)]) == 2
+    assert f"{prefix}.idx cannot be read" in capsys.readouterr().err
+
+
+def test_every_missing_flag_is_named_at_once(capsys):
+    assert main(["--workload", "github-like", "--model", "custom", "--hidden-size", "64"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: missing --global-batch-size (the documents --workload draws); --num-layers "
+        "--num-attention-heads --ffn-hidden-size --vocab-size (the shape of --model custom)")
+    assert main([]) == 2
+    assert "missing --lengths FILE, --data-path PREFIX or --workload NAME (the batch)" \
+        in capsys.readouterr().err
+    command = DrawCommand(registry.drawables())
+    for name, expected in (("elastic", "elastic needs --pp; --lengths FILE, --data-path PREFIX "
+                                       "or --workload NAME (the batch)"),
+                           ("1f1b", "1f1b needs --pp; --microbatches")):
+        with pytest.raises(ValueError) as error:
+            command.build(registry.drawable(name), command.parse(["--schedule", name]))
+        assert str(error.value) == expected

@@ -1,12 +1,17 @@
 """Background planning: the worker's result is used when it plans the batch asked for; a
-worker that dies is replaced by planning in the foreground with a warning."""
+worker that dies is replaced by planning in the foreground with a warning; the worker runs
+solver processes of its own, as many as the CPUs Slurm gives the node's task allow, the
+training process none."""
+import functools
 import logging
 import multiprocessing
 import os
 import signal
 import time
 
-from elastic_pipe.presolve import BackgroundPlanner
+from elastic_pipe.evaluation import plan_schedule, plan_schedule_with_workers
+from elastic_pipe.presolve import BackgroundPlanner, planner_processes
+from test_elastic_plan import CONFIG, cost_for, lengths_for
 
 
 def square_sum(key, offset):
@@ -39,6 +44,51 @@ def test_the_worker_plans_the_submitted_batch():
         assert result == 37 and not timing.background
     finally:
         planner.close()
+
+
+def where(tag, key):
+    return tag, key, multiprocessing.parent_process() is not None
+
+
+def test_the_worker_runs_its_own_function_and_the_foreground_the_plain_one():
+    planner = BackgroundPlanner(functools.partial(where, "plain"), timeout_s=120,
+                                worker_fn=functools.partial(where, "with solver processes"))
+    try:
+        planner.submit((1,))
+        assert planner.take((1,))[0] == ("with solver processes", (1,), True)
+        assert planner.take((2,))[0] == ("plain", (2,), False)
+    finally:
+        planner.close()
+
+
+def test_the_workers_plan_with_solver_processes_is_the_foregrounds():
+    """What training submits (:mod:`elastic_pipe.planned_batch`): the worker plans with two
+    solver processes of its own, the foreground with none, and the plans are the same."""
+    cost = cost_for(memory_gb=6)
+    key = tuple(lengths_for(3))
+    inputs = ("elastic", cost.model, cost.hardware, cost.parallel, CONFIG)
+    planner = BackgroundPlanner(plan_schedule, timeout_s=300,
+                                worker_fn=functools.partial(plan_schedule_with_workers, 2))
+    try:
+        planner.submit(key, *inputs)
+        background, timing = planner.take(key, *inputs)
+        assert timing.background
+    finally:
+        planner.close()
+    assert background.to_dict() == plan_schedule(key, *inputs).to_dict()
+
+
+def test_solver_processes_follow_the_cpus_per_task_shared_by_the_ranks():
+    # 8 ranks on a task bound to 64 CPUs: 8 each, one of them the rank's own.
+    assert planner_processes({"LOCAL_WORLD_SIZE": "8"}, cpus=64) == 7
+    # Not bound (the affinity is the node's): Slurm's allotment caps it.
+    assert planner_processes({"LOCAL_WORLD_SIZE": "8", "SLURM_CPUS_PER_TASK": "32"},
+                             cpus=128) == 3
+    assert planner_processes({"LOCAL_WORLD_SIZE": "2", "SLURM_CPUS_PER_TASK": "2"}, cpus=2) == 1
+    assert planner_processes({"LOCAL_WORLD_SIZE": "4"}, cpus=2) == 1
+    assert planner_processes({}, cpus=6) == 5
+    assert planner_processes({"LOCAL_WORLD_SIZE": "", "SLURM_CPUS_PER_TASK": "x"}, cpus=3) == 2
+    assert planner_processes({}) == max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def test_a_crashed_worker_falls_back_to_the_foreground(caplog):

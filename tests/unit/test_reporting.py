@@ -1,6 +1,9 @@
 """What a training step reports: the device's allocator peak per forward-backward call, reduced
 over the ranks like the activation figures (CUDA's statistics faked on a one-rank gloo group),
-and ``--tensorboard-dir`` refused where Megatron-LM would write no TensorBoard log."""
+``--metrics-jsonl`` rows of a resumed run's iterations replaced, not repeated, the folders of
+``--metrics-jsonl`` and ``--trace-dir`` made or refused at start-up, and ``--tensorboard-dir``
+refused where Megatron-LM would write no TensorBoard log."""
+import json
 import sys
 from types import SimpleNamespace
 
@@ -131,3 +134,48 @@ def test_tensorboard_dir_is_refused_without_tensorboard(monkeypatch, tmp_path):
                                          r"pip install tensorboard"):
         arguments.parse(argv)
     assert arguments.parse(BASE).tensorboard_dir is None  # without the flag: nothing needed
+
+
+def test_a_resumed_run_replaces_the_rows_of_the_iterations_it_trains_again(one_rank, tmp_path):
+    """An old run's rows 1-5 and the torn row 6 of a rank killed while writing; this run
+    resumes from the checkpoint of iteration 2, then restarts from it once more in-process."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps({"iteration": i, "lm_loss": 9.0}) + "\n"
+                            for i in range(1, 6)) + '{"iteration": 6, "lm_lo')
+    reporter = StepReporter()
+
+    def train(iteration):
+        with reporter.measure(device_window=False):
+            pass
+        args = SimpleNamespace(curr_iteration=iteration - 1, metrics_jsonl=str(path))
+        reporter.finish(TOTALS, {}, 1, args, forward_only=False)
+
+    def rows():
+        return [(row["iteration"], row["lm_loss"])
+                for row in map(json.loads, path.read_text().splitlines())]
+
+    train(3)
+    assert rows() == [(1, 9.0), (2, 9.0), (3, 2.0)]
+    train(4)
+    assert rows() == [(1, 9.0), (2, 9.0), (3, 2.0), (4, 2.0)]
+    train(3)
+    assert rows() == [(1, 9.0), (2, 9.0), (3, 2.0)]
+
+
+def test_metrics_and_trace_folders_are_made_or_refused_at_start_up(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    metrics, traces = tmp_path / "new" / "metrics.jsonl", tmp_path / "deep" / "er" / "traces"
+    arguments.check_command_line([*BASE, "--metrics-jsonl", str(metrics),
+                                  "--trace-dir", str(traces)])
+    assert metrics.parent.is_dir() and traces.is_dir()
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(arguments.Refusals) as refused:
+        arguments.check_command_line([*BASE, "--metrics-jsonl", str(a_file / "metrics.jsonl"),
+                                      "--trace-dir", str(a_file / "traces")])
+    assert [message.split(":")[0] for message in refused.value.messages] == [
+        f"--metrics-jsonl {a_file / 'metrics.jsonl'}", f"--trace-dir {a_file / 'traces'}"]
+    assert f"{a_file} is a file, not a folder" in refused.value.messages[0]
+    assert "cannot be made (Not a directory)" in refused.value.messages[1]
+    with pytest.raises(arguments.Refusals, match="--metrics-jsonl .* is a folder: give a file"):
+        arguments.check_command_line([*BASE, "--metrics-jsonl", str(tmp_path)])
