@@ -67,25 +67,41 @@ term, in elements of the model's dtype, ``e`` bytes each: 2 for BF16 and FP16, 4
 the run's ``params_dtype``, whichever profile prices the time), per token and layer, divided by
 ``sp tp``:
 
-- not checkpointed: ``(8h + 2f) e`` (Korthikanti et al.'s ``34h`` bytes for ``f = 4h`` in
-  BF16 are these ``32h`` and the two 1-byte dropout masks): the two norms' inputs and outputs,
-  Q, K, V, the attention output (one tensor with the projection's input), the MLP's
-  activations before and after GeLU; a gated MLP keeps its ``2f`` wide first projection,
-  ``(8h + 3f) e``. Beside them, FP32 statistics: the two norms' mean and reciprocal
-  deviation, ``2 x 8`` bytes (a fused RMSNorm keeps one of the two; counted as LayerNorm),
-  and the attention's log-sum-exp per head, ``4 a`` bytes (what the blockwise and flash
-  kernels keep for their backward). Hidden dropout adds two masks, ``2h m`` (``m``: 1 byte on
-  CUDA, ``e`` on a CPU, :attr:`~longctx.models.ModelConfig.dropout_mask_bytes`). This is what
-  the saved-tensor meter counts on the project's layer to the byte
-  (``tests/unit/test_layer_costs.py``). What an implementation saves beyond that (an unfused
-  RMSNorm, RoPE outside the attention kernel) is not counted; a measured profile's
-  coefficients count it;
+- not checkpointed, GPT's layer (LayerNorm, learned positions, one key/value head per
+  head): ``(8h + 2f) e`` (Korthikanti et al.'s ``34h`` bytes for ``f = 4h`` in BF16 are these
+  ``32h`` and the two 1-byte dropout masks): the two norms' inputs and outputs, the QKV
+  projection's output (Q, K and V are views of it), the attention output (one tensor with the
+  projection's input), the MLP's activations before and after GeLU; a gated MLP keeps its
+  ``2f`` wide first projection, ``(8h + 3f) e``. Beside them, FP32 statistics: the two norms'
+  mean and reciprocal deviation, ``2 x 8`` bytes, and the attention's log-sum-exp per head,
+  ``4 a`` bytes (what the blockwise and flash kernels keep for their backward). Hidden
+  dropout adds two masks, ``2h m`` (``m``: 1 byte on CUDA, ``e`` on a CPU,
+  :attr:`~longctx.models.ModelConfig.dropout_mask_bytes`);
+- Llama-style layers change these terms (:func:`attention_saved_per_token`,
+  :func:`norm_saved`, :func:`query_key_saved`):
+
+  - ``--normalization RMSNorm``: each norm keeps one FP32 statistic, ``4`` bytes, instead of
+    two; torch's composite RMSNorm of a CPU (no fused kernel there) keeps instead an FP32
+    copy of its input (the input itself in FP32), that statistic and the FP32 normalized
+    input, ``8h + 4`` bytes in place of the norm's input and statistics;
+  - ``--group-query-attention --num-query-groups g``: the QKV projection's output is
+    ``h + 2 h_kv`` wide (``h_kv = g h / a``), kept whole because the values are views of it;
+    megatron-core's ``get_query_key_value_tensors`` reshapes the queries out of the grouped
+    layout, a copy (``h e`` more) for ``1 < g < a`` that the attention keeps;
+  - ``--position-embedding-type rope``: each of the queries' and keys' rotations keeps its
+    ``cos_`` and ``sin_`` (``[tokens, rotary dim]`` in the model's dtype) and makes a new
+    tensor that the attention keeps, ``(h + h_kv) e`` beside the projection's output; no
+    position ids in the embedding;
+  - ``--qk-layernorm``: the Q and K norms keep their statistics per head (per group for the
+    keys) and, as above, what their kind keeps of the input; their output is a new tensor
+    the attention (or RoPE, which keeps only its tables) receives;
+
+  This is what the saved-tensor meter counts on the project's layer and a one-layer model to
+  the byte for every combination of these flags (``tests/unit/test_layer_costs.py``); the
+  fused norms of CUDA are priced as their kernels keep (input and FP32 statistics);
 - with ``--attention-output-gate`` the gate's product keeps both its operands, the
   attention output and the gate, ``2h e`` (the meter counts ``2h e`` in FP32 and BF16), and
   the QKV projection does ``h^2`` more multiply-adds per token;
-- with ``--qk-layernorm`` the Q and K norms keep their inputs, ``2h e`` (the keys counted as
-  wide as the queries), and two FP32 statistics per head each (:func:`qk_norm_saved_per_token`;
-  exact for LayerNorm by the saved-tensor meter, ``tests/unit/test_layer_costs.py``);
 - a mixture-of-experts layer (Megatron's ``MoELayer`` of the local spec: dropless top-``k``
   routing over ``E`` experts of inner width ``F``, first projection ``w_e`` = ``2F`` gated or
   ``F``, the ``allgather`` token dispatcher that Megatron-LM defaults to, with nothing to
@@ -115,11 +131,11 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   ``8h``. Its GEMMs do ``2 (4h^2 + h E + k (h w_e + h F) + h w_s + h S)`` FLOPs per token
   (``alpha2``; ``+ h`` with the gate): each token passes through ``k`` experts and the shared
   one, plus the router's ``h x E`` projection;
-- checkpointed: the layer input ``h e``; a piece with later slices also keeps its K/V ``2h e``
-  (later slices attend to them and a recomputation must not rebuild them);
-- dK/dV accumulator of a piece with later slices: ``2h e``. It is charged from the piece's
-  forward to its backward -- the simulator's stash model releases memory only at a backward --
-  which over-estimates the peak by at most that buffer between the forward and the backward of
+- checkpointed: the layer input ``h e``; a piece with later slices also keeps its K/V
+  ``2 h_kv e`` (later slices attend to them and a recomputation must not rebuild them);
+- dK/dV accumulator of a piece with later slices: ``2 h_kv`` FP32 elements. It is charged
+  from the piece's forward to its backward -- the simulator's stash model releases memory
+  only at a backward -- which over-estimates the peak by at most that buffer between the forward and the backward of
   the document's last slice (conservative, the same number for the solver and the simulator);
 - Megatron-LM's full recomputation (the baselines' ``per_layer_recompute``) rebuilds one layer
   at a time inside the backward (megatron-core ``tensor_parallel/random.py``,
@@ -188,6 +204,7 @@ the most in-flight chunks in 1F1B, so it gets the fewest layers).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -356,9 +373,9 @@ class CostModel:
         else:
             self.full_per_token = layer_saved_per_token(model) / shard
             self.ckpt_per_token = e * h / shard
-            self.kv_per_token = e * 2 * h / shard
+            self.kv_per_token = e * 2 * model.kv_width / shard
             # Context dK/dV accumulate in fp32 (megatron.plugin.layers.kv_store).
-            self.dkv_per_token = max(e, 4) * 2 * h / shard
+            self.dkv_per_token = max(e, 4) * 2 * model.kv_width / shard
             self.embedding_per_token = embedding_saved_per_token(model, parallel)
             self.logits_per_token = 4 * model.vocab_size / shard
             self.head_extra_per_token = head_saved_per_token(model, parallel)
@@ -612,25 +629,77 @@ def mlp_gemm_per_token(model: ModelConfig) -> int:
 
 
 NORM_STATISTICS = 8
-"""Bytes a norm keeps per token beyond its input: LayerNorm's FP32 mean and reciprocal
-deviation (a fused RMSNorm keeps only the second; counted as LayerNorm)."""
+"""Bytes LayerNorm keeps per row beyond its input: its FP32 mean and reciprocal deviation."""
+
+RMS_STATISTICS = 4
+"""Bytes RMSNorm keeps per row beyond its input: its FP32 reciprocal deviation."""
 
 INDEX_BYTES = 8
 """Bytes of one int64 token id, position id or target index."""
 
 
+def norm_saved(model: ModelConfig, width: int, rows: int, input_counted: bool) -> int:
+    """Bytes one norm over ``rows`` rows of ``width`` channels in all (a token's ``h``, or
+    its heads' queries) keeps for its backward (``SequenceParallelNorm``, megatron-core's
+    ``q_layernorm`` / ``k_layernorm``): LayerNorm its input and FP32 mean and reciprocal
+    deviation per row; a fused RMSNorm its input and reciprocal deviation; torch's composite
+    RMSNorm (a CPU's, ``fused_norms`` off) the FP32 copy of its input (the input itself in
+    FP32), the reciprocal deviation and the FP32 normalized input (``x * rstd``, which the
+    weight's product keeps). ``input_counted``: the input's storage is already counted (a
+    view of the QKV projection's output); an FP32 copy of it is not that storage."""
+    e = model.element_bytes
+    if model.normalization == "LayerNorm":
+        return (0 if input_counted else width * e) + rows * NORM_STATISTICS
+    if model.fused_norms:
+        return (0 if input_counted else width * e) + rows * RMS_STATISTICS
+    copy = 0 if input_counted and e == 4 else 4 * width
+    return copy + rows * RMS_STATISTICS + 4 * width
+
+
+def query_key_saved(model: ModelConfig, width: int, rows: int, copied: bool) -> int:
+    """Bytes the queries (``width = h``, ``rows`` heads) or the keys (``kv_width``, one row a
+    group) keep beyond the QKV projection's output they are views of, on their way through
+    megatron-core's ``get_query_key_value_tensors`` (``copied``: grouped queries, which its
+    reshape copies out of the grouped layout), the Q/K norm (:func:`norm_saved`, a new
+    tensor out), RoPE (``_apply_rotary_pos_emb_bshd``: its ``cos_`` and ``sin_``,
+    ``[tokens, rotary dim]`` each in the model's dtype, a new tensor out) and the attention,
+    which keeps what reaches it. The reshape copies the queries of ``1 < groups < heads``
+    only: with one group per head, or a single group, it is a view."""
+    e, fresh, kept = model.element_bytes, copied, 0
+    if model.qk_layernorm:
+        kept += norm_saved(model, width, rows, input_counted=not fresh)
+        fresh = True
+    if model.rope:
+        kept += 2 * model.rotary_dim * e
+        fresh = True
+    return kept + (width * e if fresh else 0)
+
+
+def attention_saved_per_token(model: ModelConfig) -> int:
+    """Bytes one token leaves saved in one layer's attention block (module doc): the input
+    norm (:func:`norm_saved`) and its output (``linear_qkv``'s input), the QKV projection's
+    output ``(h + 2 kv_width) e`` (the values are views of it, so it stays whole), the queries
+    and keys beyond it (:func:`query_key_saved`), the attention's output (also
+    ``linear_proj``'s input) and its FP32 log-sum-exp per head."""
+    h, e, heads = model.hidden_size, model.element_bytes, model.num_heads
+    grouped = 1 < model.query_groups < heads
+    return (norm_saved(model, h, 1, input_counted=False) + h * e
+            + (h + 2 * model.kv_width) * e
+            + query_key_saved(model, h, heads, copied=grouped)
+            + query_key_saved(model, model.kv_width, model.query_groups, copied=False)
+            + h * e + 4 * heads)
+
+
 def layer_saved_per_token(model: ModelConfig) -> int:
-    """Bytes one token leaves saved in one layer (not sharded; module doc): ``8h e`` (the two
-    norms' inputs and outputs, Q, K, V, the attention output that is also the projection's
-    input), the two norms' statistics, the attention's FP32 softmax statistics (log-sum-exp)
-    per head, the MLP (:func:`mlp_saved_per_token`), the Q and K norms
-    (:func:`qk_norm_saved_per_token`), the attention output gate's two operands ``2h e``
-    and the two hidden-dropout masks when that dropout is on."""
+    """Bytes one token leaves saved in one layer (not sharded; module doc): the attention
+    block (:func:`attention_saved_per_token`), the pre-MLP norm and its output (``linear_fc1``'s
+    input), the MLP (:func:`mlp_saved_per_token`), the attention output gate's two operands
+    ``2h e`` and the two hidden-dropout masks when that dropout is on."""
     h, e = model.hidden_size, model.element_bytes
     masks = 2 * h * model.dropout_mask_bytes if model.hidden_dropout else 0
     gate = 2 * h * e if model.attention_output_gate else 0
-    return (8 * h * e + 2 * NORM_STATISTICS + 4 * model.num_heads + gate
-            + qk_norm_saved_per_token(model) + mlp_saved_per_token(model) + masks)
+    return (attention_saved_per_token(model) + norm_saved(model, h, 1, input_counted=False)
+            + h * e + gate + mlp_saved_per_token(model) + masks)
 
 
 def embedding_saved_per_token(model: ModelConfig, parallel: ParallelConfig) -> float:
@@ -649,18 +718,19 @@ def head_saved_per_token(model: ModelConfig, parallel: ParallelConfig) -> float:
     GPU's share of the sequence; the vocab-parallel cross entropy's int64 targets and bool
     target mask and the loss function's FP32 loss mask, on the whole sequence of a
     tensor-parallel group (the output layer gathers it)."""
-    norm = 2 * model.hidden_size * model.element_bytes + NORM_STATISTICS
+    norm = norm_saved(model, model.hidden_size, 1, input_counted=False) \
+        + model.hidden_size * model.element_bytes
     loss = INDEX_BYTES + 1 + 4
     return norm / (parallel.sp * parallel.tp * parallel.cp) + loss / (parallel.sp * parallel.cp)
 
 
 def qk_norm_saved_per_token(model: ModelConfig) -> int:
-    """Bytes one token leaves saved in one layer's Q and K norms (``--qk-layernorm``): their
-    inputs, ``2h e`` (keys as wide as queries), and two FP32 statistics per head of each
-    (LayerNorm's mean and reciprocal deviation; a fused RMSNorm keeps one of them)."""
+    """Bytes one token's Q and K norms (``--qk-layernorm``) add to its layer: what
+    :func:`layer_saved_per_token` counts with them less what it counts without them."""
     if not model.qk_layernorm:
         return 0
-    return 2 * model.hidden_size * model.element_bytes + 2 * 2 * 4 * model.num_heads
+    return layer_saved_per_token(model) - layer_saved_per_token(
+        dataclasses.replace(model, qk_layernorm=False))
 
 
 def mlp_saved_per_token(model: ModelConfig) -> int:

@@ -1,7 +1,10 @@
 """The cost model of this training job, from Megatron's flags and ``--hardware-profile``.
 
 The model shape comes from the Megatron flags (a mixture-of-experts MLP from ``--num-experts``,
-``--moe-router-topk`` and ``--moe-ffn-hidden-size``), its bytes per element from ``params_dtype``
+``--moe-router-topk`` and ``--moe-ffn-hidden-size``; the norms, positions and key/value heads
+from ``--normalization``, ``--position-embedding-type``, ``--rotary-percent`` and
+``--group-query-attention --num-query-groups``, the norms priced as the fused kernels of CUDA
+or the composite RMSNorm of a CPU), its bytes per element from ``params_dtype``
 (4 in FP32, 2 in BF16 and FP16); the layout from the parallel sizes; the hardware profile from
 ``--hardware-profile``, by default the shipped profile whose ``device_names`` name the CUDA
 device, ``a800`` on CPU (the planners then only see
@@ -92,7 +95,12 @@ def cost_model_from_args(args: argparse.Namespace, vocab_size: int,
                         moe_router_dtype=args.moe_router_dtype,
                         qk_layernorm=args.qk_layernorm,
                         attention_output_gate=args.attention_output_gate,
-                        learned_positions=args.position_embedding_type != "rope")
+                        learned_positions=args.position_embedding_type == "learned_absolute",
+                        rope=args.position_embedding_type == "rope",
+                        rotary_percent=args.rotary_percent, normalization=args.normalization,
+                        fused_norms=cuda,
+                        num_query_groups=(args.num_query_groups
+                                          if args.group_query_attention else None))
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp, pp, cp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.context_parallel_size)
@@ -114,7 +122,8 @@ _COST_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_s
                "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
                "moe_shared_expert_gate", "moe_router_dtype", "qk_layernorm",
                "attention_output_gate",
-               "position_embedding_type",
+               "position_embedding_type", "rotary_percent", "normalization",
+               "group_query_attention", "num_query_groups",
                "tensor_model_parallel_size",
                "pipeline_model_parallel_size", "context_parallel_size",
                "use_distributed_optimizer", "hardware_profile")

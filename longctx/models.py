@@ -70,6 +70,23 @@ class ModelConfig:
     """Learned absolute position embeddings (Megatron-LM's default
     ``--position-embedding-type``): the embedding keeps the position ids for its backward as
     well as the token ids; ``False`` under RoPE, which adds no embedding."""
+    rope: bool = False
+    """Rotary position embeddings (``--position-embedding-type rope``), applied to the queries
+    and keys in the attention: each rotation keeps its cosines and sines, and the attention
+    keeps the rotated queries and keys (new tensors) beside the QKV projection's output."""
+    rotary_percent: float = 1.0
+    """Share of each head's channels RoPE rotates (``--rotary-percent``)."""
+    normalization: str = "LayerNorm"
+    """Megatron's ``--normalization``: ``"LayerNorm"`` or ``"RMSNorm"``, for every norm of the
+    model (the layers' two, the final one and the Q and K norms)."""
+    fused_norms: bool = True
+    """The norms run a fused kernel that keeps only its input and FP32 statistics (CUDA:
+    torch's fused RMSNorm, Transformer Engine's); ``False``: torch's composite RMSNorm of a
+    CPU, which keeps an FP32 copy of its input (the input itself in FP32), its reciprocal
+    deviation and the FP32 normalized input. Read only for ``RMSNorm``."""
+    num_query_groups: int | None = None
+    """Key/value heads of grouped-query attention (``--num-query-groups``); ``None``: one per
+    attention head."""
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -100,6 +117,16 @@ class ModelConfig:
         if self.moe_shared_expert_gate and shared is None:
             raise ValueError(f"model {self.name}: moe_shared_expert_gate gates the shared "
                              f"expert: give moe_shared_expert_intermediate_size too")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"model {self.name}: normalization must be LayerNorm or RMSNorm, "
+                             f"got {self.normalization!r}")
+        if not 0 < self.rotary_percent <= 1:
+            raise ValueError(f"model {self.name}: rotary_percent must be in (0, 1], "
+                             f"got {self.rotary_percent}")
+        groups = self.num_query_groups
+        if groups is not None and (groups < 1 or self.num_heads % groups):
+            raise ValueError(f"model {self.name}: num_query_groups must divide num_heads "
+                             f"{self.num_heads}, got {groups}")
         if self.hidden_size % self.num_heads:
             raise ValueError(f"model {self.name}: hidden_size {self.hidden_size} must be "
                              f"divisible by num_heads {self.num_heads}")
@@ -108,6 +135,23 @@ class ModelConfig:
     def element_bytes(self) -> int:
         """Bytes of one weight or activation element."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups``, or one per attention head."""
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def kv_width(self) -> int:
+        """Channels of the keys (and of the values): ``groups x h / heads``."""
+        return self.query_groups * (self.hidden_size // self.num_heads)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a head that RoPE rotates (0 without RoPE)."""
+        if not self.rope:
+            return 0
+        return int(self.hidden_size // self.num_heads * self.rotary_percent)
 
     @property
     def mlp_width(self) -> int:

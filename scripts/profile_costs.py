@@ -5,7 +5,9 @@
         --contexts 0 2048 --repeats 3 --base-profile a800 --output PROFILE.json \
         [--num-experts E --moe-router-topk K --moe-ffn-hidden-size F
          --moe-shared-expert-intermediate-size S --moe-shared-expert-gate
-         --moe-router-dtype fp32]
+         --moe-router-dtype fp32] \
+        [--position-embedding-type rope --rotary-percent P --normalization RMSNorm --swiglu
+         --group-query-attention --num-query-groups G --qk-layernorm --disable-bias-linear]
 
 What is measured and how (every choice made here):
 
@@ -14,7 +16,9 @@ What is measured and how (every choice made here):
   :class:`~megatron.plugin.layers.attention.DocumentAttention`) with the ``TransformerConfig`` that
   :func:`megatron.plugin.model.model_config` builds from the training flags (parsed by
   Megatron-LM's own parser, so the defaults -- LayerNorm, GeLU, biases, learned-absolute
-  positions, FP32 on CPU -- are those of a training run with the same model flags). Dropout is
+  positions, FP32 on CPU -- are those of a training run with the same model flags; the
+  architecture flags -- RoPE, RMSNorm, SwiGLU, grouped-query attention, Q/K norms, no biases --
+  are the training run's, taken as it takes them). Dropout is
   ``--attention-dropout`` / ``--hidden-dropout`` (Megatron's 0.1 unless
   given): profile with the job's values, because on CPU SDPA's fused causal kernel does not
   take dropout, so attention dropout > 0 times the math kernel, many times slower at long
@@ -206,7 +210,7 @@ def build_layers(args):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron.plugin import launch
-    from megatron.plugin.layers.attention import document_layer_spec
+    from megatron.plugin.layers.attention import RopeSettings, document_layer_spec
     from megatron.plugin.model import model_config
 
     # the longest slice with its context, and the one-layer model's longest batch
@@ -221,9 +225,12 @@ def build_layers(args):
              "--hidden-dropout", str(args.hidden_dropout)]
     if args.ffn_hidden_size is not None:
         flags += ["--ffn-hidden-size", str(args.ffn_hidden_size)]
+    flags += architecture_flags(args)
     if args.num_experts is not None:
         flags += ["--num-experts", str(args.num_experts), "--moe-router-topk",
-                  str(args.moe_router_topk), "--disable-bias-linear"]
+                  str(args.moe_router_topk)]
+        if not args.disable_bias_linear:
+            flags.append("--disable-bias-linear")
         if args.moe_ffn_hidden_size is not None:
             flags += ["--moe-ffn-hidden-size", str(args.moe_ffn_hidden_size)]
         if args.moe_shared_expert_intermediate_size is not None:
@@ -239,12 +246,30 @@ def build_layers(args):
         os.environ.setdefault(name, value)
     train_args = launch.initialize(flags)
     config = model_config(train_args)
-    spec = document_layer_spec(args.num_layers_profiled, train_args.normalization,
+    rope = None
+    if train_args.position_embedding_type == "rope":
+        rope = RopeSettings(rotary_base=train_args.rotary_base,
+                            rotary_percent=train_args.rotary_percent)
+    spec = document_layer_spec(args.num_layers_profiled, train_args.normalization, rope,
+                               qk_layernorm=train_args.qk_layernorm,
                                num_experts=train_args.num_experts)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     layers = [build_module(layer_spec, config=config, layer_number=i + 1).to(device).train()
               for i, layer_spec in enumerate(spec.layer_specs)]
     return layers, config, train_args, device
+
+
+def architecture_flags(args) -> list[str]:
+    """The training flags of the layer's architecture that ``args`` gives (as the job's)."""
+    flags = ["--normalization", args.normalization,
+             "--position-embedding-type", args.position_embedding_type,
+             "--rotary-percent", str(args.rotary_percent)]
+    if args.group_query_attention:
+        flags += ["--num-query-groups", str(args.num_query_groups)]
+    for name in ("group_query_attention", "swiglu", "qk_layernorm", "disable_bias_linear"):
+        if getattr(args, name):
+            flags.append("--" + name.replace("_", "-"))
+    return flags
 
 
 def _sync(device):
@@ -638,6 +663,20 @@ def parse(argv=None) -> argparse.Namespace:
                         help="as the job's flag")
     parser.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
                         help="as the job's flag (default: the model's dtype)")
+    parser.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"),
+                        default="LayerNorm", help="as the job's flag")
+    parser.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                        default="learned_absolute", help="as the job's flag")
+    parser.add_argument("--rotary-percent", type=float, default=1.0,
+                        help="as the job's flag (with --position-embedding-type rope)")
+    parser.add_argument("--swiglu", action="store_true", help="as the job's flag")
+    parser.add_argument("--group-query-attention", action="store_true",
+                        help="as the job's flag, with --num-query-groups")
+    parser.add_argument("--num-query-groups", type=int, default=1,
+                        help="as the job's flag (read with --group-query-attention)")
+    parser.add_argument("--qk-layernorm", action="store_true", help="as the job's flag")
+    parser.add_argument("--disable-bias-linear", action="store_true",
+                        help="as the job's flag (implied by --num-experts)")
     parser.add_argument("--tokens", type=int, nargs="+", required=True,
                         help="slice lengths s of the grid")
     parser.add_argument("--contexts", type=int, nargs="+", default=[0],

@@ -487,21 +487,30 @@ UNIFORM_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "u
                      "--recompute-num-layers", "1"]
 
 
-@pytest.mark.parametrize("schedule,flags", [
-    ("elastic", ["--elastic-slices", "4"]),
-    pytest.param("seq1f1b", ["--elastic-slices", "4", *UNIFORM_RECOMPUTE],
-                 id="seq1f1b-uniform-recompute"),
-    pytest.param("sppo", ["--sppo-subsequences", "4", "--sppo-offload", "1"], id="sppo-offload"),
-    ("helix", ["--helix-recompute-without-attention", "--helix-mlp-chunk-size", "256",
-               "--seq-length", "1024", "--train-iters", "2", "--lr-warmup-iters", "1"]),
+#: Megatron-LM's Llama-style architecture: RoPE, RMSNorm, SwiGLU, grouped-query attention,
+#: untied embeddings, no biases.
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--group-query-attention", "--num-query-groups", "2",
+         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+
+@pytest.mark.parametrize("schedule,flags,bound", [
+    pytest.param("elastic", ["--elastic-slices", "4", *LLAMA], 0.05, id="elastic-llama"),
+    pytest.param("seq1f1b", ["--elastic-slices", "4", *UNIFORM_RECOMPUTE, *LLAMA], 0.10,
+                 id="seq1f1b-uniform-recompute-llama"),
+    pytest.param("sppo", ["--sppo-subsequences", "4", "--sppo-offload", "1", *LLAMA], 0.05,
+                 id="sppo-offload-llama"),
+    pytest.param("helix", ["--helix-recompute-without-attention", "--helix-mlp-chunk-size",
+                           "256", "--seq-length", "1024", "--train-iters", "2",
+                           "--lr-warmup-iters", "1", *LLAMA], 0.05, id="helix-llama"),
     pytest.param("elastic", ["--elastic-slices", "4", "--num-experts", "4",
                              "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
                              "--moe-shared-expert-intermediate-size", "64",
                              "--moe-shared-expert-gate",
                              "--disable-bias-linear", "--qk-layernorm",
-                             "--moe-per-document-aux-loss-coeff", "0.01"],
+                             "--moe-per-document-aux-loss-coeff", "0.01"], 0.10,
                  id="elastic-moe-qk-norm")])
-def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
+def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags, bound):
     """With Megatron-LM's default dropout (0.1 on the attention and the hidden states) the
     activation bytes each stage's plan predicts, from the spec-derived profile, are within
     10% of what the training loop's meter measures, every iteration: slices attend to their K/V
@@ -516,6 +525,10 @@ def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     each token's expert copies, expert intermediates, router tensors and shared expert's
     tensors instead of a dense MLP's; priced as a dense MLP, the stages held 1.4x their plan; that run also trains the project's load-balancing
     loss per document (:mod:`megatron.plugin.layers.document_router`) under the dropout.
+    The document schedules run Megatron-LM's Llama-style architecture (RoPE, RMSNorm, SwiGLU,
+    grouped-query attention, untied embeddings, no biases), each stage within 5% of its plan
+    (seq1f1b 10%: its stage 0 holds 0.94 of its plan); priced as GPT's layer, elastic held
+    1.16-1.17x its plan and sppo 1.17x.
     Seq1f1b runs Megatron's full recomputation of every layer (uniform, one layer a unit),
     whose fixed table the plan prices: the layers' kept inputs, one layer rebuilt at a time in
     each chunk's backward, and the embedding's ids and dropout mask and the head's norm,
@@ -535,7 +548,7 @@ def test_plans_hold_under_megatrons_default_dropout(tmp_path, schedule, flags):
     for row in metrics(out):
         for measured, planned in zip(row["peak_activation_bytes_per_stage"],
                                      row["planned_activation_bytes_per_stage"]):
-            assert abs(measured / planned - 1) <= 0.10, (schedule, row)
+            assert abs(measured / planned - 1) <= bound, (schedule, row)
 
 
 def test_elastic_checkpoint_is_a_megatron_checkpoint_of_a_plain_gpt(tmp_path):

@@ -68,7 +68,8 @@ def job_args(**over) -> argparse.Namespace:
         moe_ffn_hidden_size=None, moe_shared_expert_intermediate_size=None,
         moe_shared_expert_gate=False, moe_router_dtype=None, qk_layernorm=False,
         attention_output_gate=False,
-        position_embedding_type="learned_absolute",
+        position_embedding_type="learned_absolute", rotary_percent=1.0,
+        normalization="LayerNorm", group_query_attention=False, num_query_groups=1,
         ffn_hidden_size=256, params_dtype=torch.float32, swiglu=False,
         tensor_model_parallel_size=1, pipeline_model_parallel_size=2, context_parallel_size=1,
         use_distributed_optimizer=False, decoder_first_pipeline_num_layers=None,
@@ -134,6 +135,23 @@ def test_the_planner_counts_bytes_in_the_runs_dtype_and_says_so(monkeypatch, cap
     assert cost.full_per_token == cost.model.element_bytes * (8 * 64 + 3 * 256) + 16 + 16
     assert caplog.messages == [f"elastic planner: hardware profile a800 (spec-derived, the "
                                f"default on CPU), activation bytes derived for {name}"]
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_the_planner_reads_the_llama_style_flags(monkeypatch, cuda):
+    """``--position-embedding-type rope --rotary-percent 0.5 --normalization RMSNorm
+    --group-query-attention --num-query-groups 2`` reach the priced model as Megatron means
+    them; the norms are priced as the fused kernels on CUDA, torch's composite on a CPU."""
+    monkeypatch.setattr(job_costs.torch.cuda, "is_available", lambda: cuda)
+    if cuda:
+        monkeypatch.setattr(job_costs.torch.cuda, "get_device_name", lambda: "NVIDIA H100")
+    args = job_args(position_embedding_type="rope", rotary_percent=0.5, normalization="RMSNorm",
+                    group_query_attention=True, num_query_groups=2)
+    model = job_costs.cost_model_from_args(args, 512, memory_gb=80.0).model
+    assert (model.rope, model.learned_positions, model.rotary_dim) == (True, False, 8)
+    assert (model.normalization, model.fused_norms, model.kv_width) == ("RMSNorm", cuda, 32)
+    plain = job_costs.cost_model_from_args(job_args(num_query_groups=2), 512, memory_gb=80.0)
+    assert plain.model.query_groups == 4 and plain.model.learned_positions
 
 
 def test_a_measured_profile_is_honoured_in_its_dtype_only(caplog, tmp_path):

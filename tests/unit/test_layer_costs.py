@@ -1,5 +1,7 @@
 """The cost model's layer terms beyond the dense GPT layer (a mixture of experts, the Q and K
 norms): by hand, and against the saved-tensor meter on Megatron's own layers."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -211,17 +213,42 @@ def test_the_dropout_term_is_what_the_hidden_dropouts_save_on_this_device(one_ra
     assert measured == cost.full_per_token - plain.full_per_token == 2 * H * dtype.itemsize
 
 
-@pytest.mark.parametrize("dtype,dropout", [(torch.float32, 0.0), (torch.float32, 0.1),
-                                           (torch.bfloat16, 0.1)])
-def test_a_whole_model_saves_what_its_stage_is_priced(one_rank, tmp_path, dtype, dropout):
-    """A one-layer ``GPTModel`` of the project's spec (learned positions, LayerNorm, the vocab
-    of 257 padded to 384), one training micro-batch with its loss, saves per token exactly
-    what the cost model prices a one-stage pipeline's stash: the embedding's ids and dropout
-    mask, the layer (8h e, statistics, MLP, masks) and the head's norm, output-layer input,
-    FP32 logits, targets and masks; with Megatron's default dropout and without, in FP32 and
-    BF16 (slope over 128 -> 256 tokens, which drops the loss scalar). The model counts the
-    norms' statistics in FP32, as CUDA's norms keep them; a CPU keeps them in BF16 for a BF16
-    model, 2 x 2 bytes fewer for each of the three norms."""
+#: Megatron-LM's Llama-style architecture flags (``--position-embedding-type rope
+#: --normalization RMSNorm --swiglu --group-query-attention --num-query-groups 2
+#: --disable-bias-linear``).
+LLAMA = ("rope", "rmsnorm", "swiglu", "gqa", "no-bias")
+
+
+def architecture(flags, dtype, dropout):
+    """The ``TransformerConfig`` keywords, the ``GPTModel`` position embedding, the RoPE
+    settings and the :class:`ModelConfig` of a one-layer model with the architecture
+    ``flags`` (names of Megatron-LM's flags, as Megatron's parser translates them: ``--swiglu``
+    is a gated SiLU MLP with the fused bias-SwiGLU), on this CPU."""
+    from megatron.plugin.layers.attention import RopeSettings
+
+    groups = 2 if "gqa" in flags else 1 if "mqa" in flags else None
+    config = dict(num_layers=1, hidden_size=H, num_attention_heads=HEADS, ffn_hidden_size=FFN,
+                  hidden_dropout=dropout, attention_dropout=dropout, params_dtype=dtype,
+                  bf16=dtype == torch.bfloat16,
+                  normalization="RMSNorm" if "rmsnorm" in flags else "LayerNorm",
+                  num_query_groups=groups, qk_layernorm="qk-norm" in flags,
+                  add_bias_linear="no-bias" not in flags)
+    if "swiglu" in flags:
+        config.update(gated_linear_unit=True, activation_func=F.silu, bias_activation_fusion=True)
+    rope = "rope" in flags
+    shape = ModelConfig("one", 1, H, HEADS, FFN, 384, dtype=str(dtype).removeprefix("torch."),
+                        hidden_dropout=dropout > 0, dropout_mask_bytes=dtype.itemsize,
+                        learned_positions=not rope, rope=rope, gated_mlp="swiglu" in flags,
+                        normalization=config["normalization"], fused_norms=False,
+                        num_query_groups=groups, qk_layernorm="qk-norm" in flags)
+    return config, "none" if rope else "learned_absolute", RopeSettings() if rope else None, shape
+
+
+def whole_model_bytes(tmp_path, flags, dtype, dropout, device) -> tuple[float, float]:
+    """(measured, planned) bytes per token of a one-layer model's training micro-batch on
+    ``device``: the saved-tensor meter's slope over 128 -> 256 tokens, and the cost model's
+    one-stage stash of that architecture (:func:`architecture`; CUDA's fused norms and
+    one-byte dropout masks there)."""
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -229,12 +256,13 @@ def test_a_whole_model_saves_what_its_stage_is_priced(one_rank, tmp_path, dtype,
     from megatron.plugin.layers.attention import document_layer_spec
     from megatron.plugin.layers.memory import SavedTensorMeter
 
-    config = TransformerConfig(num_layers=1, hidden_size=H, num_attention_heads=HEADS,
-                               ffn_hidden_size=FFN, hidden_dropout=dropout,
-                               attention_dropout=dropout, params_dtype=dtype,
-                               bf16=dtype == torch.bfloat16)
-    model = GPTModel(config, document_layer_spec(1), vocab_size=384, max_sequence_length=256,
-                     position_embedding_type="learned_absolute").to(dtype).train()
+    config, positions, rope, shape = architecture(flags, dtype, dropout)
+    config = TransformerConfig(**config)
+    spec = document_layer_spec(1, config.normalization, rope, qk_layernorm=config.qk_layernorm)
+    model = GPTModel(config, spec, vocab_size=384, max_sequence_length=256,
+                     position_embedding_type=positions).to(device, dtype).train()
+    if device == "cuda":
+        shape = dataclasses.replace(shape, fused_norms=True, dropout_mask_bytes=1)
     generator = torch.Generator().manual_seed(1)
     counts = []
     for tokens in (128, 256):
@@ -245,12 +273,61 @@ def test_a_whole_model_saves_what_its_stage_is_priced(one_rank, tmp_path, dtype,
             kept = loss(output)
             counts.append(meter.current)
         del output, kept
-    shape = ModelConfig("one", 1, H, HEADS, FFN, 384, dtype=str(dtype).removeprefix("torch."),
-                        hidden_dropout=dropout > 0, dropout_mask_bytes=dtype.itemsize)
     cost = CostModel(shape, hand_profile(tmp_path), ParallelConfig(pp=1))
     one_token = Chunk((Piece(0, 0, 0, 1, True),))
-    cpu_statistics = 3 * 2 * (4 - dtype.itemsize) if dtype.itemsize < 4 else 0
-    assert (counts[1] - counts[0]) / 128 == cost.stash_bytes(0, one_token) - cpu_statistics
+    return (counts[1] - counts[0]) / 128, cost.stash_bytes(0, one_token)
+
+
+@pytest.mark.parametrize("dtype,dropout,flags", [
+    (torch.float32, 0.0, ()), (torch.float32, 0.1, ()), (torch.bfloat16, 0.1, ()),
+    (torch.float32, 0.0, ("rope",)), (torch.float32, 0.0, ("rmsnorm",)),
+    (torch.float32, 0.0, ("swiglu",)), (torch.float32, 0.0, ("gqa",)),
+    (torch.float32, 0.0, ("mqa",)), (torch.float32, 0.0, ("qk-norm",)),
+    (torch.float32, 0.0, ("gqa", "qk-norm")), (torch.float32, 0.0, ("rmsnorm", "qk-norm")),
+    (torch.float32, 0.0, ("rope", "gqa", "qk-norm")), (torch.float32, 0.1, LLAMA),
+    (torch.float32, 0.0, ("mqa", "rmsnorm", "qk-norm", "rope")),
+    (torch.bfloat16, 0.1, LLAMA), (torch.bfloat16, 0.0, (*LLAMA, "qk-norm"))],
+    ids=lambda value: "-".join(value) or "gpt" if isinstance(value, tuple) else None)
+def test_a_whole_model_saves_what_its_stage_is_priced(one_rank, tmp_path, dtype, dropout, flags):
+    """A one-layer ``GPTModel`` of the project's spec (the vocab of 257 padded to 384), one
+    training micro-batch with its loss, saves per token exactly what the cost model prices a
+    one-stage pipeline's stash: the embedding's ids and dropout mask, the layer and the head's
+    norm, output-layer input, FP32 logits, targets and masks; with Megatron's default dropout
+    and without, in FP32 and BF16 (slope over 128 -> 256 tokens, which drops the loss scalar);
+    for GPT's architecture and for each of Megatron-LM's Llama-style flags alone and together
+    (RoPE's tables and rotated queries and keys, the composite RMSNorm's FP32 copies, SwiGLU's
+    first projection, grouped and multi-query attention's projection output and query copy,
+    the Q and K norms), each of which changes the bytes. The model counts LayerNorm's
+    statistics in FP32, as CUDA's norms keep them; a CPU keeps them in BF16 for a BF16 model,
+    2 x 2 bytes fewer for each of the three norms."""
+    measured, planned = whole_model_bytes(tmp_path, flags, dtype, dropout, "cpu")
+    layer_norm = "rmsnorm" not in flags
+    cpu_statistics = 3 * 2 * (4 - dtype.itemsize) if dtype.itemsize < 4 and layer_norm else 0
+    assert measured == planned - cpu_statistics
+
+
+@pytest.mark.parametrize("flags,rows", [(("rmsnorm",), 2), (("rmsnorm", "qk-norm"), 2 + 2 * HEADS),
+                                        (("rmsnorm", "qk-norm", "gqa"), 2 + HEADS + 2)])
+def test_a_fused_rmsnorm_keeps_its_input_and_one_fp32_statistic(flags, rows):
+    """On CUDA the norms are fused kernels (torch's fused RMSNorm, Transformer Engine's): an
+    RMSNorm keeps what LayerNorm keeps but one of its two FP32 statistics, 4 bytes fewer a
+    row: the layer's two norms, the Q norm's per head and the K norm's per group; the
+    composite RMSNorm of a CPU keeps more (its FP32 copies)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        shape = architecture(flags, dtype, 0.0)[3]
+        fused = dataclasses.replace(shape, fused_norms=True)
+        layer_norm = dataclasses.replace(shape, normalization="LayerNorm")
+        assert layer_saved_per_token(layer_norm) - layer_saved_per_token(fused) == 4 * rows
+        assert layer_saved_per_token(shape) > layer_saved_per_token(fused)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused norms run on CUDA")
+@pytest.mark.parametrize("flags", [("rmsnorm",), (*LLAMA, "qk-norm")])
+def test_a_whole_model_on_cuda_saves_what_its_stage_is_priced(one_rank, tmp_path, flags):
+    """The fused RMSNorm of CUDA (and its one-byte dropout masks) on the one-layer model of
+    :func:`test_a_whole_model_saves_what_its_stage_is_priced`, in BF16."""
+    measured, planned = whole_model_bytes(tmp_path, flags, torch.bfloat16, 0.1, "cuda")
+    assert measured == planned
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

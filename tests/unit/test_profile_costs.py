@@ -18,7 +18,8 @@ from scripts.profile_costs import (  # noqa: E402
     flop_time, nnls)
 
 from longctx.chunks import Chunk, Piece  # noqa: E402
-from longctx.cost_model import CostModel, ParallelConfig, mlp_gemm_per_token  # noqa: E402
+from longctx.cost_model import (CostModel, ParallelConfig, layer_saved_per_token,  # noqa: E402
+                                mlp_gemm_per_token)
 from longctx.hardware import load_profile  # noqa: E402
 from longctx.models import ModelConfig  # noqa: E402
 
@@ -59,13 +60,18 @@ def test_backward_factor_is_the_mean_ratio():
     assert fit_backward_factor([1.0, 2.0], [2.0, 5.0]) == pytest.approx(2.25)
 
 
+#: Megatron-LM's Llama-style architecture flags, which the script takes as training does.
+LLAMA_FLAGS = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+               "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear"]
+
+
 def test_script_writes_a_loadable_measured_profile(tmp_path):
     out = tmp_path / "measured.json"
     result = subprocess.run(
         [sys.executable, "scripts/profile_costs.py", "--num-layers-profiled", "1",
          "--hidden-size", "64", "--num-attention-heads", "4", "--tokens", "64", "128", "256",
          "--contexts", "0", "128", "--repeats", "1", "--base-profile", "a800",
-         "--output", str(out)],
+         *LLAMA_FLAGS, "--output", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
         env=dict(os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS",
                                                                              "1")))
@@ -85,20 +91,26 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
     base = load_profile("a800")
     assert profile.hbm_gb == base.hbm_gb and profile.intra_node_gbps == base.intra_node_gbps
 
-    # Activation bytes per token of the fp32 layer (hidden 64) and the embedded corpus's padded
-    # vocabulary (257 -> 384): a checkpointed range keeps its input (4h), the dK/dV
-    # accumulators are K and V in fp32 (8h), the embedding keeps token and position ids (and,
-    # with Megatron's default dropout, its mask).
+    # Activation bytes per token of the fp32 Llama-style layer (hidden 64, 2 key/value heads
+    # of 4, Megatron's SwiGLU width 4h x 2/3 rounded down to a multiple of 64: 128) and the embedded corpus's padded vocabulary (257 -> 384): the layer keeps what the
+    # cost model prices it (RoPE, the CPU's composite RMSNorm, SwiGLU, the grouped projection,
+    # Megatron's default dropout masks), a checkpointed range keeps its input (4h), the dK/dV
+    # accumulators are K and V in fp32 (8 h_kv), the embedding keeps the token ids (no
+    # position ids under RoPE) and its dropout mask.
     memory = profile.activation_coefficients
     assert memory is not None and (memory.hidden_size, memory.vocab_size) == (64, 384)
     assert memory.dtype == "float32"
-    assert memory.checkpointed == 4 * 64 and memory.dkv == 8 * 64
-    assert memory.embedding >= 16
-    assert memory.layer > 8 * 4 * 64 and memory.head > 4 * 384
-    assert memory.kv >= 8 * 64
+    llama = ModelConfig("llama", 1, 64, 4, 128, 384, dtype="float32", gated_mlp=True,
+                        hidden_dropout=True, dropout_mask_bytes=4, learned_positions=False,
+                        rope=True, normalization="RMSNorm", fused_norms=False,
+                        num_query_groups=2)
+    assert memory.layer == layer_saved_per_token(llama)
+    assert memory.checkpointed == 4 * 64 and memory.dkv == 8 * 32
+    assert memory.embedding == 8 + 4 * 64
+    assert memory.head > 4 * 384
+    assert memory.kv >= 8 * 32
 
-    model = ModelConfig("custom", num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256,
-                        vocab_size=384, dtype="float32")
+    model = dataclasses.replace(llama, num_layers=2)
     costs = CostModel(model, profile, ParallelConfig(pp=1))
     chunk = Chunk((Piece(0, 1, 128, 256, True),))
     expected = fit.alpha1 * (256 ** 2 - 128 ** 2) + fit.alpha2 * 128 + fit.beta
