@@ -31,7 +31,7 @@ import torch
 from megatron.core.enums import ModelType
 
 from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, hang_report,
-                             optimizer_state, registry)
+                             optimizer_state, registry, shared_gpu)
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
@@ -297,6 +297,7 @@ def shutdown() -> None:
 
 
 def _prepare() -> None:
+    shared_gpu.apply()  # before torch.distributed and CUDA initialise
     if not torch.cuda.is_available():
         cpu_compat.install()
     optimizer_state.install()
