@@ -30,8 +30,8 @@ from typing import Callable, Sequence
 import torch
 from megatron.core.enums import ModelType
 
-from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, hang_report,
-                             optimizer_state, registry, shared_gpu)
+from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, gpt2_bpe, gpu_proofs,
+                             hang_report, optimizer_state, registry, shared_gpu)
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
@@ -319,11 +319,15 @@ def _after_parsing(args) -> None:
 
 
 def announce(args) -> None:
-    """Rank 0's start-up lines, once per start-up: what a sample is, and what runs in place of
-    what an accepted option names (:func:`megatron.plugin.arguments.substitution_lines`)."""
+    """Rank 0's start-up lines, once per start-up: what a sample is, a warning per option
+    still unproven on GPUs (:func:`megatron.plugin.gpu_proofs.warnings`), and what runs in
+    place of what an accepted option names
+    (:func:`megatron.plugin.arguments.substitution_lines`)."""
     if args.rank != 0:
         return
     log.info(sample_meaning(args))
+    for line in gpu_proofs.warnings(args):
+        log.warning(line)
     for line in arguments.substitution_lines(args):
         log.info(line)
 

@@ -1,0 +1,51 @@
+"""Which options honoured on the strength of the GPU check have a passed verdict yet.
+
+``megatron.plugin.option_classes`` classes ``--bf16``, ``--fp16`` (:data:`PRECISION`) and
+``--transformer-impl transformer_engine`` (:data:`TE_SCHEDULES`) as honoured, with
+``scripts/gpu_check.sh`` (:data:`GPU_CHECK`) as their proof. Such an option is proven under a
+schedule only once a committed report of that check (``benchmarks/results/gpu/verdicts_*.txt``)
+holds a passed verdict line for it: ``PASS train/<schedule>/pp<P>/<dtype>`` (Megatron's own
+schedule, ``default``, is proven by ``1f1b``'s lines). Until then start-up logs one warning
+line per such option (:func:`warnings`). Transformer Engine has no verdict line: it cannot be
+brought to the lent test machines, so it always warns.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from megatron.plugin.option_classes import GPU_CHECK, PRECISION, TE_SCHEDULES
+
+REPORTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu"
+PASSED = re.compile(r"^PASS +train/([a-z0-9-]+)/pp\d+(?:tp\d+)?/(fp32|bf16|fp16)\b")
+
+
+def passed(reports: Path = REPORTS) -> set[tuple[str, str]]:
+    """``(schedule, dtype)`` of every passed training verdict of the committed reports."""
+    found = set()
+    for path in sorted(reports.glob("verdicts_*.txt")):
+        for line in path.read_text().splitlines():
+            match = PASSED.match(line)
+            if match:
+                found.add((match.group(1), match.group(2)))
+    return found
+
+
+def warnings(args, reports: Path = REPORTS) -> list[str]:
+    """One line per option of this run that rests on the GPU check without a passed verdict."""
+    schedule = args.pipeline_schedule
+    verdict_schedule = "1f1b" if schedule == "default" else schedule
+    proven = passed(reports)
+    lines = []
+    for flag, dtype in (("--bf16", "bf16"), ("--fp16", "fp16")):
+        if getattr(args, dtype, False) and PRECISION.get(schedule) == GPU_CHECK \
+                and (verdict_schedule, dtype) not in proven:
+            lines.append(f"warning: {flag} under --pipeline-schedule {schedule} is unproven on "
+                         f"GPUs: no committed report of {GPU_CHECK} shows its verdict "
+                         f"(train/{verdict_schedule}/pp*/{dtype}) passed")
+    if getattr(args, "transformer_impl", None) == "transformer_engine" \
+            and schedule in TE_SCHEDULES:
+        lines.append(f"warning: --transformer-impl transformer_engine under --pipeline-schedule "
+                     f"{schedule} is unproven on GPUs: it has never run under the schedules "
+                     f"(the lent test machines cannot carry it)")
+    return lines
