@@ -10,7 +10,9 @@ session under its own time limit, every process it left behind killed when it en
 * ``unit``: ``tests/unit`` on CUDA (pytest-xdist where it imports);
 * ``train``: each schedule at PP = 2 in fp32, bf16 and fp16 and at PP = 4 in fp32 and bf16, the
   ranks sharing the GPU (``LONGCTX_SHARE_GPU=1``), six iterations of an 8-layer model without
-  dropout, fp16 from an initial loss scale of 2^12 (Megatron-LM's ``--initial-loss-scale``).
+  dropout, fp16 from an initial loss scale of 2^12 (Megatron-LM's ``--initial-loss-scale``);
+  where ``transformer_engine`` imports, also bf16 with its layers at PP = 2
+  (``train/<schedule>/pp2/bf16-te``, judged against the fp32 run like bf16).
 
 :mod:`scripts.gpu_verdicts` judges every step's log; the report (one line per verdict, the
 commit and device first) goes to ``--report``, by default
@@ -67,6 +69,9 @@ def schedule_flags(schedule: str, pp: int) -> list[str]:
 
 SCHEDULES = ("1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo")
 MATRIX = {2: ("fp32", "bf16", "fp16"), 4: ("fp32", "bf16")}
+#: Trained at PP = 2 in bf16 with Megatron-LM's Transformer Engine layers where
+#: ``transformer_engine`` imports (never on the lent test machines: it cannot be carried there).
+TE_SCHEDULES = ("1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b", "sppo")
 
 
 @dataclass(eq=False)
@@ -104,6 +109,14 @@ def training_steps(dry_run: bool) -> list[Step]:
                 steps.append(Step(f"train-{schedule}-pp{pp}-{dtype}", command, pp,
                                   120 if dry_run else 150, share, train=(schedule, f"pp{pp}",
                                                                          dtype)))
+    if not dry_run and importlib.util.find_spec("transformer_engine") is not None:
+        for schedule in TE_SCHEDULES:
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       "--nproc-per-node=2", "pretrain_gpt_elastic.py", *TRAIN_MODEL,
+                       "--pipeline-model-parallel-size", "2", *schedule_flags(schedule, 2),
+                       *PRECISION["bf16"], "--transformer-impl", "transformer_engine"]
+            steps.append(Step(f"train-{schedule}-pp2-bf16-te", command, 2, 150, share,
+                              train=(schedule, "pp2", "bf16-te")))
     return steps
 
 
@@ -200,7 +213,7 @@ def judge(steps: list[Step], not_started: list[Step], log_dir: Path,
         key = f"train/{schedule}/{pp}/{dtype}"
         fp32 = logs.get(f"train-{schedule}-{pp}-fp32")
         result.append(verdicts.training(key, logs[step.name], step.returncode, ITERATIONS,
-                                        fp32, dtype))
+                                        fp32, dtype.removesuffix("-te")))
     if dry_run:
         result += [verdicts.Verdict("SKIP", f"train/{schedule}/pp2/{dtype}",
                                     "dry run: the CPU trains fp32 only")

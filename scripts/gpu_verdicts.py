@@ -29,7 +29,7 @@ from dataclasses import dataclass
 #: tokens); fp16 keeps 11 bits. A skipped or wrong update moves the tiny model's loss by about
 #: 1e-2 over the six iterations at the check's learning rate, outside both bands.
 BANDS = {"bf16": 5e-3, "fp16": 2e-3}
-LOSS = re.compile(r"lm loss: ([0-9.eE+-]+|nan|inf)")
+LOSS = re.compile(r"lm loss: ([0-9.eE+-]+|nan|inf)", re.IGNORECASE)
 SKIPPED = re.compile(r"number of skipped iterations: +(\d+)")
 
 

@@ -2,12 +2,13 @@
 
 ``megatron.plugin.option_classes`` classes ``--bf16``, ``--fp16`` (:data:`PRECISION`) and
 ``--transformer-impl transformer_engine`` (:data:`TE_SCHEDULES`) as honoured, with
-``scripts/gpu_check.sh`` (:data:`GPU_CHECK`) as their proof. Such an option is proven under a
-schedule only once a committed report of that check (``benchmarks/results/gpu/verdicts_*.txt``)
-holds a passed verdict line for it: ``PASS train/<schedule>/pp<P>/<dtype>`` (Megatron's own
-schedule, ``default``, is proven by ``1f1b``'s lines). Until then start-up logs one warning
-line per such option (:func:`warnings`). Transformer Engine has no verdict line: it cannot be
-brought to the lent test machines, so it always warns.
+``scripts/gpu_check.py`` (:data:`GPU_CHECK`, run by ``scripts/gpu_check.sh``) as their proof.
+Such an option is proven under a schedule only once a committed report of that check
+(``benchmarks/results/gpu/verdicts_*.txt``) holds a passed verdict line for it:
+``PASS train/<schedule>/pp<P>/<dtype>`` (Megatron's own schedule, ``default``, is proven by ``1f1b``'s lines). Until then start-up logs one warning
+line per such option (:func:`warnings`). Transformer Engine's line is
+``train/<schedule>/pp2/bf16-te``, which only a machine with Transformer Engine can give: it
+cannot be brought to the lent test machines.
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pathlib import Path
 from megatron.plugin.option_classes import GPU_CHECK, PRECISION, TE_SCHEDULES
 
 REPORTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu"
-PASSED = re.compile(r"^PASS +train/([a-z0-9-]+)/pp\d+(?:tp\d+)?/(fp32|bf16|fp16)\b")
+PASSED = re.compile(r"^PASS +train/([a-z0-9-]+)/pp\d+(?:tp\d+)?/"
+                    r"(fp32|bf16|fp16|bf16-te)(?:\s|$)")
 
 
 def passed(reports: Path = REPORTS) -> set[tuple[str, str]]:
@@ -44,8 +46,9 @@ def warnings(args, reports: Path = REPORTS) -> list[str]:
                          f"GPUs: no committed report of {GPU_CHECK} shows its verdict "
                          f"(train/{verdict_schedule}/pp*/{dtype}) passed")
     if getattr(args, "transformer_impl", None) == "transformer_engine" \
-            and schedule in TE_SCHEDULES:
+            and schedule in TE_SCHEDULES and (verdict_schedule, "bf16-te") not in proven:
         lines.append(f"warning: --transformer-impl transformer_engine under --pipeline-schedule "
-                     f"{schedule} is unproven on GPUs: it has never run under the schedules "
-                     f"(the lent test machines cannot carry it)")
+                     f"{schedule} is unproven on GPUs: no committed report of {GPU_CHECK} shows "
+                     f"its verdict (train/{verdict_schedule}/pp2/bf16-te) passed (the lent test "
+                     f"machines cannot carry Transformer Engine)")
     return lines

@@ -41,5 +41,8 @@ def test_options_unproven_on_gpus_warn_until_a_report_passes(tmp_path):
                  "FAIL  train/1f1b/pp2/fp16  fp16 skipped iterations")
     assert gpu_proofs.warnings(run(bf16=True), tmp_path) == []
     assert len(gpu_proofs.warnings(run("default", fp16=True), tmp_path)) == 1
-    te = gpu_proofs.warnings(run(transformer_impl="transformer_engine"), tmp_path)
-    assert len(te) == 1 and "transformer_engine" in te[0]
+    te = run(transformer_impl="transformer_engine", bf16=True)
+    [line] = gpu_proofs.warnings(te, tmp_path)
+    assert "transformer_engine" in line
+    write_report(tmp_path, "PASS  train/elastic/pp2/bf16-te  losses within 5e-03 of fp32")
+    assert [line.split()[1] for line in gpu_proofs.warnings(te, tmp_path)] == ["--bf16"]
