@@ -6,9 +6,9 @@
 Such an option is proven under a schedule only once a committed report of that check
 (``benchmarks/results/gpu/verdicts_*.txt``) holds a passed verdict line for it:
 ``PASS train/<schedule>/pp<P>/<dtype>`` (Megatron's own schedule, ``default``, is proven by
-``1f1b``'s lines). Until then start-up logs one warning line per such option (:func:`warnings`). Transformer Engine's line is
-``train/<schedule>/pp2/bf16-te``, which only a machine with Transformer Engine can give: it
-cannot be brought to the lent test machines.
+``1f1b``'s lines). Until then start-up logs one warning line per such option (:func:`warnings`).
+Transformer Engine's line is ``train/<schedule>/pp2/bf16-te``, which only a machine with
+Transformer Engine can give: it cannot be brought to the lent test machines.
 """
 from __future__ import annotations
 
