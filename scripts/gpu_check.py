@@ -16,7 +16,8 @@ session under its own time limit, every process it left behind killed when it en
 
 :mod:`scripts.gpu_verdicts` judges every step's log; the report (one line per verdict, the
 commit and device first) goes to ``--report``, by default
-``benchmarks/results/gpu/verdicts_<commit>.txt``. Steps not started within ``--limit-s`` are
+``benchmarks/results/gpu/verdicts_<commit>.txt`` (the commit from git, or ``GPU_CHECK_COMMIT``
+in a copy without its git directory). Steps not started within ``--limit-s`` are
 ``SKIP`` lines. The exit code is 1 if any verdict failed.
 
 ``--dry-run``: on a machine without CUDA, the same plumbing on gloo with tiny sizes: the
@@ -222,6 +223,10 @@ def judge(steps: list[Step], not_started: list[Step], log_dir: Path,
 
 
 def _commit() -> str:
+    """``GPU_CHECK_COMMIT`` where given (a copy of the tree without its git directory), else
+    git's short hash of HEAD, marked when tracked files have uncommitted changes."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
     head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
                           capture_output=True, text=True)
     if head.returncode != 0:
