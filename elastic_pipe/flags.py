@@ -21,7 +21,8 @@ def check_args(args: argparse.Namespace) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("elastic pipeline (InfiniPipe) and seq1f1b")
     g.add_argument("--elastic-memory-gb", type=float, default=None,
-                   help="memory budget per device, GB; default: the CUDA device's memory, "
+                   help="memory budget per rank, GB; default: the CUDA device's memory "
+                        "(divided by the ranks sharing it under LONGCTX_SHARE_GPU=1), "
                         f"{CPU_MEMORY_GB:g} on CPU")
     g.add_argument("--elastic-reserved-gb", type=float, default=None,
                    help="part of the budget never planned for (CUDA context, NCCL buffers, "

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from megatron.core.utils import get_attr_wrapped_model
 
 from longctx.cost_model import CostModel, ParallelConfig
+from megatron.plugin import shared_gpu
 from longctx.hardware import load_profile, profile_for_device, profiles_help
 from longctx.models import ModelConfig
 
@@ -38,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def device_memory_gb() -> float:
-    """The CUDA device's memory, GB; :data:`CPU_MEMORY_GB` without CUDA."""
+    """One rank's share of the CUDA device's memory, GB (all of it, unless several ranks share
+    the device: :mod:`megatron.plugin.shared_gpu`); :data:`CPU_MEMORY_GB` without CUDA."""
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory / 1e9
+        return torch.cuda.get_device_properties(0).total_memory / 1e9 / shared_gpu.budget_divisor()
     return CPU_MEMORY_GB
 
 

@@ -3,12 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
-
 from longctx import fixed_checkpointing as fixed
-from longctx.cost_model import GB
-from longctx.job_costs import CPU_MEMORY_GB
+from longctx.job_costs import CPU_MEMORY_GB, device_memory_gb
 
 from sppo_offload.offload import AUTO, OFF, parse_offload
 
@@ -50,9 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "warm-up and cool-down (one document per data-parallel replica; see "
                         "sppo_offload/multiplex.py)")
     g.add_argument("--sppo-memory-gb", type=float, default=None,
-                   help="device memory budget per GPU the batch's plan is checked against "
-                        f"before computing, GB; default: the CUDA device's memory, "
-                        f"{CPU_MEMORY_GB:g} on CPU")
+                   help="device memory budget per rank the batch's plan is checked against "
+                        f"before computing, GB; default: the CUDA device's memory (divided by "
+                        f"the ranks sharing it under LONGCTX_SHARE_GPU=1), {CPU_MEMORY_GB:g} "
+                        f"on CPU")
 
 
 def add_draw_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,9 +106,8 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def memory_budget_gb(args: argparse.Namespace) -> float:
-    """``--sppo-memory-gb``, by default the CUDA device's memory, ``CPU_MEMORY_GB`` on CPU."""
+    """``--sppo-memory-gb``, by default one rank's share of the CUDA device's memory
+    (:func:`~longctx.job_costs.device_memory_gb`), ``CPU_MEMORY_GB`` on CPU."""
     if args.sppo_memory_gb is not None:
         return args.sppo_memory_gb
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory / GB
-    return CPU_MEMORY_GB
+    return device_memory_gb()

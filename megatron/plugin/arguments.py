@@ -46,7 +46,8 @@ from typing import Sequence
 
 import torch
 
-from megatron.plugin import cpu_compat, flop_count, option_classes, registry, substitutions
+from megatron.plugin import (cpu_compat, flop_count, option_classes, registry, shared_gpu,
+                             substitutions)
 
 #: ``args_defaults`` for Megatron's parser (applied where a flag was not given).
 DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"}
@@ -558,8 +559,8 @@ RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _moe_expert_biases, _moe_expert_tensor_parallel,
          _average_with_per_token_loss, _distributed_optimizer_instances,
          _cpu_half_precision, _cpu_timeout_after_init,
-         _cpu_profile, _cpu_memory_reports, _flash_precision, _transformer_engine, _moe_transformer_engine,
-         _sppo_multiplex_unproven,
+         _cpu_profile, _cpu_memory_reports, _flash_precision, _transformer_engine,
+         _moe_transformer_engine, _sppo_multiplex_unproven, shared_gpu.refit_refusal,
          _tensorboard, _throughput, _metrics_folder, _trace_folder)
 
 

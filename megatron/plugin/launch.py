@@ -31,7 +31,7 @@ import torch
 from megatron.core.enums import ModelType
 
 from megatron.plugin import (arguments, checkpoint_errors, cpu_compat, error_once, gpt2_bpe,
-                             hang_report, optimizer_state, registry)
+                             gpu_proofs, hang_report, optimizer_state, registry, shared_gpu)
 from megatron.plugin.batches import forward_step
 from megatron.plugin.document_data import sample_meaning, train_valid_test_datasets_provider
 from megatron.plugin.model import model_provider
@@ -310,6 +310,7 @@ def shutdown() -> None:
 
 
 def _prepare() -> None:
+    shared_gpu.apply()  # before torch.distributed and CUDA initialise
     if not torch.cuda.is_available():
         cpu_compat.install()
     optimizer_state.install()
@@ -331,11 +332,15 @@ def _after_parsing(args) -> None:
 
 
 def announce(args) -> None:
-    """Rank 0's start-up lines, once per start-up: what a sample is, and what runs in place of
-    what an accepted option names (:func:`megatron.plugin.arguments.substitution_lines`)."""
+    """Rank 0's start-up lines, once per start-up: what a sample is, a warning per option
+    still unproven on GPUs (:func:`megatron.plugin.gpu_proofs.warnings`), and what runs in
+    place of what an accepted option names
+    (:func:`megatron.plugin.arguments.substitution_lines`)."""
     if args.rank != 0:
         return
     log.info(sample_meaning(args))
+    for line in gpu_proofs.warnings(args):
+        log.warning(line)
     for line in arguments.substitution_lines(args):
         log.info(line)
 

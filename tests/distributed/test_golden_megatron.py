@@ -17,8 +17,20 @@ layout on four in another (one after another, Megatron-LM initialised afresh for
 ``test_golden_sharing.py`` checks that a layout run after another equals the layout run alone.
 
 Environment: ``LONGCTX_GOLDEN_SMOKE=1`` runs one layout per schedule (:data:`SMOKE`);
-``LONGCTX_GOLDEN_TAGS=tag1,tag2`` runs the named layouts only (a targeted run; with both, the
-named smoke layouts). Tests about layouts left out are skipped.
+``LONGCTX_GOLDEN_GPU=1`` the layouts of :data:`GPU_LAYOUTS` (PP = 2 and PP = 4 under every
+schedule, PP = 2 x TP = 2 with sequence parallelism); ``LONGCTX_GOLDEN_TAGS=tag1,tag2`` the named
+layouts only (a targeted run; with one of the others, the named layouts of that set). Tests
+about layouts left out are skipped.
+
+On CUDA the same layouts run with NCCL (the backend and device are Megatron-LM's defaults there;
+gloo and the CPU without CUDA), against the same reference, with the same fp32 tolerances
+(:data:`TOLERANCES`). A launch of more ranks than GPUs shares them
+(:mod:`megatron.plugin.shared_gpu`). On CUDA the layouts compared bit for bit
+(:data:`BITWISE_TAGS`) run with Megatron-LM's ``--deterministic-mode`` in launches of their own
+(it switches torch's deterministic algorithms on for the whole process); the planned layouts
+price their plans with the CPU's hardware profile and no reserved memory
+(:data:`PLAN_AS_ON_CPU`), so that their plans are the CPU's; the checks of the CPU
+compatibility layer are skipped.
 """
 import glob
 import json
@@ -29,11 +41,27 @@ import torch
 
 from harness import TINY_MODEL, torchrun_each
 
-from megatron.plugin import cpu_compat
+from megatron.plugin import cpu_compat, shared_gpu
 from megatron.plugin.option_classes import AUX_PER_DOCUMENT
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 
 WORKER = "tests/distributed/golden_worker.py"
+CUDA = torch.cuda.is_available()
+
+#: The golden tests' dtype and bounds (:func:`assert_gradient_close`, the loss's ``rtol`` and
+#: ``atol``), the same on CPU and CUDA. Every layout trains in fp32 (TF32 stays off: torch's
+#: default for matrix products); bf16 and fp16 are compared with fp32 by ``scripts/gpu_check.sh``
+#: (:mod:`scripts.gpu_verdicts`).
+TOLERANCES = {"fp32": {"norm_rtol": 1e-5, "entry_rtol": 1e-4, "entry_floor": 1e-6,
+                       "loss_rtol": 1e-4, "loss_atol": 1e-5}}
+#: The layouts of test_executor_1f1b_equals_megatron_1f1b, compared bit for bit.
+BITWISE_TAGS = {"pp2", "pp2_ir", "pp4", "pp4_ir", "pp2_tp2_sp", "pp2_tp2_sp_ir"}
+DETERMINISTIC = ["--deterministic-mode"]
+#: On CUDA, the flags that make a planned layout's plan the CPU's: the CPU's default hardware
+#: profile, and no reserved memory beside the tiny budgets of the layouts that give one.
+PLAN_AS_ON_CPU = ["--hardware-profile", "a800"]
+NO_RESERVE = ["--elastic-reserved-gb", "0"]
+PLANNED_SCHEDULES = ("elastic", "seq1f1b", "sppo")
 
 # The module fixture runs every layout (four torchrun launches, each under a limit of 300 s plus
 # 120 s per command line) during the setup of the first test; that setup gets more than the
@@ -618,6 +646,27 @@ def reference_file(tag: str, flags: list) -> str:
 #: newest; that pass selects ``test_loss_and_gradients_match_reference`` alone.
 SMOKE = {"pp2", "pp2_vp2_interleaved", "pp2_ir", "pp2_elastic", "pp2_seq1f1b_uniform",
          "pp2_helix", "pp2_sppo_n4", "pp2_gpipe_outside"}
+GPU_SET = os.environ.get("LONGCTX_GOLDEN_GPU") == "1"
+#: Megatron's interleaved schedule at PP = 4 needs more layers than the tiny model's 4: a model
+#: of 8 layers, two virtual stages per rank. Run in the GPU set only (CI's CPU suite keeps its
+#: layouts).
+if GPU_SET:
+    VARIANTS["eight_layers"] = (["--num-layers", "8"], {
+        "pp4_vp2_interleaved": (4, ["--pipeline-model-parallel-size", "4",
+                                    "--num-layers-per-virtual-pipeline-stage", "1",
+                                    "--pipeline-schedule", "interleaved"]),
+    })
+#: ``LONGCTX_GOLDEN_GPU=1``: PP = 2 and PP = 4 under every schedule (sppo with offload and with
+#: multiplexing), and PP = 2 x TP = 2 with sequence parallelism under every schedule: what
+#: ``scripts/gpu_check.sh`` runs on CUDA with NCCL.
+GPU_LAYOUTS = {
+    "pp2", "pp2_vp2_interleaved", "pp2_ir", "pp2_elastic", "pp2_seq1f1b_uniform", "pp2_helix",
+    "pp2_sppo_n6_offload", "pp2_sppo_mux_n4", "pp2_sppo_mux_n6_offload",
+    "pp4", "pp4_vp2_interleaved", "pp4_ir", "pp4_elastic_adaptive", "pp4_seq1f1b",
+    "pp4_helix_recompute", "pp4_sppo_n8_offload", "pp4_sppo_mux_n5",
+    "pp2_tp2_sp", "pp2_vp2_tp2_sp_interleaved", "pp2_tp2_sp_ir", "pp2_tp2_sp_elastic",
+    "pp2_tp2_sp_seq1f1b", "pp2_tp2_sp_helix", "pp2_tp2_sp_sppo_n4_offload",
+}
 ALL_TAGS = {tag for _, layouts in VARIANTS.values() for tag in layouts}
 
 
@@ -626,6 +675,8 @@ def selected_tags() -> set[str]:
     tags = ALL_TAGS
     if os.environ.get("LONGCTX_GOLDEN_SMOKE") == "1":
         tags = SMOKE
+    if GPU_SET:
+        tags = GPU_LAYOUTS
     named = os.environ.get("LONGCTX_GOLDEN_TAGS")
     if named:
         chosen = {tag.strip() for tag in named.split(",") if tag.strip()}
@@ -635,9 +686,10 @@ def selected_tags() -> set[str]:
                                     f"layouts: {', '.join(sorted(ALL_TAGS))}")
         tags = tags & chosen
         if not tags:
-            raise pytest.UsageError("LONGCTX_GOLDEN_TAGS names none of the smoke layouts "
-                                    f"({', '.join(sorted(SMOKE))}) that LONGCTX_GOLDEN_SMOKE=1 "
-                                    "runs: name one of those, or unset LONGCTX_GOLDEN_SMOKE")
+            raise pytest.UsageError("LONGCTX_GOLDEN_TAGS names none of the layouts "
+                                    f"({', '.join(sorted(tags))}) that LONGCTX_GOLDEN_SMOKE=1 "
+                                    "or LONGCTX_GOLDEN_GPU=1 runs: name one of those, or unset "
+                                    "that variable")
     return tags
 
 
@@ -646,6 +698,11 @@ RUN = {variant: (model_flags, {tag: layout for tag, layout in layouts.items() if
        for variant, (model_flags, layouts) in VARIANTS.items()}
 RUN = {variant: entry for variant, entry in RUN.items() if entry[1]}
 CASES = [(variant, tag) for variant, (_, layouts) in RUN.items() for tag in layouts]
+
+
+def load(path):
+    """A tensor file of the runs, onto the CPU (the ranks write CUDA tensors on a GPU)."""
+    return torch.load(path, map_location="cpu")
 
 
 def need(*tags: str) -> None:
@@ -661,7 +718,7 @@ def need(*tags: str) -> None:
 OUTSIDE_SCHEDULES = {"LONGCTX_SCHEDULES": "tests.schedules.gpipe:SPEC"}
 
 
-def golden_launches(root, run: dict) -> list[tuple[int, str, list[list[str]]]]:
+def golden_launches(root, run: dict, cuda: bool = CUDA) -> list[tuple[int, str, list[list[str]]]]:
     """``(ranks, name, command lines)`` of each launch, in order: every variant's initial
     weights (one process), then per number of ranks every layout of that size (all variants),
     then every variant's reference (one process)."""
@@ -673,11 +730,28 @@ def golden_launches(root, run: dict) -> list[tuple[int, str, list[list[str]]]]:
         # Megatron-LM's loader reads the initial weights into each layout.
         common += ["--load", init, "--no-load-optim", "--no-load-rng"]
         for tag, (nprocs, flags) in layouts.items():
-            runs.setdefault(nprocs, []).append(
-                [*loss_flags(common, tag), *flags, "--golden-mode", "run", "--golden-tag", tag])
+            deterministic = cuda and tag in BITWISE_TAGS
+            runs.setdefault((nprocs, deterministic), []).append(
+                [*loss_flags(common, tag), *flags, *(cuda_flags(tag, flags) if cuda else []),
+                 "--golden-mode", "run", "--golden-tag", tag])
         references.append([*common, "--golden-mode", "reference", "--golden-tags", *layouts])
-    return [(1, "init", inits), *((n, f"run_{n}", runs[n]) for n in sorted(runs)),
+    return [(1, "init", inits),
+            *((n, f"run_{n}{'_deterministic' if det else ''}", runs[n, det])
+              for n, det in sorted(runs)),
             (1, "reference", references)]
+
+
+def cuda_flags(tag: str, flags: list) -> list:
+    """What a layout adds on CUDA (module doc): Megatron-LM's deterministic mode for the
+    layouts compared bit for bit, the CPU's plan inputs for the planned ones."""
+    added = DETERMINISTIC if tag in BITWISE_TAGS else []
+    schedule = (flags[flags.index("--pipeline-schedule") + 1] if "--pipeline-schedule" in flags
+                else "default")
+    if schedule in PLANNED_SCHEDULES:
+        added = [*added, *PLAN_AS_ON_CPU]
+        if "--elastic-memory-gb" in flags:
+            added = [*added, *NO_RESERVE]
+    return added
 
 
 @pytest.fixture(scope="module")
@@ -685,20 +759,29 @@ def golden(tmp_path_factory):
     root = tmp_path_factory.mktemp("golden")
     for nprocs, name, lines in golden_launches(root, RUN):
         torchrun_each(nprocs, WORKER, lines, str(root / f"launch_{name}.json"),
-                      env=OUTSIDE_SCHEDULES)
+                      env={**OUTSIDE_SCHEDULES, **launch_environment(nprocs)})
     return root
+
+
+def launch_environment(nprocs: int, gpus: int | None = None) -> dict:
+    """A launch's environment beside :data:`OUTSIDE_SCHEDULES`: on CUDA with fewer GPUs than
+    ranks, the ranks share them (``LONGCTX_SHARE_GPU=1``); else nothing."""
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    return {shared_gpu.SWITCH: "1"} if 0 < gpus < nprocs else {}
 
 
 @pytest.mark.parametrize("variant,tag", CASES)
 def test_loss_and_gradients_match_reference(golden, variant, tag):
     golden = str(golden / variant)
-    reference = torch.load(os.path.join(golden, reference_file(tag, RUN[variant][1][tag][1])))
+    reference = load(os.path.join(golden, reference_file(tag, RUN[variant][1][tag][1])))
     with open(os.path.join(golden, f"loss_{tag}.json")) as f:
         loss = json.load(f)
     assert loss["tokens"] == reference["tokens"]
     torch.testing.assert_close(loss["loss_sum"] / loss["tokens"],
-                               reference["loss_sum"] / reference["tokens"], rtol=1e-4, atol=1e-5)
-    grads = torch.load(os.path.join(golden, f"grads_{tag}.pt"))
+                               reference["loss_sum"] / reference["tokens"],
+                               rtol=TOLERANCES["fp32"]["loss_rtol"],
+                               atol=TOLERANCES["fp32"]["loss_atol"])
+    grads = load(os.path.join(golden, f"grads_{tag}.pt"))
     assert set(grads) == set(reference["grads"])
     for name, expected in reference["grads"].items():
         assert expected.abs().sum() > 0, f"reference gradient of {name} is zero"
@@ -709,7 +792,8 @@ def test_loss_and_gradients_match_reference(golden, variant, tag):
 #: differ by about 5e-7), and per entry a bound relative to the entry plus a floor relative to
 #: the tensor's largest entry, so that a small entry zeroed by a bug fails too (an absolute
 #: floor of 1e-5 let 15% of the reference entries be anything near zero).
-NORM_RTOL, ENTRY_RTOL, ENTRY_FLOOR = 1e-5, 1e-4, 1e-6
+NORM_RTOL, ENTRY_RTOL, ENTRY_FLOOR = (TOLERANCES["fp32"][name]
+                                      for name in ("norm_rtol", "entry_rtol", "entry_floor"))
 
 
 def assert_gradient_close(got: torch.Tensor, expected: torch.Tensor, name: str) -> None:
@@ -736,8 +820,8 @@ def test_the_aux_loss_moves_the_router_gradients(golden):
                        ("reference_default_mbs1.pt", "reference_default_mbs1_aux.pt"),
                        ("reference.pt", "reference_docaux.pt"),
                        ("reference_default_mbs1.pt", "reference_default_mbs1_docaux.pt")]:
-        without = torch.load(root / plain)["grads"]
-        with_aux = torch.load(root / aux)["grads"]
+        without = load(root / plain)["grads"]
+        with_aux = load(root / aux)["grads"]
         routers = [name for name in without if name.endswith("router.weight")]
         assert len(routers) == 4, routers
         for name in routers:
@@ -754,8 +838,8 @@ def test_executor_1f1b_equals_megatron_1f1b(golden, native, ir):
     root = golden / "learned"
     with open(root / f"loss_{native}.json") as f, open(root / f"loss_{ir}.json") as g:
         assert json.load(f) == json.load(g)
-    native_grads = torch.load(root / f"grads_{native}.pt")
-    ir_grads = torch.load(root / f"grads_{ir}.pt")
+    native_grads = load(root / f"grads_{native}.pt")
+    ir_grads = load(root / f"grads_{ir}.pt")
     for name, expected in native_grads.items():
         torch.testing.assert_close(ir_grads[name], expected, rtol=0, atol=0, msg=name)
 
@@ -776,6 +860,7 @@ def test_1f1b_generator_orders_like_megatron(golden):
         assert record["order"] == [f"{a.kind.value}{a.unit}" for a in expected], path
 
 
+@pytest.mark.skipif(CUDA, reason="the CPU compatibility layer is installed only without CUDA")
 def test_every_cpu_compat_patch_is_exercised(golden):
     """Each patched megatron-core module (and replaced function / wrapped method) redirected at
     least one CUDA request to the CPU during the golden runs: no patch is dead weight."""
@@ -980,7 +1065,7 @@ def test_distributed_optimizer_updates_like_the_reference(golden, tag):
     the update)."""
     need(tag)
     variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
-    record = torch.load(golden / variant / f"params_{tag}.pt")
+    record = load(golden / variant / f"params_{tag}.pt")
     assert set(record["updated"]) == set(record["expected"]) == set(record["initial"])
     for name, initial in record["initial"].items():
         expected, updated = record["expected"][name], record["updated"][name]
