@@ -5,7 +5,8 @@
 # ranks with pipeline-parallel size 2 under the elastic schedule (long documents split into
 # slices, short ones packed). Extra arguments are passed to pretrain_gpt_elastic.py
 # (e.g. `bash scripts/quickstart.sh --pipeline-schedule 1f1b` for Megatron's own 1F1B).
-source "$(dirname "${BASH_SOURCE[0]}")/_env.sh"
+# The empty argument names no extras: a sourced script otherwise sees this one's arguments.
+source "$(dirname "${BASH_SOURCE[0]}")/_env.sh" ""
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 python scripts/preprocess_data.py --embedded-corpus
 run_dir="runs/quickstart"
