@@ -5,6 +5,8 @@
         --merge-file gpt2-merges.txt --append-eod --workers 8
     python scripts/preprocess_data.py --input a.txt b.txt --output-prefix data/texts \\
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model PATH --append-eod
+    python scripts/preprocess_data.py --input a.txt notes.jsonl --output-prefix data/mine \
+        --byte-level --append-eod      # offline, no vocabulary: one token per UTF-8 byte
     python scripts/preprocess_data.py --embedded-corpus     # the default training corpus
 
 Flags as Megatron-LM's ``tools/preprocess_data.py``: the tokenizer group is Megatron-LM's own
@@ -17,6 +19,15 @@ in parallel (documents keep their input order); progress goes to stderr every
 ``PREFIX_{key}_document.bin/.idx`` with ``key`` the ``--json-keys`` field (``text`` by default,
 also for plain text files): read the dataset with ``--data-path PREFIX_text_document`` and the
 same tokenizer flags.
+
+``--byte-level`` (the project's, in place of the tokenizer flags) writes each document's UTF-8
+bytes, one token each, and with ``--append-eod`` the end-of-document token 256
+(:func:`megatron.plugin.corpus.byte_ids`, the embedded corpus's reading): no vocabulary file, no
+package, no network; train on it with ``--tokenizer-type NullTokenizer --vocab-size 257``.
+Megatron's ``NullTokenizer`` itself reads a text as its token ids separated by spaces, and a
+document that is not is refused naming ``--byte-level``. A tokenizer whose files or package
+this machine lacks is refused before any document is read
+(:mod:`megatron.plugin.tokenizer_needs`).
 """
 import argparse
 import json
@@ -27,10 +38,13 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron.plugin.corpus import embedded_corpus, write_dataset
+from megatron.plugin import tokenizer_needs
+from megatron.plugin.corpus import BYTE_EOD, BYTE_VOCAB_SIZE, byte_ids, embedded_corpus, \
+    write_dataset
 
-_tokenizer = None
-_append_eod = False
+#: The worker's reading of a text into token ids, and the id it appends (``None``: none).
+_tokenize = None
+_eod = None
 
 
 def texts(paths, json_key):
@@ -67,16 +81,37 @@ def build_tokenizer(args):
 
 
 def _start_worker(args) -> None:
-    global _tokenizer, _append_eod
-    _tokenizer = build_tokenizer(args)
-    _append_eod = args.append_eod
+    global _tokenize, _eod
+    if args.byte_level:
+        _tokenize, eod = byte_ids, BYTE_EOD
+    else:
+        tokenizer = build_tokenizer(args)
+        _tokenize, eod = tokenizer.tokenize, tokenizer.eod
+        if args.tokenizer_type == "NullTokenizer":
+            _tokenize = _token_ids(tokenizer.tokenize)
+    _eod = eod if args.append_eod else None
+
+
+def _token_ids(tokenize):
+    """Megatron's ``NullTokenizer`` reading, refusing a text that is not token ids."""
+    def read(text: str):
+        try:
+            return tokenize(text)
+        except ValueError:
+            raise ValueError(
+                f"--tokenizer-type NullTokenizer reads a document as its token ids separated "
+                f"by spaces (Megatron-LM's meaning), and this one is text ({text[:40]!r}...): "
+                "write text with --byte-level instead of the tokenizer flags (one token per "
+                "UTF-8 byte; train with --tokenizer-type NullTokenizer --vocab-size 257)"
+            ) from None
+    return read
 
 
 def _encode(text: str) -> np.ndarray:
     """A document's token ids; an empty text is an empty document (skipped when written, no
     end-of-document token: as Megatron-LM's tool)."""
-    ids = np.asarray(_tokenizer.tokenize(text) if text else [], dtype=np.int64)
-    return np.append(ids, _tokenizer.eod) if _append_eod and len(ids) else ids
+    ids = np.asarray(_tokenize(text) if text else [], dtype=np.int64)
+    return np.append(ids, _eod) if _eod is not None and len(ids) else ids
 
 
 def output_name(prefix: str, json_key: str) -> str:
@@ -100,10 +135,23 @@ def parser() -> argparse.ArgumentParser:
     group.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     group.add_argument("--log-interval", type=int, default=1000,
                        help="report progress every this many documents")
+    group.add_argument("--byte-level", action="store_true",
+                       help="one token per UTF-8 byte (ids 0-255, end of document 256), in place "
+                            "of --tokenizer-type: train with --tokenizer-type NullTokenizer "
+                            "--vocab-size 257")
     group.add_argument("--embedded-corpus", action="store_true",
                        help="build the embedded corpus (Python's standard library) if missing")
     _add_tokenizer_args(p)
     return p
+
+
+def _tokenizer_flags_given(args) -> list[str]:
+    """The flags of Megatron-LM's tokenizer group that ``args`` sets to a non-default value."""
+    from megatron.training.arguments import _add_tokenizer_args
+
+    group = _add_tokenizer_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
+    return [action.option_strings[0] for action in group._actions
+            if getattr(args, action.dest) != action.default]
 
 
 def main(argv=None) -> int:
@@ -116,14 +164,22 @@ def main(argv=None) -> int:
         p.error("--input and --output-prefix are required (or --embedded-corpus)")
     if len(args.json_keys) != 1:
         p.error("--json-keys takes one key: the project writes one dataset per call")
-    if args.tokenizer_type is None:
-        p.error("--tokenizer-type is required (as for Megatron-LM's tools/preprocess_data.py)")
+    given = _tokenizer_flags_given(args)
+    if args.byte_level and given:
+        p.error(f"--byte-level is the tokenizer (one token per UTF-8 byte): drop "
+                f"{', '.join(given)}, or --byte-level")
+    if args.tokenizer_type is None and not args.byte_level:
+        p.error("--tokenizer-type is required (as for Megatron-LM's tools/preprocess_data.py), "
+                "or --byte-level (one token per UTF-8 byte, offline)")
     if args.workers < 1:
         p.error(f"--workers must be >= 1, got {args.workers}")
     missing = [str(path) for path in args.input if not path.is_file()]
     if missing:
         p.error(f"input files not found: {', '.join(missing)}")
-    vocab_size = build_tokenizer(args).vocab_size
+    if not args.byte_level and (refusal := tokenizer_needs.refusal(
+            args, byte_level="--byte-level in place of the tokenizer flags")):
+        p.error(refusal)
+    vocab_size = BYTE_VOCAB_SIZE if args.byte_level else build_tokenizer(args).vocab_size
     start = time.perf_counter()
     state = {"documents": 0, "tokens": 0}
 
@@ -140,14 +196,19 @@ def main(argv=None) -> int:
 
     stream = texts(args.input, args.json_keys[0])
     prefix = output_name(args.output_prefix, args.json_keys[0])
-    if args.workers == 1:
-        _start_worker(args)
-        count = write_dataset(prefix, progress(map(_encode, stream)), vocab_size)
-    else:
-        with multiprocessing.get_context("spawn").Pool(
-                args.workers, initializer=_start_worker, initargs=(args,)) as pool:
-            count = write_dataset(prefix,
-                                  progress(pool.imap(_encode, stream, chunksize=16)), vocab_size)
+    try:
+        if args.workers == 1:
+            _start_worker(args)
+            count = write_dataset(prefix, progress(map(_encode, stream)), vocab_size)
+        else:
+            with multiprocessing.get_context("spawn").Pool(
+                    args.workers, initializer=_start_worker, initargs=(args,)) as pool:
+                count = write_dataset(
+                    prefix, progress(pool.imap(_encode, stream, chunksize=16)), vocab_size)
+    except ValueError as err:
+        if args.tokenizer_type != "NullTokenizer":
+            raise
+        p.error(str(err))
     print(f"wrote {count} documents ({state['tokens']} tokens) to {prefix}.bin/.idx in "
           f"{time.perf_counter() - start:.1f} s (train with --data-path {prefix})")
     return 0

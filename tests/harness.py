@@ -68,9 +68,10 @@ def _kill_launch(mark: str) -> None:
 
 
 def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, check=True,
-             preexec_fn=None):
-    """Run ``script`` on ``nprocs`` local ranks; returns the CompletedProcess. ``preexec_fn``
-    runs in the launcher's process before it starts (limits set there hold for the ranks).
+             preexec_fn=None, cwd: str = REPO):
+    """Run ``script`` on ``nprocs`` local ranks in ``cwd``; returns the CompletedProcess.
+    ``preexec_fn`` runs in the launcher's process before it starts (limits set there hold for
+    the ranks).
 
     Once the launcher ends, every process of the launch still alive is killed (they carry
     :data:`LAUNCH_MARK` in their environment; the ranks run in sessions of their own): a process
@@ -83,7 +84,7 @@ def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, che
     full_env.update(env or {})
     mark = uuid.uuid4().hex
     full_env[LAUNCH_MARK] = mark
-    launcher = subprocess.Popen(command, cwd=REPO, env=full_env, stdout=subprocess.PIPE,
+    launcher = subprocess.Popen(command, cwd=cwd, env=full_env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
     deadline = time.monotonic() + timeout
     timed_out = False

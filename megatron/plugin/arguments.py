@@ -47,10 +47,10 @@ from typing import Sequence
 import torch
 
 from megatron.plugin import (cpu_compat, flop_count, option_classes, registry, shared_gpu,
-                             substitutions)
+                             substitutions, tokenizer_needs)
 
 #: ``args_defaults`` for Megatron's parser (applied where a flag was not given).
-DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer", "dataloader_type": "external"}
+DEFAULTS = {"tokenizer_type": tokenizer_needs.DEFAULT_TOKENIZER, "dataloader_type": "external"}
 
 _CPU_DEFAULTS = dict(distributed_backend="gloo", use_cpu_initialization=True,
                      gradient_accumulation_fusion=False, masked_softmax_fusion=False,
@@ -263,8 +263,10 @@ def megatron_defaults() -> dict:
 
 
 def training_refusals(args: argparse.Namespace) -> list[str]:
-    """What Megatron-LM's training loop needs beyond its validation (the training script)."""
-    messages = []
+    """What Megatron-LM's training loop needs beyond its validation (the training script):
+    ``--eval-interval``, a learning-rate schedule its scheduler takes, and a tokenizer whose
+    files and package this machine has (:mod:`megatron.plugin.tokenizer_needs`)."""
+    messages = [message] if (message := tokenizer_needs.refusal(args)) else []
     if args.eval_interval is None:
         messages.append("--eval-interval is not set (megatron-core 0.18 and later have no "
                         "default and Megatron-LM's loop divides by it): pass --eval-interval N, "

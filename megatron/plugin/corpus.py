@@ -1,16 +1,23 @@
-"""Writing Megatron ``.bin/.idx`` datasets, and the embedded default corpus.
+"""Writing Megatron ``.bin/.idx`` datasets, the byte-level reading of text, and the embedded
+default corpus.
 
 :func:`write_dataset` is the one writer (used by ``scripts/preprocess_data.py`` and by the
 embedded corpus): megatron-core's ``IndexedDatasetBuilder``, one document per item, written
 under a temporary prefix and renamed into place (``.bin`` first, ``.idx`` last), so a reader
 never sees a half-written dataset.
 
+The byte-level reading (:func:`byte_ids`) needs no vocabulary file and no package: a text is
+its UTF-8 bytes, one token each (ids 0-255), and :data:`BYTE_EOD` (256) ends a document.
+Megatron-LM reads it with ``--tokenizer-type NullTokenizer --vocab-size 257``: from
+megatron-core 0.18 on its end-of-document id is ``--vocab-size - 1``, 256 (0.17 adds one id on
+top, 257, and reads 256 as an ordinary token). ``scripts/preprocess_data.py --byte-level``
+writes a user's text this way.
+
 The embedded corpus (used when no ``--data-path`` is given) is the Python standard library's own
-``.py`` files on this machine (``site-packages`` excluded), one token per UTF-8 byte (ids 0-255)
-and the end-of-document token 256 (read it with Megatron-LM's
-``--tokenizer-type NullTokenizer --vocab-size 257``): about 1,800 documents and 31 MB of real code whose length distribution is
-skewed like GitHub's (median 6.5 KB, max 757 KB). Nothing is downloaded. It is built on first use
-and cached under the repository's ignored ``data/`` folder.
+``.py`` files on this machine (``site-packages`` excluded), read byte-level: about 1,800
+documents and 31 MB of real code whose length distribution is skewed like GitHub's (median
+6.5 KB, max 757 KB). Nothing is downloaded. It is built on first use and cached under the
+repository's ignored ``data/`` folder.
 """
 from __future__ import annotations
 
@@ -26,9 +33,9 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 
 DATA_DIR = Path(__file__).resolve().parents[2] / "data"
 EMBEDDED_PREFIX = DATA_DIR / "stdlib_bytelevel_document"
-#: The embedded corpus's end-of-document token and vocabulary (bytes, then the marker).
-EMBEDDED_EOD = 256
-EMBEDDED_VOCAB_SIZE = 257
+#: The byte-level reading's end-of-document token and vocabulary (bytes, then the marker).
+BYTE_EOD = 256
+BYTE_VOCAB_SIZE = 257
 
 
 def token_dtype(vocab_size: int):
@@ -64,6 +71,11 @@ def write_dataset(prefix: str | os.PathLike, documents: Iterable[np.ndarray],
     return count
 
 
+def byte_ids(text: str) -> np.ndarray:
+    """``text``'s UTF-8 bytes as token ids (0-255)."""
+    return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+
 def stdlib_files() -> list[Path]:
     """The standard library's ``.py`` files, sorted (a deterministic document order)."""
     root = Path(sysconfig.get_paths()["stdlib"])
@@ -79,10 +91,9 @@ def embedded_corpus(prefix: str | os.PathLike = EMBEDDED_PREFIX) -> str:
     def documents():
         for path in stdlib_files():
             text = path.read_bytes().decode("utf-8", errors="replace")
-            data = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
-            yield np.append(data, EMBEDDED_EOD)
+            yield np.append(byte_ids(text), BYTE_EOD)
 
-    count = write_dataset(prefix, documents(), EMBEDDED_VOCAB_SIZE)
+    count = write_dataset(prefix, documents(), BYTE_VOCAB_SIZE)
     if count == 0:
         raise FileNotFoundError(
             "no .py files found in the Python standard library to build the embedded corpus; "

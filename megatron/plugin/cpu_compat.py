@@ -35,6 +35,12 @@ reduce-scatter (:func:`_averaging_reduce_scatter`); every other collective is to
 several distributed optimizer instances megatron-core's DDP creates a communication stream
 (``torch.cuda.Stream``), a stand-in here like every stream.
 
+Megatron's fused SwiGLU (``--swiglu`` with its default ``--bias-swiglu-fusion``) wraps its
+forward and backward functions in ``torch.compile``, which on the CPU compiles C++ kernels with
+the host compiler at the first call of every new shape: tens of seconds, silent, in the first
+iterations. On the CPU those functions run as written (:data:`_EAGER`): the same autograd
+function, the same saved tensor (its input), the same formula, no compilation.
+
 Spots that need no patch here: the rotary embedding's ``inv_freq`` (the project's attention
 builds Megatron's ``RotaryEmbedding`` with ``use_cpu_initialization``) and asynchronous
 checkpoint saving (not used). Every listed patch is exercised by the golden tests.
@@ -298,6 +304,7 @@ def install(force: bool = False) -> bool:
         _originals[name] = module.torch
         module.torch = _CpuTorch(name)
     _replace_functions()
+    _run_eagerly()
     _wrap_methods()
     _name_types_as_cuda()
     _patch_rng_tracker()
@@ -344,7 +351,7 @@ def installed_modules() -> list[str]:
 def patched_modules() -> set[str]:
     """Every megatron module touched by the layer (proxies, twins, wrappers, RNG fork)."""
     owners = {name.partition(":")[0]
-              for name in (*_FUNCTIONS, *_WRAPPED, *_METHODS, *_TYPE_NAMED_METHODS)}
+              for name in (*_FUNCTIONS, *_WRAPPED, *_METHODS, *_TYPE_NAMED_METHODS, *_EAGER)}
     return set(installed_modules()) | owners | {"megatron.core.tensor_parallel.random"}
 
 
@@ -463,6 +470,32 @@ def _replace_functions() -> None:
         if replacement is None:
             replacement = _WRAPPED[name](_originals[name])
         setattr(module, attr, replacement)
+
+
+#: megatron-core modules whose ``torch.compile``'d functions run as written on the CPU.
+_EAGER = {
+    "megatron.core.fusions.fused_bias_swiglu": "Megatron's fused SwiGLU (forward, backward)",
+}
+
+
+def _run_eagerly() -> None:
+    """Rebind each compiled function of the :data:`_EAGER` modules to the function it compiles
+    (``torch.compile`` keeps it as ``_torchdynamo_orig_callable``); callers inside the module
+    look the names up at call time, so they call the uncompiled function."""
+    for module_name in _EAGER:
+        module = importlib.import_module(module_name)
+        for attr, value in list(vars(module).items()):
+            original = getattr(value, "_torchdynamo_orig_callable", None)
+            name = f"{module_name}:{attr}"
+            if original is None or name in _originals:
+                continue
+            _originals[name] = value
+
+            def eager(*args, _function=original, _module=module_name, _attr=attr, **kwargs):
+                HITS[_module][f"eager {_attr}"] += 1
+                return _function(*args, **kwargs)
+
+            setattr(module, attr, eager)
 
 
 #: ``"module:Class.method"`` during which ``Tensor.cuda`` returns the tensor itself.

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron.plugin import corpus, sources
+from megatron.plugin import corpus, cpu_compat, sources
 from scripts import preprocess_data
 
 #: Megatron-LM's NullTokenizer: a text is its space-separated token ids. Its end-of-document
@@ -65,6 +65,46 @@ def test_preprocess_refuses_unknown_tokenizers_and_needs_one(tmp_path):
     with pytest.raises(SystemExit):
         preprocess_data.main(["--input", str(tmp_path / "x.txt"), "--output-prefix",
                               str(tmp_path / "y")])
+
+
+def test_byte_level_writes_the_embedded_corpus_reading_of_a_users_text(tmp_path):
+    """--byte-level: each document's UTF-8 bytes, one token each, and 256 after it with
+    --append-eod, as the embedded corpus reads the standard library (the same file written
+    both ways gives the same ids); Megatron's NullTokenizer with --vocab-size 257 reads 256 as
+    its end of document from megatron-core 0.18 on. jsonl lines and text files alike."""
+    source = corpus.stdlib_files()[0]
+    (tmp_path / "notes.jsonl").write_text(json.dumps({"text": "naïve €"}) + "\n"
+                                          + json.dumps({"text": ""}) + "\n")
+    prefix = tmp_path / "mine"
+    assert preprocess_data.main(["--input", str(source), str(tmp_path / "notes.jsonl"),
+                                 "--output-prefix", str(prefix), "--byte-level",
+                                 "--append-eod"]) == 0
+    mine = IndexedDataset(f"{prefix}_text_document")
+    embedded = IndexedDataset(corpus.embedded_corpus(tmp_path / "stdlib"))
+    assert len(mine.index.document_indices) - 1 == 2
+    np.testing.assert_array_equal(mine.get(0), embedded.get(0))
+    assert list(mine.get(1)) == [*"naïve €".encode("utf-8"), 256]
+    if not cpu_compat.megatron_core_version().startswith("0.17."):
+        assert TOKENIZER.eod == corpus.BYTE_EOD and VOCAB == corpus.BYTE_VOCAB_SIZE
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--byte-level", "--tokenizer-type", "NullTokenizer"],
+     "--byte-level is the tokenizer (one token per UTF-8 byte): drop --tokenizer-type"),
+    (["--byte-level", "--vocab-size", "300"], "drop --vocab-size, or --byte-level"),
+    (NULL, "--tokenizer-type NullTokenizer reads a document as its token ids separated by "
+           "spaces (Megatron-LM's meaning), and this one is text ('def f"),
+    ([], "--tokenizer-type is required (as for Megatron-LM's tools/preprocess_data.py), or "
+         "--byte-level"),
+])
+def test_text_without_a_tokenizer_that_reads_it_is_refused_naming_byte_level(
+        tmp_path, capsys, flags, named):
+    (tmp_path / "code.py").write_text("def f(x):\n    return x\n")
+    with pytest.raises(SystemExit) as refused:
+        preprocess_data.main(["--input", str(tmp_path / "code.py"), "--output-prefix",
+                              str(tmp_path / "out"), *flags])
+    assert refused.value.code == 2
+    assert named in capsys.readouterr().err
 
 
 def test_batches_are_deterministic_and_resumable(dataset):
@@ -232,7 +272,7 @@ def test_embedded_corpus_is_the_standard_library(tmp_path):
     data = IndexedDataset(prefix)
     assert len(data.index.document_indices) - 1 == len(files)
     first = data.get(0)
-    assert first[-1] == corpus.EMBEDDED_EOD
+    assert first[-1] == corpus.BYTE_EOD
     assert bytes(first[:-1].astype(np.uint8)) == files[0].read_bytes()
 
 
