@@ -1,7 +1,7 @@
 """Draw a training run's measured pipeline timeline, beside its plan's predicted one, as a PNG.
 
     python scripts/show_trace.py --trace-dir DIR --out run.png [--call N]
-        [--plan SIMULATED.json] [--window START END] [--max-bars 80]
+        [--plan SIMULATED.json] [--window START END] [--max-bars 80] [--own-axes]
 
 ``DIR`` is the ``--trace-dir`` of a run of ``pretrain_gpt_elastic.py`` with an IR schedule
 (``--pipeline-schedule elastic|seq1f1b|helix|sppo|1f1b-ir``). The picture shows one call of the
@@ -31,6 +31,10 @@ def _parser() -> argparse.ArgumentParser:
                                        "plan the run wrote")
     parser.add_argument("--window", type=float, nargs=2, metavar=("START", "END"),
                         help="draw only this span, in seconds from the start of the call")
+    parser.add_argument("--own-axes", action="store_true",
+                        help="give the prediction and the measurement a time axis each (a "
+                             "plan priced for another device can be hundreds of times "
+                             "shorter than a CPU run)")
     parser.add_argument("--max-bars", type=int, default=MAX_BARS,
                         help="most actions a rank may run in the drawn span before the chart "
                              "shows each kind's share of equal time slots instead")
@@ -82,7 +86,7 @@ def main(argv=None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     write_gantt(drawn, args.out, title=f"{args.trace_dir}: call {number}",
-                window=args.window, max_bars=args.max_bars)
+                window=args.window, max_bars=args.max_bars, shared_axis=not args.own_axes)
     print(f"wrote {args.out}: call {number} of {args.trace_dir}, "
           f"{'predicted and ' if len(drawn) > 1 else ''}measured")
     return 0

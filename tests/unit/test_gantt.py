@@ -120,6 +120,11 @@ def test_show_trace_draws_the_last_call_beside_its_plan(tmp_path):
         2 * max(e.start + e.duration for e in measured.events))
     fig = figure(panels)
     assert [ax.get_xlabel() for ax in fig.axes] == ["", "time (seconds)"]
+    assert fig.axes[0].get_xlim() == fig.axes[1].get_xlim()
+    _close(fig)
+    fig = figure(panels, shared_axis=False)
+    assert [ax.get_xlabel() for ax in fig.axes] == ["time (seconds)"] * 2
+    assert fig.axes[0].get_xlim()[1] == pytest.approx(2 * fig.axes[1].get_xlim()[1])
     _close(fig)
     args.call = 1
     assert [p.title.split(" ")[0] for p in show_trace.panels(args)[1]] == ["measured"]

@@ -14,7 +14,8 @@ transfer waits are left out. Two views, chosen per panel:
   strip below. The drawn patches are then at most ``ranks x max_bars x kinds`` whatever the
   plan's size; ``window`` zooms on a span (one pipeline of an elastic plan, say) to see bars.
 
-Several panels (a predicted and a measured timeline) share one time axis.
+Several panels (a predicted and a measured timeline) share one time axis, or each has its own
+when their lengths differ too much to read both on one.
 """
 from __future__ import annotations
 
@@ -163,7 +164,8 @@ def _draw(ax, panel_events: list[TraceEvent], panel: Panel, span, max_bars: int,
     names = panel.row_names or [f"rank {r}" for r in range(ranks)]
     ax.set_yticks(range(len(names)), names)
     ax.set_ylim(len(names) - 0.3, -0.6)
-    title = panel.title
+    end = max((e.start + e.duration for e in panel_events), default=0.0)
+    title = f"{panel.title}: ends at {end:.4g} {time_unit}" if panel.title else panel.title
     if window is not None:
         title += f" (window {window[0]:g} to {window[1]:g} {time_unit})"
     if is_shares(panel_events, max_bars):
@@ -187,8 +189,9 @@ def _format_slot(seconds: float, time_unit: str) -> str:
 
 def figure(events: Iterable[TraceEvent] | Sequence[Panel], title: str = "",
            time_unit: str = "s", window: tuple[float, float] | None = None,
-           max_bars: int = MAX_BARS):
-    """The matplotlib figure of ``events`` (or of several :class:`Panel` on one time axis).
+           max_bars: int = MAX_BARS, shared_axis: bool = True):
+    """The matplotlib figure of ``events`` (or of several :class:`Panel`, on one time axis
+    unless ``shared_axis`` is false: each then spans its own events).
 
     ``time_unit`` names what the event times count (``"s"`` for seconds, or e.g. ``"units"``
     for uniform unit costs); ``window`` is ``(start, end)`` in that unit."""
@@ -201,19 +204,22 @@ def figure(events: Iterable[TraceEvent] | Sequence[Panel], title: str = "",
     events = list(events)
     panels = events if events and isinstance(events[0], Panel) else [Panel(events, title)]
     clipped = [_clip(panel.events, window) for panel in panels]
-    span = _span(clipped, window)
+    spans = [_span(clipped, window)] * len(panels) if shared_axis else \
+        [_span([events], window) for events in clipped]
     rows = [len(p.row_names) if p.row_names else 1 + max((e.rank for e in c), default=0)
             for p, c in zip(panels, clipped)]
-    fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False,
+    fig, axes = plt.subplots(len(panels), 1, sharex=shared_axis, squeeze=False,
                              figsize=(14, sum(0.45 * r + 1.0 for r in rows) + 0.6),
                              gridspec_kw={"height_ratios": [r + 1.5 for r in rows]})
     used: set[str] = set()
-    for ax, panel, panel_events in zip(axes[:, 0], panels, clipped):
+    unit = "seconds" if time_unit == "s" else time_unit
+    for ax, panel, panel_events, span in zip(axes[:, 0], panels, clipped, spans):
         used |= _draw(ax, panel_events, panel, span, max_bars, time_unit, window)
         ax.set_xlim(*span)
+        if not shared_axis:
+            ax.set_xlabel(f"time ({unit})")
         ax.grid(axis="x", color="#dddddd", linewidth=0.5)
         ax.set_axisbelow(True)
-    unit = "seconds" if time_unit == "s" else time_unit
     axes[-1, 0].set_xlabel(f"time ({unit})")
     kinds = [k for k in _COLOURS if k in used]
     axes[0, 0].legend([plt.Rectangle((0, 0), 1, 1, color=_COLOURS[k]) for k in kinds], kinds,
@@ -227,10 +233,10 @@ def figure(events: Iterable[TraceEvent] | Sequence[Panel], title: str = "",
 
 def write_gantt(events: Iterable[TraceEvent] | Sequence[Panel], path: str, title: str = "",
                 time_unit: str = "s", window: tuple[float, float] | None = None,
-                max_bars: int = MAX_BARS) -> None:
+                max_bars: int = MAX_BARS, shared_axis: bool = True) -> None:
     """Draw :func:`figure` of the same arguments into a PNG at ``path``."""
     import matplotlib.pyplot as plt
 
-    fig = figure(events, title, time_unit, window, max_bars)
+    fig = figure(events, title, time_unit, window, max_bars, shared_axis)
     fig.savefig(path, dpi=100)
     plt.close(fig)
