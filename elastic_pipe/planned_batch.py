@@ -13,6 +13,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megatron.plugin.default_loss import unit_weights
+from megatron.plugin.pipeline import run_settings
+from megatron.plugin.pipeline.simulator import simulate
 from megatron.plugin.reporting import summary_level
 
 from longctx.chunk_rows import ChunkRows, chunk_batch, is_split
@@ -21,7 +23,7 @@ from longctx.replicas import replica_share
 
 from elastic_pipe.evaluation import plan_schedule, plan_schedule_with_workers
 from elastic_pipe.flags import scheduler_config
-from elastic_pipe.lowering import activation_peaks, lower
+from elastic_pipe.lowering import ElasticCosts, activation_peaks, lower
 from elastic_pipe.plan_types import Plan
 from elastic_pipe.presolve import BackgroundPlanner, PlanTiming, planner_processes
 from elastic_pipe.run_costs import MEASURED, elastic_cost_model, refit_cost_model
@@ -40,6 +42,9 @@ class PlannedBatch(ChunkRows):
     beside the measured one)."""
     refit: bool = False
     """Record the measured action times (``--elastic-refit-interval``)."""
+    predicted: tuple = ()
+    """The plan's simulated timeline (:class:`~megatron.plugin.pipeline.chrome_trace.TraceEvent`
+    s), kept on the first pipeline stage when the run writes traces (``--trace-dir``)."""
 
 
 def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming,
@@ -55,9 +60,11 @@ def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming,
     schedule = lower(plan, args.pipeline_model_parallel_size)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     planned = activation_peaks(schedule, plan, cost)[stage]
+    predicted = tuple(simulate(schedule, ElasticCosts(cost, plan)).events) \
+        if stage == 0 and run_settings.tracing() else ()
     return PlannedBatch(schedule, batches, slices, args.hidden_size, tp * cp, plan=plan,
                         timing=timing, planned_activation_bytes=planned,
-                        refit=args.elastic_refit_interval > 0)
+                        refit=args.elastic_refit_interval > 0, predicted=predicted)
 
 
 def _check_agreement(plan: Plan) -> None:

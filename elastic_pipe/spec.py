@@ -62,7 +62,7 @@ def _run(call: RankCall) -> list:
     events = [] if planned.refit and not call.forward_only else None
     result = run_this_rank(planned.schedule, groups, call, data_iterator=iter(planned.batches),
                            shape_of=planned.shape_of, extensions=[chunks], events=events,
-                           links=neighbour_links)
+                           links=neighbour_links, predicted=planned.predicted)
     if events is not None:
         MEASURED.record(planned, rank, events)
     return result

@@ -1,7 +1,7 @@
 """Print a pipeline schedule's per-rank action grid and its simulated bubble ratio.
 
     python scripts/show_schedule.py --schedule 1f1b --pp 4 --microbatches 8 \
-        [--json OUT.json] [--gantt OUT.png] [--trace OUT.json]
+        [--json OUT.json] [--gantt OUT.png [--gantt-window START END]] [--trace OUT.json]
     python scripts/show_schedule.py --schedule helix --pp 4 --microbatches 8 --num-layers 8 \
         [--helix-folds 2] [--recompute] [--pre-cost 1 --attention-cost 1 --post-cost 2]
     python scripts/show_schedule.py --schedule zb1p --pp 4 --microbatches 8
@@ -24,7 +24,7 @@ import sys
 
 from megatron.plugin import registry
 from megatron.plugin.drawing import DrawCommand
-from megatron.plugin.pipeline.gantt import write_gantt
+from megatron.plugin.pipeline.gantt import check_view, write_gantt
 from megatron.plugin.pipeline.simulator import simulate
 from megatron.plugin.pipeline.chrome_trace import write_chrome_trace
 from megatron.plugin.pipeline.validation import format_grid
@@ -34,6 +34,7 @@ def main(argv=None) -> int:
     command = DrawCommand(registry.drawables(), description=__doc__.splitlines()[0])
     args = command.parse(argv)
     try:
+        check_view(args.gantt_window, args.gantt_max_bars)
         built = command.build(registry.drawable(args.schedule), args)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -55,7 +56,9 @@ def main(argv=None) -> int:
                        "busy": result.busy, "idle": result.idle}, f, indent=1)
     if args.gantt:
         write_gantt(result.events, args.gantt,
-                    title=f"{args.schedule}, pp={args.pp}, m={units}")
+                    title=f"{args.schedule}, pp={args.pp}, m={units}",
+                    time_unit=built.time_unit, window=args.gantt_window,
+                    max_bars=args.gantt_max_bars)
     if args.trace:
         write_chrome_trace(result.events, args.trace, name=f"{args.schedule} (simulated)")
     return 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from megatron.plugin.pipeline.catalog import Built, Options
+from megatron.plugin.pipeline.gantt import MAX_BARS
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,14 @@ def _add_own_arguments(parser: argparse.ArgumentParser, names: Sequence[str]) ->
     parser.add_argument("--backward-cost", type=float, default=2.0)
     parser.add_argument("--transfer-cost", type=float, default=0.0)
     parser.add_argument("--json", help="write the summary as JSON")
-    parser.add_argument("--gantt", help="write a PNG Gantt chart")
+    parser.add_argument("--gantt", help="write a PNG Gantt chart (time axis in the costs' "
+                                        "unit: seconds for a cost model's plan)")
+    parser.add_argument("--gantt-window", type=float, nargs=2, metavar=("START", "END"),
+                        help="draw only this span of the timeline (zoom, e.g. on one "
+                             "pipeline of an elastic plan)")
+    parser.add_argument("--gantt-max-bars", type=int, default=MAX_BARS,
+                        help="most actions a rank may run in the drawn span before the "
+                             "chart shows each kind's share of equal time slots instead")
     parser.add_argument("--trace", help="write the simulated timeline as Chrome-trace JSON")
 
 

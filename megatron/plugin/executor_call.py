@@ -37,11 +37,13 @@ def run_over_packed(call: RankCall, schedule_for) -> list:
 
 def run_this_rank(schedule, groups: ProcessGroupCollection, call: RankCall, *, data_iterator,
                   shape_of, extensions=(), events: list | None = None,
-                  links: Callable[[int], p2p.Links] = p2p.every_link) -> list:
+                  links: Callable[[int], p2p.Links] = p2p.every_link,
+                  predicted=()) -> list:
     """Run this pipeline rank's row of ``schedule`` for ``call`` with the schedule's
     ``extensions``, reading units from ``data_iterator``, its transfers on the ``links(pp)`` it
     declares (checked first), under the configured timeout, and record its trace (also
-    appended to ``events`` when given, with device times); returns the loss dicts."""
+    appended to ``events`` when given, with device times) beside the ``predicted`` timeline
+    of its plan; returns the loss dicts."""
     pp, rank = groups.pp.size(), groups.pp.rank()
     declared = links(pp)
     p2p.check_links(schedule, declared)
@@ -55,7 +57,7 @@ def run_this_rank(schedule, groups: ProcessGroupCollection, call: RankCall, *, d
         extensions=list(extensions),
         device_times=events is not None)
     result = run_schedule(schedule[rank], ctx)
-    run_settings.record(ctx.events)
+    run_settings.record(ctx.events, predicted)
     if events is not None:
         events.extend(ctx.events)
     return result

@@ -44,3 +44,16 @@ def chrome_trace(events: Iterable[TraceEvent], name: str = "schedule", pid: int 
 def write_chrome_trace(events: Iterable[TraceEvent], path: str, name: str = "schedule") -> None:
     with open(path, "w") as f:
         json.dump(chrome_trace(events, name), f)
+
+
+def read_chrome_trace(path: str) -> list[TraceEvent]:
+    """The events of a trace this module wrote (the inverse of :func:`write_chrome_trace`);
+    ``ValueError`` naming the file when it is not one."""
+    try:
+        with open(path) as f:
+            document = json.load(f)
+        return [TraceEvent(int(e["tid"]), e["name"], e["ts"] / 1e6, e["dur"] / 1e6,
+                           e.get("cat", "compute"), int(e.get("args", {}).get("bytes", 0)))
+                for e in document["traceEvents"] if e.get("ph") == "X"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a Chrome trace of pipeline actions ({err})") from None

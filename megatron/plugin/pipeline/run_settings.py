@@ -3,8 +3,10 @@
 Megatron's forward-backward signature has no room for them, so the training script sets them
 once (:func:`configure`, from ``--pipeline-timeout-s`` and ``--trace-dir``) and every IR
 schedule reads them. With a trace directory, each call of an IR schedule writes the measured
-per-action timeline of this rank as ``<dir>/call_<n>_rank<r>.json``, in the same Chrome-trace
-format as the simulator (open both in Perfetto or chrome://tracing).
+per-action timeline of this rank, and the predicted one of its plan where the schedule gives it,
+in the same Chrome-trace format as the simulator (open both in Perfetto or chrome://tracing,
+or draw them with ``scripts/show_trace.py``); :mod:`~megatron.plugin.pipeline.trace_dir`
+names the files.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from megatron.plugin.pipeline import trace_dir
 from megatron.plugin.pipeline.chrome_trace import write_chrome_trace
 
 
@@ -40,13 +43,23 @@ def settings() -> RuntimeSettings:
     return _settings
 
 
-def record(events) -> None:
-    """Write this call's events when a trace directory is configured."""
+def tracing() -> bool:
+    """Whether calls are traced (``--trace-dir``): a schedule then also keeps its plan's
+    predicted timeline for :func:`record`."""
+    return _settings.trace_dir is not None
+
+
+def record(events, predicted=()) -> None:
+    """Write this call's measured ``events``, and the ``predicted`` ones of its plan when
+    given, when a trace directory is configured."""
     global _calls
     _calls += 1
     if _settings.trace_dir is None:
         return
     os.makedirs(_settings.trace_dir, exist_ok=True)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    path = os.path.join(_settings.trace_dir, f"call_{_calls:06d}_rank{rank}.json")
+    path = os.path.join(_settings.trace_dir, trace_dir.measured_name(_calls, rank))
     write_chrome_trace(events, path, name=f"rank {rank} call {_calls}")
+    if predicted:
+        path = os.path.join(_settings.trace_dir, trace_dir.plan_name(_calls, rank))
+        write_chrome_trace(predicted, path, name=f"plan of call {_calls} (predicted)")
