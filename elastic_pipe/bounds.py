@@ -19,9 +19,10 @@ for every rank ``r`` and position ``s`` of its action list, where
   sets are pairwise disjoint (picked greedily from the end) the recomputation of their chunks
   is counted once each. For one in-flight set the
   least recomputation is the fractional knapsack ``min sum rc_k y_k`` s.t.
-  ``sum saving_k y_k >= sum full_k - budget``, ``0 <= y_k <= layers``: chunks taken in order of
-  recompute time per saved memory unit. It relaxes the checkpointing model's constraint (the
-  transient of the rematerialised layer is dropped and ``y`` is fractional), so every fitting
+  ``sum (saving_k + input_k) y_k >= sum full_k - budget``, ``0 <= y_k <= layers``: chunks
+  taken in order of recompute time per saved memory unit. It relaxes the checkpointing model's
+  constraint (the transient of the rematerialised layer is dropped, every checkpointed layer is
+  credited its input although the range keeps one, and ``y`` is fractional), so every fitting
   table satisfies it;
 - ``tail(r)`` is the backward and transfer time of the last backward's chunk on ranks
   ``r - 1, ..., 0``, which run after rank ``r``'s last action (every rank ends with the
@@ -43,7 +44,9 @@ def least_recompute(problem: CheckpointProblem, stage: int, held: tuple[int, ...
     need = sum(problem.full[stage][k] for k in held) - problem.budget[stage]
     if need <= 0:
         return 0.0
-    saving, recompute = problem.saving[stage], problem.recompute[stage]
+    recompute = problem.recompute[stage]
+    saving = problem.saving[stage] if not problem.inputs else \
+        [s + i for s, i in zip(problem.saving[stage], problem.inputs[stage])]
     total = 0.0
     for k in sorted((k for k in held if saving[k] > 0), key=lambda k: recompute[k] / saving[k]):
         take = min(need, saving[k] * problem.layers[stage])

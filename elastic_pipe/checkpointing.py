@@ -9,15 +9,17 @@ stage ``p`` works on chunk ``k = t - p`` (forward + backward + recomputation), s
 modelled as ``sum_t C_t``, minimised.
 
 Memory: at every backward of stage ``p`` (from :func:`elastic_pipe.pipeline_order.inflight_sets`,
-the 1F1B windows ``|W_p|`` with the split documents' prefill) the chunks in flight stash
-``full - saving * ckpt`` each, and the chunk about to run its backward rematerialises every one
-of its checkpointed layers (``transient * ckpt``: the runtime's ``RECOMPUTE`` rebuilds the whole
-checkpointed range before the backward, :mod:`megatron.plugin.pipeline.layer_checkpoint`), so
-during its own backward a chunk holds about its full stash again; the sum stays within the
-stage's activation budget. Checkpointing therefore lowers a stage's peak only through the
-*other* chunks in flight. Times are integers in microseconds; memory in MiB, rounded so that
-an integer-feasible table is feasible in bytes: budgets down, stashes and transients up, savings
-down.
+the 1F1B windows ``|W_p|`` with the split documents' prefill) the other chunks in flight stash
+``full - saving * ckpt - input * max(ckpt - 1, 0)`` each (the runtime keeps one input for the
+checkpointed range, so every checkpointed layer after the first also saves its input), and the
+chunk about to run its backward holds ``full - saving * ckpt`` and rematerialises every one of
+its checkpointed layers (``transient * ckpt``: the runtime's ``RECOMPUTE`` rebuilds the whole
+checkpointed range from the kept input before the backward,
+:mod:`megatron.plugin.pipeline.layer_checkpoint`), so during its own backward a chunk holds its
+full stash again; the sum stays within the stage's activation budget. Checkpointing therefore
+lowers a stage's peak only through the *other* chunks in flight. Times are integers in
+microseconds; memory in MiB, rounded so that an integer-feasible table is feasible in bytes:
+budgets down, stashes and transients up, savings (inputs included) down.
 
 The search is reproducible: one CP-SAT worker and a deterministic time limit only (CP-SAT's
 deterministic time counts work, not seconds, so the solve ends whatever the machine's load; a
@@ -63,7 +65,8 @@ class CheckpointProblem:
     full: tuple[tuple[int, ...], ...]
     """``[p][k]`` stash without checkpointing, memory units rounded up."""
     saving: tuple[tuple[int, ...], ...]
-    """``[p][k]`` stash saved per checkpointed layer, memory units rounded down."""
+    """``[p][k]`` stash saved per checkpointed layer, its input not included, memory units
+    rounded down."""
     transient: tuple[tuple[int, ...], ...]
     """``[p][k]`` one rematerialised layer, memory units rounded up (times ``ckpt[p][k]``)."""
     budget: tuple[int, ...]
@@ -75,6 +78,10 @@ class CheckpointProblem:
     workspace: tuple[int, ...] = ()
     """Per stage: memory units set aside beside the activations (the largest workspace of the
     running stage), already taken out of ``budget``; none when empty."""
+    inputs: tuple[tuple[int, ...], ...] = ()
+    """``[p][k]`` one layer's input, memory units rounded down: what a chunk in flight saves
+    for each checkpointed layer after the first (the range keeps only its own input); none
+    when empty."""
 
     @property
     def stages(self) -> int:
@@ -129,7 +136,9 @@ def build_problem(cost: CostModel, chunks: list[Chunk],
         budget=tuple(math.floor(cost.activation_budget(p) / unit) - workspace[p]
                      for p in stages),
         memory_unit=unit,
-        events=tuple(tuple(stage_events) for stage_events in events), workspace=workspace)
+        events=tuple(tuple(stage_events) for stage_events in events), workspace=workspace,
+        inputs=(tuple(math.floor(cost.ckpt_per_token * c.tokens / unit) for c in chunks),)
+        * cost.pp)
 
 
 def memory_unit(largest_budget: float) -> float:
@@ -147,17 +156,22 @@ def objective(problem: CheckpointProblem, ckpt) -> int:
                for t in range(n + d - 1))
 
 
+def stage_peak(problem: CheckpointProblem, p: int, row: Sequence[int]) -> int:
+    """The largest in-flight stash plus transient of stage ``p`` over its backwards (units),
+    with ``row[k]`` layers checkpointed for chunk ``k``."""
+    inputs = problem.inputs[p] if problem.inputs else (0,) * problem.chunks
+    peak = 0
+    for unit, held in problem.events[p]:
+        total = sum(problem.full[p][k] - problem.saving[p][k] * row[k] for k in held)
+        total -= sum(inputs[k] * max(row[k] - 1, 0) for k in held if k != unit)
+        total += problem.transient[p][unit] * row[unit]
+        peak = max(peak, total)
+    return peak
+
+
 def memory_peaks(problem: CheckpointProblem, ckpt) -> list[int]:
     """Per stage, the largest in-flight stash plus transient over all backwards (units)."""
-    peaks = []
-    for p, stage_events in enumerate(problem.events):
-        peak = 0
-        for unit, held in stage_events:
-            total = sum(problem.full[p][k] - problem.saving[p][k] * ckpt[p][k] for k in held)
-            total += problem.transient[p][unit] * ckpt[p][unit]
-            peak = max(peak, total)
-        peaks.append(peak)
-    return peaks
+    return [stage_peak(problem, p, ckpt[p]) for p in range(problem.stages)]
 
 
 def peak_bytes(cost: CostModel, problem: CheckpointProblem, peaks: Sequence[int]) -> tuple:
@@ -181,19 +195,11 @@ def full_table(problem: CheckpointProblem) -> tuple[tuple[int, ...], ...]:
 def uniform_table(problem: CheckpointProblem) -> tuple[tuple[int, ...], ...] | None:
     """Per stage the smallest uniform count that fits, or ``None`` when even all layers do not."""
     table = []
-    for p, stage_events in enumerate(problem.events):
-        needed = 0
-        if any(sum(problem.full[p][k] for k in held) > problem.budget[p]
-               for _, held in stage_events):
-            for unit, held in stage_events:
-                over = sum(problem.full[p][k] for k in held) - problem.budget[p]
-                saving = sum(problem.saving[p][k] for k in held) - problem.transient[p][unit]
-                if over > 0:
-                    if saving <= 0:
-                        return None
-                    needed = max(needed, math.ceil(over / saving))
-            needed = max(needed, 1)
-        if needed > problem.layers[p]:
+    for p in range(problem.stages):
+        needed = next((count for count in range(problem.layers[p] + 1)
+                       if stage_peak(problem, p, (count,) * problem.chunks)
+                       <= problem.budget[p]), None)
+        if needed is None:
             return None
         table.append((needed,) * problem.chunks)
     return tuple(table)
@@ -221,12 +227,20 @@ def solve(problem: CheckpointProblem, time_limit: float) -> CheckpointSolution |
         for p, k in pairs:
             model.Add(step >= problem.base[p][k] + problem.recompute[p][k] * ckpt[p][k])
         steps.append(step)
+    # beyond[p][k] = max(ckpt[p][k] - 1, 0): the checkpointed layers whose input is not kept
+    beyond = [[model.NewIntVar(0, max(problem.layers[p] - 1, 0), f"e{p}_{k}") for k in range(n)]
+              for p in range(d)]
+    for p in range(d):
+        for k in range(n):
+            model.AddMaxEquality(beyond[p][k], [ckpt[p][k] - 1, 0])
+    inputs = problem.inputs or ((0,) * n,) * d
     for p, stage_events in enumerate(problem.events):
         for unit, held in stage_events:
             full = sum(problem.full[p][k] for k in held)
             if full <= problem.budget[p]:
                 continue
             model.Add(sum(problem.saving[p][k] * ckpt[p][k] for k in held) * -1
+                      - sum(inputs[p][k] * beyond[p][k] for k in held if k != unit)
                       + problem.transient[p][unit] * ckpt[p][unit]
                       <= problem.budget[p] - full)
     model.Minimize(sum(steps))

@@ -180,7 +180,7 @@ def recomputing_fits(cost: CostModel, tokens: int, checkpointed: int) -> bool:
     rematerialised, :meth:`~longctx.cost_model.CostModel.recompute_boundary` and a layer's
     workspace)."""
     chunk = Chunk((Piece(0, 0, 0, tokens, True),))
-    stash = cost.stash_bytes(0, chunk, checkpointed)
+    stash = cost.stash_bytes(0, chunk, checkpointed, per_layer=True)
     peak = stash + cost.stage_workspace(0, chunk)
     if checkpointed:
         peak = max(peak, stash - cost.head_bytes(0, chunk) + cost.layer_saving(chunk)

@@ -109,7 +109,8 @@ def one_f_one_b_peaks(model: ModelConfig, hardware: HardwareProfile, seq: int, p
     chunk = Chunk((Piece(0, 0, 0, seq, True),))
     peaks = []
     for stage in range(pp):
-        kept = cost.stash_bytes(stage, chunk, cost.layers(stage) if recompute else 0)
+        kept = cost.stash_bytes(stage, chunk, cost.layers(stage) if recompute else 0,
+                                per_layer=True)
         rebuilt = cost.layer_saving(chunk) if recompute else 0.0
         peaks.append(cost.static_bytes(stage) + min(pp - stage, microbatches) * kept
                      + rebuilt + cost.stage_workspace(stage, chunk))

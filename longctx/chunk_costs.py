@@ -13,8 +13,9 @@ class ChunkCosts:
     stashes all but the dK/dV sums of its non-final slices, which the first backward of a later
     slice of the document creates (:meth:`gradient_sums`).
 
-    A ``RECOMPUTE`` rematerialises all the unit's checkpointed layers at once, as this project's
-    runtime does; ``per_layer_recompute`` prices Megatron's full recomputation instead, which
+    A ``RECOMPUTE`` rematerialises all the unit's checkpointed layers at once from the one
+    input the forward kept, as this project's runtime does; ``per_layer_recompute`` prices
+    Megatron's full recomputation instead, which keeps each checkpointed layer's input and
     rebuilds one layer at a time inside the backward (a transient of one layer and the tensors
     at its boundary, :meth:`~longctx.cost_model.CostModel.recompute_boundary`)."""
 
@@ -50,9 +51,10 @@ class ChunkCosts:
         if action.kind is Kind.RECOMPUTE:
             if self.per_layer_recompute:
                 return self.cost.layer_saving(chunk) + self.cost.recompute_boundary(chunk)
-            return self.checkpointed(action.stage, action.unit) * self.cost.layer_saving(chunk)
+            return self.cost.checkpoint_saving(chunk, self.checkpointed(action.stage, action.unit))
         return self.cost.stash_bytes(action.stage, chunk, self.checkpointed(
-            action.stage, action.unit)) - self.cost.gradient_sum_bytes(action.stage, chunk)
+            action.stage, action.unit), self.per_layer_recompute) \
+            - self.cost.gradient_sum_bytes(action.stage, chunk)
 
     def gradient_sums(self, action: Action) -> tuple:
         """The dK/dV sums a backward creates: those of the earlier slices of its documents,

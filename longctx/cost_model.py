@@ -144,11 +144,14 @@ the run's ``params_dtype``, whichever profile prices the time), per token and la
   it (``torch.autograd.backward(outputs, args)``) and the input's gradient it makes
   (``inp.grad``), ``3 h e`` per token (:meth:`CostModel.recompute_boundary`; the gradients
   flowing between layers are not counted otherwise, for any schedule);
-- checkpointed layers are recomputed together before the chunk's backward (the runtime's
-  ``RECOMPUTE`` rebuilds the whole checkpointed range from the one kept input), so the
-  transient of a chunk with ``k`` checkpointed layers is ``k`` layers' difference between the
-  two states. The model charges the kept input per checkpointed layer: exact for ``k = 1``, an
-  over-estimate of ``(k-1)`` inputs otherwise;
+- this project's runtime checkpoints a stage's leading ``k`` layers as one range
+  (:mod:`megatron.plugin.pipeline.layer_checkpoint`): it keeps the range's input once, ``h e``
+  per token, and its ``RECOMPUTE`` rebuilds the whole range before the chunk's backward, so
+  checkpointing ``k >= 1`` layers saves ``k`` layers' saving above and the inputs of the
+  range's other ``k - 1`` layers (:meth:`CostModel.checkpoint_saving`), and the transient of
+  the recomputation is that same difference: the rebuilt first layer's input is the kept one.
+  Megatron-LM's full recomputation (the baselines, ``per_layer``) keeps every checkpointed
+  layer's input instead, ``k`` of them;
 - first stage, the embedding (:func:`embedding_saved_per_token`): the int64 token ids and,
   with learned absolute positions (Megatron-LM's default), the int64 position ids, ``16``
   bytes per token of the whole sequence of a tensor-parallel group (both lookups run on it
@@ -497,8 +500,20 @@ class CostModel:
         return self._costs(chunk)[2]
 
     def layer_saving(self, chunk: Chunk) -> float:
-        """Bytes saved by checkpointing one layer; also the transient of recomputing it."""
+        """Bytes saved by checkpointing one layer that keeps its input (and K/V); also the
+        transient of recomputing it."""
         return self._costs(chunk)[3]
+
+    def checkpoint_saving(self, chunk: Chunk, checkpointed: int, per_layer: bool = False) -> float:
+        """Bytes a stage's stash of ``chunk`` loses when its leading ``checkpointed`` layers
+        are checkpointed; also the transient of their recomputation. The runtime's range keeps
+        only its own input, so every layer after its first saves its input too; with
+        ``per_layer`` (Megatron-LM's full recomputation) each checkpointed layer keeps its
+        input (module doc)."""
+        saving = checkpointed * self.layer_saving(chunk)
+        if per_layer or checkpointed < 2:
+            return saving
+        return saving + (checkpointed - 1) * self.ckpt_per_token * chunk.tokens
 
     def recompute_boundary(self, chunk: Chunk) -> float:
         """Bytes Megatron-LM's per-layer recomputation holds beside the rebuilt layer's saved
@@ -530,12 +545,15 @@ class CostModel:
             return max(self.layer_workspace(chunk), self.loss_workspace(chunk))
         return self.layer_workspace(chunk)
 
-    def stash_bytes(self, stage: int, chunk: Chunk, checkpointed: int = 0) -> float:
-        """Bytes ``stage`` keeps for ``chunk`` between its forward and its backward."""
+    def stash_bytes(self, stage: int, chunk: Chunk, checkpointed: int = 0,
+                    per_layer: bool = False) -> float:
+        """Bytes ``stage`` keeps for ``chunk`` between its forward and its backward, its leading
+        ``checkpointed`` layers checkpointed as this project's runtime does, or with
+        ``per_layer`` as Megatron-LM does (:meth:`checkpoint_saving`)."""
         full = self.layers(stage) * self.layer_activation(chunk) + self.head_bytes(stage, chunk)
         if stage == 0:
             full += self.embedding_per_token * chunk.tokens
-        return full - checkpointed * self.layer_saving(chunk)
+        return full - self.checkpoint_saving(chunk, checkpointed, per_layer)
 
     def head_bytes(self, stage: int, chunk: Chunk) -> float:
         """Bytes the head keeps for ``chunk`` on ``stage`` (the last: FP32 logits, the final

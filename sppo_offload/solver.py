@@ -471,7 +471,7 @@ def _candidate(method, seq_length, layout, cost, lengths, chunks, alphas, checkp
         for j, chunk in enumerate(chunks):
             moved = alphas[s][j] * offloadable_bytes(cost, s, chunk) if alphas[s][j] else 0.0
             stage_moved.append(moved)
-            held += cost.stash_bytes(s, chunk, checkpointed[s]) - moved
+            held += cost.stash_bytes(s, chunk, checkpointed[s], per_layer=True) - moved
             forward += cost.stage_forward(s, chunk)
             backward += cost.stage_backward(s, chunk) + checkpointed[s] * cost.layer_forward(chunk)
             copied += moved / (host * GB * cost.allocator) if moved else 0.0

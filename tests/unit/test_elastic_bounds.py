@@ -30,7 +30,8 @@ def random_case(seed, layers, border):
         full=full, saving=saving,
         transient=tuple(tuple(s + 1 for s in row) for row in saving),
         budget=tuple(int(largest[p] * rng.uniform(0.85, 0.99)) for p in range(d)),
-        memory_unit=1.0, events=tuple(tuple(e) for e in events))
+        memory_unit=1.0, events=tuple(tuple(e) for e in events),
+        inputs=tuple(tuple(rng.randint(0, 3) for _ in range(n)) for _ in range(d)))
     return orders, problem
 
 

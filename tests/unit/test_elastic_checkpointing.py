@@ -21,6 +21,9 @@ def brute_force(problem: CheckpointProblem):
         for p in range(d):
             for unit, held in problem.events[p]:
                 used = sum(problem.full[p][k] - problem.saving[p][k] * table[p][k] for k in held)
+                # a chunk in flight keeps one input for its checkpointed layers
+                used -= sum(problem.inputs[p][k] * (table[p][k] - 1) for k in held
+                            if k != unit and table[p][k] > 1)
                 used += problem.transient[p][unit] * table[p][unit]
                 ok &= used <= problem.budget[p]
         if not ok:
@@ -57,7 +60,8 @@ def random_problem(seed):
         transient=tuple(tuple(s + 1 for s in row) for row in saving),
         budget=tuple(int(sum(sorted(full[p])[-2:]) * rng.uniform(0.55, 0.95))
                      for p in range(d)),
-        memory_unit=1.0, events=tuple(events))
+        memory_unit=1.0, events=tuple(events),
+        inputs=tuple(tuple(rng.randint(0, 4) for _ in range(n)) for _ in range(d)))
 
 
 @pytest.mark.parametrize("seed", range(12))

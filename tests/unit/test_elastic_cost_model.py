@@ -65,9 +65,12 @@ def test_activation_memory_by_hand(tmp_path):
     assert cost.layer_saving(whole) == pytest.approx(10 * (full - 2 * h / 2))
     # checkpointing keeps the layer's input and the K/V (the store's); the sum is not saved
     assert cost.layer_saving(head) == pytest.approx(10 * (full - 2 * h / 2 - 4 * h / 2))
-    # stage 0 has 3 layers; checkpointing 2 of them keeps 1 full layer and 2 inputs; its
-    # embedding keeps the int64 token and position ids, 16 / sp bytes per token.
-    assert cost.stash_bytes(0, whole, 2) == pytest.approx(10 * (full + 2 * h + 16 / 2))
+    # stage 0 has 3 layers; checkpointing 2 of them keeps 1 full layer and the range's input
+    # (Megatron's own recomputation: each checkpointed layer's, 2 inputs); its embedding keeps
+    # the int64 token and position ids, 16 / sp bytes per token.
+    assert cost.stash_bytes(0, whole, 2) == pytest.approx(10 * (full + h + 16 / 2))
+    assert cost.stash_bytes(0, whole, 2, per_layer=True) == pytest.approx(
+        10 * (full + 2 * h + 16 / 2))
     # last stage also keeps FP32 logits, 4 V / sp bytes per token, the final norm's input and
     # statistics and the output layer's input, (2 h e + 8) / sp, and the loss's int64
     # targets, bool target mask and FP32 loss mask, 13 / sp.

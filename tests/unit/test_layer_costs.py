@@ -359,3 +359,69 @@ def test_the_attention_output_gate_by_hand(tmp_path):
     gated_cost = CostModel(gated, hand_profile(tmp_path), ParallelConfig(pp=2))
     plain_cost = CostModel(plain, hand_profile(tmp_path), ParallelConfig(pp=2))
     assert gated_cost.alpha2 - plain_cost.alpha2 == pytest.approx(2 * H * H / 0.5e12)
+
+
+def checkpointed_model_bytes(tmp_path, count, final) -> tuple[tuple, tuple]:
+    """((measured after the forward, after the recomputation), (planned the same)) bytes per
+    token of a two-layer Llama-style ``GPTModel`` (Megatron's default dropout, FP32) whose
+    leading ``count`` layers the runtime checkpoints (:class:`LeadingLayers`), on a whole
+    document or (``final`` false) the first slice of a longer one, whose K/V the store keeps."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron.plugin.batches import forward_step, micro_batch, pack_row
+    from megatron.plugin.layers.attention import document_layer_spec
+    from megatron.plugin.layers.kv_store import KVStore
+    from megatron.plugin.layers.memory import SavedTensorMeter
+    from megatron.plugin.pipeline.layer_checkpoint import LeadingLayers
+
+    config, positions, rope, shape = architecture(LLAMA, torch.float32, 0.1)
+    config = TransformerConfig(**dict(config, num_layers=2))
+    spec = document_layer_spec(2, config.normalization, rope)
+    model = GPTModel(config, spec, vocab_size=384, max_sequence_length=256,
+                     position_embedding_type=positions).train()
+    layers = LeadingLayers(model)
+    generator = torch.Generator().manual_seed(1)
+    forward, recomputed = [], []
+    for tokens in (128, 256):
+        doc = torch.randint(0, 257, (tokens + 1,), generator=generator).numpy()
+        row = pack_row([doc]) if final else pack_row([doc], slices=[("doc", 0, 0)],
+                                                     doc_tokens=[2 * tokens])
+        store, meter = KVStore(), SavedTensorMeter()
+        with meter.active():
+            with layers.armed(count):
+                output, loss = forward_step(iter([micro_batch([row])]), model, kv_store=store,
+                                            record_kv=not final)
+            stash = layers.take()
+            kept = loss(output)
+            forward.append(meter.current)
+            layers.recompute(stash)
+            recomputed.append(meter.current)
+        del output, kept, stash, store
+    cost = CostModel(dataclasses.replace(shape, num_layers=2), hand_profile(tmp_path),
+                     ParallelConfig(pp=1))
+    one_token = Chunk((Piece(0, 0, 0, 1, final),))
+    # the dK/dV sums of a slice come with a later slice's backward (none runs here)
+    stash = cost.stash_bytes(0, one_token, count) - cost.gradient_sum_bytes(0, one_token)
+    measured = tuple((after[1] - after[0]) / 128 for after in (forward, recomputed))
+    return measured, (stash, stash + cost.checkpoint_saving(one_token, count))
+
+
+@pytest.mark.parametrize("final", [True, False], ids=["whole", "first-slice"])
+@pytest.mark.parametrize("count", [1, 2], ids=["block-1", "uniform"])
+def test_a_checkpointed_range_keeps_what_its_stage_is_priced(one_rank, tmp_path, count, final):
+    """Megatron's full recomputation as the runtime runs it (``--recompute-method block
+    --recompute-num-layers 1``: the first layer; ``uniform``: both): after the forward a
+    two-layer Llama-style model keeps per token exactly the stash the cost model prices, the
+    range's input once (not one per checkpointed layer, Megatron's own keeping) beside the
+    embedding's, the other layers', the head's and the checkpointed layers' K/V of a sliced
+    document; after ``RECOMPUTE`` the whole stage's stash, the range rebuilt from that one
+    input."""
+    measured, planned = checkpointed_model_bytes(tmp_path, count, final)
+    assert measured == planned
+    one_token = Chunk((Piece(0, 0, 0, 1, final),))
+    cost = CostModel(dataclasses.replace(architecture(LLAMA, torch.float32, 0.1)[3],
+                                         num_layers=2), hand_profile(tmp_path),
+                     ParallelConfig(pp=1))
+    assert cost.stash_bytes(0, one_token, count, per_layer=True) - cost.stash_bytes(
+        0, one_token, count) == (count - 1) * H * 4
