@@ -178,7 +178,8 @@ def dispatcher_not_run(schedule: str) -> str:
 
 # The proofs under Megatron's own schedules (``default`` is Megatron's choice: 1f1b, or
 # interleaved with virtual stages).
-_MODEL = {"default": "golden:pp2", "1f1b": "golden:pp2", "interleaved": "golden:pp2_vp2_interleaved"}
+_MODEL = {"default": "golden:pp2", "1f1b": "golden:pp2",
+          "interleaved": "golden:pp2_vp2_interleaved"}
 _TENSOR_PARALLEL = {"default": "golden:pp2_tp2_sp", "1f1b": "golden:pp2_tp2_sp",
                     "interleaved": "golden:pp2_vp2_tp2_sp_interleaved"}
 _CONTEXT_PARALLEL = {"default": "golden:pp2_ulysses2_1f1b", "1f1b": "golden:pp2_ulysses2_1f1b",
