@@ -1,5 +1,5 @@
 """``elastic`` and ``seq1f1b`` as IR for the drawing tools (``ScheduleSpec.build_ir``): the plan
-a training run executes for one batch of documents (:func:`~elastic_pipe.evaluation.plan_schedule`),
+a training run executes for one batch of documents (:func:`~elastic_pipe.planning.plan_schedule`),
 the batch, model and layout given by the flags of :mod:`elastic_pipe.batch_flags`, lowered
 (:func:`~elastic_pipe.lowering.lower`) and priced by the cost model in seconds and bytes. The
 units are the plan's chunks, so the drawing takes no unit count (``draw_units=False``) and no
@@ -13,7 +13,7 @@ from megatron.plugin.pipeline.catalog import Built, Options
 
 from longctx.model_flags import add_num_layers
 from elastic_pipe.batch_flags import add_arguments, planning_inputs
-from elastic_pipe.evaluation import plan_schedule
+from elastic_pipe.planning import plan_schedule
 from elastic_pipe.lowering import ElasticCosts, lower
 
 DRAW_ARGUMENTS = (add_num_layers, add_arguments)

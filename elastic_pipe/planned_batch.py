@@ -21,7 +21,7 @@ from longctx.chunk_rows import ChunkRows, chunk_batch, is_split
 from longctx.cost_model import CostModel
 from longctx.replicas import replica_share
 
-from elastic_pipe.evaluation import plan_schedule, plan_schedule_with_workers
+from elastic_pipe.planning import plan_schedule, plan_schedule_with_workers
 from elastic_pipe.flags import scheduler_config
 from elastic_pipe.lowering import ElasticCosts, activation_peaks, lower
 from elastic_pipe.plan_types import Plan

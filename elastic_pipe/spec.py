@@ -47,6 +47,8 @@ from elastic_pipe.batch_flags import missing_flags
 from elastic_pipe.drawing import DRAW_ARGUMENTS, plan_builder
 from elastic_pipe.flags import add_arguments, check_args
 from elastic_pipe.planned_batch import PlannedBatch, input_functions
+from elastic_pipe.proofs import (ELASTIC_PROOFS, ELASTIC_REFUSALS, SEQ1F1B_PROOFS,
+                                 SEQ1F1B_REFUSALS)
 from elastic_pipe.run_costs import MEASURED
 
 
@@ -77,7 +79,7 @@ def _report(planned: PlannedBatch) -> dict:
 SUBSTITUTIONS = (fixed_checkpointing.SUBSTITUTION,)
 
 
-def _spec(name: str) -> ScheduleSpec:
+def _spec(name: str, proofs: dict, refusals: dict) -> ScheduleSpec:
     prepare_input, prefetch_input = input_functions(name)
     return ScheduleSpec(name, run=_run, input_type=PlannedBatch,
                         argument_groups=(job_costs.add_arguments, add_arguments),
@@ -85,9 +87,9 @@ def _spec(name: str) -> ScheduleSpec:
                         prepare_input=prepare_input, prefetch_input=prefetch_input,
                         report=_report, build_ir=plan_builder(name),
                         draw_arguments=DRAW_ARGUMENTS, draw_units=False,
-                        substitutions=SUBSTITUTIONS,
-                        draw_missing=missing_flags)
+                        substitutions=SUBSTITUTIONS, draw_missing=missing_flags,
+                        proofs=proofs, refusals=refusals)
 
 
-ELASTIC = _spec("elastic")
-SEQ1F1B = _spec("seq1f1b")
+ELASTIC = _spec("elastic", ELASTIC_PROOFS, ELASTIC_REFUSALS)
+SEQ1F1B = _spec("seq1f1b", SEQ1F1B_PROOFS, SEQ1F1B_REFUSALS)

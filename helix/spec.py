@@ -53,6 +53,7 @@ from helix.batches import HelixBatches, prepare_input
 from helix.flags import add_arguments, add_draw_arguments, check_args
 from helix.model import HelixGPTModel, shipped_weights
 from helix.program import HelixProgram
+from helix.proofs import PROOFS, REFUSALS
 from helix.schedule import PRE_TENSORS, HelixFlow, helix_ir, planned_helix
 from helix.stage_model import build_model, helix_process_groups
 from megatron.plugin.executor_call import run_this_rank
@@ -120,4 +121,5 @@ SPEC = ScheduleSpec("helix", run=run, input_type=HelixBatches,
                     report=lambda batches: {
                         "padding_microbatches": batches.padding,
                         "planned_activation_bytes": batches.planned_activation_bytes},
-                    build_ir=helix_ir, draw_arguments=(add_num_layers, add_draw_arguments))
+                    build_ir=helix_ir, draw_arguments=(add_num_layers, add_draw_arguments),
+                    proofs=PROOFS, refusals=REFUSALS)

@@ -19,6 +19,8 @@ from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.validation import validate
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
 
+from ir_1f1b.proofs import PROOFS, REFUSALS
+
 
 @functools.lru_cache(maxsize=64)
 def planned_1f1b(pp: int, microbatches: int):
@@ -32,4 +34,5 @@ def run(call: RankCall) -> list:
     return run_over_packed(call, planned_1f1b)
 
 
-SPEC = ScheduleSpec("1f1b-ir", run=run, build_ir=one_f_one_b_ir)
+SPEC = ScheduleSpec("1f1b-ir", run=run, build_ir=one_f_one_b_ir, proofs=PROOFS,
+                    refusals=REFUSALS)

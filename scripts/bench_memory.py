@@ -150,7 +150,7 @@ def predictions(args, profile: str) -> dict:
     """``{schedule: {"iteration_s", "units"}}``: the simulator's figures for the last
     iteration's batch priced with ``profile``, for the schedules planned here (module doc)."""
     from elastic_pipe.baselines import megatron_1f1b
-    from elastic_pipe.evaluation import plan_schedule
+    from elastic_pipe.planning import plan_schedule
     from elastic_pipe.lowering import simulate_plan
     from elastic_pipe.scheduler import SchedulerConfig
     from elastic_pipe.sequence_processor import ChunkingConfig

@@ -73,7 +73,7 @@ def predicted(name, documents, args, model) -> tuple[float, list[float]]:
     """Simulated iteration time and per-stage activation peak of this batch under ``name``."""
     from elastic_pipe.baselines import megatron_1f1b
     from longctx.cost_model import CostModel
-    from elastic_pipe.evaluation import plan_schedule
+    from elastic_pipe.planning import plan_schedule
     from elastic_pipe.lowering import activation_peaks, simulate_plan
     from elastic_pipe.flags import scheduler_config
     from elastic_pipe.run_costs import elastic_cost_model

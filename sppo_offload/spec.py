@@ -76,6 +76,7 @@ from longctx import fixed_checkpointing, job_costs
 from sppo_offload.flags import NAME, add_arguments, add_draw_arguments, check_args
 from sppo_offload.mux_runtime import MultiplexProgram, block_groups
 from sppo_offload.offload import OFF
+from sppo_offload.proofs import PROOFS, REFUSALS
 from sppo_offload.pipeline import sppo_ir
 from sppo_offload.subsequence_batch import SubsequenceBatch, prepare_input
 
@@ -130,4 +131,5 @@ SPEC = ScheduleSpec(NAME, run=run, input_type=SubsequenceBatch,
                     prepare_input=prepare_input, build_ir=sppo_ir,
                     report=lambda batch: {"planned_activation_bytes":
                                           batch.planned_activation_bytes},
-                    draw_arguments=(add_draw_arguments,), substitutions=SUBSTITUTIONS)
+                    draw_arguments=(add_draw_arguments,), substitutions=SUBSTITUTIONS,
+                    proofs=PROOFS, refusals=REFUSALS)

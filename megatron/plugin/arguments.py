@@ -355,10 +355,11 @@ def _moe_expert_tensor_parallel(args):
     if schedule == "default" and (args.num_layers_per_virtual_pipeline_stage
                                   or args.num_virtual_stages_per_pipeline_rank):
         schedule = "interleaved"  # what Megatron runs with virtual stages
-    if schedule in option_classes.EXPERT_TP:
+    if option_classes.proof(option_classes.SPLIT_EXPERTS, schedule) is not None:
         return None
-    if schedule in option_classes.EXPERT_REFUSALS:
-        return option_classes.EXPERT_REFUSALS[schedule].replace("{flag}", flag)
+    own = option_classes.schedule_refusal("expert_model_parallel_size", schedule, flag)
+    if own is not None:
+        return own
     return (f"{flag} {expert_tp} with --num-experts is not supported by --pipeline-schedule "
             f"{schedule}: no test proves experts split over another tensor-parallel size than "
             f"the other layers under it yet: drop {flag} (the experts then take "

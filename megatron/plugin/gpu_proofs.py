@@ -1,8 +1,8 @@
 """Which options honoured on the strength of the GPU check have a passed verdict yet.
 
-``megatron.plugin.option_classes`` classes ``--bf16``, ``--fp16`` (:data:`PRECISION`) and
-``--transformer-impl transformer_engine`` (:data:`TE_SCHEDULES`) as honoured, with
-``scripts/gpu_check.py`` (:data:`GPU_CHECK`, run by ``scripts/gpu_check.sh``) as their proof.
+``--bf16``, ``--fp16`` and ``--transformer-impl transformer_engine`` are honoured under a
+schedule whose proof of them is ``scripts/gpu_check.py`` (:data:`GPU_CHECK`, run by
+``scripts/gpu_check.sh``; :func:`megatron.plugin.option_classes.proof`).
 Such an option is proven under a schedule only once a committed report of that check
 (``benchmarks/results/gpu/verdicts_*.txt``) holds a passed verdict line for it:
 ``PASS train/<schedule>/pp<P>/<dtype>`` (Megatron's own schedule, ``default``, is proven by
@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from megatron.plugin.option_classes import GPU_CHECK, PRECISION, TE_SCHEDULES
+from megatron.plugin.option_classes import GPU_CHECK, proof
 
 REPORTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "gpu"
 PASSED = re.compile(r"^PASS +train/([a-z0-9-]+)/pp\d+(?:tp\d+)?/"
@@ -40,13 +40,14 @@ def warnings(args, reports: Path = REPORTS) -> list[str]:
     proven = passed(reports)
     lines = []
     for flag, dtype in (("--bf16", "bf16"), ("--fp16", "fp16")):
-        if getattr(args, dtype, False) and PRECISION.get(schedule) == GPU_CHECK \
+        if getattr(args, dtype, False) and proof(dtype, schedule) == GPU_CHECK \
                 and (verdict_schedule, dtype) not in proven:
             lines.append(f"warning: {flag} under --pipeline-schedule {schedule} is unproven on "
                          f"GPUs: no committed report of {GPU_CHECK} shows its verdict "
                          f"(train/{verdict_schedule}/pp*/{dtype}) passed")
     if getattr(args, "transformer_impl", None) == "transformer_engine" \
-            and schedule in TE_SCHEDULES and (verdict_schedule, "bf16-te") not in proven:
+            and proof("transformer_impl", schedule) == GPU_CHECK \
+            and (verdict_schedule, "bf16-te") not in proven:
         lines.append(f"warning: --transformer-impl transformer_engine under --pipeline-schedule "
                      f"{schedule} is unproven on GPUs: no committed report of {GPU_CHECK} shows "
                      f"its verdict (train/{verdict_schedule}/pp2/bf16-te) passed (the lent test "

@@ -91,8 +91,8 @@ def layer_spec(args: argparse.Namespace, num_layers: int, rope: RopeSettings | N
     layers (:func:`~megatron.plugin.layers.te_layers.document_te_layer_spec`), with the document
     attention and ``--qk-layernorm`` either way (the start-up refuses MoE layers with
     Transformer Engine); MoE layers take their load-balancing loss per document with
-    ``--moe-per-document-aux-loss-coeff`` (which the option classes accept under the schedules
-    of :data:`~megatron.plugin.option_classes.AUX_PER_DOCUMENT` only). A schedule's own
+    ``--moe-per-document-aux-loss-coeff`` (accepted only under the schedules whose tables prove
+    it, :func:`~megatron.plugin.option_classes.proving`). A schedule's own
     ``build_model`` (helix) takes the local layer: the start-up refuses Transformer Engine
     under it."""
     if args.transformer_impl == "transformer_engine":

@@ -2,7 +2,7 @@
 
 The parser is Megatron-LM's (``megatron.training.arguments``, every supported megatron-core
 release) plus the project's group and each registered schedule's group. Each option's
-destination is named here once, explicitly (no prefix patterns: an option a new megatron-core
+destination is named once, explicitly (no prefix patterns: an option a new megatron-core
 release adds is in no class, and :func:`megatron.plugin.arguments.check_command_line` refuses it
 at start-up when given until it is classified here):
 
@@ -11,9 +11,15 @@ at start-up when given until it is classified here):
   formats, optimizer and learning-rate hyper-parameters, tokenizers, initial weights and
   seeds): Megatron-LM's loop (or the project's data loader) honours it the same way under
   every schedule.
-* :data:`HONOURED`: read by the model or a schedule; accepted under a schedule only where a
-  test proves it there with a value other than the default (:class:`Honoured`). Under any
-  other schedule it is refused, naming what to use instead.
+* honoured (:func:`proof`): read by the model or a schedule; accepted under a schedule only
+  where a test proves it there with a value other than the default. Under any other schedule it
+  is refused, naming what to use instead. :data:`HONOURED` holds the proofs under Megatron's
+  own schedules (``default``, ``1f1b``, ``interleaved``) and under every schedule (``*``), and
+  what to do instead elsewhere; every other schedule declares what it honours itself, in its
+  :class:`~megatron.plugin.schedule_spec.ScheduleSpec` (``proofs``: option -> the test proving
+  it there; ``refusals``: option -> its own refusal of it), read here once it is registered. An
+  option that only schedules' tables name is their own flag: refused under the others as doing
+  nothing there.
 * :data:`REFUSED`: refused under every schedule when given with a value other than Megatron's
   default, with what to do instead.
 
@@ -26,9 +32,11 @@ Megatron's ``1f1b`` or, with virtual stages, ``interleaved``).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
-from typing import Mapping
+from typing import Iterable, Mapping
+
+from megatron.plugin import registry
 
 
 def _names(text: str) -> frozenset:
@@ -39,237 +47,81 @@ def _each(text: str, message: str) -> dict:
     return {name: message for name in text.split()}
 
 
+def each(dests: Iterable[str], proof: str) -> dict:
+    """``dest -> proof`` for each of ``dests`` (a group below proved by one layout)."""
+    return dict.fromkeys(dests, proof)
+
+
 @dataclass(frozen=True)
 class Honoured:
-    """``proofs``: schedule (``*``: every schedule) -> the test proving the option there.
-    ``values``: the values honoured (an enumeration's by name), ``None`` for any (others are
-    refused with ``refusal``).
-    Under a schedule without a proof the option is refused: with that schedule's message of
-    ``refusals`` when it has one (a whole sentence), else with ``refusal``, what to do instead."""
+    """``proofs``: Megatron's schedule (``*``: every schedule) -> the test proving the option
+    there; other schedules name theirs in their ``ScheduleSpec``. ``values``: the values
+    honoured (an enumeration's by name), ``None`` for any (others are refused with
+    ``refusal``). Under a schedule without a proof the option is refused: with that schedule's
+    own message when it has one (``ScheduleSpec.refusals``, a whole sentence), else with
+    ``refusal``, what to do instead."""
 
     proofs: Mapping[str, str]
     refusal: str
-    refusals: Mapping[str, str] = field(default_factory=dict)
     values: tuple | None = None
 
 
-# Proofs shared by many options: the golden layouts of each schedule with the tiny model
-# (tests/harness.py TINY_MODEL), with tensor and sequence parallelism, with Ulysses context
-# parallelism, and with the rope/SwiGLU/RMSNorm model.
-BASE = {"default": "golden:pp2", "1f1b": "golden:pp2", "interleaved": "golden:pp2_vp2_interleaved",
-        "1f1b-ir": "golden:pp2_ir", "elastic": "golden:pp2_elastic",
-        "seq1f1b": "golden:pp2_seq1f1b_uniform", "helix": "golden:pp2_helix",
-        "sppo": "golden:pp2_sppo_n4", "gpipe": "golden:pp2_gpipe_outside"}
-TP_SP = {"default": "golden:pp2_tp2_sp", "1f1b": "golden:pp2_tp2_sp",
-         "interleaved": "golden:pp2_vp2_tp2_sp_interleaved",
-         "1f1b-ir": "golden:pp2_tp2_sp_ir", "elastic": "golden:pp2_tp2_sp_elastic",
-         "seq1f1b": "golden:pp2_tp2_sp_seq1f1b", "helix": "golden:pp2_tp2_sp_helix",
-         "sppo": "golden:pp2_tp2_sp_sppo_n4_offload"}
-#: Under the document schedules the proofs of context parallelism train Megatron's default loss,
-#: whose value depends on the degree (each token weighed as Megatron's split of its packed row
-#: weighs it, :mod:`megatron.plugin.default_loss`), against Megatron's value at that degree.
-CP = {"default": "golden:pp2_ulysses2_1f1b", "1f1b": "golden:pp2_ulysses2_1f1b",
-      "interleaved": "golden:pp2_vp2_ulysses2_interleaved_default_loss",
-      "1f1b-ir": "golden:pp2_ulysses2_ir", "elastic": "golden:pp2_ulysses2_elastic_default_loss",
-      "seq1f1b": "golden:pp2_ulysses2_seq1f1b_default_loss_mbs2",
-      "sppo": "golden:pp2_ulysses2_sppo_default_loss_mbs2",
-      "helix": "golden:pp2_ulysses2_helix_default_loss"}
-ROPE_SWIGLU = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
-               "interleaved": "golden:pp2_vp2_rope_interleaved",
-               "1f1b-ir": "golden:pp2_rope_ir", "seq1f1b": "golden:pp2_rope_seq1f1b",
-               "elastic": "golden:pp2_dp2_elastic", "helix": "golden:pp2_dp2_helix",
-               "sppo": "golden:pp2_dp2_sppo_n5_offload"}
-#: ``--cp-comm-type a2a`` (Ulysses, what runs here for every value) beside Ulysses layouts.
-CP_COMM = {"default": "golden:pp2_ulysses2_default_loss_mbs2",
-           "1f1b": "golden:pp2_ulysses2_default_loss_mbs2",
-           "interleaved": "golden:pp2_vp2_ulysses2_interleaved_default_loss",
-           "1f1b-ir": "golden:pp2_ulysses2_ir",
-           "elastic": "golden:pp2_ulysses2_elastic_default_loss",
-           "seq1f1b": "golden:pp2_ulysses2_seq1f1b_default_loss_mbs2",
-           "sppo": "golden:pp2_ulysses2_sppo_n6_offload",
-           "helix": "golden:pp2_ulysses2_helix_default_loss"}
-#: The rope model's layouts take the model-shape flags of Megatron-LM's GPT configurations too:
-#: kv_channels other than hidden / heads, grouped-query attention, partial RoPE at another base,
-#: the MLP's width and the allocator's cache emptied around the step. Not Megatron's fused cross
-#: entropy: it returns the logits' gradient in bf16, and which of them round to another bf16
-#: value differs with fp32's summation order, more than the golden comparison allows.
-MODEL_SHAPE = ROPE_SWIGLU
-GQA = {"elastic": "golden:pp2_gqa_elastic", "seq1f1b": "golden:pp2_gqa_seq1f1b",
-       "1f1b-ir": "golden:pp2_gqa_ir", "interleaved": "golden:pp2_vp2_gqa_interleaved",
-       "helix": MODEL_SHAPE["helix"], "sppo": MODEL_SHAPE["sppo"]}
-#: The Q and K norms (``--qk-layernorm``, shipped to helix's attention stage with the QKV
-#: weight), ``--eod-mask-loss``, interleaved RoPE (``--rotary-interleaved``) and the squared
-#: ReLU (``--squared-relu``): one model variant proves them; under the schedules that run
-#: Megatron's layer map its layouts split the layers unevenly too (:data:`UNEVEN`).
-QK_NORM_EOD = {"default": "golden:pp2_qk_eod_uneven_1f1b",
-               "1f1b": "golden:pp2_qk_eod_uneven_1f1b",
-               "interleaved": "golden:pp2_vp2_qk_eod_interleaved",
-               "1f1b-ir": "golden:pp2_qk_eod_uneven_ir",
-               "elastic": "golden:pp2_qk_eod_uneven_elastic",
-               "seq1f1b": "golden:pp2_qk_eod_uneven_seq1f1b", "helix": "golden:pp2_qk_eod_helix",
-               "sppo": "golden:pp2_qk_eod_uneven_sppo_n4_offload"}
-#: Megatron's attention output gate (its ``SelfAttention`` applies it around the document
-#: attention, per token), with grouped queries.
-OUTPUT_GATE = {"default": "golden:pp2_gate_1f1b", "1f1b": "golden:pp2_gate_1f1b",
-               "interleaved": "golden:pp2_vp2_gate_interleaved", "1f1b-ir": "golden:pp2_gate_ir",
-               "elastic": "golden:pp2_gate_elastic", "seq1f1b": "golden:pp2_gate_seq1f1b",
-               "sppo": "golden:pp2_gate_sppo_n4_offload"}
-#: Dropless mixture of experts (Megatron's MoE layer, with a gated shared expert beside the
-#: routed ones and the router in FP64; its auxiliary loss: :data:`MOE_AUX`, or the project's
-#: per document: :data:`MOE_AUX_PER_DOCUMENT`);
-#: under the schedules that run Megatron's layer map its layouts count the embedding and the
-#: loss as layers of the split (:data:`ACCOUNTED`), under interleaved over 3 virtual stages
-#: given by their count (the first holds only the embedding, the last only the loss). Under
-#: Megatron's schedules and 1f1b-ir its layouts spread the experts over ranks (:data:`EXPERTS`).
-MOE = {"default": "golden:pp2_dp2_ep2_a2a_moe_accounted_1f1b",
-       "1f1b": "golden:pp2_dp2_ep2_a2a_moe_accounted_1f1b",
-       "interleaved": "golden:pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved",
-       "1f1b-ir": "golden:pp2_dp2_ep2_moe_accounted_ir",
-       "elastic": "golden:pp2_moe_accounted_elastic",
-       "seq1f1b": "golden:pp2_moe_accounted_seq1f1b", "helix": "golden:pp2_moe_helix",
-       "sppo": "golden:pp2_moe_accounted_sppo_n4_offload"}
-#: Expert parallelism (``--expert-model-parallel-size``: the experts spread over ranks carved
-#: from the data-parallel replicas, each token sent to its experts' ranks by Megatron's token
-#: dispatcher) where every replica calls each MoE layer equally often and in the same order:
-#: Megatron's schedules and 1f1b-ir, which run as many ``--seq-length`` micro-batches on every
-#: replica (two replicas of PP=2; under 1f1b and interleaved with the all-to-all dispatcher,
-#: under 1f1b-ir with the all-gather one).
-EXPERTS = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir")}
-#: Each expert's weights split over ``--expert-tensor-parallel-size`` ranks other than the
-#: tensor-parallel size of the other layers (``arguments.RULES`` reads this), the tokens
-#: gathered over them: two replicas of PP=2 (under 1f1b-ir with the all-to-all dispatcher).
-EXPERT_TP = {"default": "golden:pp2_dp2_etp2_moe_1f1b", "1f1b": "golden:pp2_dp2_etp2_moe_1f1b",
-             "1f1b-ir": "golden:pp2_dp2_etp2_a2a_moe_ir"}
-#: Megatron's all-to-all token dispatcher (its default is the all-gather one).
-DISPATCHER = {**{name: MOE[name] for name in ("default", "1f1b", "interleaved")},
-              "1f1b-ir": EXPERT_TP["1f1b-ir"]}
-_REPLICAS_APART = (
-    "{flag} is not supported by --pipeline-schedule {schedule}: with experts spread over "
-    "ranks, Megatron's token dispatcher exchanges tokens between the data-parallel replicas in "
-    "a collective (all-to-all or all-gather) at every call of an MoE layer, so every replica "
-    "has to call each MoE layer equally often and in the same order, and {schedule} {why}. "
-    "Drop {flag}, or use 1f1b or 1f1b-ir (as many --seq-length micro-batches on every "
-    "replica)")
-#: The refusal of spread experts under the schedules that run each replica's documents their
-#: own way (``{flag}``: the flag refused).
-EXPERT_REFUSALS = {schedule: _REPLICAS_APART.replace("{schedule}", schedule).replace("{why}", why)
-                   for schedule, why in (
-                       ("elastic", "plans each replica's documents apart (its own slices, "
-                                   "packed chunks and per-chunk recomputation), so the calls "
-                                   "would not pair up"),
-                       ("seq1f1b", "plans each replica's documents apart (its own slices and "
-                                   "per-chunk recomputation), so the calls would not pair up"),
-                       ("sppo", "cuts each replica's documents into its own subsequences, so "
-                                "the calls would not pair up"),
-                       ("helix", "runs each replica's own packed micro-batches, completed with "
-                                 "empty slots, through layer parts split across stages, and no "
-                                 "test proves that its MoE calls pair up across replicas"))}
-#: Megatron's auxiliary load-balancing loss (``aux_loss``): the Switch formula over the tokens
-#: of each router call, padding included, which Megatron's schedules make once per micro-batch.
-#: Honoured where the router's calls are Megatron's micro-batches (the moe layouts of Megatron's
-#: schedules and 1f1b-ir pass it, under interleaved with Megatron's default loss, against a
-#: reference that computes it over the same micro-batches; the router gradients it adds are
-#: checked far above the comparison's bound by ``test_the_aux_loss_moves_the_router_gradients``).
-MOE_AUX = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir")}
-_AUX_PER_UNIT = (
-    "Megatron's auxiliary load-balancing loss is a formula over the tokens of each call of "
-    "the router (padding included), which Megatron's schedules make once per micro-batch of "
-    "--micro-batch-size packed rows; this schedule calls the router on units of its own "
-    "(sppo: subsequences whose multiplexed shares cut a slice over several ranks; helix: MLP "
-    "chunks of micro-batches), whose statistics are not Megatron's: use --pipeline-schedule "
-    "1f1b, interleaved or 1f1b-ir with --moe-aux-loss-coeff, or leave it at 0 (dropless "
-    "routing without it is exact under every schedule)")
-#: The schedules that can take the per-document load-balancing loss of the project's own
-#: (``--moe-per-document-aux-loss-coeff``, :mod:`megatron.plugin.layers.document_router`):
-#: their router calls are document chunks (packed documents, or slices of one), never
-#: Megatron's micro-batches.
-AUX_PER_DOCUMENT = ("elastic", "seq1f1b")
-_AUX_REFUSALS = {schedule: (
-    f"--moe-aux-loss-coeff is not supported by --pipeline-schedule {schedule}: Megatron's "
-    f"auxiliary load-balancing loss (aux_loss) is a formula over the tokens of each micro-batch "
-    f"of --micro-batch-size packed rows, padding included, and {schedule} calls the router on "
-    f"document chunks of its own (packed documents, or slices of one), so it cannot compute "
-    f"Megatron's value (scripts/aux_gap.py measures how far the router gradients are). Use "
-    f"--pipeline-schedule 1f1b, interleaved or 1f1b-ir for Megatron's loss; or pass "
-    f"--moe-per-document-aux-loss-coeff instead, the same formula over each document's own "
-    f"tokens (a loss of this project's, not Megatron's); or leave it at 0 (dropless routing "
-    f"without it is exact under every schedule)") for schedule in AUX_PER_DOCUMENT}
-#: The per-document load-balancing loss (:data:`AUX_PER_DOCUMENT`): the elastic layout passes it
-#: with the per-token loss and the seq1f1b layout with Megatron's default loss, against a
-#: reference that computes it over whole documents; so do the layouts at tensor (sequence) and
-#: context parallelism, ``pp2_tp2_sp_moe_elastic``, ``pp2_tp2_sp_moe_seq1f1b`` and
-#: ``pp2_ulysses2_moe_elastic``, whose router calls hold parts of the rows.
-MOE_AUX_PER_DOCUMENT = {name: MOE[name] for name in AUX_PER_DOCUMENT}
-_AUX_PER_DOCUMENT_ELSEWHERE = (
-    "the per-document load-balancing loss is built only for the schedules whose router calls "
-    "are document chunks (elastic, seq1f1b): drop --moe-per-document-aux-loss-coeff, and pass "
-    "--moe-aux-loss-coeff for Megatron's per micro-batch (1f1b, interleaved, 1f1b-ir)")
-#: Megatron's uneven pipeline splits (its layer map, ``get_num_layers_to_build``), where the
-#: schedule runs that map: a first stage of 1 and a last of 3 layers; the embedding and the
-#: loss each counted as a layer.
-UNEVEN = {name: QK_NORM_EOD[name] for name in ("default", "1f1b", "1f1b-ir", "elastic",
-                                               "seq1f1b", "sppo")}
-ACCOUNTED = {name: MOE[name] for name in ("default", "1f1b", "interleaved", "1f1b-ir", "elastic",
-                                          "seq1f1b", "sppo")}
-_UNEVEN_REFUSALS = {
-    "helix": "helix places its layer parts by its own mapping (boundary b on stage b mod PP, "
-             "equal stages): drop {flag}",
-}
-#: Micro-batches of two rows: Megatron's recomputation layouts, and Megatron's default loss
-#: (each micro-batch's token mean) under the document schedules.
-MBS = {"default": "golden:pp2_block_recompute_mbs2", "1f1b": "golden:pp2_default_loss_mbs2",
-       "interleaved": "golden:pp2_vp2_interleaved_uniform_recompute_mbs2",
-       "1f1b-ir": "golden:pp2_ir_uniform_recompute_mbs2",
-       "elastic": "golden:pp2_elastic_default_loss_mbs2",
-       "seq1f1b": "golden:pp2_seq1f1b_default_loss_mbs2",
-       "sppo": "golden:pp2_ulysses2_sppo_default_loss_mbs2", "helix": "golden:pp2_helix_mbs2",
-       "gpipe": "golden:pp2_gpipe_outside"}
-#: Megatron-LM's example launch scripts trained under 1f1b and elastic, Llama-3's also under
-#: seq1f1b, sppo and helix (finite losses and gradient norms; every iteration's loss agrees with
-#: 1f1b's to 1e-4, its gradient norm to the 3 decimals Megatron logs).
-EXAMPLES = ("tests/e2e/test_megatron_examples.py::"
-            "test_megatron_example_trains_alike_under_the_schedules")
-EXAMPLE_SCHEDULES = {"default": EXAMPLES, "1f1b": EXAMPLES, "elastic": EXAMPLES}
-#: Megatron's fused cross entropy (``--cross-entropy-loss-fusion``), proved by Llama-3's
-#: example, which passes it: every schedule reaches it through Megatron's ``forward_step`` and
-#: the model's own loss, on the last stage, once per unit (a micro-batch, an elastic or seq1f1b
-#: chunk, an sppo subsequence; under helix on stage 0, in the last boundary's backward), and its
-#: loss and gradient are per token, so the units do not
-#: change them. It returns the logits' gradient in bf16 (:data:`MODEL_SHAPE`), so schedules are
-#: compared with each other, not with the golden bound.
-FUSED_CROSS_ENTROPY = {**EXAMPLE_SCHEDULES, "seq1f1b": EXAMPLES, "sppo": EXAMPLES,
-                       "helix": EXAMPLES}
-#: Each schedule's short training run in fp32, bf16 and fp16 on the GPU machine (start-up warns
-#: until a committed report shows the verdict passed: megatron/plugin/gpu_proofs.py).
-GPU_CHECK = "scripts/gpu_check.py"
-PRECISION = {name: GPU_CHECK for name in
-             ("default", "1f1b", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo")}
-#: The schedules that build Megatron's Transformer Engine layers (the GPU check trains each).
-TE_SCHEDULES = ("default", "1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b", "sppo")
-OPTIONS = "tests/unit/test_schedule_options.py::test_option_is_honoured_or_refused_by_name"
-ATTENTION_FLAGS = "tests/unit/test_attention_flags.py::"
-#: Under elastic, seq1f1b and sppo Megatron's full recomputation fixes the plan's
-#: checkpointing table (:mod:`longctx.fixed_checkpointing`; ``--recompute-granularity
-#: selective`` is refused there by the schedules' own check); each has a layout of either
-#: method.
-RECOMPUTE = {"default": "golden:pp2_full_recompute", "1f1b": "golden:pp2_full_recompute",
-             "interleaved": "golden:pp2_vp2_interleaved_block_recompute",
-             "1f1b-ir": "golden:pp2_ir_block_recompute",
-             "elastic": "golden:pp2_full_recompute_elastic",
-             "seq1f1b": "golden:pp2_block_recompute_seq1f1b",
-             "sppo": "golden:pp4_sppo_n5_uniform_recompute"}
-SELECTIVE = {"default": "golden:pp2_selective_recompute",
-             "1f1b": "golden:pp2_selective_recompute",
-             "interleaved": "golden:pp2_vp2_interleaved_selective_recompute",
-             "1f1b-ir": "golden:pp2_ir_selective_recompute"}
+# Groups of options that one golden layout proves together under a schedule (a schedule's table
+# gives each group its layout with :func:`each`).
 
-#: Overlapped data-parallel gradient reduction with buckets small enough that the first stage
-#: has several (two data-parallel replicas of PP=2; the golden test also checks that the
-#: first stage's buckets started their reductions inside its last backward, under helix
-#: inside the last backward of the layer parts whose parameters they hold).
-OVERLAP = {"1f1b-ir": "golden:pp2_dp2_overlap_ir", "elastic": "golden:pp2_dp2_overlap_elastic",
-           "seq1f1b": "golden:pp2_dp2_overlap_seq1f1b", "sppo": "golden:pp2_dp2_overlap_sppo",
-           "helix": "golden:pp2_dp2_dplast_distopt_helix"}
+#: The model's shape and the batch: the tiny model's layout (tests/harness.py TINY_MODEL).
+MODEL = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+         "max_position_embeddings", "global_batch_size", "hidden_dropout", "attention_dropout",
+         "calculate_per_token_loss", "vocab_size", "pipeline_model_parallel_size")
+#: Tensor and sequence parallelism. ``--expert-tensor-parallel-size``: without
+#: ``--num-experts`` no layer reads it, and it only sizes Megatron's expert groups (Megatron-LM's
+#: configs give it without experts); with MoE layers, other than the tensor-parallel size, it
+#: splits each expert (:data:`SPLIT_EXPERTS`). ``--no-persist-layer-norm``: Megatron's
+#: persistent fused LayerNorm kernel (apex), which the document layer spec's norms never use
+#: (Megatron-LM's configs without Transformer Engine give it).
+TENSOR_PARALLEL = ("tensor_model_parallel_size", "sequence_parallel",
+                   "expert_tensor_parallel_size", "no_persist_layer_norm")
+#: The rope / SwiGLU / RMSNorm model (Llama's), whose layouts take the model-shape flags of
+#: Megatron-LM's GPT configurations too: kv_channels other than hidden / heads, partial RoPE at
+#: another base, the MLP's width and the allocator's cache emptied around the step. Not
+#: Megatron's fused cross entropy: it returns the logits' gradient in bf16, and which of them
+#: round to another bf16 value differs with fp32's summation order, more than the golden
+#: comparison allows.
+ROPE_MODEL = ("position_embedding_type", "swiglu", "layernorm_zero_centered_gamma",
+              "add_bias_linear", "untie_embeddings_and_output_weights", "normalization",
+              "ffn_hidden_size", "kv_channels", "rotary_base", "rotary_percent",
+              "empty_unused_memory_level")
+#: The Q and K norms (``--qk-layernorm``), ``--eod-mask-loss``, interleaved RoPE
+#: (``--rotary-interleaved``: rotating channel pairs 2i, 2i + 1 rather than i, i + dim / 2,
+#: applied by the document attention at each token's true position with Megatron's own
+#: rotation), Megatron's MLP with its squared ReLU (``--squared-relu``) and MuP (Megatron's
+#: config turns its flags into the attention's scale, which the document attention is built
+#: with, the embedding's and the logits' multipliers, the initialisation and the optimizer's
+#: per-group learning rates): one model variant proves them; under the schedules that run
+#: Megatron's layer map its layouts split the layers unevenly too (:data:`UNEVEN_SPLIT`).
+MODEL_VARIANT = ("qk_layernorm", "eod_mask_loss", "rotary_interleaved", "squared_relu",
+                 "use_mup", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",
+                 "mup_base_head_dim", "mup_attn_scale_power")
+#: Grouped-query attention.
+GROUPED_QUERIES = ("group_query_attention", "num_query_groups")
+#: Megatron's uneven pipeline splits (its layer map, ``get_num_layers_to_build``), where the
+#: schedule runs that map: a first stage of 1 and a last of 3 layers (:data:`MODEL_VARIANT`'s
+#: layouts).
+UNEVEN_SPLIT = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+#: The embedding and the loss each counted as a layer of the split (:data:`MOE`'s layouts).
+ACCOUNTED_SPLIT = ("account_for_embedding_in_pipeline_split",
+                   "account_for_loss_in_pipeline_split")
+#: Dropless mixture of experts: Megatron's MoE layer, with a gated shared expert beside the
+#: routed ones and the router in FP64; under the schedules that run Megatron's layer map its
+#: layouts count the embedding and the loss as layers of the split (:data:`ACCOUNTED_SPLIT`).
+MOE = ("num_experts", "moe_router_topk", "moe_ffn_hidden_size",
+       "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_dtype")
+#: Megatron's recomputation (tests/unit/test_schedule_options.py names each cell's layout).
+RECOMPUTATION = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+#: Megatron's data-parallel gradient reduction overlapped with the backward, with buckets small
+#: enough that the first stage has several (under the IR schedules too:
+#: megatron/plugin/pipeline/grad_sync.py).
+OVERLAPPED_REDUCTION = ("overlap_grad_reduce", "ddp_bucket_size")
 #: Megatron's distributed optimizer with overlapped gradient reduce-scatter and parameter
 #: all-gather (two data-parallel replicas of PP=2; the golden test also compares the updated
 #: parameters with those of the reference's step, and checks that a later bucket's all-gather
@@ -278,14 +130,94 @@ OVERLAP = {"1f1b-ir": "golden:pp2_dp2_overlap_ir", "elastic": "golden:pp2_dp2_ov
 #: every rank's pipeline and data-parallel peers; the golden test checks the groups), the
 #: other pp2_dp2 layouts Megatron's default order. The project asks megatron-core's
 #: ``parallel_state`` for every group and peer, so no code of it depends on the order.
-DISTOPT = {"default": "golden:pp2_dp2_dplast_distopt_1f1b",
-           "1f1b": "golden:pp2_dp2_dplast_distopt_1f1b",
-           "1f1b-ir": "golden:pp2_dp2_dplast_distopt_ir",
-           "elastic": "golden:pp2_dp2_dplast_distopt_elastic",
-           "seq1f1b": "golden:pp2_dp2_dplast_distopt_seq1f1b",
-           "sppo": "golden:pp2_dp2_dplast_distopt_sppo",
-           "helix": "golden:pp2_dp2_dplast_distopt_helix",
-           "interleaved": "golden:pp2_vp2_dp2_dplast_distopt_interleaved"}
+DISTRIBUTED_OPTIMIZER = ("use_distributed_optimizer", "use_tp_pp_dp_mapping",
+                         "overlap_param_gather")
+#: Half precision: each schedule's short training run in fp32, bf16 and fp16 on the GPU
+#: machine (:data:`GPU_CHECK`).
+HALF_PRECISION = ("bf16", "fp16")
+
+#: Not one option but a setting of two: experts split over ``--expert-tensor-parallel-size``
+#: ranks other than the tensor-parallel size of the other layers, the tokens gathered over them
+#: (``--num-experts`` with that size; ``arguments.RULES`` asks :func:`proof` for it). A
+#: schedule's table names its proof under this key; :data:`EXPERT_TP` holds Megatron's.
+SPLIT_EXPERTS = "num_experts+expert_tensor_parallel_size"
+
+#: Megatron-LM's example launch scripts trained under 1f1b and the schedules that name it
+#: (finite losses and gradient norms; every iteration's loss agrees with 1f1b's to 1e-4, its
+#: gradient norm to the 3 decimals Megatron logs).
+EXAMPLES = ("tests/e2e/test_megatron_examples.py::"
+            "test_megatron_example_trains_alike_under_the_schedules")
+#: Each schedule's short training run on the GPU machine (fp32, bf16 and fp16; Megatron's
+#: Transformer Engine layers); start-up warns until a committed report shows the verdict passed
+#: (:mod:`megatron.plugin.gpu_proofs`).
+GPU_CHECK = "scripts/gpu_check.py"
+ATTENTION_FLAGS = "tests/unit/test_attention_flags.py::"
+#: The proof of the planner's flags that the planner reads them.
+PLANNER_KNOBS = "tests/unit/test_option_classes.py::test_planner_flags_reach_the_planner"
+
+
+def experts_apart(schedule: str, why: str) -> str:
+    """The refusal of experts spread over ranks (``{flag}``: the flag refused) under a schedule
+    that runs each data-parallel replica's documents its own way (``why``: how)."""
+    return (f"{{flag}} is not supported by --pipeline-schedule {schedule}: with experts spread "
+            f"over ranks, Megatron's token dispatcher exchanges tokens between the data-parallel "
+            f"replicas in a collective (all-to-all or all-gather) at every call of an MoE "
+            f"layer, so every replica has to call each MoE layer equally often and in the same "
+            f"order, and {schedule} {why}. Drop {{flag}}, or use 1f1b or 1f1b-ir (as many "
+            f"--seq-length micro-batches on every replica)")
+
+
+def dispatcher_not_run(schedule: str) -> str:
+    """The refusal of ``--moe-token-dispatcher-type`` under a schedule that refuses experts
+    spread over ranks (:func:`experts_apart`)."""
+    return (f"--moe-token-dispatcher-type is not supported by --pipeline-schedule {schedule}: "
+            f"it chooses how the ranks of spread experts exchange tokens, which {schedule} does "
+            f"not run (--expert-model-parallel-size and --expert-tensor-parallel-size are "
+            f"refused there with MoE layers); with every expert whole on every rank the "
+            f"dispatchers route alike: drop the flag")
+
+
+# The proofs under Megatron's own schedules (``default`` is Megatron's choice: 1f1b, or
+# interleaved with virtual stages).
+_MODEL = {"default": "golden:pp2", "1f1b": "golden:pp2",
+          "interleaved": "golden:pp2_vp2_interleaved"}
+_TENSOR_PARALLEL = {"default": "golden:pp2_tp2_sp", "1f1b": "golden:pp2_tp2_sp",
+                    "interleaved": "golden:pp2_vp2_tp2_sp_interleaved"}
+_CONTEXT_PARALLEL = {"default": "golden:pp2_ulysses2_1f1b", "1f1b": "golden:pp2_ulysses2_1f1b",
+                     "interleaved": "golden:pp2_vp2_ulysses2_interleaved_default_loss"}
+_ROPE_MODEL = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
+               "interleaved": "golden:pp2_vp2_rope_interleaved"}
+#: ``--cp-comm-type a2a`` (Ulysses, what runs here for every value) beside Ulysses layouts.
+_CP_COMM = {"default": "golden:pp2_ulysses2_default_loss_mbs2",
+            "1f1b": "golden:pp2_ulysses2_default_loss_mbs2",
+            "interleaved": "golden:pp2_vp2_ulysses2_interleaved_default_loss"}
+_MODEL_VARIANT = {"default": "golden:pp2_qk_eod_uneven_1f1b",
+                  "1f1b": "golden:pp2_qk_eod_uneven_1f1b",
+                  "interleaved": "golden:pp2_vp2_qk_eod_interleaved"}
+#: Megatron's attention output gate (its ``SelfAttention`` applies it around the document
+#: attention, per token), with grouped queries.
+_OUTPUT_GATE = {"default": "golden:pp2_gate_1f1b", "1f1b": "golden:pp2_gate_1f1b",
+                "interleaved": "golden:pp2_vp2_gate_interleaved"}
+#: Under interleaved over 3 virtual stages given by their count (the first holds only the
+#: embedding, the last only the loss); the experts spread over ranks with the all-to-all
+#: dispatcher.
+_MOE = {"default": "golden:pp2_dp2_ep2_a2a_moe_accounted_1f1b",
+        "1f1b": "golden:pp2_dp2_ep2_a2a_moe_accounted_1f1b",
+        "interleaved": "golden:pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved"}
+#: Each expert's weights split over ``--expert-tensor-parallel-size`` ranks
+#: (:data:`SPLIT_EXPERTS`): two replicas of PP=2.
+EXPERT_TP = {"default": "golden:pp2_dp2_etp2_moe_1f1b", "1f1b": "golden:pp2_dp2_etp2_moe_1f1b"}
+#: Micro-batches of two rows: Megatron's recomputation layouts, and Megatron's default loss
+#: (each micro-batch's token mean).
+_MICRO_BATCHES = {"default": "golden:pp2_block_recompute_mbs2",
+                  "1f1b": "golden:pp2_default_loss_mbs2",
+                  "interleaved": "golden:pp2_vp2_interleaved_uniform_recompute_mbs2"}
+_EXAMPLES = {"default": EXAMPLES, "1f1b": EXAMPLES}
+_RECOMPUTATION = {"default": "golden:pp2_full_recompute", "1f1b": "golden:pp2_full_recompute",
+                  "interleaved": "golden:pp2_vp2_interleaved_block_recompute"}
+_DISTRIBUTED_OPTIMIZER = {"default": "golden:pp2_dp2_dplast_distopt_1f1b",
+                          "1f1b": "golden:pp2_dp2_dplast_distopt_1f1b",
+                          "interleaved": "golden:pp2_vp2_dp2_dplast_distopt_interleaved"}
 #: The distributed optimizer's all-gathers dispatched in its step (two replicas of PP=2 with
 #: two virtual stages: the losses of the run that gathers in the forwards, every iteration).
 PARAM_GATHER_IN_STEP = ("tests/e2e/test_pretrain.py::"
@@ -295,47 +227,54 @@ PARAM_GATHER_IN_STEP = ("tests/e2e/test_pretrain.py::"
 #: :mod:`megatron.plugin.cpu_compat`), with Megatron's default loss (Megatron refuses it beside
 #: ``--calculate-per-token-loss``): in the all-reduce under Megatron's schedules (under
 #: interleaved with experts spread over the data-parallel replicas, whose gradients Megatron
-#: scales before the average) and 1f1b-ir (overlapped with the backward), in the distributed
-#: optimizer's reduce-scatter under the document schedules.
-AVERAGE_IN_COLLECTIVE = {
+#: scales before the average).
+_AVERAGE_IN_COLLECTIVE = {
     "default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
-    "interleaved": "golden:pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved",
-    "1f1b-ir": "golden:pp2_dp2_overlap_ir",
-    "elastic": "golden:pp2_dp2_dplast_distopt_elastic",
-    "seq1f1b": "golden:pp2_dp2_dplast_distopt_seq1f1b",
-    "sppo": "golden:pp2_dp2_dplast_distopt_sppo", "helix": "golden:pp2_dp2_dplast_distopt_helix"}
+    "interleaved": "golden:pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved"}
 #: Megatron's partial distributed optimizer (``--num-distributed-optimizer-instances 2`` at two
 #: data-parallel replicas: each instance one replica holding its whole optimizer state, the
 #: instances' gradients all-reduced after each instance's reduce-scatter; on a CPU the
 #: communication stream megatron-core creates for it is the compatibility layer's stand-in).
-#: Under the document schedules with the reduction overlapped with the backward and the
-#: gather with the forward, as Megatron-LM's configurations of it run.
-OPTIMIZER_INSTANCES = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2",
-                       "elastic": "golden:pp2_dp2_elastic", "seq1f1b": "golden:pp2_dp2_seq1f1b",
-                       "helix": "golden:pp2_dp2_helix", "sppo": "golden:pp2_dp2_sppo_n5_offload"}
+_OPTIMIZER_INSTANCES = {"default": "golden:pp2_dp2", "1f1b": "golden:pp2_dp2"}
+_MEGATRON = ("default", "1f1b", "interleaved")
 
 
 #: ``Honoured.refusal`` of a schedule's own flag: under a schedule without it, it does nothing.
 FOREIGN = "foreign"
-PLANNER_KNOBS = "tests/unit/test_option_classes.py::test_planner_flags_reach_the_planner"
 _NO_TEST = ("no test proves it under this schedule yet: drop it, or use a schedule that has "
             "one")
-_RECOMPUTE_REFUSALS = {
-    "helix": "helix recomputes its own layer parts: drop --recompute-granularity, "
-             "--recompute-method and --recompute-num-layers and pass "
-             "--helix-recompute-without-attention (pre/post-attention parts recomputed, "
-             "attention never)",
-}
+#: Megatron's auxiliary load-balancing loss (``aux_loss``): the Switch formula over the tokens
+#: of each router call, padding included, which Megatron's schedules make once per micro-batch.
+#: Honoured where the router's calls are Megatron's micro-batches (the moe layouts, under
+#: interleaved with Megatron's default loss, against a reference that computes it over the same
+#: micro-batches; the router gradients it adds are checked far above the comparison's bound by
+#: ``test_the_aux_loss_moves_the_router_gradients``).
+_AUX_PER_UNIT = (
+    "Megatron's auxiliary load-balancing loss is a formula over the tokens of each call of "
+    "the router (padding included), which Megatron's schedules make once per micro-batch of "
+    "--micro-batch-size packed rows; this schedule calls the router on units of its own "
+    "(sppo: subsequences whose multiplexed shares cut a slice over several ranks; helix: MLP "
+    "chunks of micro-batches), whose statistics are not Megatron's: use --pipeline-schedule "
+    "1f1b, interleaved or 1f1b-ir with --moe-aux-loss-coeff, or leave it at 0 (dropless "
+    "routing without it is exact under every schedule)")
+#: The project's per-document load-balancing loss (``--moe-per-document-aux-loss-coeff``,
+#: :mod:`megatron.plugin.layers.document_router`), honoured by the schedules whose router calls
+#: are document chunks (packed documents, or slices of one), never Megatron's micro-batches.
+_AUX_PER_DOCUMENT_ELSEWHERE = (
+    "the per-document load-balancing loss is built only for the schedules whose router calls "
+    "are document chunks (elastic, seq1f1b): drop --moe-per-document-aux-loss-coeff, and pass "
+    "--moe-aux-loss-coeff for Megatron's per micro-batch (1f1b, interleaved, 1f1b-ir)")
+
+
+def _megatron(proofs: Mapping[str, str], *names: str) -> dict:
+    """``proofs`` under Megatron's schedules ``names`` (all three when none are named)."""
+    return {name: proofs[name] for name in names or _MEGATRON}
+
 
 HONOURED: dict[str, Honoured] = {
-    # The model's shape and the batch, under every schedule (the golden model).
-    **{name: Honoured(BASE, _NO_TEST) for name in (
-        "num_layers", "hidden_size", "num_attention_heads", "seq_length",
-        "max_position_embeddings", "global_batch_size", "hidden_dropout", "attention_dropout",
-        "calculate_per_token_loss", "vocab_size", "pipeline_model_parallel_size")},
-    "micro_batch_size": Honoured(MBS, _NO_TEST),
-    "tensor_model_parallel_size": Honoured(TP_SP, _NO_TEST),
-    "sequence_parallel": Honoured(TP_SP, _NO_TEST),
+    **{name: Honoured(_MODEL, _NO_TEST) for name in MODEL},
+    "micro_batch_size": Honoured(_MICRO_BATCHES, _NO_TEST),
+    **{name: Honoured(_TENSOR_PARALLEL, _NO_TEST) for name in TENSOR_PARALLEL},
     # Megatron's --cp-comm-type names how its attention exchanges K/V between the
     # context-parallel ranks (p2p: a ring, its default; a2a: Ulysses all-to-all; allgather;
     # a2a+p2p: all-to-all inside --hierarchical-context-parallel-sizes groups, a ring across);
@@ -345,80 +284,56 @@ HONOURED: dict[str, Honoured] = {
     # memory (each rank attends over whole rows for heads / CP heads) instead of a ring's,
     # which start-up says (megatron/plugin/substitutions.py).
     "cp_comm_type": Honoured(
-        CP_COMM, "the document attention exchanges Q, K and V by Ulysses all-to-all whatever "
-                 "--cp-comm-type names (the result of attention is the same); allgather and "
-                 "a2a+p2p name communication it does not build: pass --cp-comm-type a2a (or "
-                 "leave Megatron's default p2p, which runs the same Ulysses)",
+        _CP_COMM, "the document attention exchanges Q, K and V by Ulysses all-to-all whatever "
+                  "--cp-comm-type names (the result of attention is the same); allgather and "
+                  "a2a+p2p name communication it does not build: pass --cp-comm-type a2a (or "
+                  "leave Megatron's default p2p, which runs the same Ulysses)",
         values=("p2p", "a2a")),
-    "context_parallel_size": Honoured(CP, _NO_TEST),
-    # The rope / SwiGLU / RMSNorm model (Llama's).
+    "context_parallel_size": Honoured(_CONTEXT_PARALLEL, _NO_TEST),
+    **{name: Honoured(_ROPE_MODEL, _NO_TEST) for name in ROPE_MODEL},
     "position_embedding_type": Honoured(
-        ROPE_SWIGLU, _NO_TEST, values=("learned_absolute", "rope")),
-    **{name: Honoured(ROPE_SWIGLU, _NO_TEST) for name in (
-        "swiglu", "layernorm_zero_centered_gamma", "add_bias_linear",
-        "untie_embeddings_and_output_weights")},
-    "normalization": Honoured(ROPE_SWIGLU, _NO_TEST, values=("LayerNorm", "RMSNorm")),
-    "qk_layernorm": Honoured(QK_NORM_EOD, _NO_TEST),
-    **{name: Honoured(UNEVEN, _NO_TEST, refusals=_UNEVEN_REFUSALS) for name in (
-        "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")},
-    **{name: Honoured(ACCOUNTED, _NO_TEST, refusals=_UNEVEN_REFUSALS) for name in (
-        "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")},
-    "eod_mask_loss": Honoured(QK_NORM_EOD, _NO_TEST),
-    # MuP: Megatron's config turns the flags into the attention's scale (which the document
-    # attention is built with), the embedding's and the logits' multipliers (which helix's
-    # head and SPPO's helpers apply as Megatron's modules do), the initialisation and the
-    # optimizer's per-group learning rates (Megatron-LM's loop).
-    "attention_output_gate": Honoured(OUTPUT_GATE, _NO_TEST, refusals={"helix": (
-        "--attention-output-gate is not supported by --pipeline-schedule helix: its memory "
-        "model of the layer parts does not count the gate's tensors yet; drop the flag, or "
-        "use elastic or sppo")}),
-    **{name: Honoured(QK_NORM_EOD, _NO_TEST) for name in (
-        "use_mup", "mup_base_hidden_size", "mup_embedding_mult", "mup_output_mult",
-        "mup_base_head_dim", "mup_attn_scale_power")},
+        _ROPE_MODEL, _NO_TEST, values=("learned_absolute", "rope")),
+    "normalization": Honoured(_ROPE_MODEL, _NO_TEST, values=("LayerNorm", "RMSNorm")),
+    **{name: Honoured(_MODEL_VARIANT, _NO_TEST) for name in MODEL_VARIANT},
+    **{name: Honoured(_megatron(_MODEL_VARIANT, "default", "1f1b"), _NO_TEST)
+       for name in UNEVEN_SPLIT},
+    **{name: Honoured(_MOE, _NO_TEST) for name in ACCOUNTED_SPLIT},
+    "attention_output_gate": Honoured(_OUTPUT_GATE, _NO_TEST),
     "mup_width_mult": Honoured({}, "Megatron computes the MuP width multiplier as --hidden-size "
                                    "/ --mup-base-hidden-size and replaces any value given: drop "
                                    "--mup-width-mult and set --mup-base-hidden-size",
                                values=(1.0,)),
-    **{name: Honoured(MOE, _NO_TEST) for name in (
-        "num_experts", "moe_router_topk", "moe_ffn_hidden_size",
-        "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_dtype")},
-    "moe_aux_loss_coeff": Honoured(MOE_AUX, _AUX_PER_UNIT, refusals=_AUX_REFUSALS),
-    "moe_per_document_aux_loss_coeff": Honoured(MOE_AUX_PER_DOCUMENT,
-                                                _AUX_PER_DOCUMENT_ELSEWHERE),
-    "expert_model_parallel_size": Honoured(EXPERTS, _NO_TEST, refusals=EXPERT_REFUSALS),
+    **{name: Honoured(_MOE, _NO_TEST) for name in MOE},
+    "moe_aux_loss_coeff": Honoured(_MOE, _AUX_PER_UNIT),
+    "moe_per_document_aux_loss_coeff": Honoured({}, _AUX_PER_DOCUMENT_ELSEWHERE),
+    # Expert parallelism (the experts spread over ranks carved from the data-parallel
+    # replicas, each token sent to its experts' ranks by Megatron's token dispatcher) where
+    # every replica calls each MoE layer equally often and in the same order.
+    "expert_model_parallel_size": Honoured(_MOE, _NO_TEST),
+    # Megatron's all-to-all token dispatcher (its default is the all-gather one).
     "moe_token_dispatcher_type": Honoured(
-        DISPATCHER, "no test proves the other dispatchers here (flex runs NVIDIA's DeepEP or "
-                    "HybridEP kernels): drop the flag (Megatron's default, the all-gather "
-                    "dispatcher, runs then), or pass allgather or alltoall under 1f1b, "
-                    "interleaved or 1f1b-ir",
-        refusals={schedule: f"--moe-token-dispatcher-type is not supported by "
-                            f"--pipeline-schedule {schedule}: it chooses how the ranks of "
-                            f"spread experts exchange tokens, which {schedule} does not run "
-                            f"(--expert-model-parallel-size and --expert-tensor-parallel-size "
-                            f"are refused there with MoE layers); with every expert whole on "
-                            f"every rank the dispatchers route alike: drop the flag"
-                  for schedule in EXPERT_REFUSALS},
+        _MOE, "no test proves the other dispatchers here (flex runs NVIDIA's DeepEP or "
+              "HybridEP kernels): drop the flag (Megatron's default, the all-gather "
+              "dispatcher, runs then), or pass allgather or alltoall under 1f1b, "
+              "interleaved or 1f1b-ir",
         values=("allgather", "alltoall")),
-    "group_query_attention": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
-    "num_query_groups": Honoured({**GQA, **EXAMPLE_SCHEDULES}, _NO_TEST),
-    **{name: Honoured(MODEL_SHAPE, _NO_TEST) for name in (
-        "ffn_hidden_size", "kv_channels", "rotary_base", "rotary_percent",
-        "empty_unused_memory_level")},
-    "cross_entropy_loss_fusion": Honoured(FUSED_CROSS_ENTROPY, _NO_TEST),
-    # Megatron's recomputation (tests/unit/test_schedule_options.py names each cell's layout).
-    "recompute_granularity": Honoured(RECOMPUTE, _NO_TEST, refusals=_RECOMPUTE_REFUSALS),
-    "recompute_method": Honoured(RECOMPUTE, _NO_TEST, refusals=_RECOMPUTE_REFUSALS),
-    "recompute_num_layers": Honoured(RECOMPUTE, _NO_TEST, refusals=_RECOMPUTE_REFUSALS),
+    **{name: Honoured({"interleaved": "golden:pp2_vp2_gqa_interleaved", **_EXAMPLES}, _NO_TEST)
+       for name in GROUPED_QUERIES},
+    # Megatron's fused cross entropy (``--cross-entropy-loss-fusion``), proved by Llama-3's
+    # example, which passes it: every schedule reaches it through Megatron's ``forward_step``
+    # and the model's own loss, on the last stage, once per unit, and its loss and gradient are
+    # per token, so the units do not change them. It returns the logits' gradient in bf16
+    # (:data:`ROPE_MODEL`), so schedules are compared with each other, not with the golden
+    # bound.
+    "cross_entropy_loss_fusion": Honoured(_EXAMPLES, _NO_TEST),
+    **{name: Honoured(_RECOMPUTATION, _NO_TEST) for name in RECOMPUTATION},
     **{name: Honoured(
         {"default": f"golden:{layout}", "interleaved": f"golden:{layout}"},
         "the document schedules run one model chunk per rank; drop the flag, or use "
-        "'interleaved'", refusals={
-            "helix": f"helix interleaves layer parts itself: drop {flag}",
-            "sppo": f"sppo runs one model chunk per rank: drop {flag}"})
-       for name, flag, layout in (
-           ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage",
-            "pp2_vp2_interleaved"),
-           ("num_virtual_stages_per_pipeline_rank", "--num-virtual-stages-per-pipeline-rank",
+        "'interleaved'")
+       for name, layout in (
+           ("num_layers_per_virtual_pipeline_stage", "pp2_vp2_interleaved"),
+           ("num_virtual_stages_per_pipeline_rank",
             "pp2_vp3_dp2_ep2_a2a_moe_accounted_interleaved"))},
     # How Megatron's interleaved schedule orders its micro-batches and transfers.
     **{name: Honoured(
@@ -427,20 +342,15 @@ HONOURED: dict[str, Honoured] = {
         "it tunes Megatron's interleaved schedule (virtual pipeline stages), which this "
         "schedule does not run; drop the flag, or use 'interleaved'")
        for name in ("overlap_p2p_comm_warmup_flush", "microbatch_group_size_per_vp_stage")},
-    # Megatron's data-parallel gradient reduction: overlapped with the backward under the IR
-    # schedules too (megatron/plugin/pipeline/grad_sync.py); the distributed optimizer's
-    # reduce-scatter and parameter all-gather through the same DDP hooks.
-    "overlap_grad_reduce": Honoured({**OVERLAP, "default": EXAMPLES, "1f1b": EXAMPLES,
-                                     "interleaved": DISTOPT["interleaved"]},
+    # The distributed optimizer's reduce-scatter and parameter all-gather go through the same
+    # DDP hooks as the overlapped reduction.
+    "overlap_grad_reduce": Honoured({**_EXAMPLES,
+                                     **_megatron(_DISTRIBUTED_OPTIMIZER, "interleaved")},
                                     _NO_TEST),
-    "ddp_bucket_size": Honoured({**OVERLAP, "default": DISTOPT["default"],
-                                 "1f1b": DISTOPT["1f1b"],
-                                 "interleaved": DISTOPT["interleaved"]}, _NO_TEST),
-    "use_distributed_optimizer": Honoured(DISTOPT, _NO_TEST),
-    "ddp_average_in_collective": Honoured(AVERAGE_IN_COLLECTIVE, _NO_TEST),
-    "num_distributed_optimizer_instances": Honoured(OPTIMIZER_INSTANCES, _NO_TEST),
-    "use_tp_pp_dp_mapping": Honoured(DISTOPT, _NO_TEST),
-    "overlap_param_gather": Honoured(DISTOPT, _NO_TEST),
+    "ddp_bucket_size": Honoured(_DISTRIBUTED_OPTIMIZER, _NO_TEST),
+    **{name: Honoured(_DISTRIBUTED_OPTIMIZER, _NO_TEST) for name in DISTRIBUTED_OPTIMIZER},
+    "ddp_average_in_collective": Honoured(_AVERAGE_IN_COLLECTIVE, _NO_TEST),
+    "num_distributed_optimizer_instances": Honoured(_OPTIMIZER_INSTANCES, _NO_TEST),
     # Megatron-LM accepts it under its interleaved schedule only (virtual stages, the legacy
     # --ckpt-format torch), where its train() leaves the dispatch to the optimizer's step.
     "overlap_param_gather_with_optimizer_step": Honoured(
@@ -450,24 +360,14 @@ HONOURED: dict[str, Honoured] = {
         "drop the flag (--overlap-param-gather then gathers the parameters during the next "
         "step's forwards)"),
     "grad_reduce_in_bf16": Honoured(
-        {"default": EXAMPLES, "1f1b": EXAMPLES},
-        "no test proves it under this schedule yet: drop it"),
-    "bf16": Honoured(PRECISION, _NO_TEST),
-    "fp16": Honoured(PRECISION, _NO_TEST),
+        _EXAMPLES, "no test proves it under this schedule yet: drop it"),
+    **{name: Honoured(each(("default", "1f1b"), GPU_CHECK), _NO_TEST) for name in HALF_PRECISION},
     # Megatron's local layers (the project's default) or its Transformer Engine layers, with
     # the document attention either way (megatron/plugin/layers/te_layers.py, which says what
     # sppo's offloading and K/V store do with TE's layers); the start-up also refuses TE
     # without CUDA or the transformer_engine package, and with --sppo-multiplex (arguments.py).
-    "transformer_impl": Honoured(
-        {name: GPU_CHECK for name in TE_SCHEDULES}, _NO_TEST,
-        refusals={"helix": "--transformer-impl transformer_engine is not supported by "
-                           "--pipeline-schedule helix: Transformer Engine fuses the input norm "
-                           "into the QKV projection, and helix's weight shipping runs the norm "
-                           "on the layer's stage and the QKV matmul on the attention's stage; it "
-                           "has not run on a GPU under helix yet. Pass --transformer-impl local "
-                           "(the same model; its distributed checkpoints use the names of "
-                           "Megatron's TE layers)"},
-        values=("local", "transformer_engine")),
+    "transformer_impl": Honoured(each(_MEGATRON, GPU_CHECK), _NO_TEST,
+                                 values=("local", "transformer_engine")),
     # Always Megatron-LM's default, or the project's: ``--dataloader-type external`` (whole
     # documents per global batch), positions and attention reset at every document.
     "dataloader_type": Honoured({}, "pretrain_gpt_elastic.py reads whole documents per global "
@@ -475,52 +375,13 @@ HONOURED: dict[str, Honoured] = {
     "reset_position_ids": Honoured({}, "positions restart at every document", values=(True,)),
     "reset_attention_mask": Honoured({}, "no token attends across a document boundary",
                                      values=(True,)),
-    # The project's own options, and each schedule's group (refused under the schedules
-    # without it: :data:`FOREIGN`).
-    "helix_folds": Honoured({"helix": "golden:pp2_helix_one_fold"}, FOREIGN),
-    "helix_recompute_without_attention": Honoured({"helix": "golden:pp2_helix_recompute"},
-                                                  FOREIGN),
-    "helix_mlp_chunk_size": Honoured({"helix": "golden:pp2_helix_mlp_chunk"}, FOREIGN),
-    "elastic_slices": Honoured({"elastic": "golden:pp2_elastic",
-                                "seq1f1b": "golden:pp2_seq1f1b_uniform"}, FOREIGN),
-    "elastic_memory_gb": Honoured({"elastic": "golden:pp2_elastic_adaptive",
-                                   "seq1f1b": "golden:pp2_seq1f1b_uniform"}, FOREIGN),
-    **{name: Honoured({schedule: PLANNER_KNOBS for schedule in ("elastic", "seq1f1b")}, FOREIGN)
-       for name in ("elastic_reserved_gb", "elastic_solver_time_limit")},
-    "elastic_min_slice_tokens": Honoured(
-        {schedule: "tests/e2e/test_pretrain.py::"
-                   "test_elastic_plans_predict_the_measured_activation_peaks"
-         for schedule in ("elastic", "seq1f1b")}, FOREIGN),
-    "elastic_refit_interval": Honoured(
-        {schedule: "tests/e2e/test_pretrain.py::test_elastic_trains_like_1f1b_and_leaks_nothing"
-         for schedule in ("elastic", "seq1f1b")}, FOREIGN),
-    "hardware_profile": Honoured(
-        {schedule: "tests/unit/test_schedule_options.py::"
-                   "test_flags_of_another_schedule_are_refused"
-         for schedule in ("elastic", "seq1f1b", "sppo")}, FOREIGN),
-    "sppo_subsequences": Honoured({"sppo": "golden:pp2_sppo_n4"}, FOREIGN),
-    "sppo_offload": Honoured({"sppo": "golden:pp2_sppo_n6_offload"}, FOREIGN),
-    "sppo_multiplex": Honoured({"sppo": "golden:pp2_sppo_mux_n4"}, FOREIGN),
-    **{name: Honoured({"sppo": "tests/e2e/test_pretrain.py::"
-                               "test_bad_input_fails_on_every_rank_without_a_checkpoint"}, FOREIGN)
-       for name in ("sppo_host_memory_gb", "sppo_memory_gb")},
-    # Megatron's persistent fused LayerNorm kernel (apex): the document layer spec's norms
-    # never use it; Megatron's plain GPT (torch norms, run under ``default``) needs it off to
-    # load elastic's checkpoint. Megatron-LM's configs without Transformer Engine give it.
+    # Megatron's plain GPT (torch norms, run under ``default``) needs the persistent LayerNorm
+    # off to load elastic's checkpoint.
     "no_persist_layer_norm": Honoured(
-        {**TP_SP, "default": "tests/e2e/test_pretrain.py::"
-                             "test_elastic_checkpoint_is_a_megatron_checkpoint_of_a_plain_gpt"},
+        {**_TENSOR_PARALLEL, "default": "tests/e2e/test_pretrain.py::"
+                                        "test_elastic_checkpoint_is_a_megatron_checkpoint_of_a_"
+                                        "plain_gpt"},
         _NO_TEST),
-    # The tensor-parallel size of the experts' layers: without --num-experts no layer reads it,
-    # and it only sizes Megatron's expert groups; with MoE layers, other than the
-    # tensor-parallel size, it splits each expert (:data:`EXPERT_TP`, arguments.RULES).
-    # Megatron-LM's configs give it without experts.
-    "expert_tensor_parallel_size": Honoured(TP_SP, _NO_TEST),
-    # Interleaved RoPE (rotating channel pairs 2i, 2i + 1 rather than i, i + dim / 2), applied by
-    # the document attention at each token's true position with Megatron's own rotation.
-    "rotary_interleaved": Honoured(QK_NORM_EOD, _NO_TEST),
-    # Megatron's MLP with its squared ReLU (``TransformerConfig.activation_func``).
-    "squared_relu": Honoured(QK_NORM_EOD, _NO_TEST),
     # The document attention's kernels (megatron/plugin/layers/attention_kernels.py), the
     # same under every schedule: their softmax is fp32 whatever the inputs (so Megatron's query-key
     # layer scaling is the identity), --attention-backend picks the kernel (``local`` is
@@ -670,35 +531,22 @@ INERT = _names("""
 """)
 
 
-_FULL_RECOMPUTE = ("--recompute-granularity full --recompute-method uniform "
-                   "--recompute-num-layers 1 (every layer of each stage recomputed) or "
-                   "--recompute-method block --recompute-num-layers N (the first N layers of "
-                   "each stage)")
+#: What Megatron's full recomputation takes, for the refusals that point to it.
+FULL_RECOMPUTE = ("--recompute-granularity full --recompute-method uniform "
+                  "--recompute-num-layers 1 (every layer of each stage recomputed) or "
+                  "--recompute-method block --recompute-num-layers N (the first N layers of "
+                  "each stage)")
 #: ``--recompute-activations`` is Megatron-LM's older spelling of ``--recompute-granularity
 #: selective`` (``validate_args`` sets the granularity from it and drops it). Refused by name with
-#: what to pass instead, per schedule (``*``: a schedule not named here): selective
-#: recomputation where a golden layout proves it (:data:`SELECTIVE`), else the schedule's own
-#: recomputation (the document schedules refuse selective in their ``check_args``:
-#: :mod:`longctx.fixed_checkpointing` says why).
+#: what to pass instead: selective recomputation under Megatron's own schedules, what a
+#: registered schedule says under it (``ScheduleSpec.refusals``), else ``*``.
+OLDER_SELECTIVE = "it is Megatron-LM's older spelling of --recompute-granularity selective"
+SELECTIVE_INSTEAD = (f"{OLDER_SELECTIVE} (recompute the core attention): pass "
+                     "--recompute-granularity selective instead")
 RECOMPUTE_ACTIVATIONS = {
-    **{schedule: "it is Megatron-LM's older spelling of --recompute-granularity selective "
-                 "(recompute the core attention): pass --recompute-granularity selective "
-                 "instead" for schedule in SELECTIVE},
-    **{schedule: "it is Megatron-LM's older spelling of --recompute-granularity selective, "
-                 f"which --pipeline-schedule {schedule} does not run (a split document's "
-                 f"slices keep their K and V with the graph): pass {_FULL_RECOMPUTE}, or drop "
-                 "it and the planner recomputes what --elastic-memory-gb needs"
-       for schedule in ("elastic", "seq1f1b")},
-    "sppo": "it is Megatron-LM's older spelling of --recompute-granularity selective, which "
-            "--pipeline-schedule sppo does not run (a subsequence keeps its K and V with the "
-            f"graph): pass {_FULL_RECOMPUTE}, or offload activations to host memory instead "
-            "(--sppo-offload)",
-    "helix": "it is Megatron-LM's older spelling of --recompute-granularity selective; helix "
-             "recomputes its own layer parts: pass --helix-recompute-without-attention "
-             "(pre/post-attention parts recomputed, attention never)",
-    "*": "it is Megatron-LM's older spelling of --recompute-granularity selective: pass "
-         "--recompute-granularity selective where the schedule runs it (default, 1f1b, "
-         f"interleaved, 1f1b-ir), else {_FULL_RECOMPUTE}",
+    **{schedule: SELECTIVE_INSTEAD for schedule in _MEGATRON},
+    "*": f"{OLDER_SELECTIVE}: pass --recompute-granularity selective where the schedule runs "
+         f"it (default, 1f1b, interleaved, 1f1b-ir), else {FULL_RECOMPUTE}",
 }
 
 
@@ -959,6 +807,62 @@ def companions(given: Mapping[str, tuple], dests) -> list[str]:
     return list(found.values())
 
 
+def _tables() -> list:
+    """The registered schedules other than Megatron's own (whose proofs are here)."""
+    return [found for found in registry.specs() if found.megatron_function is None]
+
+
+def _table(schedule: str):
+    """The ``ScheduleSpec`` of ``schedule`` when it declares its own table, else ``None``."""
+    found = registry.spec(schedule)
+    return None if found is None or found.megatron_function is not None else found
+
+
+def _honoured(dest: str) -> Honoured | None:
+    """``dest``'s entry of :data:`HONOURED`; for a flag that only registered schedules' tables
+    name (their own), one refused elsewhere as doing nothing there (:data:`FOREIGN`)."""
+    if dest in HONOURED:
+        return HONOURED[dest]
+    if any(dest in found.proofs for found in _tables()):
+        return Honoured({}, FOREIGN)
+    return None
+
+
+def proof(dest: str, schedule: str) -> str | None:
+    """The test proving option ``dest`` (or :data:`SPLIT_EXPERTS`) under ``schedule``
+    (registered), ``None`` where none does."""
+    core = EXPERT_TP if dest == SPLIT_EXPERTS else getattr(HONOURED.get(dest), "proofs", {})
+    found = core.get(schedule, core.get("*"))
+    if found is None and (table := _table(schedule)) is not None:
+        found = table.proofs.get(dest)
+    return found
+
+
+def proving(dest: str) -> dict[str, str]:
+    """``schedule -> proof`` of ``dest`` (or :data:`SPLIT_EXPERTS`) under every registered
+    schedule that proves it (``*``: every schedule)."""
+    found = dict(EXPERT_TP if dest == SPLIT_EXPERTS else getattr(HONOURED.get(dest), "proofs", {}))
+    found.update((table.name, table.proofs[dest]) for table in _tables() if dest in table.proofs)
+    return found
+
+
+def cells() -> list[tuple[str, str, str]]:
+    """``(dest, schedule, proof)`` of every honoured option under every registered schedule
+    that proves it (``*``: every schedule), by option."""
+    dests = set(HONOURED).union(*(found.proofs for found in _tables())) - {SPLIT_EXPERTS}
+    return [(dest, schedule, found) for dest in sorted(dests)
+            for schedule, found in sorted(proving(dest).items())]
+
+
+def schedule_refusal(dest: str, schedule: str, flag: str) -> str | None:
+    """``schedule``'s own refusal of option ``dest`` given as ``flag``
+    (``ScheduleSpec.refusals``), ``None`` where it has none."""
+    table = _table(schedule)
+    if table is None or dest not in table.refusals:
+        return None
+    return table.refusals[dest].replace("{flag}", flag)
+
+
 def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
     """What to refuse of ``given`` (``dest -> (flag, value)`` of each option on the command line
     with a value other than its default) under ``schedule``: one message per reason, naming
@@ -974,7 +878,7 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
                                + _refusal(dest, schedule), []).append(flag)
             refused.append(dest)
             continue
-        honoured = HONOURED.get(dest)
+        honoured = _honoured(dest)
         if honoured is None:
             reasons.setdefault("{} not classified by pretrain_gpt_elastic.py (it is a new "
                                "option of this megatron-core release: "
@@ -985,8 +889,9 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
             reasons.setdefault(f"{flag} {shown} is not supported by pretrain_gpt_elastic.py "
                                f"(it honours {' and '.join(map(str, honoured.values))}): "
                                f"{honoured.refusal}", [])
-        elif schedule not in honoured.proofs and "*" not in honoured.proofs:
-            reasons.setdefault(_schedule_refusal(honoured, flag, schedule), []).append(flag)
+        elif proof(dest, schedule) is None:
+            reasons.setdefault(_schedule_refusal(honoured, dest, flag, schedule),
+                               []).append(flag)
         else:
             continue
         refused.append(dest)
@@ -1000,7 +905,11 @@ def refusals(given: Mapping[str, tuple], schedule: str) -> list[str]:
 
 
 def _refusal(dest: str, schedule: str) -> str:
-    """The reason :data:`REFUSED` gives for ``dest`` under ``schedule``."""
+    """The reason :data:`REFUSED` gives for ``dest`` under ``schedule``: the schedule's own
+    (``ScheduleSpec.refusals``) where it has one."""
+    table = _table(schedule)
+    if table is not None and dest in table.refusals:
+        return table.refusals[dest]
     reason = REFUSED[dest]
     return reason if isinstance(reason, str) else reason.get(schedule, reason["*"])
 
@@ -1017,11 +926,12 @@ def _named(value):
     return value.name if isinstance(value, Enum) else value
 
 
-def _schedule_refusal(honoured: Honoured, flag: str, schedule: str) -> str:
-    if schedule in honoured.refusals:
-        return honoured.refusals[schedule].replace("{flag}", flag)
+def _schedule_refusal(honoured: Honoured, dest: str, flag: str, schedule: str) -> str:
+    own = schedule_refusal(dest, schedule, flag)
+    if own is not None:
+        return own
     if honoured.refusal == FOREIGN:
-        return (f"{flag} is a flag of --pipeline-schedule {' / '.join(sorted(honoured.proofs))} "
+        return (f"{flag} is a flag of --pipeline-schedule {' / '.join(sorted(proving(dest)))} "
                 f"and would do nothing under --pipeline-schedule {schedule}: drop it")
     return f"{flag} is not supported by --pipeline-schedule {schedule}: {honoured.refusal}"
 
@@ -1031,8 +941,10 @@ def _together(flags: list[str]) -> str:
 
 
 def classes() -> dict[str, str]:
-    """``dest -> class`` (``inert``, ``honoured``, ``refused``) of every classified option."""
+    """``dest -> class`` (``inert``, ``honoured``, ``refused``) of every classified option (a
+    registered schedule's own flags among them)."""
     found = {dest: "inert" for dest in INERT}
+    found.update((dest, "honoured") for dest, _, _ in cells())
     found.update((dest, "honoured") for dest in HONOURED)
     found.update((dest, "refused") for dest in REFUSED)
     return found

@@ -7,8 +7,9 @@ the name and one way to run is optional):
 1. ``argument_groups``: functions ``add(parser)`` that add its flags, each one group of
    Megatron-LM's parser; schedules may share a group (``--hardware-profile`` of
    :mod:`longctx.job_costs`), which is added once. Each flag is classified in
-   :mod:`megatron.plugin.option_classes` (an unclassified one is refused when set); one of a
-   group that the selected schedule does not have is refused when set (it would do nothing).
+   :mod:`megatron.plugin.option_classes` or honoured in its ``proofs`` (9.; an unclassified one
+   is refused when set); one of a group that the selected schedule does not have is refused
+   when set (it would do nothing).
 2. ``check_args(args)``: raise ``ValueError`` naming a setting of its flags it cannot run,
    with what to use instead (before any process does work; once on the command line, once on
    Megatron-LM's validated arguments). Megatron-LM options it does not run are refused by
@@ -52,12 +53,22 @@ the name and one way to run is optional):
    accepted option values that run something other than they name under this schedule (or
    nothing on this device); start-up says each that applies once, beside the core's
    (:mod:`megatron.plugin.substitutions`).
+9. ``proofs``: what it honours of Megatron-LM's options and of its own flags, ``dest -> proof``
+   (a test that runs the option with a value other than its default under this schedule and
+   compares with Megatron's meaning; :mod:`megatron.plugin.option_classes` says the forms, names
+   the groups of options that one layout proves, and names a setting of two options,
+   ``SPLIT_EXPERTS``); every other option that is neither inert nor refused everywhere is
+   refused under it, and a flag of its own that only it names is refused under the other
+   schedules. ``refusals``: ``dest -> `` its own refusal of an option it does not
+   honour, a whole sentence (``{flag}``: the flag as given), where the core's would not say
+   why. Megatron's own schedules (``1f1b``, ``interleaved``, and ``default``) have theirs in
+   the core.
 """
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from megatron.plugin.substitutions import Substitution
 
@@ -104,6 +115,8 @@ class ScheduleSpec:
     draw_units: bool = True
     substitutions: tuple[Substitution, ...] = ()
     draw_missing: Callable[[argparse.Namespace], list[str]] | None = None
+    proofs: Mapping[str, str] = field(default_factory=dict)
+    refusals: Mapping[str, str] = field(default_factory=dict)
     forward_backward: Callable = field(init=False, repr=False, compare=False)
     """Megatron's forward-backward signature: ``megatron_function``, or ``run`` wrapped."""
 

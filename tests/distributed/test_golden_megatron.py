@@ -41,8 +41,7 @@ import torch
 
 from harness import TINY_MODEL, torchrun_each
 
-from megatron.plugin import cpu_compat, shared_gpu
-from megatron.plugin.option_classes import AUX_PER_DOCUMENT
+from megatron.plugin import cpu_compat, option_classes, shared_gpu
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 
 WORKER = "tests/distributed/golden_worker.py"
@@ -208,7 +207,9 @@ def aux_flags(name: str) -> list:
     both)."""
     if name in ("1f1b", "ir"):
         return AUX
-    return DOC_AUX if name in AUX_PER_DOCUMENT else []
+    if option_classes.proof("moe_per_document_aux_loss_coeff", name) is not None:
+        return DOC_AUX
+    return []
 
 
 def more_schedules(name: str) -> dict:

@@ -158,7 +158,7 @@ def test_every_slice_forward_runs_before_the_documents_first_backward(schedule, 
     first backward) in every rank's actions of the lowered plans, at PP = 2 and 4, with a
     roomy budget and one tight enough to checkpoint layers: on every stage, every forward of
     a chunk holding a slice of a document comes before every backward of such a chunk."""
-    from elastic_pipe.evaluation import plan_schedule
+    from elastic_pipe.planning import plan_schedule
     from elastic_pipe.lowering import lower
     from elastic_pipe.scheduler import SchedulerConfig
     from elastic_pipe.sequence_processor import ChunkingConfig

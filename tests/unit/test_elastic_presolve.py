@@ -9,7 +9,7 @@ import os
 import signal
 import time
 
-from elastic_pipe.evaluation import plan_schedule, plan_schedule_with_workers
+from elastic_pipe.planning import plan_schedule, plan_schedule_with_workers
 from elastic_pipe.presolve import BackgroundPlanner, planner_processes
 from test_elastic_plan import CONFIG, cost_for, lengths_for
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from elastic_pipe import baselines, checkpointing, scheduler
-from elastic_pipe.evaluation import plan_schedule
+from elastic_pipe.planning import plan_schedule
 from longctx.fixed_checkpointing import FixedCheckpointing, check_args, fixed_checkpointing
 from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
 from elastic_pipe.sequence_processor import ChunkingConfig

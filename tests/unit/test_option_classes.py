@@ -1,6 +1,9 @@
 """Every option of the installed megatron-core's parser (and the project's) is in exactly one
 class of :mod:`megatron.plugin.option_classes`, each honoured cell's proof passes its option,
-and the start-up refuses all at once, before anything slow, with a working ``--help``."""
+each schedule beside Megatron's declares its own cells (``gpipe``, registered from outside the
+source tree, too), and the start-up refuses all at once, before anything slow, with a working
+``--help``."""
+import argparse
 import functools
 import importlib.util
 import inspect
@@ -14,6 +17,10 @@ import pytest
 
 from harness import NULL_TOKENIZER_256, REPO, TINY_MODEL, python_path
 from megatron.plugin import arguments, option_classes, registry
+from megatron.plugin.schedule_spec import ScheduleSpec
+
+sys.path.insert(0, REPO)
+from tests.schedules import gpipe  # noqa: E402
 
 SCRIPT = "pretrain_gpt_elastic.py"
 
@@ -24,7 +31,8 @@ def _options(parser):
 
 
 def test_every_option_of_the_parser_is_in_exactly_one_class():
-    classes = [option_classes.INERT, set(option_classes.HONOURED), set(option_classes.REFUSED)]
+    honoured = set(option_classes.HONOURED) | {dest for dest, _, _ in option_classes.cells()}
+    classes = [option_classes.INERT, honoured, set(option_classes.REFUSED)]
     options = _options(arguments.build_parser())
     unclassified = sorted(flag for dest, flag in options.items()
                           if not any(dest in names for names in classes))
@@ -99,8 +107,10 @@ def _test_source(proof):
     return text
 
 
-CELLS = [(dest, schedule, proof) for dest, honoured in sorted(option_classes.HONOURED.items())
-         for schedule, proof in sorted(honoured.proofs.items())]
+#: Every honoured cell of the registered schedules, and those ``gpipe`` declares (the tests
+#: register it from outside the source tree).
+CELLS = [*option_classes.cells(),
+         *((dest, gpipe.SPEC.name, proof) for dest, proof in sorted(gpipe.SPEC.proofs.items()))]
 
 
 @functools.lru_cache(maxsize=1)
@@ -131,7 +141,8 @@ def test_each_honoured_cell_names_a_test_that_passes_the_option(dest, schedule, 
         assert ran == schedule, (tag, ran)
 
 
-@pytest.mark.parametrize("schedule,proof", sorted(option_classes.EXPERT_TP.items()))
+@pytest.mark.parametrize("schedule,proof",
+                         sorted(option_classes.proving(option_classes.SPLIT_EXPERTS).items()))
 def test_experts_split_over_their_own_tensor_parallel_size_name_a_layout_that_does(schedule,
                                                                                    proof):
     """The layouts that prove experts split over another tensor-parallel size than the other
@@ -162,7 +173,7 @@ def test_a_one_item_list_of_the_default_is_the_default():
 def test_only_defaults_are_honoured_without_a_proof():
     parser = arguments.build_parser()
     for dest, honoured in option_classes.HONOURED.items():
-        if not honoured.proofs:
+        if not option_classes.proving(dest):
             default = arguments.DEFAULTS.get(dest, parser.get_default(dest))
             assert honoured.values == (default,), dest
 
@@ -365,12 +376,64 @@ def test_help_prints_with_the_projects_group():
     assert "--moe-router-topk" in result.stdout  # Megatron-LM's own options too
 
 
-def test_the_classes_name_only_schedules_that_exist_or_the_tests_register():
+def test_the_core_names_only_megatrons_schedules():
+    """The core's table proves options under Megatron's own schedules and every schedule;
+    the others declare theirs in their ``ScheduleSpec``."""
+    megatron = {name for name in registry.schedule_names() if registry.is_megatron(name)}
+    assert megatron == {"default", "1f1b", "interleaved"}
     named = {schedule for honoured in option_classes.HONOURED.values()
-             for schedule in (*honoured.proofs, *honoured.refusals)}
-    known = set(registry.schedule_names()) | {"*", "gpipe"}
-    assert named <= known, named - known
+             for schedule in honoured.proofs} | set(option_classes.EXPERT_TP)
+    assert named <= megatron | {"*"}, named - megatron
     assert inspect.isfunction(option_classes.refusals)
+
+
+def _own_flags(spec: ScheduleSpec) -> set:
+    parser = argparse.ArgumentParser()
+    for add in spec.argument_groups:
+        add(parser)
+    return {action.dest for action in parser._actions}
+
+
+@pytest.mark.parametrize("spec", [*registry.specs(), gpipe.SPEC], ids=lambda spec: spec.name)
+def test_a_schedules_table_names_options_it_can_honour(spec):
+    """A schedule's table names options of the parser that are neither inert nor refused
+    everywhere nor proved for every schedule; what only schedules' tables name is a flag of
+    its own (refused elsewhere as doing nothing there)."""
+    dests = set(_options(arguments.build_parser())) | {option_classes.SPLIT_EXPERTS}
+    for dest in (*spec.proofs, *spec.refusals):
+        assert dest in dests, (spec.name, dest)
+        assert dest not in option_classes.INERT and dest not in option_classes.REFUSED, dest
+        assert "*" not in getattr(option_classes.HONOURED.get(dest), "proofs", {}), dest
+    own = set(spec.proofs) - set(option_classes.HONOURED) - {option_classes.SPLIT_EXPERTS}
+    assert own <= _own_flags(spec), (spec.name, own - _own_flags(spec))
+
+
+def test_a_schedule_registered_from_outside_honours_what_its_spec_declares(monkeypatch):
+    """No edit of the core: a schedule's ``proofs`` and ``refusals`` are read once it is
+    registered; what it does not name is refused (with the core's reason, or its own), and
+    its own flag is refused under the other schedules as doing nothing there."""
+    def given(dest, flag, value=4):
+        return {dest: (flag, value)}
+
+    spec = ScheduleSpec("outside", run=lambda call: [],
+                        proofs={"num_layers": "golden:pp2_gpipe_outside",
+                                "outside_knob": "golden:pp2_gpipe_outside"},
+                        refusals={"hidden_size": "outside keeps its own width: drop {flag}"})
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'outside'"):
+        option_classes.proof("num_layers", "outside")
+    assert option_classes.classes().get("outside_knob") is None
+    monkeypatch.setitem(registry._SPECS, spec.name, spec)
+    assert option_classes.proof("num_layers", "outside") == "golden:pp2_gpipe_outside"
+    assert option_classes.refusals(given("num_layers", "--num-layers"), "outside") == []
+    assert option_classes.refusals(given("hidden_size", "--hidden-size"), "outside") == [
+        "outside keeps its own width: drop --hidden-size"]
+    assert option_classes.refusals(given("seq_length", "--seq-length"), "outside") == [
+        "--seq-length is not supported by --pipeline-schedule outside: no test proves it under "
+        "this schedule yet: drop it, or use a schedule that has one"]
+    assert option_classes.classes()["outside_knob"] == "honoured"
+    assert option_classes.refusals(given("outside_knob", "--outside-knob"), "1f1b") == [
+        "--outside-knob is a flag of --pipeline-schedule outside and would do nothing under "
+        "--pipeline-schedule 1f1b: drop it"]
 
 
 def test_the_distributed_optimizer_runs_without_cuda_and_half_precision_does_not(monkeypatch):

@@ -187,8 +187,7 @@ DOCUMENT_SCHEDULES = [name for name in registry.schedule_names() if not registry
 @pytest.mark.parametrize("dest", sorted(DOCUMENT_REFUSED))
 def test_document_schedules_refuse_what_their_executors_do_not_run(schedule, dest, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    honoured = option_classes.HONOURED.get(dest)
-    assert dest in option_classes.REFUSED or schedule not in honoured.proofs
+    assert dest in option_classes.REFUSED or option_classes.proof(dest, schedule) is None
     flag = arguments.megatron_defaults()[dest][0]
     argv = [*BASE, "--pipeline-schedule", schedule, *DOCUMENT_REFUSED[dest]]
     if schedule in ("helix", "sppo") and dest == "num_layers_per_virtual_pipeline_stage":
@@ -200,11 +199,11 @@ def test_document_schedules_refuse_what_their_executors_do_not_run(schedule, des
 @pytest.mark.parametrize("schedule", DOCUMENT_SCHEDULES)
 def test_overlapped_gradient_reduction_is_honoured(schedule, monkeypatch):
     """``--overlap-grad-reduce`` (with ``--ddp-bucket-size``) under every executor schedule,
-    each proved by a golden layout (``option_classes.OVERLAP``)."""
+    each proved by a golden layout (the schedule's ``ScheduleSpec.proofs``)."""
     monkeypatch.setenv("WORLD_SIZE", "4")
     argv = [*BASE, "--pipeline-schedule", schedule, "--overlap-grad-reduce",
             "--ddp-bucket-size", "10000"]
-    assert schedule in option_classes.OVERLAP
+    assert option_classes.proof("overlap_grad_reduce", schedule).startswith("golden:")
     args = arguments.parse(argv)
     assert args.overlap_grad_reduce and args.ddp_bucket_size == 10000
 
@@ -346,6 +345,11 @@ def test_moe_options_outside_dropless_routing_are_refused_by_name(flags, refusal
 AUX_SCHEDULES = ["1f1b", "interleaved", "1f1b-ir", "elastic", "seq1f1b", "helix", "sppo"]
 
 
+def _per_document(schedule: str) -> bool:
+    """Whether ``schedule`` takes the project's per-document load-balancing loss."""
+    return option_classes.proof("moe_per_document_aux_loss_coeff", schedule) is not None
+
+
 def _moe_argv(schedule: str, *flags: str) -> list:
     argv = [*BASE, "--pipeline-schedule", schedule, "--num-experts", "4",
             "--disable-bias-linear", *flags]
@@ -366,7 +370,7 @@ def test_megatrons_aux_loss_is_taken_only_where_the_router_runs_megatrons_micro_
     if schedule in ("1f1b", "interleaved", "1f1b-ir"):
         assert arguments.check_command_line(argv).moe_aux_loss_coeff == [0.01]
         return
-    if schedule in option_classes.AUX_PER_DOCUMENT:
+    if _per_document(schedule):
         refusal = (f"--moe-aux-loss-coeff is not supported by --pipeline-schedule {schedule}: "
                    f".*cannot compute Megatron's value.*pass --moe-per-document-aux-loss-coeff "
                    f"instead")
@@ -390,7 +394,7 @@ def test_the_per_document_aux_loss_is_the_project_flag_of_elastic_and_seq1f1b(sc
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     argv = _moe_argv(schedule, "--moe-per-document-aux-loss-coeff", "0.01")
-    if schedule not in option_classes.AUX_PER_DOCUMENT:
+    if not _per_document(schedule):
         with pytest.raises(ValueError, match="--moe-per-document-aux-loss-coeff.*pass "
                                              "--moe-aux-loss-coeff for Megatron's"):
             arguments.check_command_line(argv)
@@ -617,6 +621,6 @@ def test_moe_layers_run_at_tensor_and_context_parallelism(parallel, schedule, mo
     if schedule in ("1f1b", "1f1b-ir"):
         aux = [*argv, "--moe-aux-loss-coeff", "0.01"]
         assert arguments.parse(aux).moe_aux_loss_coeff == 0.01
-    elif schedule in option_classes.AUX_PER_DOCUMENT:
+    elif _per_document(schedule):
         aux = [*argv, "--moe-per-document-aux-loss-coeff", "0.01"]
         assert arguments.parse(aux).moe_per_document_aux_loss_coeff == 0.01

@@ -23,11 +23,16 @@ Text form (round-trips through :func:`parse` / ``str``)::
 ``unit`` the micro-batch, chunk or slice; ``part`` an optional layer range ``[a:b]`` or a named
 part ``.name``; ``peer`` the stage on the other side of a transfer; ``tensor`` names the tensor
 set of a transfer when it is not the default (activations for ``*_F``, gradients for ``*_B``).
+
+Queries of one rank's list that the validator, the simulator and the executor share:
+:func:`transfer_batches` (the transfers posted and waited for together) and :func:`consumers`
+(the compute action each named receive feeds).
 """
 from __future__ import annotations
 
 import enum
 import re
+from collections import defaultdict
 from dataclasses import dataclass
 
 
@@ -165,3 +170,32 @@ def parse_schedule(text: str) -> Schedule:
             raise ValueError(f"line {number + 1} is for rank {rank}, expected {number}")
         schedule.append([parse(token) for token in body.split()])
     return schedule
+
+
+def transfer_batches(actions: list[Action]) -> list[tuple[int, int]]:
+    """``[start, stop)`` of every maximal run of consecutive transfers in one rank's list:
+    the groups the executor posts together (``batch_isend_irecv``) and waits for together."""
+    batches, i = [], 0
+    while i < len(actions):
+        if actions[i].is_communication():
+            j = i
+            while j < len(actions) and actions[j].is_communication():
+                j += 1
+            batches.append((i, j))
+            i = j
+        else:
+            i += 1
+    return batches
+
+
+def consumers(actions: list[Action]) -> dict[int, int]:
+    """Position of each receive that names a part -> the position of the first later compute
+    action with its unit and part that is not a recomputation."""
+    found, waiting = {}, defaultdict(list)
+    for i, action in enumerate(actions):
+        if action.kind in (Kind.RECV_F, Kind.RECV_B) and action.part is not None:
+            waiting[(action.unit, action.part)].append(i)
+        elif not action.is_communication() and action.kind is not Kind.RECOMPUTE:
+            for j in waiting.pop((action.unit, action.part), ()):
+                found[j] = i
+    return found

@@ -73,7 +73,7 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from megatron.plugin.pipeline.ir import Action, Kind, Schedule
+from megatron.plugin.pipeline.ir import Action, Kind, Schedule, consumers, transfer_batches
 from megatron.plugin.pipeline.chrome_trace import TraceEvent
 
 
@@ -199,22 +199,6 @@ class _Group:
         self.start = self.finish = self.wire = max(self.posted, stream_free)
 
 
-def transfer_batches(actions: list[Action]) -> list[tuple[int, int]]:
-    """``[start, stop)`` of every maximal run of consecutive transfers in one rank's list:
-    the groups the executor posts together (``batch_isend_irecv``) and waits for together."""
-    batches, i = [], 0
-    while i < len(actions):
-        if actions[i].is_communication():
-            j = i
-            while j < len(actions) and actions[j].is_communication():
-                j += 1
-            batches.append((i, j))
-            i = j
-        else:
-            i += 1
-    return batches
-
-
 @dataclass
 class _Rank:
     """One rank's replay: where it is in its list, its clocks and its memory."""
@@ -265,19 +249,6 @@ class _Rank:
             self.memory += delta
             self.peak = max(self.peak, self.memory)
             self.timeline.append((at, self.memory))
-
-
-def consumers(actions: list[Action]) -> dict[int, int]:
-    """Position of each receive that names a part -> the position of the first later compute
-    action with its unit and part that is not a recomputation."""
-    found, waiting = {}, defaultdict(list)
-    for i, action in enumerate(actions):
-        if action.kind in (Kind.RECV_F, Kind.RECV_B) and action.part is not None:
-            waiting[(action.unit, action.part)].append(i)
-        elif not action.is_communication() and action.kind is not Kind.RECOMPUTE:
-            for j in waiting.pop((action.unit, action.part), ()):
-                found[j] = i
-    return found
 
 
 def _slot(action: Action) -> tuple:

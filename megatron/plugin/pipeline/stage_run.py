@@ -10,9 +10,8 @@ from megatron.core.pipeline_parallel import schedules as megatron_schedules
 from megatron.core.utils import get_model_config
 
 from megatron.plugin.pipeline.grad_sync import GradSync
-from megatron.plugin.pipeline.ir import Action, Kind
+from megatron.plugin.pipeline.ir import Action, Kind, transfer_batches
 from megatron.plugin.pipeline.p2p import PeerChannel
-from megatron.plugin.pipeline.simulator import transfer_batches
 from megatron.plugin.pipeline.stage_context import StageContext
 from megatron.plugin.pipeline.chrome_trace import TraceEvent
 

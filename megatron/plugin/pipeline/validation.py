@@ -41,8 +41,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
 
-from megatron.plugin.pipeline.ir import Action, Kind, Schedule
-from megatron.plugin.pipeline.simulator import Deadlock, consumers, dry_run
+from megatron.plugin.pipeline.ir import Action, Kind, Schedule, consumers
+from megatron.plugin.pipeline.simulator import Deadlock, dry_run
 
 
 #: Steps shown before and after the failing one.
