@@ -13,7 +13,9 @@ default does something (dropout's 0.1), else the default the training script giv
 * ``PATH::TEST``: that test.
 * ``PATH`` alone (a GPU check's script) is not run here.
 
-Verdicts: ``caught`` (a test failed or errored: their names are kept), ``NOT CAUGHT`` (every
+Verdicts: ``caught`` (a test failed: their names are kept), ``caught (the run failed)`` (no
+test failed but some errored, as every test of a golden layout does when its launch fails: the
+first error's lines are kept), ``NOT CAUGHT`` (every
 test passed), ``NOT CAUGHT (no-effect value)`` (the proof runs the option at ``VALUE`` itself:
 there is no effect to remove, nothing is run), ``not run`` (a GPU script, or pytest collected
 nothing). With ``--baseline`` the unmutated proof runs first; a proof that fails unmutated gets
@@ -22,6 +24,7 @@ nothing). With ``--baseline`` the unmutated proof runs first; a proof that fails
 Usage::
 
     python scripts/mutation_check.py hidden_dropout:1f1b swiglu:elastic   # named cells
+    python scripts/mutation_check.py hidden_dropout:1f1b=golden:pp2_dropout_1f1b  # a new proof
     python scripts/mutation_check.py --dest swiglu                          # an option's cells
     python scripts/mutation_check.py --all                                  # the slow tier
 
@@ -56,6 +59,7 @@ def _parser():
     parser = arguments.build_parser()
     for flag in ("--golden-docs", "--golden-eod-every", "--golden-aux-loss-coeff"):
         parser.add_argument(flag)
+    parser.add_argument("--golden-keyed-dropout", action="store_true")
     return parser
 
 
@@ -103,11 +107,14 @@ def select(names: list[str], dests: list[str], every: bool) -> list[tuple[str, s
     if every:
         return cells
     by_name = {f"{dest}:{schedule}": (dest, schedule, proof) for dest, schedule, proof in cells}
-    unknown = [name for name in names if name not in by_name]
+    proposed = [name.partition("=") for name in names]
+    unknown = [name for name, sep, _ in proposed if not sep and name not in by_name]
     if unknown:
         raise SystemExit(f"no honoured cell {unknown}: name cells as DEST:SCHEDULE, for "
-                         f"instance swiglu:elastic (schedule '*' for every schedule)")
-    chosen = [by_name[name] for name in names]
+                         f"instance swiglu:elastic (schedule '*' for every schedule), or "
+                         f"DEST:SCHEDULE=PROOF for a proof not yet named")
+    chosen = [(*name.split(":", 1), proof) if sep else by_name[name]
+              for name, sep, proof in proposed]
     chosen += [cell for cell in cells if cell[0] in dests and cell not in chosen]
     if not chosen:
         raise SystemExit("name cells (DEST:SCHEDULE), --dest DEST or --all")
@@ -124,13 +131,27 @@ def proof_command(proof: str) -> tuple[list[str], dict] | None:
     return [*pytest, proof], {}
 
 
-def _failures(output: str) -> list[str]:
-    return re.findall(r"^(?:FAILED|ERROR) (\S+)", output, flags=re.MULTILINE)
+def _outcome(output: str) -> dict:
+    """The tests that failed, how many errored (a fixture that failed errors every test using
+    it) and why: the exception lines of the first failure pytest printed (``E`` lines naming
+    an error or an assertion), else its last ``E`` lines."""
+    block = []
+    for line in output.splitlines():
+        if line.startswith("E "):
+            block.append(line[1:].strip())
+        elif block:
+            break
+    named = [line for line in block
+             if re.search(r"\w+(Error|Exception|Refusals):|^assert|Mismatched", line)
+             and "elastic/errors" not in line]
+    return {"failed": re.findall(r"^FAILED (\S+)", output, flags=re.MULTILINE),
+            "errors": len(re.findall(r"^ERROR \S+", output, flags=re.MULTILINE)),
+            "why": (named or [line for line in block if line])[-6:]}
 
 
 def run_proof(proof: str, mutation: str | None, timeout: float) -> dict:
-    """Run ``proof`` (with ``LONGCTX_MUTATE=mutation`` when given): ``{"rc", "failed",
-    "seconds", "tail"}``."""
+    """Run ``proof`` (with ``LONGCTX_MUTATE=mutation`` when given): ``{"rc", "seconds",
+    "failed", "errors", "why"}``."""
     command, env = proof_command(proof)
     env = dict(os.environ, **env, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join(p for p in (HOOK, REPO, os.environ.get("PYTHONPATH"))
@@ -145,8 +166,7 @@ def run_proof(proof: str, mutation: str | None, timeout: float) -> dict:
         rc, output = result.returncode, result.stdout + result.stderr
     except subprocess.TimeoutExpired as expired:
         rc, output = "timeout", (expired.stdout or b"").decode(errors="replace")
-    return {"rc": rc, "failed": _failures(output), "seconds": round(time.monotonic() - start, 1),
-            "tail": output[-1500:]}
+    return {"rc": rc, "seconds": round(time.monotonic() - start, 1), **_outcome(output)}
 
 
 def check(dest: str, schedule: str, proof: str, baseline: bool, timeout: float) -> dict:
@@ -166,7 +186,7 @@ def check(dest: str, schedule: str, proof: str, baseline: bool, timeout: float) 
     if mutated["rc"] == 0:
         verdict = "NOT CAUGHT"
     elif mutated["rc"] == 1:
-        verdict = "caught"
+        verdict = "caught" if mutated["failed"] else "caught (the run failed)"
     elif mutated["rc"] == 5:
         verdict = "not run"
     else:
@@ -188,7 +208,9 @@ def save(entries: list[dict], path: str) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("cells", nargs="*", help="DEST:SCHEDULE of honoured cells")
+    parser.add_argument("cells", nargs="*",
+                        help="DEST:SCHEDULE of honoured cells, or DEST:SCHEDULE=PROOF to check "
+                             "a proof the cell does not name yet")
     parser.add_argument("--dest", action="append", default=[], help="every cell of DEST")
     parser.add_argument("--all", action="store_true", help="every honoured cell (slow tier)")
     parser.add_argument("--baseline", action="store_true",
@@ -201,9 +223,10 @@ def main(argv=None) -> int:
     for dest, schedule, proof in select(args.cells, args.dest, args.all):
         entry = check(dest, schedule, proof, args.baseline, args.timeout)
         entries.append(entry)
-        failed = entry.get("run", {}).get("failed", [])
+        run = entry.get("run", {})
+        failed = [name.rpartition("::")[2] for name in run.get("failed", [])]
         detail = entry.get("why") or (f"{len(failed)} failed: {', '.join(failed[:3])}"
-                                      if failed else "")
+                                      if failed else " | ".join(run.get("why", [])[-2:]))
         print(f"{dest}:{schedule} {proof}: {entry['verdict']} {detail}".rstrip(), flush=True)
         save(entries, args.out)
     return 0
