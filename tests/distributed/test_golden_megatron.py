@@ -562,13 +562,21 @@ VARIANTS = {
     # masks keyed by each token's identity on both sides (golden_run.py
     # --golden-keyed-dropout: keyed_dropout.py), so the run drops what the reference drops
     # however the documents are packed, cut and placed; also under Megatron's recomputation,
-    # which must draw a recomputed layer's masks again.
+    # which must draw a recomputed layer's masks again. Not helix: its layer parts run outside
+    # Megatron's TransformerLayer.forward, where the masks are keyed.
     "dropout": (["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
                  "--golden-keyed-dropout"], {
         **{f"pp2_dropout_{name}": (2, ["--pipeline-model-parallel-size", "2", *flags])
            for name, flags in FOUR_SCHEDULES},
         "pp2_dropout_full_recompute_1f1b": (2, ["--pipeline-model-parallel-size", "2",
                                                 "--pipeline-schedule", "1f1b", *UNIFORM]),
+        "pp2_vp2_dropout_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                            "--num-layers-per-virtual-pipeline-stage", "1",
+                                            "--pipeline-schedule", "interleaved"]),
+        "pp2_dropout_sppo_n4": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                    "--sppo-subsequences", "4", "--sppo-offload", "off"]),
+        "pp2_dropout_gpipe_outside": (2, ["--pipeline-model-parallel-size", "2",
+                                          "--pipeline-schedule", "gpipe"]),
     }),
     "three_microbatches": (["--golden-docs", "5"], {
         "pp2_helix_m3": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
