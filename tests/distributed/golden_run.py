@@ -42,6 +42,10 @@ Modes:
   tag given, load that run's gradient checkpoint into the single-process layout. Everything is
   written with ``torch.save`` for the test to compare.
 
+With ``--golden-keyed-dropout`` every mode draws its dropout masks from each token's
+identity (:mod:`keyed_dropout`), so that a run with dropout and the reference drop the same
+entries.
+
 One launch runs one command line, or, with ``--golden-layouts FILE`` as its only arguments,
 every command line of ``FILE`` (a JSON list of argument lists, all for the launch's number of
 ranks) one after another in the same processes: each is initialised afresh by Megatron-LM
@@ -65,6 +69,8 @@ from megatron.plugin.batches import (eod_mask_token, forward_step, loss_tokens, 
                                      micro_batch_rows, pack_row)
 from megatron.plugin.document_data import GlobalBatch
 from megatron.plugin.pipeline.ir import Kind
+
+import keyed_dropout
 
 
 def golden_documents(count: int, seq_length: int, vocab: int, seed: int):
@@ -101,6 +107,10 @@ def golden_arguments(parser):
                             "auxiliary load-balancing loss at this coefficient (the layouts "
                             "that name them pass it as --moe-aux-loss-coeff) and with the "
                             "project's per document (as --moe-per-document-aux-loss-coeff)")
+    group.add_argument("--golden-keyed-dropout", action="store_true",
+                       help="every mode: hidden and attention dropout draw masks keyed by "
+                            "each token's identity (keyed_dropout.py), so that the run and the "
+                            "reference drop the same entries")
     return parser
 
 
@@ -369,8 +379,11 @@ def command_lines(argv: list[str]) -> list[list[str]]:
 def main():
     for argv in command_lines(sys.argv[1:]):
         args = launch.initialize(argv, golden_arguments)
+        dropout = keyed_dropout.keyed() if args.golden_keyed_dropout \
+            else contextlib.nullcontext()
         try:
-            run(args)
+            with dropout:
+                run(args)
         except Exception as error:
             raise RuntimeError(f"golden {args.golden_mode} {args.golden_tag!r} in "
                                f"{args.golden_dir} failed") from error

@@ -97,6 +97,8 @@ ELASTIC_EXPECTED = {
     "pp2_block_recompute_elastic": ({"split", "hybrid", "batched"}, "uniform"),
     "pp2_full_recompute_seq1f1b": ({"split", "hybrid"}, "all"),
     "pp2_block_recompute_seq1f1b": ({"split", "hybrid"}, "uniform"),
+    "pp2_dropout_elastic": ({"split", "hybrid", "batched"}, "none"),
+    "pp2_dropout_seq1f1b": ({"split", "hybrid"}, "none"),
 }
 
 HELIX = ["--pipeline-schedule", "helix"]
@@ -583,6 +585,27 @@ VARIANTS = {
                                          "--pipeline-schedule", "interleaved"]),
         "pp2_gate_sppo_n4_offload": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
                                          "--sppo-subsequences", "4", "--sppo-offload", "0.5"]),
+    }),
+    # Hidden dropout (the embedding's and both bias-dropout-adds of every layer) and attention
+    # dropout (the document attention's probabilities, the K/V context's included) at 0.1, the
+    # masks keyed by each token's identity on both sides (golden_run.py
+    # --golden-keyed-dropout: keyed_dropout.py), so the run drops what the reference drops
+    # however the documents are packed, cut and placed; also under Megatron's recomputation,
+    # which must draw a recomputed layer's masks again. Not helix: its layer parts run outside
+    # Megatron's TransformerLayer.forward, where the masks are keyed.
+    "dropout": (["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+                 "--golden-keyed-dropout"], {
+        **{f"pp2_dropout_{name}": (2, ["--pipeline-model-parallel-size", "2", *flags])
+           for name, flags in FOUR_SCHEDULES},
+        "pp2_dropout_full_recompute_1f1b": (2, ["--pipeline-model-parallel-size", "2",
+                                                "--pipeline-schedule", "1f1b", *UNIFORM]),
+        "pp2_vp2_dropout_interleaved": (2, ["--pipeline-model-parallel-size", "2",
+                                            "--num-layers-per-virtual-pipeline-stage", "1",
+                                            "--pipeline-schedule", "interleaved"]),
+        "pp2_dropout_sppo_n4": (2, ["--pipeline-model-parallel-size", "2", *SPPO,
+                                    "--sppo-subsequences", "4", "--sppo-offload", "off"]),
+        "pp2_dropout_gpipe_outside": (2, ["--pipeline-model-parallel-size", "2",
+                                          "--pipeline-schedule", "gpipe"]),
     }),
     "three_microbatches": (["--golden-docs", "5"], {
         "pp2_helix_m3": (2, ["--pipeline-model-parallel-size", "2", *HELIX,

@@ -120,7 +120,16 @@ def _golden_parser():
     parser.add_argument("--golden-docs")
     parser.add_argument("--golden-eod-every")
     parser.add_argument("--golden-aux-loss-coeff")
+    parser.add_argument("--golden-keyed-dropout", action="store_true")
     return parser
+
+
+def _no_effect_values() -> dict:
+    """The options whose no-effect value is not their default (``scripts/mutation_check.py``)."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import mutation_check
+
+    return mutation_check.NO_EFFECT
 
 
 @pytest.mark.parametrize("dest,schedule,proof", CELLS)
@@ -132,8 +141,12 @@ def test_each_honoured_cell_names_a_test_that_passes_the_option(dest, schedule, 
         return
     tag = proof.removeprefix("golden:")
     argv = _golden_argv()[tag]
-    _, given = arguments.given_options(parser, argv)
+    args, given = arguments.given_options(parser, argv)
     assert dest in given, f"{tag} does not pass {flag} with a value other than its default"
+    off = _no_effect_values()
+    assert dest not in off or getattr(args, dest) != off[dest], \
+        f"{tag} runs {flag} at {off[dest]!r}, where it has no effect: a proof must run it at " \
+        f"a value that changes the numbers"
     ran = argv[argv.index("--pipeline-schedule") + 1]
     if schedule == "default":
         assert ran in ("1f1b", "interleaved"), tag

@@ -1,0 +1,52 @@
+"""The mutation check's hook (``tests/mutation/sitecustomize.py``) resets the option in the
+process under test and keeps it in the golden harness's reference, and the check refuses to
+run a proof that already runs the option at its no-effect value."""
+import json
+import os
+import subprocess
+import sys
+
+from harness import REPO, TINY_MODEL, python_path
+
+HOOK = os.path.join(REPO, "tests", "mutation")
+
+_PROBE = """
+import json, sys
+from megatron.plugin import arguments
+from megatron.training.arguments import parse_args
+
+
+def with_golden_mode(parser):
+    arguments.add_arguments(parser)
+    parser.add_argument("--golden-mode")
+    return parser
+
+
+argv = json.loads(sys.argv[1])
+under_test = arguments.parse(argv)
+with arguments.command_line([*argv, "--golden-mode", "reference"]):
+    reference = parse_args(with_golden_mode)
+print(json.dumps([under_test.hidden_dropout, reference.hidden_dropout]))
+"""
+
+
+def test_the_option_is_reset_in_the_run_and_kept_in_the_reference():
+    argv = [*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
+            "--hidden-dropout", "0.25"]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HOOK, python_path()]), WORLD_SIZE="2",
+               LONGCTX_MUTATE="hidden_dropout=0.0")
+    result = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == [0.0, 0.25]
+    assert "mutation: hidden_dropout reset from 0.25 to 0.0" in result.stderr
+
+
+def test_a_proof_at_the_no_effect_value_is_not_caught_without_running():
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import mutation_check
+
+    entry = mutation_check.check("hidden_dropout", "1f1b", "golden:pp2", baseline=False,
+                                 timeout=1)
+    assert entry["verdict"] == "NOT CAUGHT (no-effect value)", entry
+    assert mutation_check.no_effect_value("swiglu") is False
