@@ -16,10 +16,10 @@ recomputation fixes the plan's checkpointing table (:mod:`longctx.fixed_checkpoi
 ``--recompute-granularity selective`` is refused by their own check).
 """
 from megatron.plugin.option_classes import (
-    ACCOUNTED_SPLIT, DISTRIBUTED_OPTIMIZER, EXAMPLES, FULL_RECOMPUTE, GPU_CHECK, GROUPED_QUERIES,
-    HALF_PRECISION, MODEL, MODEL_VARIANT, MOE, OLDER_SELECTIVE, OVERLAPPED_REDUCTION,
-    PLANNER_KNOBS, RECOMPUTATION, ROPE_MODEL, TENSOR_PARALLEL, UNEVEN_SPLIT, dispatcher_not_run,
-    each, experts_apart)
+    ACCOUNTED_SPLIT, DISTRIBUTED_OPTIMIZER, DROPOUT, EXAMPLES, FULL_RECOMPUTE, GPU_CHECK,
+    GROUPED_QUERIES, HALF_PRECISION, MODEL, MODEL_VARIANT, MOE, OLDER_SELECTIVE,
+    OVERLAPPED_REDUCTION, PLANNER_KNOBS, RECOMPUTATION, ROPE_MODEL, TENSOR_PARALLEL,
+    UNEVEN_SPLIT, dispatcher_not_run, each, experts_apart)
 
 #: The planner's flags of both schedules (``--elastic-slices`` and ``--elastic-memory-gb``
 #: are proved by each one's base layout).
@@ -35,6 +35,7 @@ _PLANNER = {
 
 ELASTIC_PROOFS = {
     **each(MODEL, "golden:pp2_elastic"),
+    **each(DROPOUT, "golden:pp2_dropout_elastic"),
     "micro_batch_size": "golden:pp2_elastic_default_loss_mbs2",
     **each(TENSOR_PARALLEL, "golden:pp2_tp2_sp_elastic"),
     **each(("cp_comm_type", "context_parallel_size"), "golden:pp2_ulysses2_elastic_default_loss"),
@@ -57,6 +58,7 @@ ELASTIC_PROOFS = {
 
 SEQ1F1B_PROOFS = {
     **each((*MODEL, "elastic_slices", "elastic_memory_gb"), "golden:pp2_seq1f1b_uniform"),
+    **each(DROPOUT, "golden:pp2_dropout_seq1f1b"),
     "micro_batch_size": "golden:pp2_seq1f1b_default_loss_mbs2",
     **each(TENSOR_PARALLEL, "golden:pp2_tp2_sp_seq1f1b"),
     **each(("cp_comm_type", "context_parallel_size"),

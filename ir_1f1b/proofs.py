@@ -8,12 +8,13 @@ tensor-parallel size with the all-to-all one. Its overlapped gradient reduction 
 gradients in the collective too (``--ddp-average-in-collective``).
 """
 from megatron.plugin.option_classes import (
-    ACCOUNTED_SPLIT, DISTRIBUTED_OPTIMIZER, GPU_CHECK, GROUPED_QUERIES, HALF_PRECISION, MODEL,
-    MODEL_VARIANT, MOE, OVERLAPPED_REDUCTION, RECOMPUTATION, ROPE_MODEL, SELECTIVE_INSTEAD,
-    SPLIT_EXPERTS, TENSOR_PARALLEL, UNEVEN_SPLIT, each)
+    ACCOUNTED_SPLIT, DISTRIBUTED_OPTIMIZER, DROPOUT, GPU_CHECK, GROUPED_QUERIES, HALF_PRECISION,
+    MODEL, MODEL_VARIANT, MOE, OVERLAPPED_REDUCTION, RECOMPUTATION, ROPE_MODEL,
+    SELECTIVE_INSTEAD, SPLIT_EXPERTS, TENSOR_PARALLEL, UNEVEN_SPLIT, each)
 
 PROOFS = {
     **each(MODEL, "golden:pp2_ir"),
+    **each(DROPOUT, "golden:pp2_dropout_ir"),
     "micro_batch_size": "golden:pp2_ir_uniform_recompute_mbs2",
     **each(TENSOR_PARALLEL, "golden:pp2_tp2_sp_ir"),
     **each(("cp_comm_type", "context_parallel_size"), "golden:pp2_ulysses2_ir"),

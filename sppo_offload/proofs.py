@@ -7,13 +7,14 @@ with each token weighed as Megatron's packing weighs it (:mod:`megatron.plugin.d
 so the layouts of context parallelism train it against Megatron's value at that degree.
 """
 from megatron.plugin.option_classes import (
-    ACCOUNTED_SPLIT, DISTRIBUTED_OPTIMIZER, EXAMPLES, FULL_RECOMPUTE, GPU_CHECK, GROUPED_QUERIES,
-    HALF_PRECISION, MODEL, MODEL_VARIANT, MOE, OLDER_SELECTIVE, OVERLAPPED_REDUCTION,
-    RECOMPUTATION, ROPE_MODEL, TENSOR_PARALLEL, UNEVEN_SPLIT, dispatcher_not_run, each,
-    experts_apart)
+    ACCOUNTED_SPLIT, DISTRIBUTED_OPTIMIZER, DROPOUT, EXAMPLES, FULL_RECOMPUTE, GPU_CHECK,
+    GROUPED_QUERIES, HALF_PRECISION, MODEL, MODEL_VARIANT, MOE, OLDER_SELECTIVE,
+    OVERLAPPED_REDUCTION, RECOMPUTATION, ROPE_MODEL, TENSOR_PARALLEL, UNEVEN_SPLIT,
+    dispatcher_not_run, each, experts_apart)
 
 PROOFS = {
     **each((*MODEL, "sppo_subsequences"), "golden:pp2_sppo_n4"),
+    **each(DROPOUT, "golden:pp2_dropout_sppo_n4"),
     **each(("micro_batch_size", "context_parallel_size"),
            "golden:pp2_ulysses2_sppo_default_loss_mbs2"),
     **each(TENSOR_PARALLEL, "golden:pp2_tp2_sp_sppo_n4_offload"),

@@ -71,8 +71,12 @@ class Honoured:
 
 #: The model's shape and the batch: the tiny model's layout (tests/harness.py TINY_MODEL).
 MODEL = ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-         "max_position_embeddings", "global_batch_size", "hidden_dropout", "attention_dropout",
-         "calculate_per_token_loss", "vocab_size", "pipeline_model_parallel_size")
+         "max_position_embeddings", "global_batch_size", "calculate_per_token_loss",
+         "vocab_size", "pipeline_model_parallel_size")
+#: Hidden and attention dropout at 0.1 (Megatron-LM's default), proved by the golden ``dropout``
+#: layouts: run and reference draw each mask from its token's identity, so the run drops what
+#: the reference drops however a schedule packs, cuts and places the documents.
+DROPOUT = ("hidden_dropout", "attention_dropout")
 #: Tensor and sequence parallelism. ``--expert-tensor-parallel-size``: without
 #: ``--num-experts`` no layer reads it, and it only sizes Megatron's expert groups (Megatron-LM's
 #: configs give it without experts); with MoE layers, other than the tensor-parallel size, it
@@ -181,6 +185,8 @@ def dispatcher_not_run(schedule: str) -> str:
 # interleaved with virtual stages).
 _MODEL = {"default": "golden:pp2", "1f1b": "golden:pp2",
           "interleaved": "golden:pp2_vp2_interleaved"}
+_DROPOUT = {"default": "golden:pp2_dropout_1f1b", "1f1b": "golden:pp2_dropout_1f1b",
+            "interleaved": "golden:pp2_vp2_dropout_interleaved"}
 _TENSOR_PARALLEL = {"default": "golden:pp2_tp2_sp", "1f1b": "golden:pp2_tp2_sp",
                     "interleaved": "golden:pp2_vp2_tp2_sp_interleaved"}
 _CONTEXT_PARALLEL = {"default": "golden:pp2_ulysses2_1f1b", "1f1b": "golden:pp2_ulysses2_1f1b",
@@ -273,6 +279,7 @@ def _megatron(proofs: Mapping[str, str], *names: str) -> dict:
 
 HONOURED: dict[str, Honoured] = {
     **{name: Honoured(_MODEL, _NO_TEST) for name in MODEL},
+    **{name: Honoured(_DROPOUT, _NO_TEST) for name in DROPOUT},
     "micro_batch_size": Honoured(_MICRO_BATCHES, _NO_TEST),
     **{name: Honoured(_TENSOR_PARALLEL, _NO_TEST) for name in TENSOR_PARALLEL},
     # Megatron's --cp-comm-type names how its attention exchanges K/V between the

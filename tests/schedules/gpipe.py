@@ -11,7 +11,7 @@ from megatron.plugin.pipeline.catalog import Built, Options
 from megatron.plugin.pipeline.ir import Action, Kind, Schedule
 from megatron.plugin.pipeline.passes import add_communication
 from megatron.plugin.executor_call import run_over_packed
-from megatron.plugin.option_classes import MODEL, each
+from megatron.plugin.option_classes import DROPOUT, MODEL, each
 from megatron.plugin.pipeline.simulator import UniformCosts
 from megatron.plugin.pipeline.validation import validate
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
@@ -39,6 +39,7 @@ def run(call: RankCall) -> list:
 
 #: What it honours: the model's shape, the batch and its micro-batches, proved by the golden
 #: layout that trains it (any other option is refused under it).
-PROOFS = each((*MODEL, "micro_batch_size"), "golden:pp2_gpipe_outside")
+PROOFS = {**each((*MODEL, "micro_batch_size"), "golden:pp2_gpipe_outside"),
+          **each(DROPOUT, "golden:pp2_dropout_gpipe_outside")}
 
 SPEC = ScheduleSpec("gpipe", run=run, build_ir=build_ir, proofs=PROOFS)

@@ -19,12 +19,25 @@ def _parsed(world: int, flags: tuple):
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world)
     try:
-        return arguments.parse([*TINY_MODEL, "--pipeline-model-parallel-size", "2", *flags])
+        return arguments.parse([*_without(TINY_MODEL, flags), "--pipeline-model-parallel-size",
+                                "2", *flags])
     finally:
         if saved is None:
             del os.environ["WORLD_SIZE"]
         else:
             os.environ["WORLD_SIZE"] = saved
+
+
+def _without(model, flags) -> list:
+    """``model``'s flags (each with its value, if it takes one) less those ``flags`` give."""
+    again = {flag for flag in flags if flag.startswith("--")}
+    kept, i = [], 0
+    while i < len(model):
+        end = i + 2 if i + 1 < len(model) and not model[i + 1].startswith("--") else i + 1
+        if model[i] not in again:
+            kept += model[i:end]
+        i = end
+    return kept
 
 
 def _lines(world, flags, cuda):
@@ -67,6 +80,12 @@ SAID = {
     "layer_scaling": (2, ["--apply-query-key-layer-scaling"], True,
                       "--apply-query-key-layer-scaling: the document attention's kernels "
                       "compute the scores and their softmax in fp32"),
+    # Megatron's default dropout: the tiny model's 0 dropped, the flags not given.
+    "helix_default_dropout": (2, ["--pipeline-schedule", "helix", "--hidden-dropout", "0.1",
+                                  "--attention-dropout", "0.1"], False,
+                              "--hidden-dropout 0.1 --attention-dropout 0.1 under "
+                              "--pipeline-schedule helix: helix's layer parts draw the dropout "
+                              "masks, and no golden test proves them"),
     "recompute_as_plan_elastic": (2, ["--pipeline-schedule", "elastic", *FULL], False,
                                   "--recompute-granularity full --recompute-method block "
                                   "--recompute-num-layers 1 under --pipeline-schedule elastic: "
@@ -96,6 +115,7 @@ SILENT = {
     "recompute_under_megatron": (2, ["--pipeline-schedule", "1f1b", *FULL], False),
     "sppo_offload_off": (2, ["--pipeline-schedule", "sppo", "--sppo-offload", "off"], False),
     "sppo_offload_on_cuda": (2, ["--pipeline-schedule", "sppo"], True),
+    "helix_without_dropout": (2, ["--pipeline-schedule", "helix"], False),
     "defaults": (2, [], False),
 }
 
