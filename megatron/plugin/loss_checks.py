@@ -9,9 +9,17 @@ reproducible one, and, like Megatron, does not validate the first iteration. The
 of ``--check-for-nan-in-loss-and-grad`` is Megatron's DDP, which every schedule's gradients
 go through. Outside Megatron's train step (no parsed arguments, or a loss computed by hand, as
 ``scripts/profile_costs.py`` does) nothing is checked.
+
+Inside :func:`once_per_step` (every schedule's call, :mod:`megatron.plugin.registry`) a
+unit's loss is only recorded, on its device; the step's losses come to the host together at
+its end (one read back instead of one per check of each unit) and are checked there in the
+order of their units, each as Megatron checks a micro-batch's: the same validation calls in
+the same sequence, so the rerun state machine compares a rerun's results call by call as
+before, and an error names the rank and the iteration as Megatron's does.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -29,8 +37,37 @@ def _megatron_args():
         return None
 
 
+_PENDING: list[torch.Tensor] | None = None
+"""The losses recorded in the step :func:`once_per_step` is collecting (``None``: none)."""
+
+
+@contextlib.contextmanager
+def once_per_step():
+    """Collect the losses :func:`validate_loss` gets while active and check them when it
+    ends, after one copy of all of them to the host (none when the step raised)."""
+    global _PENDING
+    outer, _PENDING = _PENDING, []
+    try:
+        yield
+        pending = _PENDING
+    finally:
+        _PENDING = outer
+    if pending:
+        for loss_sum in torch.stack(pending).cpu():
+            _check(loss_sum)
+
+
 def validate_loss(loss_sum: torch.Tensor) -> None:
-    """Megatron's NaN, Inf and spiky-loss checks of this rank's loss of one micro-batch."""
+    """Megatron's NaN, Inf and spiky-loss checks of this rank's loss of one micro-batch (or
+    of one unit of a document schedule): recorded for the end of the step inside
+    :func:`once_per_step`, made at once outside it."""
+    if _PENDING is not None:
+        _PENDING.append(loss_sum.detach())
+        return
+    _check(loss_sum)
+
+
+def _check(loss_sum: torch.Tensor) -> None:
     args = _megatron_args()
     if args is None:
         return
