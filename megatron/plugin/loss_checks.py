@@ -11,11 +11,13 @@ go through. Outside Megatron's train step (no parsed arguments, or a loss comput
 ``scripts/profile_costs.py`` does) nothing is checked.
 
 Inside :func:`once_per_step` (every schedule's call, :mod:`megatron.plugin.registry`) a
-unit's loss is only recorded, on its device; the step's losses come to the host together at
-its end (one read back instead of one per check of each unit) and are checked there in the
-order of their units, each as Megatron checks a micro-batch's: the same validation calls in
-the same sequence, so the rerun state machine compares a rerun's results call by call as
-before, and an error names the rank and the iteration as Megatron's does.
+unit's loss is only recorded, on its device; the step's losses come to the host together once
+this rank's forwards are done and before its gradients are checked (one read back instead of
+one per check of each unit) and are checked there in the order of their units, each as
+Megatron checks a micro-batch's: the same validation calls in the same sequence, so the rerun
+state machine compares a rerun's results call by call as before, and an error names the rank
+and the iteration as Megatron's does. With ``--overlap-grad-reduce`` that read back comes
+right before the rank's last backward.
 """
 from __future__ import annotations
 
@@ -42,18 +44,56 @@ _PENDING: list[torch.Tensor] | None = None
 
 
 @contextlib.contextmanager
-def once_per_step():
-    """Collect the losses :func:`validate_loss` gets while active and check them when it
-    ends, after one copy of all of them to the host (none when the step raised)."""
+def once_per_step(config):
+    """Collect the losses :func:`validate_loss` gets while active and check them after one
+    copy of all of them to the host, before anything of the step's gradients is checked: in
+    Megatron's 1F1B every loss is checked before Megatron DDP checks the gradients for NaN
+    (when the last backward's buckets start their reduction, or in ``finalize_model_grads``),
+    so ``config``'s ``no_sync_func`` (on leaving it: before the last backward) and
+    ``finalize_model_grads_func`` check what is pending first; what is left is checked when
+    the step ends (an evaluation's forwards). Nothing is checked when the step raised."""
     global _PENDING
     outer, _PENDING = _PENDING, []
+    saved = config.no_sync_func, config.finalize_model_grads_func
+    config.no_sync_func = _each(config.no_sync_func, _checking_on_exit)
+    config.finalize_model_grads_func = _each(config.finalize_model_grads_func, _checking_first)
     try:
         yield
-        pending = _PENDING
+        _check_pending()
     finally:
         _PENDING = outer
-    if pending:
-        for loss_sum in torch.stack(pending).cpu():
+        config.no_sync_func, config.finalize_model_grads_func = saved
+
+
+def _each(funcs, wrap):
+    if funcs is None:
+        return None
+    return [wrap(func) for func in funcs] if isinstance(funcs, list) else wrap(funcs)
+
+
+def _checking_on_exit(no_sync_func):
+    @contextlib.contextmanager
+    def no_sync():
+        with no_sync_func():
+            yield
+            _check_pending()
+    return no_sync
+
+
+def _checking_first(finalize):
+    def finalize_model_grads(*args, **kwargs):
+        _check_pending()
+        return finalize(*args, **kwargs)
+    return finalize_model_grads
+
+
+def _check_pending() -> None:
+    """Check the recorded losses in their order, after one copy to the host, and forget
+    them."""
+    if _PENDING:
+        pending = torch.stack(_PENDING)
+        _PENDING.clear()
+        for loss_sum in pending.cpu():
             _check(loss_sum)
 
 

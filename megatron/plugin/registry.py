@@ -224,9 +224,9 @@ class DocumentSchedule:
             and not forward_only else None
         if upcoming is not None:
             own.prefetch_input(upcoming, args, model)
+        config = get_model_config(model[0])
         with self.reporter.measure(device_window=not args.log_memory_to_tensorboard), \
-                grad_sync.one_start_per_step(get_model_config(model[0])), \
-                loss_checks.once_per_step():
+                grad_sync.one_start_per_step(config), loss_checks.once_per_step(config):
             losses = self.schedule(data_iterator=prepared, model=model, num_microbatches=count,
                                    forward_only=forward_only, **kwargs)
         if not forward_only:
