@@ -7,9 +7,8 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from megatron.plugin.batches import MicroBatch, micro_batch, pack_row
+from megatron.plugin.batches import MicroBatch, host_tensor, micro_batch, pack_row
 from megatron.plugin.pipeline.ir import Action, Schedule
 
 from longctx.chunks import Chunk, Piece
@@ -65,4 +64,4 @@ def chunk_batch(chunk: Chunk, documents, doc_ids, multiple: int,
     for piece in chunk.pieces:
         row[0, start:start + piece.tokens] = weights[doc_ids[piece.doc]][piece.start:piece.end]
         start += piece.tokens
-    return dataclasses.replace(batch, loss_weights=torch.from_numpy(row))
+    return dataclasses.replace(batch, loss_weights=host_tensor(row))

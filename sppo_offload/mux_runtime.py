@@ -21,8 +21,8 @@ A share of ``u0`` on block ``k`` (member ``k + i`` of ``G_k = {k, ..., p-1}``, t
 
 Collectives, over the process group of ``G_k`` (one per block and pipeline, made once by
 every rank, :func:`block_groups`), always in this order on every member: at the start of a
-Left-SP share the owner broadcasts the block's parameters (a two-number header with the
-embedding table rows, then one flat buffer); in every layer :class:`GroupShare` all-gathers
+Left-SP share the owner broadcasts the block's parameters as one flat buffer (its layout,
+the embedding tables' rows included, from the model's shape: no header to read back); in every layer :class:`GroupShare` all-gathers
 the range's K/V (an all-reduce of a zero-filled ``u0``-sized buffer, exact: the other ranges
 add zeros), whose backward all-reduces the gradient and keeps the range's slice; at the end of
 a Right-SP share the helpers' weight gradients are reduced (summed) into the owner, which
@@ -44,7 +44,6 @@ from megatron.core.utils import get_attr_wrapped_model, get_model_config
 from megatron.plugin.layers.layout import Segment
 from megatron.plugin.batches import MicroBatch
 from megatron.plugin.pipeline.group_cache import cached_groups
-from megatron.plugin.layers.devices import collective_device
 from megatron.plugin.pipeline.chunks import DocumentChunks, chunk_backward
 from megatron.plugin.pipeline.extension import run_backward
 from megatron.plugin.pipeline.ir import Action, Kind
@@ -152,7 +151,7 @@ class MultiplexProgram:
             weights = None if u0.loss_weights is None else u0.loss_weights[:, cut]
             batch = MicroBatch(u0.tokens[:, cut], u0.labels[:, cut], u0.loss_mask[:, cut],
                                u0.position_ids[:, cut], ((Segment(0, stop - start),),), share,
-                               weights)
+                               weights, positions_end=u0.positions_end)
         borrowed = None if share is None else self._share_weights(k)
         grad = contextlib.nullcontext() if self.training else torch.no_grad()
         with grad:
@@ -203,41 +202,51 @@ class MultiplexProgram:
     def _range(self, block: int) -> tuple[int, int]:
         return share_bounds(self.tokens, self.pp, block)[self.stage - block]
 
-    def _owned(self, block: int) -> tuple[list, list[int]]:
-        """The owner's parameters of ``block`` in shipping order, and the embedding header,
-        once their all-gather after the optimizer's step is in (:func:`wait_for_parameters`,
-        as the modules' own forwards would wait)."""
+    def _owned(self, block: int) -> list:
+        """The owner's parameters of ``block`` in shipping order (its embedding tables first,
+        :meth:`_table_rows`), once their all-gather after the optimizer's step is in
+        (:func:`wait_for_parameters`, as the modules' own forwards would wait)."""
         layers = self.gpt.decoder.layers
         embedding = self.gpt.embedding if block == 0 else None
         wait_for_parameters([*layers.modules(), *(embedding.modules() if embedding else ())])
-        tensors, header = [], [0, 0]
+        tensors = []
         if embedding is not None:
             tensors.append(embedding.word_embeddings.weight)
-            header[0] = embedding.word_embeddings.weight.shape[0]
             positions = getattr(embedding, "position_embeddings", None)
             if positions is not None:
                 tensors.append(positions.weight)
-                header[1] = positions.weight.shape[0]
+        if [t.shape[0] for t in tensors] != [rows for rows in self._table_rows(block) if rows]:
+            raise RuntimeError(f"block {block}'s embedding tables have "
+                               f"{[t.shape[0] for t in tensors]} rows, the model's shape says "
+                               f"{self._table_rows(block)}")
         tensors += [p for _, p in layers.named_parameters()]
-        return tensors, header
+        return tensors
+
+    def _table_rows(self, block: int) -> tuple[int, int]:
+        """Rows of the word and the learned position embedding table that block ``block``
+        ships (0: none), from the model's shape, which every rank of the group knows:
+        Megatron's vocabulary split over the tensor-parallel ranks, and
+        ``--max-position-embeddings`` rows under learned absolute positions."""
+        if block != 0:
+            return 0, 0
+        words = self.gpt.vocab_size // self.config.tensor_model_parallel_size
+        learned = self.gpt.position_embedding_type == "learned_absolute"
+        return words, self.gpt.max_sequence_length if learned else 0
 
     def _share_weights(self, block: int):
-        """Broadcast ``block``'s parameters (:meth:`_owned`) from its owner. A helper gets
-        ``(all leaves, layer parameters by layer, embedding tables)``, the owner ``(its
-        parameters, None, None)``."""
+        """Broadcast ``block``'s parameters (:meth:`_owned`) from its owner, as one flat
+        tensor whose layout every rank knows from the model's shape. A helper gets ``(all
+        leaves, layer parameters by layer, embedding tables)``, the owner ``(its parameters,
+        None, None)``."""
         group, ranks = self.groups[block]
         owner = ranks[0]
         if self.stage == block:
-            tensors, header = self._owned(block)
-            dist.broadcast(torch.tensor(header, dtype=torch.int64,
-                                        device=collective_device(group)), owner, group=group)
+            tensors = self._owned(block)
             dist.broadcast(torch.cat([t.detach().reshape(-1) for t in tensors]), owner,
                            group=group)
             return tensors, None, None
-        header = torch.zeros(2, dtype=torch.int64, device=collective_device(group))
-        dist.broadcast(header, owner, group=group)
         hidden = self.config.hidden_size
-        shapes = [(int(rows), hidden) for rows in header.tolist() if rows]
+        shapes = [(rows, hidden) for rows in self._table_rows(block) if rows]
         named = list(self.gpt.decoder.layers.named_parameters())
         shapes += [tuple(p.shape) for _, p in named]
         reference = named[0][1]

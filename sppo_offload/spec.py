@@ -129,7 +129,8 @@ SPEC = ScheduleSpec(NAME, run=run, input_type=SubsequenceBatch,
                     argument_groups=(job_costs.add_arguments, add_arguments),
                     check_args=check_args, plans_recomputation=True,
                     prepare_input=prepare_input, build_ir=sppo_ir,
-                    report=lambda batch: {"planned_activation_bytes":
-                                          batch.planned_activation_bytes},
+                    report=lambda batch: {
+                        "planned_activation_bytes": batch.planned_activation_bytes,
+                        "host_allocations": batch.offloader.tier.step_allocations()},
                     draw_arguments=(add_draw_arguments,), substitutions=SUBSTITUTIONS,
                     proofs=PROOFS, refusals=REFUSALS)

@@ -1,6 +1,8 @@
 """The ``sppo`` schedule's input for one global batch: this replica's documents planned
 (:mod:`sppo_offload.batch_plan`), their schedule built and each subsequence packed into a row,
-with the activation offloader of this stage."""
+with the activation offloader of this stage. The offloader writes into this stage's host tier,
+kept across iterations (its arena is allocated once, sized for each iteration from the plan's
+predicted host bytes of the stage)."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +14,7 @@ from megatron.core import parallel_state
 
 from megatron.plugin.default_loss import unit_weights
 from megatron.plugin.pipeline.ir import Action
-from megatron.plugin.pipeline.offload import ActivationOffloader, host_tier
+from megatron.plugin.pipeline.offload import ActivationOffloader, HostMemory, host_tier
 from megatron.plugin.reporting import summary_level
 
 from longctx.chunk_rows import ChunkRows, chunk_batch
@@ -21,7 +23,7 @@ from longctx.fixed_checkpointing import fixed_checkpointing
 from longctx.job_costs import job_cost_model
 from longctx.replicas import replica_share
 
-from sppo_offload.batch_plan import SubsequencePlan, check_budget, plan_subsequences
+from sppo_offload.batch_plan import SubsequencePlan, check_budget, plan_subsequences, replay
 from sppo_offload.flags import memory_budget_gb
 from sppo_offload.multiplex import (min_tokens, multiplexed_peaks, multiplexed_schedule,
                                    piece_tokens)
@@ -29,6 +31,16 @@ from sppo_offload.mux_runtime import block_groups
 from sppo_offload.pipeline import build_schedule
 
 log = logging.getLogger(__name__)
+
+_TIERS: dict[tuple, HostMemory] = {}
+"""The host tier of each device and capacity, made once in a process."""
+
+
+def _tier(device, capacity: int | None) -> HostMemory:
+    key = (str(device), capacity)
+    if key not in _TIERS:
+        _TIERS[key] = host_tier(device, capacity)
+    return _TIERS[key]
 
 
 @dataclass
@@ -66,11 +78,12 @@ def prepare_input(documents, args, model):
                              checkpointed=checkpointed)
     chunk = model[0] if isinstance(model, list) else model
     capacity = None if host_gb is None else int(host_gb * GB)
-    tier = host_tier(next(chunk.parameters()).device, capacity)
+    tier = _tier(next(chunk.parameters()).device, capacity)
     host_gbps = math.inf if tier.synchronous else None
     peaks = check_budget(mine, plan, cost, args.sppo_subsequences, args.sppo_offload,
                          memory_budget_gb(args), host_gb, tp * cp, host_gbps)
     stage = parallel_state.get_pipeline_model_parallel_rank()
+    tier.start_step(replay(plan, cost, host_gbps)[1][stage])
     offloaded = lambda action: plan.alphas[action.stage][action.unit] > 0  # noqa: E731
     if args.sppo_multiplex:
         peaks = _check_multiplexable(plan, cost, memory_budget_gb(args), host_gbps)

@@ -45,6 +45,9 @@ class MicroBatch:
     """Per-token weights of the loss under Megatron's default loss when the tokens come from
     several of Megatron's micro-batches (:mod:`megatron.plugin.default_loss`); ``None``: every
     token counts once, as in Megatron's own micro-batches."""
+    positions_end: int | None = None
+    """One past the largest position id, known when the batch is built (the rotary table's
+    length, :class:`~megatron.plugin.layers.layout.PackedDocuments`); ``None``: unknown."""
 
     @property
     def num_loss_tokens(self) -> int:
@@ -55,10 +58,15 @@ class MicroBatch:
         return int(self.tokens.shape[1])
 
     def to(self, device) -> "MicroBatch":
-        weights = None if self.loss_weights is None else self.loss_weights.to(device)
-        return MicroBatch(self.tokens.to(device), self.labels.to(device),
-                          self.loss_mask.to(device), self.position_ids.to(device), self.segments,
-                          self.share, weights)
+        """The batch on ``device``, each tensor copied without blocking the host (from the
+        pinned memory :func:`micro_batch` builds it in on a CUDA machine; a tensor already
+        there is kept)."""
+        def moved(t):
+            return None if t is None else t.to(device, non_blocking=True)
+
+        return replace(self, tokens=moved(self.tokens), labels=moved(self.labels),
+                       loss_mask=moved(self.loss_mask), position_ids=moved(self.position_ids),
+                       loss_weights=moved(self.loss_weights))
 
     def context_share(self, rank: int, size: int) -> "MicroBatch":
         """This context-parallel rank's contiguous ``1/size`` of the tokens (Ulysses), each
@@ -73,13 +81,14 @@ class MicroBatch:
         def share(t):
             return None if t is None else t[:, part].contiguous()
 
-        return MicroBatch(share(self.tokens), share(self.labels), share(self.loss_mask),
-                          share(self.position_ids), self.segments, self.share,
-                          share(self.loss_weights))
+        return replace(self, tokens=share(self.tokens), labels=share(self.labels),
+                       loss_mask=share(self.loss_mask), position_ids=share(self.position_ids),
+                       loss_weights=share(self.loss_weights))
 
     def layout(self, kv_store=None, record_kv=False) -> PackedDocuments:
         return PackedDocuments(segments=self.segments, position_ids=self.position_ids,
-                               kv_store=kv_store, record_kv=record_kv, share=self.share)
+                               kv_store=kv_store, record_kv=record_kv, share=self.share,
+                               positions_end=self.positions_end)
 
 
 def pack_row(docs: Sequence[np.ndarray], pad_to: int | None = None,
@@ -122,12 +131,21 @@ def pack_row(docs: Sequence[np.ndarray], pad_to: int | None = None,
             np.concatenate(positions), tuple(segments))
 
 
+def host_tensor(array: np.ndarray) -> torch.Tensor:
+    """``array`` as a host tensor for a batch: in pinned memory on a CUDA machine, so that the
+    unit's copy to the device (:meth:`MicroBatch.to`) does not block the host."""
+    tensor = torch.from_numpy(array)
+    return tensor.pin_memory() if torch.cuda.is_available() else tensor
+
+
 def micro_batch(rows) -> MicroBatch:
-    """Stack rows from :func:`pack_row` (equal lengths) into a :class:`MicroBatch`."""
+    """Stack rows from :func:`pack_row` (equal lengths) into a :class:`MicroBatch` (host
+    tensors, :func:`host_tensor`); its ``positions_end`` read from the rows' positions."""
     tokens, labels, mask, positions, segments = zip(*rows)
-    as_tensor = lambda arrays: torch.from_numpy(np.stack(arrays))  # noqa: E731
+    as_tensor = lambda arrays: host_tensor(np.stack(arrays))  # noqa: E731
     return MicroBatch(as_tensor(tokens), as_tensor(labels), as_tensor(mask),
-                      as_tensor(positions), tuple(segments))
+                      as_tensor(positions), tuple(segments),
+                      positions_end=int(max(p.max() for p in positions)) + 1)
 
 
 def pack_micro_batches(docs: Sequence[np.ndarray], seq_length: int,

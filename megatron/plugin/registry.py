@@ -32,7 +32,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import schedules as _schedules
 from megatron.core.utils import get_model_config
 
-from megatron.plugin import flop_count, random_states
+from megatron.plugin import flop_count, loss_checks, random_states
 from megatron.plugin.batches import MicroBatches, pack_micro_batches, padding_fraction
 from megatron.plugin.drawing import DrawCommand, Drawable
 from megatron.plugin.layers.devices import collective_device
@@ -180,7 +180,7 @@ class DocumentSchedule:
     (Megatron's ``global batch / (micro-batch size x data-parallel size)``) is replaced by what
     the schedule's input has. A training step's documents are recorded for Megatron-LM's FLOP
     count (:mod:`megatron.plugin.flop_count`). A schedule with ``prepare_input`` makes its own
-    input (and reports on it with ``report``); the others get this replica's packed
+    input (and reports on it and on the step with ``report``, after the step); the others get this replica's packed
     ``--seq-length`` micro-batches (and report their padding fraction). The losses come back as one ``{"lm loss": [sum,
     tokens], ...}`` dict on the last pipeline stage (summed over the stages, since a schedule
     other than Megatron's may compute its loss on any stage; the same sum Megatron forms), with
@@ -189,7 +189,8 @@ class DocumentSchedule:
     records: for inspection). After a training step every data-parallel replica takes rank 0's
     random states (:mod:`megatron.plugin.random_states`). Under every schedule Megatron's
     ``grad_sync_func`` starts each gradient bucket's reduction once in a step
-    (:func:`~megatron.plugin.pipeline.grad_sync.one_start_per_step`).
+    (:func:`~megatron.plugin.pipeline.grad_sync.one_start_per_step`), and the step's losses
+    are checked together at its end (:func:`~megatron.plugin.loss_checks.once_per_step`).
     """
 
     def __init__(self, name: str, pp_size=None, vp_size=None):
@@ -216,22 +217,25 @@ class DocumentSchedule:
         own = self.spec if self.spec is not None and self.spec.prepare_input else None
         if own is None:
             prepared, count = _packed_input(batch.documents, args, model)
-            reported = {"padding_fraction": _first(prepared).padding_fraction}
         else:
             prepared, count = own.prepare_input(batch.documents, args, model)
-            reported = own.report(prepared) if own.report else {}
         self.reporter.prepare_s = time.perf_counter() - start
         self.last_input = prepared
         upcoming = batch.upcoming() if own is not None and own.prefetch_input is not None \
             and not forward_only else None
         if upcoming is not None:
             own.prefetch_input(upcoming, args, model)
+        config = get_model_config(model[0])
         with self.reporter.measure(device_window=not args.log_memory_to_tensorboard), \
-                grad_sync.one_start_per_step(get_model_config(model[0])):
+                grad_sync.one_start_per_step(config), loss_checks.once_per_step(config):
             losses = self.schedule(data_iterator=prepared, model=model, num_microbatches=count,
                                    forward_only=forward_only, **kwargs)
         if not forward_only:
             random_states.follow_first_replica(args.data_parallel_random_init)
+        if own is None:
+            reported = {"padding_fraction": _first(prepared).padding_fraction}
+        else:
+            reported = own.report(prepared) if own.report else {}
         totals = _pipeline_totals(losses)
         record = self.reporter.finish(totals, reported, count, args, forward_only)
         if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):

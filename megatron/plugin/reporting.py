@@ -111,6 +111,7 @@ class StepReporter:
         # the live bytes in the last row; a MAX all-reduce gives every rank the stage maxima.
         peaks = {"peak_activation_bytes": self.meter.peak,
                  "planned_activation_bytes": reported.get("planned_activation_bytes"),
+                 "host_allocations": reported.get("host_allocations"),
                  "device_peak_bytes": device_peak_bytes() if self._device_window else None}
         held = torch.zeros(len(peaks) + 1, pp, dtype=torch.float64)
         for row, value in enumerate(peaks.values()):
@@ -136,7 +137,7 @@ class StepReporter:
                 per_stage = [int(b) for b in held[row]]
                 record.update({key: max(per_stage), f"{key}_per_stage": per_stage})
         record.update((key, value) for key, value in reported.items()
-                      if key != "planned_activation_bytes" and value is not None)
+                      if key not in peaks and value is not None)
         self.last = record
         if not forward_only and args.metrics_jsonl and \
                 dist.get_rank() == dist.get_world_size() - 1:

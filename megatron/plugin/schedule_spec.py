@@ -33,10 +33,11 @@ the name and one way to run is optional):
    before ``run``). The registry wraps ``run`` into Megatron's forward-backward signature once
    (:attr:`ScheduleSpec.forward_backward`). Megatron's own schedules give
    ``megatron_function``, a function with that signature, instead.
-6. ``report(input) -> dict``: what the step reports beside what the training loop measures:
-   ``planned_activation_bytes`` (this rank's stage; the loop takes the maximum per stage),
-   ``plan_solve_s``, ``plan_wait_s``, ``padding_microbatches``, ``padding_fraction``
-   (:mod:`megatron.plugin.reporting`).
+6. ``report(input) -> dict``: what the step reports beside what the training loop measures,
+   asked once the step has run: ``planned_activation_bytes`` and ``host_allocations`` (the
+   host buffers this rank's stage allocated in the step; per-stage figures: the loop takes
+   the maximum per stage), ``plan_solve_s``, ``plan_wait_s``, ``padding_microbatches``,
+   ``padding_fraction`` (:mod:`megatron.plugin.reporting`).
 7. ``build_ir(pp, units, options, **knobs) -> Built``: the schedule as IR with the costs that
    price it (:mod:`megatron.plugin.pipeline.catalog`), for tools that draw, simulate or
    validate it without running it (``scripts/show_schedule.py``). ``options`` are the unit
@@ -72,8 +73,9 @@ from typing import Any, Callable, Mapping
 
 from megatron.plugin.substitutions import Substitution
 
-#: What ``report`` may return; ``planned_activation_bytes`` is a per-stage figure.
-REPORT_KEYS = ("planned_activation_bytes", "plan_solve_s", "plan_wait_s",
+#: What ``report`` may return; ``planned_activation_bytes`` and ``host_allocations`` are
+#: per-stage figures.
+REPORT_KEYS = ("planned_activation_bytes", "host_allocations", "plan_solve_s", "plan_wait_s",
                "padding_microbatches", "padding_fraction")
 
 

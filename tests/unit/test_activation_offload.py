@@ -5,7 +5,7 @@ import torch
 
 from megatron.plugin.layers.kv_store import KVStore
 from megatron.plugin.layers.memory import SavedTensorMeter, storage_key
-from megatron.plugin.pipeline.offload import (ActivationOffloader, HostMemory,
+from megatron.plugin.pipeline.offload import (ActivationOffloader, HostArena, HostMemory,
                                               HostMemoryExhausted, SavedHandle, host_tier)
 
 KEY = (0, None)
@@ -226,3 +226,46 @@ def test_pinned_tier_frees_device_memory_and_round_trips_bit_for_bit():
     offloader.release(KEY)
     for got, want in zip(gradients(model), expected):
         assert torch.equal(got, want)
+
+
+def test_one_arena_serves_every_iteration():
+    """A tier kept across iterations allocates its arena once: sized from the plan (here too
+    small), it overflows in the first iteration with a buffer of its own, grows to the most
+    bytes held at the next ``start_step``, and allocates nothing after; every reload equals
+    what was stored. Two units held at once, freed out of order, share the arena."""
+    model, x = stack(4), torch.randn(16, 64)
+    tier = HostMemory()
+    allocations = []
+    for _ in range(3):
+        tier.start_step(planned_bytes=1024)
+        offloader = ActivationOffloader(tier, lambda unit: 1.0)
+        losses, stored = [], []
+        for key in ((0, None), (1, None)):
+            with offloader.capture(key):
+                losses.append(model(x + key[0]).square().sum())
+            stored.append([t.clone() for t in (h.tensor for h in offloader._units[key].handles)])
+            offloader.offload(key, resident=set())
+        for key, before in zip(((0, None), (1, None)), stored):
+            offloader.reload(key)
+            got = [h.tensor for h in offloader._units[key].handles]
+            assert all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(got, before))
+        for key, loss in zip(((1, None), (0, None)), reversed(losses)):
+            offloader.before_backward(key)
+            loss.backward()
+            offloader.release(key)
+        assert tier.used == 0
+        allocations.append(tier.step_allocations())
+    assert allocations[0] >= 2  # the arena and at least one overflow
+    assert allocations[1] == 1  # the arena, grown to what the first iteration held
+    assert allocations[2] == 0
+    assert tier.arena.size >= tier.peak
+
+
+def test_freed_arena_regions_merge():
+    arena = HostArena()
+    arena.reserve(4 * HostArena.ALIGN)
+    regions = [arena.take(HostArena.ALIGN) for _ in range(4)]
+    for region in (regions[1], regions[2], regions[0], regions[3]):
+        arena.give(region)
+    whole = arena.take(4 * HostArena.ALIGN)
+    assert whole.data_ptr() == arena.buffer.data_ptr() and arena.allocations == 1

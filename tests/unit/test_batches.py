@@ -1,8 +1,11 @@
-"""Megatron's schedules get documents packed best-fit decreasing into padded rows."""
+"""Megatron's schedules get documents packed best-fit decreasing into padded rows; a batch
+knows its positions' extent from the plan."""
 import numpy as np
 import pytest
 
-from megatron.plugin.batches import pack_micro_batches, padding_fraction
+from host_syncs import HostSyncCounter
+from megatron.plugin.layers.layout import PackedDocuments
+from megatron.plugin.batches import micro_batch, pack_micro_batches, pack_row, padding_fraction
 
 
 def docs(*inputs):
@@ -43,3 +46,22 @@ def test_micro_batches_and_data_parallel_rounding_add_padding_only():
 def test_a_document_longer_than_the_row_is_refused():
     with pytest.raises(ValueError, match="exceeds --seq-length 8"):
         pack_micro_batches(docs(9), seq_length=8)
+
+
+def test_the_rotary_length_comes_from_the_plan_not_the_device():
+    """A batch knows one past its largest position when it is built (a slice's positions start
+    at its context length), keeps it through ``to`` and a context-parallel share, and its layout
+    answers the rotary table's length without reading the positions back; a layout built by
+    hand without it reads them (a host sync)."""
+    doc = np.arange(9, dtype=np.int64)
+    batch = micro_batch([pack_row([doc], pad_to=10, slices=[("d", 1, 20)]),
+                         pack_row([doc[:4], doc[:3]], pad_to=10)])
+    assert batch.positions_end == 28 == int(batch.position_ids.max()) + 1
+    assert batch.to("cpu").context_share(1, 2).positions_end == 28
+    with HostSyncCounter() as counter:
+        assert batch.layout().rotary_length() == 28
+    assert not counter.seen
+    by_hand = PackedDocuments(position_ids=batch.position_ids)
+    with HostSyncCounter() as counter:
+        assert by_hand.rotary_length() == 28
+    assert counter.seen

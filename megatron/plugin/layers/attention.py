@@ -119,20 +119,21 @@ class DocumentAttention(MegatronModule):
             )
 
     # ----------------------------------------------------------------------------- positions
-    def _rope_freqs(self, position_ids: torch.Tensor, device) -> torch.Tensor:
-        """``[s, b, 1, dim]`` rotary angles at the given true positions."""
-        needed = int(position_ids.max()) + 1
+    def _rope_freqs(self, position_ids: torch.Tensor, needed: int, device) -> torch.Tensor:
+        """``[s, b, 1, dim]`` rotary angles at the given true positions, all below
+        ``needed``."""
         if self._rope_table is None or self._rope_table.shape[0] < needed \
                 or self._rope_table.device != device:
             size = max(needed, 2 * (0 if self._rope_table is None else self._rope_table.shape[0]))
-            self.rope.inv_freq = self.rope.inv_freq.to(device)
+            self.rope.inv_freq = self.rope.inv_freq.to(device, non_blocking=True)
             freqs = self.rope.get_freqs_non_repeated(size)
             if self.config.rotary_interleaved:
                 table = torch.stack((freqs, freqs), dim=-1).view(size, -1)
             else:
                 table = torch.cat((freqs, freqs), dim=-1)
             self._rope_table = table
-        return self._rope_table[position_ids.to(device)].transpose(0, 1).unsqueeze(2)
+        return self._rope_table[position_ids.to(device, non_blocking=True)].transpose(0, 1) \
+            .unsqueeze(2)
 
     def _apply_rope(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         return _apply_rotary_pos_emb_bshd(t, freqs, rotary_interleaved=self.config.rotary_interleaved)
@@ -144,10 +145,11 @@ class DocumentAttention(MegatronModule):
             return query, key
         seq, batch = query.shape[0], query.shape[1]
         if layout is not None and layout.position_ids is not None:
-            positions = layout.position_ids
+            positions, needed = layout.position_ids, layout.rotary_length()
         else:
-            positions = torch.arange(seq).unsqueeze(0).expand(batch, seq)
-        freqs = self._rope_freqs(positions, query.device)
+            positions = torch.arange(seq, device=query.device).unsqueeze(0).expand(batch, seq)
+            needed = seq
+        freqs = self._rope_freqs(positions, needed, query.device)
         return self._apply_rope(query, freqs), self._apply_rope(key, freqs)
 
     # ----------------------------------------------------------------------------- forward

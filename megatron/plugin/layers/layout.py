@@ -43,6 +43,8 @@ class PackedDocuments(PackedSeqParams):
     ``share``: the row is one rank's range of a slice computed by a sequence-parallel group
     (SPPO's multiplexed partitioning, :class:`~sppo_offload.mux_runtime.GroupShare`); its
     ``context(key, value, layer_number)`` returns the K/V context blocks of the range.
+    ``positions_end``: one past the largest of ``position_ids`` (or a bound above it), known
+    from the plan; ``None`` leaves :meth:`rotary_length` to read it from ``position_ids``.
     """
 
     segments: tuple[tuple[Segment, ...], ...] = ()
@@ -50,11 +52,20 @@ class PackedDocuments(PackedSeqParams):
     kv_store: KVStore | None = None
     record_kv: bool = field(default=False)
     share: object = None
+    positions_end: int | None = None
 
     _bounds: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self):
         self.qkv_format = "sbhd"
+
+    def rotary_length(self) -> int:
+        """The rotary table's length for this layout: ``positions_end`` when the plan gave it
+        (no read back from the device), else one past the largest position id (a host sync,
+        for a layout built by hand)."""
+        if self.positions_end is not None:
+            return self.positions_end
+        return int(self.position_ids.max()) + 1
 
     def row_bounds(self, row: int, seq: int, device) -> tuple[torch.Tensor, int]:
         """``(cu_seqlens, longest)`` of row ``row`` (``seq`` tokens): its documents' bounds as

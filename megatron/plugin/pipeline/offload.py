@@ -33,11 +33,13 @@ makes the compute stream wait for the copies (a no-op on CPU); the backward's un
 out the reloaded tensors, and raises when a tensor is still on the host (the schedule lacks a
 ``RELOAD``). :meth:`release` forgets the unit after its backward.
 
-Host tiers (one interface: ``check``, ``write``, ``hold``, ``read``, ``wait``, ``free``):
-:class:`HostMemory`, separate host copies made synchronously (the CPU twin: on CPU the
-"device" and the host are the same memory, but the copies live in the tier and the accounting
-shows device-resident bytes falling), and :class:`PinnedHostMemory`, pinned host buffers
-written and read on a side CUDA stream so that the copies overlap compute.
+Host tiers (one interface: ``start_step``, ``check``, ``write``, ``hold``, ``read``, ``wait``,
+``free``), both writing into one :class:`HostArena` a stage keeps across iterations:
+:class:`HostMemory`, copies made synchronously (the CPU twin: on CPU the "device" and the host
+are the same memory, but the copies live in the tier and the accounting shows device-resident
+bytes falling), and :class:`PinnedHostMemory`, a pinned arena written and read on a side CUDA
+stream (whether a copy overlaps a kernel is the device's business: ``scripts/trace_offload.py``
+measures it).
 """
 from __future__ import annotations
 
@@ -56,11 +58,87 @@ class HostMemoryExhausted(RuntimeError):
     """The host tier cannot hold what an offload asks for."""
 
 
+class HostArena:
+    """One host buffer for every offload of a stage, allocated once and reused every iteration
+    (in pinned memory for a CUDA device): regions are carved first fit and merged when freed.
+
+    :meth:`reserve` sizes it before an iteration (from the plan's host bytes); a region that
+    does not fit is a buffer of its own for that iteration, and the next :meth:`reserve` grows
+    the arena to the most bytes held at once, so a steady run allocates nothing.
+    ``allocations`` counts the host buffers ever allocated (the arena's and the overflows).
+    Region offsets are multiples of :data:`ALIGN` bytes."""
+
+    ALIGN = 512
+
+    def __init__(self, pinned: bool = False):
+        self.pinned = pinned
+        self.buffer: torch.Tensor | None = None
+        self.allocations = 0
+        self._free: list[tuple[int, int]] = []  # (offset, bytes), by offset
+        self._taken: dict[int, tuple[int, int]] = {}  # data_ptr -> (offset, bytes); -1: own
+        self._held = 0
+        self._most = 0
+
+    @property
+    def size(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def reserve(self, nbytes: int) -> None:
+        """Grow the buffer to ``nbytes`` or the most bytes held at once so far, whichever is
+        larger, when nothing is held (a buffer in use is never replaced)."""
+        wanted = _aligned(max(int(nbytes), self._most))
+        if wanted > self.size and not self._taken:
+            self.buffer = self._allocate(wanted)
+            self._free = [(0, wanted)]
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A free region of ``nbytes`` (``uint8``, one dimension)."""
+        size = _aligned(nbytes)
+        self._held += size
+        self._most = max(self._most, self._held)
+        for i, (offset, free) in enumerate(self._free):
+            if free >= size:
+                self._free[i:i + 1] = [(offset + size, free - size)] if free > size else []
+                region = self.buffer[offset:offset + nbytes]
+                self._taken[region.data_ptr()] = (offset, size)
+                return region
+        region = self._allocate(nbytes)
+        self._taken[region.data_ptr()] = (-1, size)
+        return region
+
+    def give(self, region: torch.Tensor) -> None:
+        """Free ``region`` (from :meth:`take`)."""
+        offset, size = self._taken.pop(region.data_ptr())
+        self._held -= size
+        if offset < 0:
+            return
+        self._free.append((offset, size))
+        self._free.sort()
+        merged = [self._free[0]]
+        for start, length in self._free[1:]:
+            last, last_length = merged[-1]
+            if last + last_length == start:
+                merged[-1] = (last, last_length + length)
+            else:
+                merged.append((start, length))
+        self._free = merged
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        self.allocations += 1
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // HostArena.ALIGN) * HostArena.ALIGN
+
+
 class HostMemory:
-    """Host tier made of plain tensors, copied synchronously (see the module doc).
+    """Host tier in a :class:`HostArena` of plain memory, copied synchronously (see the module
+    doc).
 
     ``capacity_bytes``: most bytes held at once (``None``: no limit). ``used`` and ``peak``
-    are the bytes held now and at most; ``moved`` all bytes ever written.
+    are the bytes held now and at most in this iteration (since :meth:`start_step`); ``moved``
+    all bytes ever written.
     """
 
     synchronous = True
@@ -75,6 +153,25 @@ class HostMemory:
         self.used = 0
         self.peak = 0
         self.moved = 0
+        self.arena = HostArena(pinned=False)
+        self._allocations_before = 0
+
+    def start_step(self, planned_bytes: float) -> None:
+        """Before an iteration: size the arena for the plan's host bytes (at most the
+        capacity) and start counting this iteration's host allocations."""
+        if self.capacity is not None:
+            planned_bytes = min(planned_bytes, self.capacity)
+        self._allocations_before = self.allocations()
+        self.arena.reserve(int(planned_bytes))
+        self.peak = self.used
+
+    def allocations(self) -> int:
+        """Host buffers allocated so far: the arena's count."""
+        return self.arena.allocations
+
+    def step_allocations(self) -> int:
+        """Host buffers allocated since :meth:`start_step` began (its sizing included)."""
+        return self.allocations() - self._allocations_before
 
     def resident(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` is in the memory this tier offloads from: any tensor for the twin
@@ -96,12 +193,16 @@ class HostMemory:
         self.peak = max(self.peak, self.used)
         self.moved += nbytes
 
-    def free(self, nbytes: int) -> None:
-        self.used -= nbytes
+    def free(self, host: torch.Tensor) -> None:
+        """Give back the region of ``host`` (from :meth:`write`)."""
+        self.used -= host.numel()
+        self.arena.give(host)
 
     def write(self, data: torch.Tensor) -> torch.Tensor:
-        """A host copy of the bytes ``data`` (``uint8``, one dimension)."""
-        return data.to("cpu", copy=True)
+        """A host copy of the bytes ``data`` (``uint8``, one dimension), in the arena."""
+        host = self.arena.take(data.numel())
+        host.copy_(data)
+        return host
 
     def read(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
         """``(device copy of host, what to wait for before using it)``."""
@@ -113,13 +214,16 @@ class HostMemory:
 
 
 class PinnedHostMemory(HostMemory):  # pragma: no cover - CUDA only, tested where a GPU is
-    """Host tier of pinned buffers, copied on a side stream of ``device``.
+    """Host tier in a pinned :class:`HostArena`, copied on a side stream of ``device``.
 
     Offload: the side stream waits for the compute stream (the activations are written), copies
-    into a pinned buffer, and the device block is marked in use by the side stream
+    into the arena, and the device block is marked in use by the side stream
     (``record_stream``) so the caching allocator reuses it only once the copy is done. Reload:
-    the device buffer is allocated on the compute stream, filled on the side stream, and an
-    event marks the copy; :meth:`wait` makes the compute stream wait for it.
+    the device buffer is allocated on the side stream and filled there, and an event marks the
+    copy; :meth:`wait` makes the compute stream wait for it, and the buffer is marked in use by
+    the compute stream. An arena region freed after its reload is rewritten only by a later
+    copy on the same side stream, so after the read. ``allocations`` is CUDA's count of pinned
+    host allocations (``torch.cuda.host_memory_stats``), the process's all.
     """
 
     synchronous = False
@@ -128,13 +232,17 @@ class PinnedHostMemory(HostMemory):  # pragma: no cover - CUDA only, tested wher
         super().__init__(capacity_bytes)
         self.device = torch.device(device)
         self.stream = torch.cuda.Stream(self.device)
+        self.arena = HostArena(pinned=True)
+
+    def allocations(self) -> int:
+        return torch.cuda.host_memory_stats().get("num_host_alloc", 0)
 
     def resident(self, tensor: torch.Tensor) -> bool:
         """Device tensors only: what a layer saves on the host stays where it is."""
         return tensor.device.type == "cuda"
 
     def write(self, data: torch.Tensor) -> torch.Tensor:
-        host = torch.empty(data.numel(), dtype=torch.uint8, pin_memory=True)
+        host = self.arena.take(data.numel())
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             host.copy_(data, non_blocking=True)
@@ -142,21 +250,24 @@ class PinnedHostMemory(HostMemory):  # pragma: no cover - CUDA only, tested wher
         return host
 
     def read(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, object]:
-        out = torch.empty(host.numel(), dtype=torch.uint8, device=device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            out = torch.empty(host.numel(), dtype=torch.uint8, device=device)
             out.copy_(host, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
-        return out, event
+        return out, (event, out)
 
     def wait(self, ready: object) -> None:
         if ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(ready)
+            event, out = ready
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(event)
+            out.record_stream(compute)
 
 
 def host_tier(device: torch.device, capacity_bytes: int | None = None) -> HostMemory:
-    """The host tier for ``device``: pinned buffers and a side stream on CUDA, else the twin."""
+    """The host tier for ``device``: a pinned arena and a side stream on CUDA, else the twin."""
     if torch.device(device).type == "cuda":
         return PinnedHostMemory(device, capacity_bytes)
     return HostMemory(capacity_bytes)
@@ -298,7 +409,7 @@ class ActivationOffloader:
             for handle, dtype, offset, size, stride in moved.views:
                 view = torch.empty(0, dtype=dtype, device=moved.device)
                 handle.held = keep(view.set_(storage, offset, size, stride))
-            self.tier.free(moved.host.numel())
+            self.tier.free(moved.host)
         unit.moved = []
 
     def before_backward(self, key: tuple) -> None:
@@ -313,7 +424,8 @@ class ActivationOffloader:
         """Forget unit ``key`` after its backward."""
         unit = self._units.pop(key, None)
         if unit is not None and unit.moved:
-            self.tier.free(sum(m.host.numel() for m in unit.moved))
+            for moved in unit.moved:
+                self.tier.free(moved.host)
             raise RuntimeError(f"unit {key}: its backward ran with activations still in host "
                                f"memory (no RELOAD)")
 
