@@ -69,8 +69,18 @@ def _download_needed(kind: str, args) -> str | None:
 
 
 def _ways_on(byte_level: str) -> str:
-    from megatron.core.tokenizers.utils.build_tokenizer import SUPPORTED_TOKENIZERS
-
     named = {"NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer"}
     return WAYS_ON.format(byte_level=byte_level, others=", ".join(
-        t for t in SUPPORTED_TOKENIZERS if t not in named))
+        t for t in _tokenizer_types() if t not in named))
+
+
+def _tokenizer_types() -> list[str]:
+    """The values Megatron-LM's parser takes for ``--tokenizer-type`` (every supported
+    megatron-core release)."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    action = next(a for a in parser._actions if a.dest == "tokenizer_type")
+    return list(action.choices)
