@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts import gpu_verdicts as verdicts  # noqa: E402
+from scripts.marked_processes import kill_marked  # noqa: E402
 
 ITERATIONS = 6
 TRAIN_MODEL = ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
@@ -138,18 +139,6 @@ def test_steps(log_dir: Path, dry_run: bool) -> list[Step]:
                  120 if dry_run else 330)]
 
 
-def _kill_marked(mark: str) -> None:
-    """SIGKILL every process whose environment carries ``MARK=mark`` (a step's leftovers)."""
-    entry = f"{MARK}={mark}".encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if entry in f.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-
-
 def run_steps(steps: list[Step], log_dir: Path, cores: int, deadline: float) -> list[Step]:
     """Run ``steps`` in order, as many at once as their processes fit ``cores``, each under
     its limit (cut to the deadline); returns the steps not started before the deadline."""
@@ -164,7 +153,7 @@ def run_steps(steps: list[Step], log_dir: Path, cores: int, deadline: float) -> 
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-            _kill_marked(mark)
+            kill_marked(MARK, mark)
             step.returncode, step.wall_s = process.returncode, time.monotonic() - started
             del running[step]
         busy = sum(step.procs for step in running)

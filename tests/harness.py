@@ -1,8 +1,6 @@
 """Launch multi-process gloo runs with torchrun, with a timeout, from tests."""
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -10,6 +8,8 @@ import time
 import uuid
 
 import pytest
+
+from scripts.marked_processes import kill_marked
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,18 +55,6 @@ def free_port() -> int:
 LAUNCH_MARK = "LONGCTX_TEST_LAUNCH"
 
 
-def _kill_launch(mark: str) -> None:
-    """SIGKILL every process whose environment carries ``LAUNCH_MARK=mark``."""
-    entry = f"{LAUNCH_MARK}={mark}".encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if entry in f.read().split(b"\0"):
-                    os.kill(int(pid), signal.SIGKILL)
-
-
 def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, check=True,
              preexec_fn=None, cwd: str = REPO):
     """Run ``script`` on ``nprocs`` local ranks in ``cwd``; returns the CompletedProcess.
@@ -95,8 +83,8 @@ def torchrun(nprocs: int, script: str, args, timeout: float = 300, env=None, che
         except subprocess.TimeoutExpired:
             timed_out = timed_out or (launcher.poll() is None and time.monotonic() > deadline)
             if launcher.returncode is not None or timed_out:
-                _kill_launch(mark)
-    _kill_launch(mark)
+                kill_marked(LAUNCH_MARK, mark)
+    kill_marked(LAUNCH_MARK, mark)
     result = subprocess.CompletedProcess(command, launcher.returncode, stdout, stderr)
     if timed_out:
         pytest.fail(f"{script} on {nprocs} ranks timed out after {timeout}s:\n"

@@ -32,7 +32,6 @@ replicas).
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import time
 
