@@ -1,7 +1,7 @@
 """Mutation check of the honoured cells' proofs: with an option's effect switched off in the
 process under test, the test named as its proof must fail.
 
-For each cell (option, schedule) of :data:`megatron.plugin.option_classes.HONOURED` the proof
+For each cell (option, schedule) of :func:`megatron.plugin.option_classes.cells` the proof
 runs with ``LONGCTX_MUTATE=DEST=VALUE`` and ``tests/mutation`` first on ``PYTHONPATH``: that
 folder's ``sitecustomize.py`` sets the option to ``VALUE`` right after Megatron-LM's parser
 returns, in every process except the golden harness's initial weights and reference, which
@@ -97,9 +97,7 @@ def proof_value(dest: str, proof: str):
 def all_cells() -> list[tuple[str, str, str]]:
     from megatron.plugin import option_classes
 
-    return [(dest, schedule, proof)
-            for dest, honoured in sorted(option_classes.HONOURED.items())
-            for schedule, proof in sorted(honoured.proofs.items())]
+    return option_classes.cells()
 
 
 def select(names: list[str], dests: list[str], every: bool) -> list[tuple[str, str, str]]:

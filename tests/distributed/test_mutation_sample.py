@@ -15,7 +15,9 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import mutation_check  # noqa: E402
 
 #: ``DEST:SCHEDULE`` cells the sample draws from (see benchmarks/results/mutation_check.json).
-SAMPLE = ["moe_router_topk:seq1f1b", "recompute_granularity:elastic", "eod_mask_loss:elastic"]
+#: (``moe_router_topk:seq1f1b``, caught by a loss 1.085e-4 off against the 1e-4 bound, is left
+#: out: too close to the bound for a machine that sums in another order.)
+SAMPLE = ["recompute_granularity:elastic", "eod_mask_loss:elastic"]
 
 
 def todays_cell(day: datetime.date) -> str:
