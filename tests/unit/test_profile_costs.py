@@ -70,7 +70,7 @@ def test_script_writes_a_loadable_measured_profile(tmp_path):
     result = subprocess.run(
         [sys.executable, "scripts/profile_costs.py", "--num-layers-profiled", "1",
          "--hidden-size", "64", "--num-attention-heads", "4", "--tokens", "64", "128", "256",
-         "--contexts", "0", "128", "--repeats", "1", "--base-profile", "a800",
+         "--contexts", "0", "128", "--repeats", "3", "--base-profile", "a800",
          *LLAMA_FLAGS, "--output", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=120,
         env=dict(os.environ, PYTHONPATH=python_path(), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS",
