@@ -312,8 +312,12 @@ def test_elastic_trains_like_1f1b_and_leaks_nothing(tmp_path):
     documents, another order of additions: rtol 1e-4), and after every iteration no saved
     activation is left alive (the executor also refuses to finish with K/V left in the store).
     The cost model is refitted to the measured times every 3 iterations on the way: whatever
-    plans the refitted figures lead to, the results stay 1F1B's."""
-    common = [*TINY, "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "1"]
+    plans the refitted figures lead to, the results stay 1F1B's. Megatron's mock data (skewed
+    lengths, ``MockSource``) gives the chunks the shapes a fit needs: the embedded corpus's
+    long files are cut into pieces of --seq-length, whose chunks nearly all share one shape
+    (too few shapes keep the profile: tests/unit/test_elastic_refit.py)."""
+    common = [*TINY, "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "1",
+              "--mock-data"]
     native, elastic = tmp_path / "native.jsonl", tmp_path / "elastic.jsonl"
     torchrun(2, SCRIPT, [*common, "--pipeline-schedule", "1f1b", "--metrics-jsonl", str(native)])
     result = torchrun(2, SCRIPT, [*common, "--pipeline-schedule", "elastic",
@@ -330,11 +334,9 @@ def test_elastic_trains_like_1f1b_and_leaks_nothing(tmp_path):
     # One plan line a forward-backward call, from the last rank: 10 training steps, the
     # evaluations at iterations 5 and 10, and Megatron-LM's of the validation and test splits.
     assert result.stdout.count("elastic plan: ") == 10 + 2 + 2, result.stdout[-3000:]
-    # Three refits; the first interval's plans (spec-derived profile) have too few chunk shapes
-    # to fit, the second's are the same kind of plans over other documents and fit.
+    # Three refits, each from the chunks of its interval.
     assert result.stdout.count("elastic: refit") == 3
-    assert "elastic: refit skipped: 3 distinct chunk shapes measured, 4 needed" in result.stdout
-    assert "elastic: refit from" in result.stdout
+    assert result.stdout.count("elastic: refit from") == 3
 
 
 def test_sppo_trains_like_1f1b_on_one_long_document_and_leaks_nothing(tmp_path):
