@@ -38,7 +38,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import paper_terms  # noqa: E402
-import reproduce_papers  # noqa: E402
+from papers import infinipipe  # noqa: E402
 
 from longctx.cost_model import CostModel, ParallelConfig  # noqa: E402
 from longctx.models import get_model  # noqa: E402
@@ -147,7 +147,7 @@ def finish(parts: dict) -> dict:
 def breakdown(model: str, context: int, seed: int) -> dict[str, dict]:
     from elastic_pipe.workloads import github_like, truncate
 
-    profile = reproduce_papers.testbed("infinipipe-a800")
+    profile = infinipipe.PAPER.testbed("infinipipe-a800")
     lengths, _ = truncate(github_like(512, seed), context)
     return {"seed": seed, "tokens": sum(lengths), "longest": max(lengths),
             "elastic": elastic_parts(lengths, model, profile),

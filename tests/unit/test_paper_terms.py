@@ -2,19 +2,19 @@
 all-to-all inside a node, ZeRO-3's exposed traffic over a stage's GPUs, the allocator's
 fragmentation as reserved bytes per live byte, NCCL's buffers of Megatron-LM's communicators,
 Megatron-LM's memory under full recomputation term by term (simulated and megatron-core's),
-its exposed TP collectives, and the memory ledger ``scripts/reproduce_papers.py`` gives
-Megatron-LM's longest-sequence rows."""
+its exposed TP collectives, and the memory ledger the SPPO rows (``scripts/papers/sppo.py``) give
+Megatron-LM's longest sequences."""
 import dataclasses
 import sys
 
 import pytest
 
 from harness import REPO
-for folder in (REPO, f"{REPO}/scripts"):  # reproduce_papers imports paper_terms by name
+for folder in (REPO, f"{REPO}/scripts"):  # the papers' modules import paper_terms by name
     if folder not in sys.path:
         sys.path.insert(0, folder)
 
-import reproduce_papers  # noqa: E402
+from papers import sppo  # noqa: E402
 from scripts.paper_terms import (  # noqa: E402
     MIB, fragmented, megatron_communicators, megatron_recompute_ledger, nccl_buffer_bytes,
     nccl_nvlink, plan_collectives_s, zero3_exposed_s)
@@ -110,8 +110,7 @@ def test_megatron_memory_ledger_at_the_papers_length():
     15% of the reservation adds 0.15 / 0.85 of everything but the model state and the
     reserved 2 GB."""
     seven = get_model("gpt-7b")
-    why, ledger = reproduce_papers.megatron_memory(
-        reproduce_papers.testbed("sppo-a100"), seven, 32, (32, 1), 896, 1728.0)
+    why, ledger = sppo.megatron_memory(sppo.testbed(), seven, 32, (32, 1), 896, 1728.0)
     gb, tokens = 1e9, 917504
     memory = ledger["memory_at_published_gb"]
     assert memory["tp_sp_buffers"] == pytest.approx(2 * tokens * 4096 * 2 / gb)
@@ -138,7 +137,7 @@ def test_megatron_recompute_ledger_term_by_term_at_tp_32():
     from sppo_offload.solver import MEGATRON, SolverConfig, solve
 
     seven, tokens = get_model("gpt-7b"), 65536
-    plan = solve(MEGATRON, tokens, seven, reproduce_papers.testbed("sppo-a100"),
+    plan = solve(MEGATRON, tokens, seven, sppo.testbed(),
                  SolverConfig(gpus=32, memory_gb=80.0, layout=(32, 1)))
     ledger = megatron_recompute_ledger(plan.costs.cost, tokens, 0)
     simulated, held = ledger["simulated"], ledger["megatron_core"]
@@ -165,7 +164,7 @@ def test_megatron_recompute_ledger_peaks_at_the_loss_when_the_logits_are_wide():
     from sppo_offload.solver import MEGATRON, SolverConfig, solve
 
     thirteen, tokens = get_model("gpt-13b"), 524288
-    plan = solve(MEGATRON, tokens, thirteen, reproduce_papers.testbed("sppo-a100"),
+    plan = solve(MEGATRON, tokens, thirteen, sppo.testbed(),
                  SolverConfig(gpus=64, memory_gb=80.0, layout=(8, 8)))
     cost = plan.costs.cost
     ledger = megatron_recompute_ledger(cost, tokens, 7)
@@ -187,7 +186,7 @@ def test_megatron_collectives_are_its_forward_recomputed_forward_and_backward():
     from sppo_offload.costs import subsequence_chunks
     from sppo_offload.solver import MEGATRON, SolverConfig, solve
 
-    plan = solve(MEGATRON, 65536, get_model("gpt-7b"), reproduce_papers.testbed("sppo-a100"),
+    plan = solve(MEGATRON, 65536, get_model("gpt-7b"), sppo.testbed(),
                  SolverConfig(gpus=32, memory_gb=80.0, layout=(32, 1)))
     (chunk,) = subsequence_chunks(plan.lengths)
     forward = plan.costs.cost.layer_collectives(chunk)
