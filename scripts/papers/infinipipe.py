@@ -353,11 +353,14 @@ def table3_share(found: Claim, table: Table3) -> Measured:
         ("; paper_terms.nccl_nvlink" if inside else "")))
 
 
-def table3(_run: RunOptions) -> list[dict]:
+def table3_pricing() -> Table3:
     profile = PAPER.testbed(PAPER.default_testbed)
     model = dataclasses.replace(get_model("gpt-13b"), num_heads=64)
-    return judged(PAPER.sections["table3"], MEASURES["table3"],
-                  Table3(profile, paper_terms.nccl_nvlink(profile), model))
+    return Table3(profile, paper_terms.nccl_nvlink(profile), model)
+
+
+def table3(_run: RunOptions) -> list[dict]:
+    return judged(PAPER.sections["table3"], MEASURES["table3"], table3_pricing())
 
 
 MEASURES = {"infinipipe": FIGURES, "table3": {"a2a_share": table3_share,
