@@ -54,6 +54,7 @@ VERDICTS = ("agrees", "accounted", "near", "open")
 FORMS = ("value", "product", "at_least", "at_most")
 """The keys of which a claim holds exactly one: what the paper states."""
 KINDS = ("ratio", "share", "seconds", "GB", "K tokens")
+"""The quantities a claim states (its ``kind``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,8 @@ import paper_terms
 
 from longctx.chunks import Chunk, Piece
 from longctx.cost_model import CostModel, ParallelConfig
-from longctx.models import get_model
+from longctx.hardware import HardwareProfile
+from longctx.models import ModelConfig, get_model
 from papers import infinipipe_cells
 from papers.claims import Claim, Measured, RunOptions, judged, load, term
 from papers.infinipipe_cells import BASELINES
@@ -42,6 +43,7 @@ def keys(found: Claim, documents: int) -> list[tuple[str, int, int]]:
 
 
 def picked(found: Claim, cells: Cells) -> list[dict]:
+    """The claim's cells, in :func:`keys`' order."""
     return [cells.by_key[key] for key in keys(found, cells.documents)]
 
 
@@ -142,6 +144,7 @@ def flexsp_over(found: Claim, cells: Cells) -> Measured:
 
 
 def single(found: Claim, cells: Cells) -> dict:
+    """The one cell a claim names (Fig. 9's)."""
     (cell,) = picked(found, cells)
     return cell
 
@@ -308,9 +311,9 @@ class Table3:
     preset's 13B with 64 heads, so that Ulysses over 32 GPUs divides them; the all-to-all's
     bytes do not depend on the split, and the paper gives no shape)."""
 
-    profile: object
-    nccl: object
-    model: object
+    profile: HardwareProfile
+    nccl: HardwareProfile
+    model: ModelConfig
 
     def seconds(self, found: Claim) -> tuple[float, float, float]:
         """The layers' forward and backward all-to-all seconds at the claim's ``sp`` and
@@ -354,6 +357,7 @@ def table3_share(found: Claim, table: Table3) -> Measured:
 
 
 def table3_pricing() -> Table3:
+    """Table 3's pricing on the InfiniPipe testbed."""
     profile = PAPER.testbed(PAPER.default_testbed)
     model = dataclasses.replace(get_model("gpt-13b"), num_heads=64)
     return Table3(profile, paper_terms.nccl_nvlink(profile), model)
