@@ -14,10 +14,10 @@ from megatron.plugin.option_classes import (
 
 PROOFS = {
     **each(MODEL, "golden:pp2_helix"),
-    # Dropout off only: helix's layer parts run outside Megatron's TransformerLayer.forward, which
-    # the golden dropout layouts key, so no test proves its masks at 0.1 yet; start-up says so
-    # for any dropout above 0 (helix.spec.SUBSTITUTIONS).
-    **each(DROPOUT, "golden:pp2_helix"),
+    # At 0.1 with the masks keyed in helix's own layer parts, under recomputation without
+    # attention and the chunked MLP, whose recomputed parts draw their masks again
+    # (pp2_dropout_helix runs the parts without recomputation).
+    **each(DROPOUT, "golden:pp2_dropout_helix_recompute_mlp_chunk"),
     "micro_batch_size": "golden:pp2_helix_mbs2",
     **each(TENSOR_PARALLEL, "golden:pp2_tp2_sp_helix"),
     **each(("cp_comm_type", "context_parallel_size"), "golden:pp2_ulysses2_helix_default_loss"),

@@ -59,7 +59,6 @@ from helix.stage_model import build_model, helix_process_groups
 from megatron.plugin.executor_call import run_this_rank
 from megatron.plugin.pipeline.parts import Parts
 from megatron.plugin.schedule_spec import RankCall, ScheduleSpec
-from megatron.plugin.substitutions import Substitution
 
 from longctx.model_flags import add_num_layers
 
@@ -116,21 +115,6 @@ def _planned(pp, num_layers, microbatches, folds, recompute, pre_tensors):
     return planned_helix(pp, num_layers, microbatches, folds, recompute, pre_tensors)
 
 
-def _dropout(args) -> bool:
-    return args.hidden_dropout > 0 or args.attention_dropout > 0
-
-
-#: Dropout above 0 (Megatron's default 0.1 included) runs unproven under helix (its golden
-#: layouts prove dropout off only: :mod:`helix.proofs`): said once at start-up.
-SUBSTITUTIONS = (Substitution(
-    "--hidden-dropout", _dropout,
-    lambda args: (f"--hidden-dropout {args.hidden_dropout:g} --attention-dropout "
-                  f"{args.attention_dropout:g} under --pipeline-schedule helix: helix's layer "
-                  "parts draw the dropout masks, and no golden test proves them against "
-                  "Megatron's yet; pass --hidden-dropout 0 --attention-dropout 0 for a run "
-                  "every golden test covers")),)
-
-
 SPEC = ScheduleSpec("helix", run=run, input_type=HelixBatches,
                     argument_groups=(add_arguments,), check_args=check_args,
                     build_model=build_model, prepare_input=prepare_input,
@@ -138,4 +122,4 @@ SPEC = ScheduleSpec("helix", run=run, input_type=HelixBatches,
                         "padding_microbatches": batches.padding,
                         "planned_activation_bytes": batches.planned_activation_bytes},
                     build_ir=helix_ir, draw_arguments=(add_num_layers, add_draw_arguments),
-                    proofs=PROOFS, refusals=REFUSALS, substitutions=SUBSTITUTIONS)
+                    proofs=PROOFS, refusals=REFUSALS)

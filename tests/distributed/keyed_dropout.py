@@ -29,15 +29,27 @@ For the duration of :func:`keyed`:
   (the query token's key, ``j``, the layer, the attention's site, ``h``) is at least the
   dropout probability; a segment's context blocks hold its document's positions from 0 on.
 
-What it does not cover: the attention of helix's and SPPO's own paths and flash-attn's, and
-inputs split over ranks (tensor, sequence or context parallelism: a rank holds a part of the
-rows or of the heads); a dropout it cannot key fails.
+Helix runs its layer parts outside ``TransformerLayer.forward`` (:mod:`helix.program`); the
+same keys are made current there:
+
+* a boundary's part (``HelixProgram._boundary``: the embedding at boundary 0, else the
+  post-attention of Megatron's layer ``index``, whose attention's bias-dropout-add and then the
+  MLP's take sites 0 and 1 as in the layer's forward), its recomputation included;
+* an attention part (``HelixProgram._attention_forward``: layer ``index + 1``), through the
+  packed attention or, under recomputation without attention, :mod:`helix.attention`'s kernel;
+* each chunk of the chunked MLP (``helix.program.chunked_mlp``) takes its rows of the keys,
+  captured when the chunks first run, so its backward's recomputation keys them alike.
+
+What it does not cover: the attention of SPPO's own paths and flash-attn's, and inputs split
+over ranks (tensor, sequence or context parallelism: a rank holds a part of the rows or of the
+heads); a dropout it cannot key fails.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import functools
+import itertools
 
 import torch
 
@@ -210,29 +222,83 @@ def _with_keys(layout):
     return keyed_layout
 
 
+def _helix_boundary(boundary):
+    @functools.wraps(boundary)
+    def keyed_boundary(self, unit, index, leaves):
+        with _keyed(self.batches.batches[unit].layout(), index):
+            return boundary(self, unit, index, leaves)
+    return keyed_boundary
+
+
+def _helix_attention(attention_forward):
+    from helix.schedule import part_index
+
+    @functools.wraps(attention_forward)
+    def keyed_attention(self, action, inputs):
+        with _keyed(self.batches.batches[action.unit].layout(), part_index(action.part) + 1):
+            return attention_forward(self, action, inputs)
+    return keyed_attention
+
+
+def _chunk_keyed(chunked_mlp):
+    @functools.wraps(chunked_mlp)
+    def keyed_chunks(block, hidden, rows):
+        current = _current.get()
+        if current is None:
+            return chunked_mlp(block, hidden, rows)
+        keys, positions, layer, site = current
+        first, chunks, calls = site[0], -(-hidden.shape[0] // rows), itertools.count()
+
+        def keyed_block(piece):
+            # Every pass (the forward's, the backward's recomputation) runs the chunks in order.
+            start = next(calls) % chunks * rows
+            rows_of = slice(start, start + rows)
+            chunk_site = [first]
+            token = _current.set((keys[rows_of], positions[rows_of], layer, chunk_site))
+            try:
+                return block(piece)
+            finally:
+                _current.reset(token)
+                site[0] = chunk_site[0]
+        return chunked_mlp(keyed_block, hidden, rows)
+    return keyed_chunks
+
+
+def _patches() -> list:
+    """``(owner, attribute, wrapper)`` of every function :func:`keyed` wraps."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from helix import attention as helix_attention
+    from helix import program as helix_program
+    from megatron.plugin.batches import MicroBatch
+
+    return [
+        (MicroBatch, "layout", _with_keys),
+        (GPTModel, "forward", lambda forward: _with_layer_key(forward, lambda model: 0)),
+        (TransformerLayer, "forward",
+         lambda forward: _with_layer_key(forward, lambda layer: layer.layer_number)),
+        (torch.nn.functional, "dropout", _dropout),
+        (packed_attention, "block_kernel", _keyed_kernel),
+        (packed_attention, "_documents", _tracking),
+        (context_attention, "merged_forward", _masked),
+        (helix_program.HelixProgram, "_boundary", _helix_boundary),
+        (helix_program.HelixProgram, "_attention_forward", _helix_attention),
+        (helix_program, "chunked_mlp", _chunk_keyed),
+        (helix_attention, "block_kernel", _keyed_kernel),
+    ]
+
+
 @contextlib.contextmanager
 def keyed():
     """Key every hidden dropout of this process for the duration (see the module's
     docstring)."""
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    from megatron.plugin.batches import MicroBatch
-
-    saved = (MicroBatch.layout, GPTModel.forward, TransformerLayer.forward,
-             torch.nn.functional.dropout, packed_attention.block_kernel,
-             packed_attention._documents, context_attention.merged_forward)
-    MicroBatch.layout = _with_keys(MicroBatch.layout)
-    GPTModel.forward = _with_layer_key(GPTModel.forward, lambda model: 0)
-    TransformerLayer.forward = _with_layer_key(TransformerLayer.forward,
-                                               lambda layer: layer.layer_number)
-    torch.nn.functional.dropout = _dropout(torch.nn.functional.dropout)
-    packed_attention.block_kernel = _keyed_kernel(packed_attention.block_kernel)
-    packed_attention._documents = _tracking(packed_attention._documents)
-    context_attention.merged_forward = _masked(context_attention.merged_forward)
+    patches = _patches()
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, wrapper in patches:
+        setattr(owner, name, wrapper(getattr(owner, name)))
     try:
         yield
     finally:
-        (MicroBatch.layout, GPTModel.forward, TransformerLayer.forward,
-         torch.nn.functional.dropout, packed_attention.block_kernel,
-         packed_attention._documents, context_attention.merged_forward) = saved
+        for owner, name, original in saved:
+            setattr(owner, name, original)

@@ -591,8 +591,9 @@ VARIANTS = {
     # masks keyed by each token's identity on both sides (golden_run.py
     # --golden-keyed-dropout: keyed_dropout.py), so the run drops what the reference drops
     # however the documents are packed, cut and placed; also under Megatron's recomputation,
-    # which must draw a recomputed layer's masks again. Not helix: its layer parts run outside
-    # Megatron's TransformerLayer.forward, where the masks are keyed.
+    # which must draw a recomputed layer's masks again; under helix, whose layer parts run
+    # outside Megatron's TransformerLayer.forward, with the keys made current in its parts (its
+    # recomputation without attention and chunked MLP draw a recomputed part's masks again).
     "dropout": (["--hidden-dropout", "0.1", "--attention-dropout", "0.1",
                  "--golden-keyed-dropout"], {
         **{f"pp2_dropout_{name}": (2, ["--pipeline-model-parallel-size", "2", *flags])
@@ -606,6 +607,10 @@ VARIANTS = {
                                     "--sppo-subsequences", "4", "--sppo-offload", "off"]),
         "pp2_dropout_gpipe_outside": (2, ["--pipeline-model-parallel-size", "2",
                                           "--pipeline-schedule", "gpipe"]),
+        "pp2_dropout_helix": (2, ["--pipeline-model-parallel-size", "2", *HELIX]),
+        "pp2_dropout_helix_recompute_mlp_chunk": (2, [
+            "--pipeline-model-parallel-size", "2", *HELIX,
+            "--helix-recompute-without-attention", "--helix-mlp-chunk-size", "24"]),
     }),
     "three_microbatches": (["--golden-docs", "5"], {
         "pp2_helix_m3": (2, ["--pipeline-model-parallel-size", "2", *HELIX,
@@ -945,13 +950,16 @@ def test_helix_runs_needed_padding(golden):
         assert record["padding"] == -count % (2 * (4 if tag.startswith("pp4") else 2)), record
 
 
-def test_helix_mlp_ran_in_chunks(golden):
+@pytest.mark.parametrize("tag,rows", [("pp2_helix_mlp_chunk", 24),
+                                      ("pp2_tp2_sp_helix_recompute_mlp_chunk", 12),
+                                      ("pp2_dropout_helix_recompute_mlp_chunk", 24)])
+def test_helix_mlp_ran_in_chunks(golden, tag, rows):
     """The chunked-MLP runs really chunked: 24 positions a chunk over a 64-position sequence
     (32 rows per rank with TP=2 and SP), so three chunks per MLP block."""
-    need("pp2_helix_mlp_chunk", "pp2_tp2_sp_helix_recompute_mlp_chunk")
-    for tag, rows in [("pp2_helix_mlp_chunk", 24), ("pp2_tp2_sp_helix_recompute_mlp_chunk", 12)]:
-        with open(golden / "learned" / f"helix_{tag}.json") as f:
-            assert json.load(f)["mlp_rows"] == rows
+    need(tag)
+    variant = next(v for v, (_, layouts) in VARIANTS.items() if tag in layouts)
+    with open(golden / variant / f"helix_{tag}.json") as f:
+        assert json.load(f)["mlp_rows"] == rows
 
 
 def rank_records(golden, tag: str, prefix: str) -> list[dict]:

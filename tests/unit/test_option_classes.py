@@ -132,12 +132,6 @@ def _no_effect_values() -> dict:
     return mutation_check.NO_EFFECT
 
 
-#: Cells whose proof runs the option only at its no-effect value: helix's dropout (its golden
-#: layouts prove dropout off; start-up says any dropout above 0 is unproven under helix, which
-#: tests/unit/test_substitutions.py holds).
-PROVEN_OFF_ONLY = {("hidden_dropout", "helix"), ("attention_dropout", "helix")}
-
-
 @pytest.mark.parametrize("dest,schedule,proof", CELLS)
 def test_each_honoured_cell_names_a_test_that_passes_the_option(dest, schedule, proof):
     parser = _golden_parser()
@@ -152,8 +146,7 @@ def test_each_honoured_cell_names_a_test_that_passes_the_option(dest, schedule, 
     # Megatron's default may be the value that changes the numbers (dropout 0.1, no effect at 0).
     assert dest in given or (dest in off and off[dest] != parser.get_default(dest)), \
         f"{tag} does not pass {flag} with a value other than its default"
-    assert dest not in off or getattr(args, dest) != off[dest] \
-        or (dest, schedule) in PROVEN_OFF_ONLY, \
+    assert dest not in off or getattr(args, dest) != off[dest], \
         f"{tag} runs {flag} at {off[dest]!r}, where it has no effect: a proof must run it at " \
         f"a value that changes the numbers"
     ran = argv[argv.index("--pipeline-schedule") + 1]

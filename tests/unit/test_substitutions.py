@@ -80,12 +80,6 @@ SAID = {
     "layer_scaling": (2, ["--apply-query-key-layer-scaling"], True,
                       "--apply-query-key-layer-scaling: the document attention's kernels "
                       "compute the scores and their softmax in fp32"),
-    # Megatron's default dropout: the tiny model's 0 dropped, the flags not given.
-    "helix_default_dropout": (2, ["--pipeline-schedule", "helix", "--hidden-dropout", "0.1",
-                                  "--attention-dropout", "0.1"], False,
-                              "--hidden-dropout 0.1 --attention-dropout 0.1 under "
-                              "--pipeline-schedule helix: helix's layer parts draw the dropout "
-                              "masks, and no golden test proves them"),
     "recompute_as_plan_elastic": (2, ["--pipeline-schedule", "elastic", *FULL], False,
                                   "--recompute-granularity full --recompute-method block "
                                   "--recompute-num-layers 1 under --pipeline-schedule elastic: "
@@ -115,7 +109,8 @@ SILENT = {
     "recompute_under_megatron": (2, ["--pipeline-schedule", "1f1b", *FULL], False),
     "sppo_offload_off": (2, ["--pipeline-schedule", "sppo", "--sppo-offload", "off"], False),
     "sppo_offload_on_cuda": (2, ["--pipeline-schedule", "sppo"], True),
-    "helix_without_dropout": (2, ["--pipeline-schedule", "helix"], False),
+    "helix_default_dropout": (2, ["--pipeline-schedule", "helix", "--hidden-dropout", "0.1",
+                                  "--attention-dropout", "0.1"], False),
     "defaults": (2, [], False),
 }
 
