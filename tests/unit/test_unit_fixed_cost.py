@@ -44,7 +44,22 @@ def cost_for(pp, host_action_s, profile="h200"):
     return CostModel(MODEL, hardware, ParallelConfig(pp=pp, memory_gb=hardware.hbm_gb))
 
 
-def planned_units(planner, lengths, seq_length, cost):
+def sppo_args(seq_length, **flags):
+    """The flags ``sppo``'s runtime plans a batch with (its defaults, the H200's memory)."""
+    import argparse
+
+    values = dict(tensor_model_parallel_size=1, context_parallel_size=1, seq_length=seq_length,
+                  micro_batch_size=1, sppo_subsequences="auto", sppo_offload="auto",
+                  sppo_host_memory_gb=None, sppo_memory_gb=141.0, sppo_multiplex=False)
+    values.update(flags)
+    return argparse.Namespace(**values)
+
+
+def planned_units(planner, lengths, seq_length, cost, **flags):
+    if planner == "sppo":
+        from sppo_offload.subsequence_batch import _plan
+
+        return len(_plan(lengths, cost, sppo_args(seq_length, **flags), (), None).chunks)
     config = SchedulerConfig(ChunkingConfig(seq_length=seq_length), solver_time_limit=0.05,
                              workers=1)
     plan = (plan_elastic if planner == "elastic" else seq1f1b)(lengths, cost, config)
@@ -57,19 +72,34 @@ def megatron_units(lengths, seq_length):
 
 @pytest.mark.parametrize("batch", sorted(BATCHES))
 @pytest.mark.parametrize("pp", [1, 2, 4])
-@pytest.mark.parametrize("planner", ["elastic", "seq1f1b"])
+@pytest.mark.parametrize("planner", ["elastic", "seq1f1b", "sppo"])
 def test_a_large_per_unit_cost_plans_no_more_units_than_megatron(planner, pp, batch):
     lengths, seq_length = BATCHES[batch]
     units = planned_units(planner, lengths, seq_length, cost_for(pp, LARGE))
     assert units <= megatron_units(lengths, seq_length)
 
 
-@pytest.mark.parametrize("batch", ["long", "mixed"])
-@pytest.mark.parametrize("pp", [2, 4])
-@pytest.mark.parametrize("planner", ["elastic", "seq1f1b"])
+SPLIT_FINER = [(planner, pp, batch) for planner in ("elastic", "seq1f1b")
+               for pp in (2, 4) for batch in ("long", "mixed")] \
+    + [("sppo", 4, "long"), ("sppo", 4, "mixed"), ("sppo", 2, "mixed")]
+
+
+@pytest.mark.parametrize("planner,pp,batch", SPLIT_FINER)
 def test_without_a_per_unit_cost_the_same_batches_split_finer(planner, pp, batch):
     lengths, seq_length = BATCHES[batch]
     units = planned_units(planner, lengths, seq_length, cost_for(pp, NONE))
+    assert units > megatron_units(lengths, seq_length)
+
+
+@pytest.mark.parametrize("flags", [{"sppo_subsequences": 4}, {"sppo_offload": 0.5},
+                                   {"sppo_multiplex": True}], ids=["subsequences", "ratio",
+                                                                   "multiplex"])
+def test_sppo_keeps_its_cut_where_a_flag_asks_for_one(flags):
+    """A fixed ``--sppo-subsequences``, a fixed offload ratio (of every subsequence but a
+    document's last: whole documents would offload nothing) and ``--sppo-multiplex`` (which
+    splits one document's first subsequence) are honoured: no Megatron candidate then."""
+    lengths, seq_length = BATCHES["long"]
+    units = planned_units("sppo", lengths, seq_length, cost_for(2, LARGE), **flags)
     assert units > megatron_units(lengths, seq_length)
 
 
