@@ -35,10 +35,10 @@ profile's ``host_action_s`` (a spec-derived profile prices none), as ``L_s beta`
 stage ``s``: a unit's price then carries what the machine paid for it, which is what the
 planners' choice of a unit count needs (with the same layer count on every stage, and always
 at PP = 1, a per-action term and ``L_s beta`` cannot be told apart;
-``tests/unit/test_unit_fixed_cost.py`` recovers a 50 ms per action cost this way). The fit extrapolates: from large chunks alone
-the per-chunk constant ``beta`` is not pinned down (it may come out 0), the planner may then
-cut finer than it should for one interval, and the next refit, which sees those small chunks,
-corrects it.
+``tests/unit/test_unit_fixed_cost.py`` recovers a 50 ms per action cost this way). The fit
+extrapolates: from large chunks alone the per-chunk constant ``beta`` is not pinned down (it
+may come out 0), the planner may then cut finer than it should for one interval, and the next
+refit, which sees those small chunks, corrects it.
 """
 from __future__ import annotations
 

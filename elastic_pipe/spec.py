@@ -27,8 +27,9 @@ dtype (otherwise the run stops). The ranks record the executor's forward and bac
 and refit the profile's eq. 1 coefficients and backward factor to them, so that a unit is
 priced with what it costs on this device (:mod:`elastic_pipe.run_costs`): by default
 (``--elastic-refit-interval auto``) once, from training iterations 2 and 3; with ``K``, every
-``K`` iterations; the log shows the fit and its error. The flags and their checks are :mod:`elastic_pipe.flags`; the drawing of
-one batch's plan (``build_ir``) is :mod:`elastic_pipe.drawing`. Megatron's
+``K`` iterations; the log shows the fit and its error. The flags and their checks are
+:mod:`elastic_pipe.flags`; the drawing of one batch's plan (``build_ir``) is
+:mod:`elastic_pipe.drawing`. Megatron's
 ``--recompute-granularity full`` fixes the plan's checkpointing table
 (:mod:`longctx.fixed_checkpointing`; the model itself then recomputes nothing).
 """

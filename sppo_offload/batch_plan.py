@@ -193,7 +193,7 @@ def fastest_plan(plan: SubsequencePlan, megatron: SubsequencePlan | None, cost: 
     :meth:`~longctx.cost_model.CostModel.stage_forward`); else ``plan``. Under
     ``--sppo-subsequences auto`` a batch is then planned in more units than Megatron's only
     where they are predicted faster."""
-    if megatron is None or megatron.counts == plan.counts and megatron.chunks == plan.chunks:
+    if megatron is None or (megatron.counts, megatron.chunks) == (plan.counts, plan.chunks):
         return plan
     theirs = _simulated(megatron, cost, host_gbps)[0]
     if max(theirs.peak_memory) > memory_gb * GB:
