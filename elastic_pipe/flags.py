@@ -7,6 +7,7 @@ import argparse
 from longctx.job_costs import CPU_MEMORY_GB
 
 from longctx import fixed_checkpointing as fixed
+from elastic_pipe.run_costs import AUTO
 from elastic_pipe.scheduler import SchedulerConfig
 from elastic_pipe.sequence_processor import ChunkingConfig
 
@@ -36,16 +37,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "candidate too)")
     g.add_argument("--elastic-min-slice-tokens", type=int, default=4096,
                    help="smallest first slice the automatic slice count goes down to")
-    g.add_argument("--elastic-refit-interval", type=interval_flag, default=0,
-                   help="every K training iterations, refit the cost model's eq. 1 "
-                        "coefficients and backward factor to the executor's measured "
-                        "forward and backward times (0: never)")
+    g.add_argument("--elastic-refit-interval", type=interval_flag, default=AUTO,
+                   help="refit the cost model's eq. 1 coefficients and backward factor (which "
+                        "price a unit's fixed cost, and so how many units a plan has) to the "
+                        "executor's measured forward and backward times: auto (default) times "
+                        "training iterations 2 and 3 and refits once before iteration 4 "
+                        "(again on the next two when too few chunk shapes were measured, at "
+                        "most 3 tries), then times nothing; K refits every K iterations, "
+                        "timing every action (on CUDA a wait for the device around each); 0 "
+                        "never refits. auto times nothing where a run is otherwise "
+                        "reproducible bit for bit (on CPU, under --deterministic-mode) and "
+                        "while ranks share a GPU (LONGCTX_SHARE_GPU=1)")
 
 
-def interval_flag(value: str) -> int:
-    """``--elastic-refit-interval``: a number of iterations, ``0`` for never."""
+def interval_flag(value: str) -> int | str:
+    """``--elastic-refit-interval``: ``auto``, or a number of iterations (``0`` for never)."""
+    if value == AUTO:
+        return value
     if not value.isdigit():
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0 (0: never), got {value!r}")
+        raise argparse.ArgumentTypeError(f"must be auto or an integer >= 0 (0: never), "
+                                         f"got {value!r}")
     return int(value)
 
 

@@ -26,7 +26,8 @@ from elastic_pipe.flags import scheduler_config
 from elastic_pipe.lowering import ElasticCosts, activation_peaks, lower
 from elastic_pipe.plan_types import Plan
 from elastic_pipe.presolve import BackgroundPlanner, PlanTiming, planner_processes
-from elastic_pipe.run_costs import MEASURED, elastic_cost_model, refit_cost_model
+from elastic_pipe.run_costs import (MEASURED, elastic_cost_model, refit_cost_model,
+                                    refit_interval)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,8 @@ def planned_batch(plan: Plan, documents, doc_ids, args, timing: PlanTiming,
         if stage == 0 and run_settings.tracing() else ()
     return PlannedBatch(schedule, batches, slices, args.hidden_size, tp * cp, plan=plan,
                         timing=timing, planned_activation_bytes=planned,
-                        refit=args.elastic_refit_interval > 0, predicted=predicted)
+                        refit=MEASURED.timing(refit_interval(args)),
+                        predicted=predicted)
 
 
 def _check_agreement(plan: Plan) -> None:
@@ -106,7 +108,7 @@ def input_functions(name: str):
     """``(prepare_input, prefetch_input)`` of schedule ``name`` (``ScheduleSpec``)."""
     def prepare_input(documents, args, model):
         """``(PlannedBatch, number of chunks)`` of this replica's documents."""
-        if args.elastic_refit_interval and MEASURED.due(args.elastic_refit_interval):
+        if MEASURED.due(refit_interval(args)):
             refit_cost_model(name, args, model)
         share, inputs = _planning_inputs(name, documents, args, model)
         plan, timing = _planner(name, args).take(*inputs)

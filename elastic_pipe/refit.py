@@ -1,7 +1,7 @@
 """Refitting the cost model to a training run's measured action times
-(``--elastic-refit-interval K``).
+(``--elastic-refit-interval``, :mod:`elastic_pipe.run_costs` says when).
 
-The executor times every forward and backward it runs. Every ``K`` training iterations of
+The executor times the forwards and backwards it runs. When a refit is due in a run of
 ``elastic`` or ``seq1f1b`` the ranks pool those times (:func:`observations`, gathered from
 every rank so that all of them fit the same figures and keep planning identically) and
 :func:`refit` replaces the profile's eq. 1 coefficients and backward factor with a fit to them.
@@ -30,10 +30,15 @@ each refit uses only the iterations since the previous one (the model follows th
 the executor waits for the device around each timed action (CUDA launches are asynchronous).
 The host terms are the profile's, not refitted: the layers' host time is inside the measured
 times and lands in the fitted coefficients (mostly ``beta``), where the cost model's
-``max(host, device)`` does not count it again. The fit extrapolates: from large chunks alone
-the per-chunk constant ``beta`` is not pinned down (it may come out 0), the planner may then
-cut finer than it should for one interval, and the next refit, which sees those small chunks,
-corrects it.
+``max(host, device)`` does not count it again; so does an action's fixed time beyond the
+profile's ``host_action_s`` (a spec-derived profile prices none), as ``L_s beta`` per unit on
+stage ``s``: a unit's price then carries what the machine paid for it, which is what the
+planners' choice of a unit count needs (with the same layer count on every stage, and always
+at PP = 1, a per-action term and ``L_s beta`` cannot be told apart;
+``tests/unit/test_unit_fixed_cost.py`` recovers a 50 ms per action cost this way). The fit
+extrapolates: from large chunks alone the per-chunk constant ``beta`` is not pinned down (it
+may come out 0), the planner may then cut finer than it should for one interval, and the next
+refit, which sees those small chunks, corrects it.
 """
 from __future__ import annotations
 

@@ -23,11 +23,13 @@ Cost model of a real run: the job's (:mod:`longctx.job_costs`: model shape and b
 from the Megatron flags, ``--hardware-profile``) within ``--elastic-memory-gb`` (default: the
 device's memory on CUDA, 16 GB on CPU) minus ``--elastic-reserved-gb`` (default 2 GB on CUDA, 0
 on CPU). A measured profile's activation bytes are used only if they were counted in the run's
-dtype (otherwise the run stops). With ``--elastic-refit-interval K`` the ranks record the
-executor's forward and backward times and, every ``K`` training iterations, refit the profile's
-eq. 1 coefficients and backward factor to them (:mod:`elastic_pipe.run_costs`); the log shows
-the fit and its error. The flags and their checks are :mod:`elastic_pipe.flags`; the drawing of
-one batch's plan (``build_ir``) is :mod:`elastic_pipe.drawing`. Megatron's
+dtype (otherwise the run stops). The ranks record the executor's forward and backward times
+and refit the profile's eq. 1 coefficients and backward factor to them, so that a unit is
+priced with what it costs on this device (:mod:`elastic_pipe.run_costs`): by default
+(``--elastic-refit-interval auto``) once, from training iterations 2 and 3; with ``K``, every
+``K`` iterations; the log shows the fit and its error. The flags and their checks are
+:mod:`elastic_pipe.flags`; the drawing of one batch's plan (``build_ir``) is
+:mod:`elastic_pipe.drawing`. Megatron's
 ``--recompute-granularity full`` fixes the plan's checkpointing table
 (:mod:`longctx.fixed_checkpointing`; the model itself then recomputes nothing).
 """
@@ -67,6 +69,8 @@ def _run(call: RankCall) -> list:
                            links=neighbour_links, predicted=planned.predicted)
     if events is not None:
         MEASURED.record(planned, rank, events)
+    elif not call.forward_only:
+        MEASURED.ran()
     return result
 
 

@@ -7,14 +7,14 @@ Launches ``pretrain_gpt_elastic.py`` once per schedule on ``--pp`` ranks (one pi
 CUDA one GPU a rank in bf16, on CPU gloo ranks in fp32), under Megatron-LM's default dropout
 0.1, on ``--mock-data`` documents up to ``--seq-length`` tokens (or the train split of a
 ``--data-path`` dataset whose token ids lie below 257) with a GPT of ``--num-layers``
-x ``--hidden-size``, three iterations each, and reads the last iteration of its
+x ``--hidden-size``, four iterations each, and reads the last iteration of its
 ``--metrics-jsonl`` (per-stage figures: the largest stage's): the plan's predicted activation
 bytes (elastic, seq1f1b, sppo and helix make one), the bytes autograd saved for backward (the training
 loop's meter) and the CUDA allocator's peak over the forward-backward call (CUDA only), with
 the tokens per second and the units (micro-batches, chunks, subsequences) of the batch.
 Prints one line per schedule with measured/planned (per stage too); ``--json`` writes them all.
-With ``--trace-dir`` each run also traces its third iteration with Megatron-LM's
-``--profile --use-pytorch-profiler`` (four iterations are run), keeps the trace there as
+With ``--trace-dir`` each run also traces its fourth iteration with Megatron-LM's
+``--profile --use-pytorch-profiler`` (five iterations are run), keeps the trace there as
 ``SCHEDULE.json.gz`` and reports how busy the device was (``device_busy_fraction``: a run
 that launches kernels slower than the device runs them leaves it idle in between).
 The allocator's peak includes the model, its gradients and the optimizer state, so it is
@@ -41,7 +41,7 @@ import tempfile
 
 import torch
 
-from profiler_trace import TRACED_STEP, device_busy, profile_flags
+from profiler_trace import device_busy, profile_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 1234
@@ -50,6 +50,14 @@ VOCAB = 257
 #: Megatron-LM's multiple of 128 (--make-vocab-size-divisible-by).
 PADDED_VOCAB = -(-(VOCAB + 1) // 128) * 128
 MEGATRON = ("default", "1f1b")
+REFITTED = 4
+"""The first training iteration that ``elastic`` and ``seq1f1b`` plan with their default refit
+on CUDA (``--elastic-refit-interval auto``, :mod:`elastic_pipe.run_costs`: iterations 2 and 3
+are timed, a wait for the device around every action, and refitted to), and the first they
+run untimed: the iteration measured and traced, so that the figures are those of a run that
+trains on."""
+TRACED_STEP = REFITTED - 1
+"""The training iteration traced (0-based)."""
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +73,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-path", default=None,
                         help="a Megatron dataset prefix to train on (its train split, --split "
                              "100,0,0) instead of --mock-data")
-    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=REFITTED,
+                        help="training iterations; the last is measured (default: the first "
+                             "after the document schedules' default refit on CUDA)")
     parser.add_argument("--timeout", type=float, default=240, help="seconds per run")
     parser.add_argument("--json", default=None)
 

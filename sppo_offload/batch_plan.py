@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-
+from megatron.plugin.packing import micro_batch_rows
 from megatron.plugin.pipeline.ir import Kind
 from megatron.plugin.pipeline.simulator import simulate
 
@@ -99,9 +99,36 @@ def plan_subsequences(lengths, cost: CostModel, subsequences, offload, token_spl
             sequences.append((doc, tuple(
                 Chunk((Piece(doc, j, start, start + length, j == len(lengths_of) - 1),))
                 for j, (start, length) in enumerate(zip(starts(lengths_of), lengths_of)))))
+    return _assembled([mine for _, mine in sorted(sequences, key=lambda sequence: sequence[0])],
+                      cost, offload, host_cap_bytes, most_saving, checkpointed)
+
+
+def megatron_plan(lengths, cost: CostModel, seq_length: int, micro_batch_size: int, offload,
+                  host_cap_bytes: float | None = None,
+                  checkpointed: tuple[int, ...] = ()) -> SubsequencePlan | None:
+    """Megatron-LM's micro-batches of documents of ``lengths`` tokens as a plan: its
+    best-fit-decreasing rows of ``seq_length`` inputs, ``micro_batch_size`` rows a unit
+    (:func:`~megatron.plugin.packing.micro_batch_rows`), every document whole, in Megatron's
+    order; the offload ratios as :func:`plan_subsequences` chooses them (a document's last
+    subsequence, here every one, is never offloaded). ``None`` when a document is longer than
+    ``seq_length``."""
+    if max(lengths) > seq_length:
+        return None
+    if any(checkpointed):
+        offload = OFF
+    sequences = [(Chunk(tuple(Piece(doc, 0, 0, lengths[doc], True)
+                              for row in batch for doc in sorted(row))),)
+                 for batch in micro_batch_rows(list(lengths), seq_length, micro_batch_size)]
+    return _assembled(sequences, cost, offload, host_cap_bytes, False, checkpointed)
+
+
+def _assembled(sequences, cost: CostModel, offload, host_cap_bytes: float | None,
+               most_saving: bool, checkpointed: tuple[int, ...]) -> SubsequencePlan:
+    """The plan of ``sequences`` (each a tuple of chunks, in pipeline order) with their offload
+    ratios (:func:`plan_subsequences`)."""
     counts, chunks = [], []
     alphas: list[list[float]] = [[] for _ in range(cost.pp)]
-    for _, mine in sorted(sequences, key=lambda sequence: sequence[0]):
+    for mine in sequences:
         ratios = offload_ratios(cost, mine, offload, cost.hardware.host_gbps_per_gpu)
         if offload == AUTO and most_saving:
             ratios = raised(ratios, 1.0)
@@ -158,6 +185,38 @@ def check_budget(lengths, plan: SubsequencePlan, cost: CostModel, subsequences, 
     raise ValueError(message)
 
 
+def fastest_plan(plan: SubsequencePlan, megatron: SubsequencePlan | None, cost: CostModel,
+                 memory_gb: float, host_gbps: float | None = None) -> SubsequencePlan:
+    """``megatron`` (Megatron-LM's micro-batches, :func:`megatron_plan`) where it fits
+    ``memory_gb`` per GPU and ``plan`` does not, or both fit and it is predicted no slower
+    (the simulated iteration time, each unit's fixed cost included:
+    :meth:`~longctx.cost_model.CostModel.stage_forward`); else ``plan``. Under
+    ``--sppo-subsequences auto`` a batch is then planned in more units than Megatron's only
+    where they are predicted faster."""
+    if megatron is None or (megatron.counts, megatron.chunks) == (plan.counts, plan.chunks):
+        return plan
+    theirs = _simulated(megatron, cost, host_gbps)[0]
+    if max(theirs.peak_memory) > memory_gb * GB:
+        return plan
+    ours = _simulated(plan, cost, host_gbps)[0]
+    if max(ours.peak_memory) > memory_gb * GB:
+        return megatron
+    return megatron if theirs.iteration_time <= ours.iteration_time else plan
+
+
+def _simulated(plan: SubsequencePlan, cost: CostModel, host_gbps: float | None):
+    """``(simulator result, schedule, offloaded bytes per stage and unit)`` of ``plan``
+    (:func:`replay`)."""
+    offloaded = [[a * offloadable_bytes(cost, stage, chunk) if a else 0.0
+                  for a, chunk in zip(row, plan.chunks)] for stage, row in enumerate(plan.alphas)]
+    schedule = build_schedule(cost.pp, plan.counts,
+                              lambda action: plan.alphas[action.stage][action.unit] > 0,
+                              recomputed=lambda action: plan.recomputes(action.stage) > 0)
+    link = cost.hardware.host_gbps_per_gpu if host_gbps is None else host_gbps
+    costs = OffloadCosts(cost, plan.chunks, offloaded, plan.checkpointed or None, link)
+    return simulate(schedule, costs, trace=False), schedule, offloaded
+
+
 def replay(plan: SubsequencePlan, cost: CostModel,
            host_gbps: float | None = None) -> tuple[list[float], list[float]]:
     """``(peak device bytes, peak host bytes)`` per stage of the batch's schedule, simulated
@@ -166,14 +225,7 @@ def replay(plan: SubsequencePlan, cost: CostModel,
     ``host_gbps`` (default: the profile's host link): on a side stream, an offload's bytes
     leave the device when its copy ends and a reload's are back when it starts; with
     ``math.inf``, the host tier that copies synchronously (the CPU twin), at the action."""
-    offloaded = [[a * offloadable_bytes(cost, stage, chunk) if a else 0.0
-                  for a, chunk in zip(row, plan.chunks)] for stage, row in enumerate(plan.alphas)]
-    schedule = build_schedule(cost.pp, plan.counts,
-                              lambda action: plan.alphas[action.stage][action.unit] > 0,
-                              recomputed=lambda action: plan.recomputes(action.stage) > 0)
-    link = cost.hardware.host_gbps_per_gpu if host_gbps is None else host_gbps
-    costs = OffloadCosts(cost, plan.chunks, offloaded, plan.checkpointed or None, link)
-    result = simulate(schedule, costs, trace=False)
+    result, schedule, offloaded = _simulated(plan, cost, host_gbps)
     host = []
     for stage, row in enumerate(schedule):
         held = most = 0.0

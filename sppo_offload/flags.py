@@ -32,7 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("subsequence pipeline with offloading (SPPO)")
     g.add_argument("--sppo-subsequences", default=AUTO, type=subsequences_flag,
                    help="subsequences N per document (N >= pipeline stages), or auto: the "
-                        "fewest, at least PP, that keep 16K tokens per device or fewer")
+                        "fewest, at least PP, that keep 16K tokens per device or fewer, or "
+                        "Megatron's own micro-batches where they are predicted no slower "
+                        "(not with a fixed --sppo-offload ratio or --sppo-multiplex)")
     g.add_argument("--sppo-offload", default=AUTO, type=offload_flag,
                    help="auto (ratios sized to the host link of the hardware profile), off, "
                         "or a ratio in [0, 1] of every subsequence's offloadable activations "

@@ -14,7 +14,13 @@ loop with the global batch):
    tiny CPU runs. The longest of those subsequences is the batch's unit length: documents
    no longer than it are packed whole into rows of at most that many tokens, and a longer
    document is cut into no more subsequences than keep them about that long
-   (:func:`~sppo_offload.batch_plan.plan_subsequences`; the paper is about one long sequence);
+   (:func:`~sppo_offload.batch_plan.plan_subsequences`; the paper is about one long sequence).
+   Under ``auto`` (with ``--sppo-offload auto`` or ``off`` and no ``--sppo-multiplex``, which
+   ask for no cut), Megatron-LM's own micro-batches of the same documents are the other
+   candidate (:func:`~sppo_offload.batch_plan.megatron_plan`): the simulator prices both with
+   each unit's fixed cost, and Megatron's are planned where they fit and are predicted no
+   slower (:func:`~sppo_offload.batch_plan.fastest_plan`), so a batch runs in more units than
+   Megatron's only where the pipeline's overlap pays for them;
 3. each subsequence is one unit: one packed row (padded to a multiple of the TP x CP token
    split) whose piece records its K/V and reads those of the document's earlier subsequences
    (the K/V-context execution of the elastic schedule's split chunks); a row of packed whole

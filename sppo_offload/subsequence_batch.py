@@ -23,11 +23,13 @@ from longctx.fixed_checkpointing import fixed_checkpointing
 from longctx.job_costs import job_cost_model
 from longctx.replicas import replica_share
 
-from sppo_offload.batch_plan import SubsequencePlan, check_budget, plan_subsequences, replay
+from sppo_offload.batch_plan import (SubsequencePlan, check_budget, fastest_plan, megatron_plan,
+                                     plan_subsequences, replay)
 from sppo_offload.flags import memory_budget_gb
 from sppo_offload.multiplex import (min_tokens, multiplexed_peaks, multiplexed_schedule,
                                    piece_tokens)
 from sppo_offload.mux_runtime import block_groups
+from sppo_offload.offload import AUTO, OFF
 from sppo_offload.pipeline import build_schedule
 
 log = logging.getLogger(__name__)
@@ -73,13 +75,11 @@ def prepare_input(documents, args, model):
     fixed = fixed_checkpointing(args)
     checkpointed = () if fixed is None else tuple(fixed.layers(cost.layers(stage))
                                                   for stage in range(cost.pp))
-    plan = plan_subsequences(mine, cost, args.sppo_subsequences, args.sppo_offload, tp * cp,
-                             None if host_gb is None else host_gb * GB,
-                             checkpointed=checkpointed)
     chunk = model[0] if isinstance(model, list) else model
     capacity = None if host_gb is None else int(host_gb * GB)
     tier = _tier(next(chunk.parameters()).device, capacity)
     host_gbps = math.inf if tier.synchronous else None
+    plan = _plan(mine, cost, args, checkpointed, host_gbps)
     peaks = check_budget(mine, plan, cost, args.sppo_subsequences, args.sppo_offload,
                          memory_budget_gb(args), host_gb, tp * cp, host_gbps)
     stage = parallel_state.get_pipeline_model_parallel_rank()
@@ -107,6 +107,25 @@ def prepare_input(documents, args, model):
             "of each recomputed on stage %d", len(share), len(batch),
             sum(a > 0 for a in plan.alphas[stage]), plan.recomputes(stage), stage)
     return batch, len(batch)
+
+
+def _plan(lengths, cost: CostModel, args, checkpointed: tuple[int, ...],
+          host_gbps: float | None) -> SubsequencePlan:
+    """The subsequences of documents of ``lengths`` tokens; under ``--sppo-subsequences auto``
+    with ``--sppo-offload auto`` or ``off`` (no fixed ratio to honour) and no
+    ``--sppo-multiplex`` (which cuts one document), Megatron-LM's micro-batches where they fit
+    and are predicted no slower (:func:`~sppo_offload.batch_plan.fastest_plan`)."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    host_gb = args.sppo_host_memory_gb
+    cap = None if host_gb is None else host_gb * GB
+    plan = plan_subsequences(lengths, cost, args.sppo_subsequences, args.sppo_offload, tp * cp,
+                             cap, checkpointed=checkpointed)
+    if args.sppo_subsequences != AUTO or args.sppo_offload not in (AUTO, OFF) \
+            or args.sppo_multiplex:
+        return plan
+    megatron = megatron_plan(lengths, cost, args.seq_length, args.micro_batch_size,
+                             args.sppo_offload, cap, checkpointed)
+    return fastest_plan(plan, megatron, cost, memory_budget_gb(args), host_gbps)
 
 
 def _check_multiplexable(plan: SubsequencePlan, cost: CostModel, memory_gb: float,

@@ -18,8 +18,9 @@ The ranks time-slice the GPU: such runs prove correctness, hangs and per-rank me
 speed, bubbles or overlap. So the planners' default memory budget (the device's memory:
 ``--elastic-memory-gb``, ``--sppo-memory-gb`` unset) is the device's memory divided by the ranks
 that share it (:func:`ranks_per_device`); a budget given on the command line is one rank's, as
-given. ``--elastic-refit-interval`` is refused while sharing (it refits the cost model to
-measured times, which time-slicing makes meaningless). Helix plans without a memory budget.
+given. ``--elastic-refit-interval K`` is refused while sharing (it refits the cost model to
+measured times, which time-slicing makes meaningless); its default, ``auto``, times nothing
+then. Helix plans without a memory budget.
 
 Off (the default) nothing here changes anything. On a machine without CUDA the switch is
 refused: the ranks of a CPU run share the processor without it.
@@ -108,9 +109,10 @@ def budget_divisor(environ: Mapping[str, str] = os.environ,
 
 
 def refit_refusal(args) -> str | None:
-    """``--elastic-refit-interval`` while sharing: its refits fit the cost model to measured
-    times, which time-slicing makes meaningless."""
-    if enabled() and getattr(args, "elastic_refit_interval", 0):
+    """``--elastic-refit-interval K`` (``K > 0``) while sharing: its refits fit the cost model
+    to measured times, which time-slicing makes meaningless (``auto`` is off then)."""
+    interval = getattr(args, "elastic_refit_interval", 0)
+    if enabled() and isinstance(interval, int) and interval > 0:
         return (f"--elastic-refit-interval {args.elastic_refit_interval} with {SWITCH}=1: the "
                 f"ranks time-slice one GPU, so the times it refits the cost model to mean "
                 f"nothing; drop --elastic-refit-interval, or unset {SWITCH} (one GPU per rank)")

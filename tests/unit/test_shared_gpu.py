@@ -106,3 +106,19 @@ def test_refits_are_refused_while_sharing(monkeypatch):
     assert shared_gpu.refit_refusal(argparse.Namespace(elastic_refit_interval=0)) is None
     monkeypatch.setenv(shared_gpu.SWITCH, "0")
     assert shared_gpu.refit_refusal(args) is None
+
+
+def test_the_default_refit_times_nothing_while_sharing(monkeypatch):
+    """``--elastic-refit-interval auto`` (the default) is no refusal: it is off while ranks
+    share a GPU, on otherwise."""
+    import torch
+
+    from elastic_pipe.run_costs import AUTO, refit_interval
+
+    args = argparse.Namespace(elastic_refit_interval=AUTO)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv(shared_gpu.SWITCH, "1")
+    assert shared_gpu.refit_refusal(args) is None
+    assert refit_interval(args) == 0
+    monkeypatch.setenv(shared_gpu.SWITCH, "0")
+    assert refit_interval(args) == AUTO
