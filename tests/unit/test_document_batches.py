@@ -22,7 +22,12 @@ TOLERANCES = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 def _one_by_one(kernel_type):
     """``kernel_type`` forced to one call per document (the loop)."""
-    return type(f"OneByOne{kernel_type.__name__}", (kernel_type,), {"together": None})
+    return _with(kernel_type, None)
+
+
+def _with(kernel_type, together):
+    """``kernel_type`` attending runs of documents as ``together`` says."""
+    return type(f"{kernel_type.__name__}{together}", (kernel_type,), {"together": together})
 
 
 class _Counting:
@@ -66,17 +71,21 @@ def _assert_same(got, expected, dtype):
 
 
 ROWS = [pytest.param([[128] * 6], id="equal"),
+        pytest.param([[9, 9, 9, 4, 4, 30]], id="stretches"),
         pytest.param([[5, 1, 9, 3, 17, 2], [7, 7, 4, 9, 3, 7]], id="mixed-two-rows"),
         pytest.param([[40, 3, 64, 1, 12, 33]], id="classes")]
 
 
+@pytest.mark.parametrize("together", ["equal", "padded"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("groups", [HEADS, 2])
 @pytest.mark.parametrize("rows", ROWS)
-def test_documents_together_equal_the_loop(rows, groups, dtype):
+def test_documents_together_equal_the_loop(rows, groups, dtype, together):
+    """The CPU flash kernel's own way (stretches of equal documents) and the padded batches
+    (the CUDA memory-efficient kernel's way, here through the CPU kernel)."""
     q, k, v = _rows(rows, groups, "cpu", dtype)
     segments = tuple(document_segments(r) for r in rows)
-    got = _run(CpuFlash(0.0, None), segments, q, k, v)
+    got = _run(_with(CpuFlash, together)(0.0, None), segments, q, k, v)
     expected = _run(_one_by_one(CpuFlash)(0.0, None), segments, q, k, v)
     _assert_same(got, expected, dtype)
 
@@ -110,7 +119,7 @@ def test_segments_with_context_keep_the_loop(groups):
     block = lambda n: torch.randn(n, groups, DIM, generator=g, dtype=torch.float64) \
         .requires_grad_()
     contexts = [[[], [], [(block(10), block(10)), (block(3), block(3))], [], [], []]]
-    kernel = _Counting(CpuFlash(0.0, None))
+    kernel = _Counting(_with(CpuFlash, "padded")(0.0, None))
     got = _run(kernel, (row,), q, k, v, contexts)
     expected = _run(_one_by_one(CpuFlash)(0.0, None), (row,), q, k, v, contexts)
     _assert_same(got, expected, torch.float64)
@@ -120,13 +129,18 @@ def test_segments_with_context_keep_the_loop(groups):
                                                     (1, 4), (1, 5), (1, 13)]
 
 
-def test_a_row_of_equal_documents_is_one_call():
-    """32 documents of 128 tokens: one kernel call for the row (forward), not 32."""
-    rows = [[128] * 32]
-    q, k, v = _rows(rows, HEADS, "cpu", torch.float32)
-    kernel = _Counting(CpuFlash(0.0, None))
-    _run(kernel, (document_segments(rows[0]),), q, k, v)
-    assert kernel.calls == [("block", 32, 128)]
+@pytest.mark.parametrize("together,calls", [
+    ("equal", [(32, 128), (2, 50), (1, 70), (1, 60)]),
+    ("padded", [(3, 60), (33, 128)])])
+def test_calls_per_row(together, calls):
+    """32 documents of 128 tokens, two of 50, one of 70, one of 60: the CPU flash kernel's
+    stretches of equal documents (one call for the 32), or the length classes up to 64 and up
+    to 128 tokens padded."""
+    lengths = [128] * 32 + [50, 50, 70, 60]
+    q, k, v = _rows([lengths], HEADS, "cpu", torch.float32)
+    kernel = _Counting(_with(CpuFlash, together)(0.0, None))
+    _run(kernel, (document_segments(lengths),), q, k, v)
+    assert [(n, t) for _, n, t in kernel.calls] == calls
 
 
 class _VarlenOnCpu(CudaFlash):

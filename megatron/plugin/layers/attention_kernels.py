@@ -30,7 +30,8 @@ Kernels, chosen by :func:`block_kernel` from the device, the dtype, the dropout 
 Each kernel names in :attr:`together` how a run of whole documents (no K/V context) is
 attended in one call (:mod:`~megatron.plugin.layers.document_batches`): ``"varlen"`` (the CUDA
 flash operator's variable-length form, :meth:`CudaFlash.forward_varlen`), ``"padded"`` (the
-documents as a zero-padded batch through :meth:`forward`) or ``None`` (one call per document:
+documents as zero-padded batches through :meth:`forward`), ``"equal"`` (consecutive documents of
+one length as one batch, a view: no padding, no copy) or ``None`` (one call per document:
 the matrix-product kernel, whose dropout masks are drawn block by block and whose scores a batch
 would materialise for every document at once).
 
@@ -77,7 +78,7 @@ def heads_first(t: torch.Tensor) -> torch.Tensor:
 class CpuFlash:
     """The fused CPU flash kernel (no dropout)."""
 
-    together = "padded"
+    together = "equal"
 
     def __init__(self, dropout: float, scale: float | None):
         del dropout

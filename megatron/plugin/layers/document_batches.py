@@ -1,8 +1,8 @@
 """Causal attention of a run of whole documents (consecutive in a packed row, none with K/V
-context) in one kernel call, or one per length class, rather than one per document.
+context) in one kernel call, or a few, rather than one per document.
 
 A *run* is ``[T, heads, dim]`` query and ``[T, groups, dim]`` keys and values: documents of
-``lengths`` one after another, each attending causally to itself only. Two ways, chosen by
+``lengths`` one after another, each attending causally to itself only. Three ways, chosen by
 the block kernel's :attr:`together` (:mod:`~megatron.plugin.layers.attention_kernels`):
 
 * ``"varlen"`` (torch's flash operator on CUDA, fp16/bf16): one call of its variable-length
@@ -10,27 +10,31 @@ the block kernel's :attr:`together` (:mod:`~megatron.plugin.layers.attention_ker
   ``torch.nn.attention.varlen`` calls, which has no dropout), grouped-query heads taken
   natively; its log-sum-exp is ``[heads, T]`` and its dropout state is the Philox state it
   returns.
-* ``"padded"`` (the fused CPU flash kernel; torch's memory-efficient operator on CUDA, whose
-  variable-length form pads its log-sum-exp per document): the documents as a batch
-  ``[n, heads, L, dim]``, each right-padded with zeros to the longest ``L`` of its batch, one
-  causal block-kernel call per batch (:func:`~megatron.plugin.layers.context_attention.
-  merged_forward` with one block). Causal attention makes right padding exact: no real query
-  sees a padded key; in the backward the padded queries' output gradient and output are zero
-  (their log-sum-exp is set to 0, any finite value serves), so they add nothing to a real
-  key's gradient. Documents are batched by length class (``L`` a power of two's range,
-  ``2**(c-1) < length <= 2**c``) so a document is padded to at most twice its length (at most
-  four times its scores' work); a row of 32 documents of 128 tokens is one call.
+* ``"padded"`` (torch's memory-efficient operator on CUDA, fp32, whose own variable-length
+  form pads its log-sum-exp per document and takes no grouped heads): the documents as batches
+  ``[n, heads, L, dim]``, each document right-padded with zeros to the longest ``L`` of its
+  batch, one causal block-kernel call per batch
+  (:func:`~megatron.plugin.layers.context_attention.merged_forward` with one block). Causal
+  attention makes right padding exact: no real query sees a padded key; in the backward the
+  padded queries' output gradient and output are zero (their log-sum-exp is set to 0, any
+  finite value serves), so they add nothing to a real key's gradient. Documents are batched by
+  length class (``2**(c-1) < length <= 2**c``), so a document is padded to less than twice its
+  length (less than four times its scores' work, cheap beside a GPU's launches).
+* ``"equal"`` (the fused CPU flash kernel): each stretch of consecutive documents of one length
+  is one batch, a view of the run (no padding, no copy); other documents one call each.
+  Measured on the CPU (one thread, 4 heads of 32 channels, fp32, forward and backward, process
+  CPU time): a row of 15 documents of 46 to 811 tokens took 59 ms one document at a time and
+  78 ms as padded length classes (the padding's work outweighs the calls saved: about 120 us a
+  call against 260 ps a score and channel); SDPA's CPU flash kernel over the whole row with a
+  block-diagonal causal mask took 26 times the loop's forward (it computes all ``T x T``
+  scores), as does flex attention, which runs eagerly only through its unfused reference. A row
+  of equal documents (32 of 128 tokens) is one call.
 
-  On the CPU this was measured against the alternatives (one thread, 4 heads of 32 channels,
-  fp32): for 32 documents of 128 tokens the per-document loop took 12-19 ms a forward, the
-  padded batch 13-18 ms, SDPA's CPU flash kernel over the whole row with a block-diagonal
-  causal mask 313 ms (it computes every one of the row's ``T x T`` scores); flex attention
-  runs eagerly on the CPU only through its unfused reference (the ``T x T`` scores again).
-
-The padded copies of ``q``, ``k``, ``v`` are temporaries: a caller saves the run's own tensors
-and the output and log-sum-exp it writes, and the backward gathers them again. A run's index
-tensors are made once per distinct ``lengths`` and device (:func:`documents`), not once per
-layer.
+The padded copies of ``q``, ``k``, ``v`` (``"padded"``) are temporaries: a caller saves the run's own tensors
+and the output and log-sum-exp it writes, and the backward gathers them again. A run's bounds
+and index tensors are made once per distinct ``lengths`` and device (:func:`documents`, the
+last :data:`_CACHED_LAYOUTS` runs kept), not once per layer, and copied to a GPU from pinned
+memory without a host sync.
 """
 from __future__ import annotations
 
@@ -41,20 +45,23 @@ import torch
 
 from megatron.plugin.layers import context_attention
 
-_CACHED_LAYOUTS = 256
+_CACHED_LAYOUTS = 64
 """How many distinct runs' index tensors stay cached."""
 
 
 @dataclass(frozen=True)
-class LengthClass:
-    """The documents of a run padded into one batch: ``count`` documents of at most ``longest``
-    tokens; run token ``tokens[i]`` sits at ``slots[i]`` of the flattened
-    ``[count * longest]`` batch."""
+class Batch:
+    """``count`` documents of a run attended as one batch ``[count, heads, longest, dim]``.
+
+    ``start`` not ``None``: they are consecutive and all ``longest`` tokens long, the batch is
+    a view of the run's tokens from ``start`` on. Otherwise run token ``tokens[i]`` sits at
+    ``slots[i]`` of the flattened zero-padded ``[count * longest]`` batch."""
 
     count: int
     longest: int
-    tokens: torch.Tensor
-    slots: torch.Tensor
+    start: int | None = None
+    tokens: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -65,50 +72,70 @@ class Documents:
     _per_device: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
-    def tokens(self) -> int:
-        return sum(self.lengths)
-
-    @property
     def longest(self) -> int:
         return max(self.lengths)
 
     def bounds(self, device) -> torch.Tensor:
         """``cu_seqlens``: the documents' bounds, int32 on ``device``."""
-        return self._on(device)[0]
+        return self._made("bounds", device)
 
-    def classes(self, device) -> list[LengthClass]:
-        """The run's length classes (module docstring), index tensors on ``device``."""
-        return self._on(device)[1]
+    def batches(self, device, padded: bool) -> list[Batch]:
+        """The run's batches (module docstring): by length class when ``padded``, else each
+        stretch of consecutive documents of one length; index tensors on ``device``."""
+        return self._made("padded" if padded else "equal", device)
 
-    def _on(self, device):
+    def _made(self, what: str, device):
         device = torch.device(device)
-        made = self._per_device.get(device)
+        made = self._per_device.get((what, device))
         if made is None:
-            made = (self._bounds(device), self._classes(device))
-            self._per_device[device] = made
+            made = self._bounds(device) if what == "bounds" \
+                else [self._batch(docs, device) for docs in self._groups(what == "padded")]
+            self._per_device[(what, device)] = made
         return made
 
     def _bounds(self, device) -> torch.Tensor:
         bounds = [0]
         for length in self.lengths:
             bounds.append(bounds[-1] + length)
-        return torch.tensor(bounds, dtype=torch.int32, device=device)
+        return _tensor(bounds, torch.int32, device)
 
-    def _classes(self, device) -> list[LengthClass]:
-        members: dict[int, list[tuple[int, int]]] = {}
-        start = 0
+    def _groups(self, padded: bool) -> list[list[tuple[int, int]]]:
+        """The ``(start, length)`` of each batch's documents."""
+        docs, start = [], 0
         for length in self.lengths:
-            members.setdefault((length - 1).bit_length(), []).append((start, length))
+            docs.append((start, length))
             start += length
-        classes = []
-        for _, docs in sorted(members.items()):
-            longest = max(length for _, length in docs)
-            tokens = [start + i for start, length in docs for i in range(length)]
-            slots = [n * longest + i for n, (_, length) in enumerate(docs) for i in range(length)]
-            classes.append(LengthClass(len(docs), longest,
-                                       torch.tensor(tokens, dtype=torch.long, device=device),
-                                       torch.tensor(slots, dtype=torch.long, device=device)))
-        return classes
+        if not padded:
+            groups = [[docs[0]]]
+            for doc in docs[1:]:
+                if doc[1] == groups[-1][-1][1]:
+                    groups[-1].append(doc)
+                else:
+                    groups.append([doc])
+            return groups
+        classes: dict[int, list[tuple[int, int]]] = {}
+        for doc in docs:
+            classes.setdefault((doc[1] - 1).bit_length(), []).append(doc)
+        return [classes[c] for c in sorted(classes)]
+
+    @staticmethod
+    def _batch(docs: list[tuple[int, int]], device) -> Batch:
+        longest = max(length for _, length in docs)
+        first = docs[0][0]
+        if all(start == first + n * longest and length == longest
+               for n, (start, length) in enumerate(docs)):
+            return Batch(len(docs), longest, start=first)
+        tokens = [start + i for start, length in docs for i in range(length)]
+        slots = [n * longest + i for n, (_, length) in enumerate(docs) for i in range(length)]
+        return Batch(len(docs), longest, tokens=_tensor(tokens, torch.long, device),
+                     slots=_tensor(slots, torch.long, device))
+
+
+def _tensor(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device``; to a GPU from pinned memory without blocking the host."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 @functools.lru_cache(maxsize=_CACHED_LAYOUTS)
@@ -119,19 +146,25 @@ def documents(lengths: tuple[int, ...]) -> Documents:
     return Documents(tuple(lengths))
 
 
-def _padded(x: torch.Tensor, group: LengthClass) -> torch.Tensor:
-    """``x`` ``[T, heads, ...]`` -> the class's zero-padded batch ``[count, heads, longest,
-    ...]``."""
-    batch = x.new_zeros(group.count * group.longest, *x.shape[1:])
-    batch[group.slots] = x[group.tokens]
-    return batch.view(group.count, group.longest, *x.shape[1:]).transpose(1, 2)
+def _padded(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """``x`` ``[T, heads, ...]`` -> the batch ``[count, heads, longest, ...]`` (zero-padded)."""
+    shape = (batch.count, batch.longest, *x.shape[1:])
+    if batch.start is not None:
+        return x[batch.start:batch.start + batch.count * batch.longest].view(shape) \
+            .transpose(1, 2)
+    padded = x.new_zeros(batch.count * batch.longest, *x.shape[1:])
+    padded[batch.slots] = x[batch.tokens]
+    return padded.view(shape).transpose(1, 2)
 
 
-def _unpadded(batch: torch.Tensor, group: LengthClass, into: torch.Tensor) -> None:
-    """Write the real tokens of ``batch`` ``[count, heads, longest, ...]`` into their rows of
+def _unpadded(x: torch.Tensor, batch: Batch, into: torch.Tensor) -> None:
+    """Write the real tokens of ``x`` ``[count, heads, longest, ...]`` into their rows of
     ``into`` ``[T, heads, ...]``."""
-    flat = batch.transpose(1, 2).reshape(group.count * group.longest, *into.shape[1:])
-    into[group.tokens] = flat[group.slots].to(into.dtype)
+    flat = x.transpose(1, 2).reshape(batch.count * batch.longest, *into.shape[1:])
+    if batch.start is not None:
+        into[batch.start:batch.start + flat.shape[0]] = flat
+    else:
+        into[batch.tokens] = flat[batch.slots].to(into.dtype)
 
 
 def forward(kernel, q, k, v, docs: Documents, out: torch.Tensor, lse: torch.Tensor):
@@ -145,11 +178,11 @@ def forward(kernel, q, k, v, docs: Documents, out: torch.Tensor, lse: torch.Tens
         lse.copy_(part.t())
         return state
     states = []
-    for group in docs.classes(q.device):
+    for batch in docs.batches(q.device, kernel.together == "padded"):
         o, part, state = context_attention.merged_forward(
-            kernel, _padded(q, group), [(_padded(k, group), _padded(v, group), True)])
-        _unpadded(o, group, out)
-        _unpadded(part.unsqueeze(-1), group, lse.unsqueeze(-1))
+            kernel, _padded(q, batch), [(_padded(k, batch), _padded(v, batch), True)])
+        _unpadded(o, batch, out)
+        _unpadded(part.unsqueeze(-1), batch, lse.unsqueeze(-1))
         states.append(state)
     return states
 
@@ -163,10 +196,10 @@ def backward(kernel, grad, q, k, v, out, lse, docs: Documents, state, into) -> N
         for g, target in zip(grads, into):
             target.copy_(g)
         return
-    for group, states in zip(docs.classes(q.device), state):
-        block = (_padded(k, group), _padded(v, group), True)
+    for batch, states in zip(docs.batches(q.device, kernel.together == "padded"), state):
+        block = (_padded(k, batch), _padded(v, batch), True)
         gq, ((gk, gv),) = context_attention.merged_backward(
-            kernel, _padded(grad, group), _padded(q, group), [block], _padded(out, group),
-            _padded(lse.unsqueeze(-1), group).squeeze(-1), states)
+            kernel, _padded(grad, batch), _padded(q, batch), [block], _padded(out, batch),
+            _padded(lse.unsqueeze(-1), batch).squeeze(-1), states)
         for g, target in zip((gq, gk, gv), into):
-            _unpadded(g, group, target)
+            _unpadded(g, batch, target)
