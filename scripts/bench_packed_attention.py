@@ -5,8 +5,9 @@ documents, each run of documents in one kernel call against one call per documen
         [--groups 4] [--dim 32] [--dtype float32] [--repeats 20] [--device cpu]
 
 Per mode, the ATen operator calls of one forward+backward (counted as ``bench_host.py``
-counts them) and its wall time (median of ``--repeats``; on CUDA synchronised, so the time
-includes the kernels). ``per document`` runs the same kernel with
+counts them) and its time, the median of ``--repeats``: on the CPU the process's CPU time (what
+the host spent, whatever else the machine runs), on CUDA the wall time with the kernels
+synchronised. ``per document`` runs the same kernel with
 :attr:`~megatron.plugin.layers.attention_kernels.CpuFlash.together` off, i.e. the loop.
 """
 import argparse
@@ -32,11 +33,12 @@ def measure(args, q, k, v, segments) -> tuple[int, float]:
 
     step()
     _, calls = count_operators(step)
+    clock = time.perf_counter if q.is_cuda else time.process_time
     seconds = []
     for _ in range(args.repeats):
-        start = time.perf_counter()
+        start = clock()
         step()
-        seconds.append(time.perf_counter() - start)
+        seconds.append(clock() - start)
     return sum(calls.values()), statistics.median(seconds)
 
 
