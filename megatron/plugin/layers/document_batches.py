@@ -30,8 +30,9 @@ the block kernel's :attr:`together` (:mod:`~megatron.plugin.layers.attention_ker
   scores), as does flex attention, which runs eagerly only through its unfused reference. A row
   of equal documents (32 of 128 tokens) is one call.
 
-The padded copies of ``q``, ``k``, ``v`` (``"padded"``) are temporaries: a caller saves the run's own tensors
-and the output and log-sum-exp it writes, and the backward gathers them again. A run's bounds
+The padded copies of ``q``, ``k``, ``v`` (``"padded"``) are temporaries: a caller saves the
+run's own tensors and the output and log-sum-exp it writes, and the backward gathers them
+again. A run's bounds
 and index tensors are made once per distinct ``lengths`` and device (:func:`documents`, the
 last :data:`_CACHED_LAYOUTS` runs kept), not once per layer, and copied to a GPU from pinned
 memory without a host sync.

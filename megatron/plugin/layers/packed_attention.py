@@ -7,10 +7,11 @@ again: two copies of ``[s, b, heads * dim]`` per layer. :func:`packed_attention`
 (``q``, ``k``, ``v`` and each segment's K/V context -> ``o``) attends each row in parts:
 
 * a run of two or more consecutive whole documents (segments without context: the common case
-  of short documents packed into a row, often the whole row) in one kernel call, or one per
-  length class (:mod:`~megatron.plugin.layers.document_batches`: the CUDA flash operator's
-  variable-length form, or the documents as a zero-padded batch, as the block kernel offers;
-  the matrix-product kernel has neither and keeps one call per document);
+  of short documents packed into a row, often the whole row) in one kernel call or a few, as
+  the block kernel offers (:mod:`~megatron.plugin.layers.document_batches`: on CUDA the flash
+  operator's variable-length form, or zero-padded batches per length class; on the CPU one
+  call per stretch of documents of one length; the matrix-product kernel keeps one call per
+  document);
 * every other segment (a later slice of a document, with its K/V context) over its context
   blocks and its own keys (:mod:`~megatron.plugin.layers.context_attention`: block kernels
   merged by log-sum-exp; a lone document is the case of one block);
