@@ -32,10 +32,9 @@ the block kernel's :attr:`together` (:mod:`~megatron.plugin.layers.attention_ker
 
 The padded copies of ``q``, ``k``, ``v`` (``"padded"``) are temporaries: a caller saves the
 run's own tensors and the output and log-sum-exp it writes, and the backward gathers them
-again. A run's bounds
-and index tensors are made once per distinct ``lengths`` and device (:func:`documents`, the
-last :data:`_CACHED_LAYOUTS` runs kept), not once per layer, and copied to a GPU from pinned
-memory without a host sync.
+again. A run's bounds and index tensors are made once per distinct ``lengths`` and device
+(:func:`documents`, the last :data:`_CACHED_LAYOUTS` runs kept), not once per layer, and
+copied to a GPU from pinned memory without a host sync.
 """
 from __future__ import annotations
 
