@@ -1,8 +1,8 @@
 """Helix's attention part under recomputation without attention.
 
 Helix's attention parts run :func:`megatron.plugin.layers.packed_attention.packed_attention`
-(one block-kernel call per document into one output buffer, which is all it saves besides
-``q``, ``k``, ``v``), on every device and with dropout. Under
+(whole documents of a row in one kernel call or a few, into one output buffer, which is all
+it saves besides ``q``, ``k``, ``v``), on every device and with dropout. Under
 ``--helix-recompute-without-attention`` they run :func:`recomputed_attention` (``x`` and the
 shipped weights -> ``o``) instead: the QKV projection and the Q/K norms (part of the
 pre-attention, so recomputed like the rest of it) run without autograd in the forward, and the

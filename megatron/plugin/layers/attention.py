@@ -25,11 +25,13 @@ that split for a split of the heads with one all-to-all each for Q, K and V (Meg
 the document layout and the K/V store see whole rows, so slicing and packing work unchanged --
 and trades back with one all-to-all of the output.
 
-Backends. Every row runs :mod:`megatron.plugin.layers.packed_attention`: each segment
-attends over its K/V context blocks (a later slice: each earlier slice's K/V as the store holds
-it; a multiplexed share: what the share returns) and causally over its own keys, one kernel call
-per block merged by log-sum-exp (:mod:`megatron.plugin.layers.context_attention`), into one
-output buffer that the output projection saves as its input too. No concatenated copy of the
+Backends. Every row runs :mod:`megatron.plugin.layers.packed_attention`: consecutive whole
+documents of a row in one kernel call (:mod:`megatron.plugin.layers.document_batches`), and
+each segment with context over its K/V context blocks (a later slice: each earlier slice's K/V
+as the store holds it; a multiplexed share: what the share returns) and causally over its own
+keys, one kernel call per block merged by log-sum-exp
+(:mod:`megatron.plugin.layers.context_attention`), into one output buffer that the output
+projection saves as its input too. No concatenated copy of the
 context and no ``[s, c+s]`` mask exists, on every device, with dropout and grouped-query heads
 alike (:mod:`megatron.plugin.layers.attention_kernels` picks the kernel). On CUDA a row without
 context runs flash-attn varlen instead, once per packed row with the row's documents as

@@ -27,6 +27,14 @@ Kernels, chosen by :func:`block_kernel` from the device, the dtype, the dropout 
   such a seed would be read back to the host, a synchronisation per block); nothing of the
   block's ``[heads, s, t]`` scores is kept.
 
+Each kernel names in :attr:`together` how a run of whole documents (no K/V context) is
+attended in one call (:mod:`~megatron.plugin.layers.document_batches`): ``"varlen"`` (the CUDA
+flash operator's variable-length form, :meth:`CudaFlash.forward_varlen`), ``"padded"`` (the
+documents as zero-padded batches through :meth:`forward`), ``"equal"`` (consecutive documents of
+one length as one batch, a view: no padding, no copy) or ``None`` (one call per document:
+the matrix-product kernel, whose dropout masks are drawn block by block and whose scores a batch
+would materialise for every document at once).
+
 Torch's operators rather than flash-attn's: they ship with every torch the project supports
 (2.6 on), take the same arguments on every GPU, and their forward returns the log-sum-exp and
 the dropout state that their backward accepts (flash-attn's varlen functions hide both behind
@@ -70,6 +78,8 @@ def heads_first(t: torch.Tensor) -> torch.Tensor:
 class CpuFlash:
     """The fused CPU flash kernel (no dropout)."""
 
+    together = "equal"
+
     def __init__(self, dropout: float, scale: float | None):
         del dropout
         self.scale = scale
@@ -86,6 +96,8 @@ class CpuFlash:
 class CpuMath:
     """The block by matrix products in fp32 (fp64 for fp64 inputs), with dropout drawn again in
     backward."""
+
+    together = None
 
     def __init__(self, dropout: float, scale: float | None):
         self.dropout = dropout
@@ -145,6 +157,8 @@ class CpuMath:
 class CudaFlash:
     """torch's CUDA flash-attention operator (fp16, bf16)."""
 
+    together = "varlen"
+
     def __init__(self, dropout: float, scale: float | None):
         self.dropout = dropout
         self.scale = scale
@@ -163,9 +177,29 @@ class CudaFlash:
             grad, q, k, v, out, lse.contiguous(), cum_q, cum_k, max_q, max_k, self.dropout, causal, seed,
             offset, scale=self.scale)
 
+    def forward_varlen(self, q, k, v, bounds: torch.Tensor, longest: int):
+        """``(out [T, heads, dim], lse [heads, T], state)`` of the documents whose bounds
+        (``cu_seqlens``, int32) are ``bounds``, each causal, in one call; ``q`` is
+        ``[T, heads, dim]``, ``k``/``v`` ``[T, groups, dim]`` (grouped heads taken as they
+        are)."""
+        out, lse, philox, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, bounds, bounds, longest, longest, self.dropout, True, False,
+            scale=self.scale)
+        return out, lse, (philox, unused)
+
+    def backward_varlen(self, grad, q, k, v, out, lse, bounds: torch.Tensor, longest: int,
+                        state):
+        """``(dq, dk, dv)`` of :meth:`forward_varlen` (``lse`` contiguous ``[heads, T]``)."""
+        philox, unused = state
+        return torch.ops.aten._flash_attention_backward(
+            grad, q, k, v, out, lse, bounds, bounds, longest, longest, self.dropout, True,
+            philox, unused, scale=self.scale)
+
 
 class CudaEfficient:
     """torch's CUDA memory-efficient operator (fp32); its log-sum-exp rows are padded."""
+
+    together = "padded"
 
     def __init__(self, dropout: float, scale: float | None):
         self.dropout = dropout

@@ -20,8 +20,9 @@ log-sum-exp and the blocks' dropout states -- linear in the tokens. Grouped-quer
 expanded to the query heads one block at a time (a temporary) and their gradients summed back
 per group. One piece of code on every device: only the block kernel differs.
 
-Tensors here are in the kernels' layout, ``[1, heads, tokens, dim]``
-(:func:`~megatron.plugin.layers.attention_kernels.heads_first`); a block is
+Tensors here are in the kernels' layout, ``[batch, heads, tokens, dim]``: batch 1 for one
+segment (:func:`~megatron.plugin.layers.attention_kernels.heads_first`), several documents for
+a padded batch (:mod:`~megatron.plugin.layers.document_batches`, one block); a block is
 ``(key, value, causal)``.
 """
 from __future__ import annotations
@@ -35,18 +36,18 @@ def work_dtype(query: torch.Tensor) -> torch.dtype:
 
 
 def _expanded(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """``[1, groups, t, dim]`` with each group repeated for its query heads (Megatron's
+    """``[batch, groups, t, dim]`` with each group repeated for its query heads (Megatron's
     ``repeat_interleave`` order)."""
     groups = t.shape[1]
     return t if groups == heads else t.repeat_interleave(heads // groups, dim=1)
 
 
 def _grouped(grad: torch.Tensor, groups: int) -> torch.Tensor:
-    """The gradient of :func:`_expanded`: ``[1, heads, t, dim]`` summed per group."""
-    heads = grad.shape[1]
+    """The gradient of :func:`_expanded`: ``[batch, heads, t, dim]`` summed per group."""
+    batch, heads = grad.shape[:2]
     if groups == heads:
         return grad
-    return grad.view(1, groups, heads // groups, *grad.shape[2:]).sum(2)
+    return grad.view(batch, groups, heads // groups, *grad.shape[2:]).sum(2)
 
 
 def merged_forward(kernel, query: torch.Tensor, blocks) -> tuple:

@@ -4,14 +4,23 @@ into one output buffer, saving only what its backward needs.
 With attention called per document, autograd keeps each document's output and then the
 concatenation (or stack) the caller builds from them -- which the output projection saves
 again: two copies of ``[s, b, heads * dim]`` per layer. :func:`packed_attention`
-(``q``, ``k``, ``v`` and each segment's K/V context -> ``o``) attends each segment of each row
-over its context blocks and its own keys (:mod:`~megatron.plugin.layers.context_attention`:
-block kernels merged by log-sum-exp; one block for a document without context) and writes
-every segment's output and log-sum-exp into one preallocated ``[s, b, heads * dim]`` buffer
-and one ``[s, b, heads]`` buffer, which is all it saves besides ``q``, ``k``, ``v``, the
-context blocks (the K/V store's own tensors) and each block's dropout state; the output
-projection's saved input is that same buffer. Its backward runs the blocks' backwards per
-segment with those buffers and returns the context blocks' gradients to the store's leaves.
+(``q``, ``k``, ``v`` and each segment's K/V context -> ``o``) attends each row in parts:
+
+* a run of two or more consecutive whole documents (segments without context: the common case
+  of short documents packed into a row, often the whole row) in one kernel call or a few, as
+  the block kernel offers (:mod:`~megatron.plugin.layers.document_batches`: on CUDA the flash
+  operator's variable-length form, or zero-padded batches per length class; on the CPU one
+  call per stretch of documents of one length; the matrix-product kernel keeps one call per
+  document);
+* every other segment (a later slice of a document, with its K/V context) over its context
+  blocks and its own keys (:mod:`~megatron.plugin.layers.context_attention`: block kernels
+  merged by log-sum-exp; a lone document is the case of one block);
+
+and writes every part's output and log-sum-exp into one preallocated ``[s, b, heads * dim]``
+buffer and one ``[s, b, heads]`` buffer, which is all it saves besides ``q``, ``k``, ``v``, the
+context blocks (the K/V store's own tensors) and each call's dropout state; the output
+projection's saved input is that same buffer. Its backward runs the parts' backwards with those
+buffers and returns the context blocks' gradients to the store's leaves.
 
 The block kernel (:mod:`~megatron.plugin.layers.attention_kernels`) is torch's flash or
 memory-efficient operator on CUDA, the fused flash kernel on CPU, or the matrix-product kernel
@@ -24,7 +33,7 @@ from typing import Sequence
 
 import torch
 
-from megatron.plugin.layers import context_attention
+from megatron.plugin.layers import context_attention, document_batches
 from megatron.plugin.layers.attention_kernels import block_kernel, heads_first
 from megatron.plugin.layers.layout import Segment
 
@@ -61,6 +70,35 @@ def _documents(segments: Segments, seq: int, contexts: Contexts | None):
         yield from ((b, rows, context) for rows, context in zip(ranges, blocks))
 
 
+def _parts(segments: Segments, seq: int, contexts: Contexts | None, together: bool):
+    """``(row, token range, context blocks, documents)`` of every part of the rows, in order:
+    with ``together``, each maximal run of two or more consecutive segments of a row without
+    context is one part (``documents``: their
+    :func:`~megatron.plugin.layers.document_batches.documents`, ``context`` empty); every
+    other segment is a part of its own (``documents`` ``None``). Each segment is yielded on as
+    :func:`_documents` yields it, before the next is read."""
+    run: list = []
+
+    def flushed():
+        if len(run) == 1:
+            yield run[0][0], run[0][1], (), None
+        elif run:
+            lengths = tuple(rows.stop - rows.start for _, rows in run)
+            yield run[0][0], slice(run[0][1].start, run[-1][1].stop), (), \
+                document_batches.documents(lengths)
+        run.clear()
+
+    for b, rows, context in _documents(segments, seq, contexts):
+        if together and not context:
+            if run and (run[-1][0] != b or run[-1][1].stop != rows.start):
+                yield from flushed()
+            run.append((b, rows))
+            continue
+        yield from flushed()
+        yield b, rows, context, None
+    yield from flushed()
+
+
 def _blocks(k, v, b: int, rows: slice, context) -> list:
     """The blocks of one segment in the kernels' layout: its context, then its own keys."""
     own = (heads_first(k[rows, b]), heads_first(v[rows, b]), True)
@@ -68,7 +106,7 @@ def _blocks(k, v, b: int, rows: slice, context) -> list:
 
 
 def attend(q, k, v, segments: Segments, kernel, contexts: Contexts | None = None):
-    """``([s, b, heads * dim]`` output, ``[s, b, heads]`` log-sum-exp, per-segment kernel
+    """``([s, b, heads * dim]`` output, ``[s, b, heads]`` log-sum-exp, per-part kernel
     states) of causal attention within each segment, after its context blocks, through the
     block ``kernel`` (:func:`~megatron.plugin.layers.attention_kernels.block_kernel`); ``q`` is
     ``[s, b, heads, dim]``, ``k``/``v`` ``[s, b, groups, dim]``."""
@@ -76,7 +114,12 @@ def attend(q, k, v, segments: Segments, kernel, contexts: Contexts | None = None
     out = q.new_empty(seq, batch, heads * dim)
     lse = torch.empty(seq, batch, heads, dtype=context_attention.work_dtype(q), device=q.device)
     states = []
-    for b, rows, context in _documents(segments, seq, contexts):
+    for b, rows, context, docs in _parts(segments, seq, contexts, kernel.together is not None):
+        if docs is not None:
+            states.append(document_batches.forward(
+                kernel, q[rows, b], k[rows, b], v[rows, b], docs,
+                out[rows, b].view(-1, heads, dim), lse[rows, b]))
+            continue
         o, logsumexp, state = context_attention.merged_forward(
             kernel, heads_first(q[rows, b]), _blocks(k, v, b, rows, context))
         out[rows, b] = o[0].transpose(0, 1).reshape(-1, heads * dim)
@@ -95,7 +138,13 @@ def attend_backward(grad, q, k, v, out, lse, segments: Segments, kernel, states,
     out = out.view(seq, batch, heads, dim)
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     context_grads = []
-    for (b, rows, context), state in zip(_documents(segments, seq, contexts), states):
+    parts = _parts(segments, seq, contexts, kernel.together is not None)
+    for (b, rows, context, docs), state in zip(parts, states):
+        if docs is not None:
+            document_batches.backward(
+                kernel, grad[rows, b], q[rows, b], k[rows, b], v[rows, b], out[rows, b],
+                lse[rows, b], docs, state, (dq[rows, b], dk[rows, b], dv[rows, b]))
+            continue
         gq, block_grads = context_attention.merged_backward(
             kernel, heads_first(grad[rows, b]).contiguous(), heads_first(q[rows, b]),
             _blocks(k, v, b, rows, context), heads_first(out[rows, b]),
