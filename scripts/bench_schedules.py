@@ -212,10 +212,13 @@ def sweep(options) -> int:
     found = _sweep.verdicts(runs)
     _sweep.print_verdicts(found)
     if options.json:
-        write_json(options.json, {"runs": runs, "verdicts": found, "setup": {
-            "seq_length": options.seq_length, "batches": _sweep.BATCHES,
-            "iterations": options.iters, "schedules": _sweep.SCHEDULES,
-            "hidden_size": options.hidden_size, "layers": LAYERS, "profile": fit}})
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        setup = {"seq_length": options.seq_length, "batches": _sweep.BATCHES,
+                 "iterations": options.iters, "schedules": _sweep.SCHEDULES,
+                 "hidden_size": options.hidden_size, "layers": LAYERS, "profile": fit}
+        write_json(options.json, {"repo_commit": commit, "runs": runs, "verdicts": found,
+                                  "setup": setup})
     return 0
 
 
