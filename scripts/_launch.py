@@ -25,6 +25,16 @@ def run_workers(script: str, flags: list[str], port: int, **env: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def free_port() -> int:
+    """A TCP port nothing on this machine listens on now, for a launch's rendezvous (the
+    benchmarks' fixed ports collide when two of them run at once)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def write_json(path: str, report: dict, argv: list[str] | None = None) -> None:
     """Write ``report`` to ``path`` as JSON, with the benchmark's command line arguments
     (``argv``; default this process's) under ``"argv"``."""

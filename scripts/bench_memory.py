@@ -21,7 +21,9 @@ The allocator's peak includes the model, its gradients and the optimizer state, 
 reported beside the saved bytes, not compared with the plan.
 
 The first schedule listed is the baseline (Megatron-LM's, ``default`` or ``1f1b``): a last line
-gives every other schedule's tokens/s and units over its. ``--predict PROFILE`` (a shipped
+gives every other schedule's tokens/s and units over its, and ``--min-ratio R`` a verdict line
+per schedule (``PASS`` where its tokens/s is at least R times the baseline's; the exit status
+is 1 where one is not). ``--predict PROFILE`` (a shipped
 hardware profile or a profile JSON, several comma-separated) adds what the planners' simulator
 predicts for the same batch (the last iteration's documents) and model: each
 schedule's iteration seconds, units and speed over Megatron-LM's 1F1B on its own micro-batches
@@ -100,6 +102,9 @@ def parse_args(argv=None):
                              "predict the batch's iteration time with")
     parser.add_argument("--predict-only", action="store_true",
                         help="train nothing: only the --predict figures")
+    parser.add_argument("--min-ratio", type=float, default=None,
+                        help="print a verdict per schedule: its tokens/s at least this times "
+                             "the first schedule's; exit 1 where one is not")
     args = parser.parse_args(argv)
     if args.predict_only and not args.predict:
         parser.error("--predict-only needs --predict PROFILE")
@@ -211,6 +216,26 @@ def print_ratios(results: dict) -> None:
     print(f"over {base_name}: " + "; ".join(cells), flush=True)
 
 
+def verdicts(results: dict, min_ratio: float) -> list[str]:
+    """``--min-ratio``: a line per schedule after the first (the baseline), ``PASS`` where its
+    tokens/s is at least ``min_ratio`` times the baseline's, ``FAIL`` where it is below or its
+    run failed; one ``FAIL`` line alone where the baseline's run failed."""
+    (base_name, base), *others = results.items()
+    if "error" in base:
+        return [f"verdict FAIL: {base_name} (the baseline) did not run: {base['error']}"]
+    lines = []
+    for name, result in others:
+        if "error" in result:
+            lines.append(f"verdict FAIL: {name} did not run: {result['error']}")
+            continue
+        ratio = result["tokens_per_s"] / base["tokens_per_s"]
+        word = "PASS" if ratio >= min_ratio else "FAIL"
+        lines.append(f"verdict {word}: {name} x{ratio:.3f} {base_name}'s tokens/s "
+                     f"(target >= {min_ratio:g}), {result['num_microbatches']} / "
+                     f"{base['num_microbatches']} units")
+    return lines
+
+
 def run_schedule(args, schedule: str, workdir: str, extra=(), trace: bool = False,
                  trace_step: int = TRACED_STEP) -> dict:
     """One training run of ``schedule`` (with ``extra`` flags); its last metrics record, or
@@ -252,15 +277,15 @@ def run_schedule(args, schedule: str, workdir: str, extra=(), trace: bool = Fals
     return result
 
 
-def write_report(args, results: dict, predicted: dict) -> None:
-    """``--json``: every run and prediction so far (rewritten after each, so that a time limit
-    keeps what finished)."""
+def write_report(args, results: dict, predicted: dict, judged: list[str] = ()) -> None:
+    """``--json``: every run, prediction and verdict so far (rewritten after each, so that a
+    time limit keeps what finished)."""
     if not args.json:
         return
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     report = {"argv": sys.argv[1:], "device": device,
               "torch": torch.__version__, "setup": vars(args), "schedules": results,
-              "predicted": predicted}
+              "predicted": predicted, "verdicts": list(judged)}
     with open(args.json, "w") as f:
         json.dump(report, f, indent=1)
 
@@ -295,12 +320,17 @@ def main(argv=None):
                 stages = " ".join(f"{r:.2f}" for r in result["measured_over_planned_per_stage"])
                 print(f"{'':8s} measured/planned per stage: {stages}", flush=True)
     print_ratios(results)
+    judged = verdicts(results, args.min_ratio) if args.min_ratio and results else []
+    for line in judged:
+        print(line, flush=True)
     for profile in args.predict.split(",") if args.predict else []:
         predicted[profile] = predictions(args, profile)
         print_predictions(profile, predicted[profile])
-        write_report(args, results, predicted)
-    write_report(args, results, predicted)
-    return 0 if all("error" not in r for r in results.values()) else 1
+        write_report(args, results, predicted, judged)
+    write_report(args, results, predicted, judged)
+    failed = any("error" in r for r in results.values()) \
+        or any(line.startswith("verdict FAIL") for line in judged)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

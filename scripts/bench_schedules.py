@@ -3,6 +3,12 @@
     python scripts/bench_schedules.py [--iters 3] [--seq-length 8192] [--global-batch-size 8]
         [--hidden-size 64] [--num-attention-heads 4] [--profile PROFILE.json] [--no-refit]
         [--data-path PREFIX] [--json OUT]
+    python scripts/bench_schedules.py --sweep [--iters 3] [--seq-length 2048] [--json OUT]
+
+``--sweep`` runs every schedule (1f1b, elastic, seq1f1b, sppo, helix) on three workloads (only
+short documents, only long ones, the skewed GitHub-like mixture) at PP = 1 and PP = 2 and
+prints the verdicts of the targets (``scripts/_sweep.py`` says what it measures); without it,
+the following.
 
 1. Unless ``--profile`` is given, ``scripts/profile_costs.py`` measures the bench's layer, its
    embedding and its head on this machine (one thread, the bench's dropout 0) and writes a
@@ -46,14 +52,17 @@ import subprocess
 import sys
 import tempfile
 
-from _launch import CORPUS_FLAGS, REPO, Job, run_workers, stage_peaks, timed_step, write_json
+from _launch import (CORPUS_FLAGS, REPO, Job, free_port, run_workers, stage_peaks, timed_step,
+                     write_json)
 
 SCHEDULES = ("elastic", "seq1f1b", "1f1b")
+SEQ_LENGTH = 8192
+SWEEP_SEQ_LENGTH = 2048
 LAYERS = 4
 UNBOUNDED_GB = 1e6
 
 
-def model_flags(options, profile: str) -> list[str]:
+def model_flags(options, profile: str, pp: int = 2) -> list[str]:
     seq_length = options.seq_length
     return ["--num-layers", str(LAYERS), "--hidden-size", str(options.hidden_size),
             "--num-attention-heads", str(options.num_attention_heads),
@@ -63,7 +72,7 @@ def model_flags(options, profile: str) -> list[str]:
             "--lr", "1e-4", "--hidden-dropout", "0", "--attention-dropout", "0", *CORPUS_FLAGS,
             *(["--data-path", options.data_path, "--split", "100,0,0"]
               if options.data_path else []),
-            "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "elastic",
+            "--pipeline-model-parallel-size", str(pp), "--pipeline-schedule", "elastic",
             "--hardware-profile", profile,
             "--elastic-min-slice-tokens", str(options.min_slice_tokens),
             *(["--elastic-memory-gb", str(options.memory_gb)] if options.memory_gb else [])]
@@ -161,8 +170,56 @@ def profile(path: str, options) -> None:
                str(options.num_attention_heads), "--tokens", *map(str, tokens),
                "--contexts", *map(str, contexts), "--repeats", "2",
                "--attention-dropout", "0", "--hidden-dropout", "0", "--output", path]
-    subprocess.run(command, cwd=REPO, check=True, env=dict(os.environ, OMP_NUM_THREADS="1",
-                                                           PYTHONPATH=REPO))
+    subprocess.run(command, cwd=REPO, check=True, stdout=sys.stderr,
+                   env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))
+
+
+def sweep(options) -> int:
+    """``--sweep`` (scripts/_sweep.py): one launch per pipeline size, one profile for both."""
+    import _sweep
+    import _workloads
+
+    sizes = {"pp1": 1, "pp2": 2}
+    runs = {}
+    with tempfile.TemporaryDirectory() as scratch:
+        path = options.profile
+        if path is None:
+            path = os.path.join(scratch, "profile.json")
+            print("measuring the layer on this machine (scripts/profile_costs.py) ...",
+                  flush=True)
+            profile(path, options)
+        with open(path) as f:
+            fit = json.load(f)
+        if options.save_profile:
+            with open(options.save_profile, "w") as f:
+                json.dump(fit, f, indent=2)
+        workloads = {name: _workloads.data_flags(name, options.seq_length, scratch)
+                     for name in _sweep.BATCHES}
+        first = next(iter(workloads.values()))
+        for key, pp in sizes.items():
+            options.global_batch_size = 2  # the start-up's; each workload draws its own
+            flags = [*model_flags(options, path, pp), *first]
+            runs[key] = run_workers(os.path.join(os.path.dirname(__file__), "_sweep.py"), flags,
+                                    free_port(), BENCH_ITERS=str(options.iters),
+                                    BENCH_REFIT=str(int(options.refit)),
+                                    BENCH_WORKLOADS=json.dumps(workloads))
+            _sweep.add_ratios(runs[key]["workloads"])
+            print(f"{key}: PP={pp} x DP={2 // pp} on 2 CPU ranks, one thread each, "
+                  f"--seq-length {options.seq_length}, {options.iters} timed rounds; model "
+                  f"{LAYERS} layers x hidden {options.hidden_size}; profile: "
+                  f"{fit.get('source')} on {fit.get('machine')}", flush=True)
+            _sweep.print_run(key, runs[key])
+    found = _sweep.verdicts(runs)
+    _sweep.print_verdicts(found)
+    if options.json:
+        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                                text=True).stdout.strip()
+        setup = {"seq_length": options.seq_length, "batches": _sweep.BATCHES,
+                 "iterations": options.iters, "schedules": _sweep.SCHEDULES,
+                 "hidden_size": options.hidden_size, "layers": LAYERS, "profile": fit}
+        write_json(options.json, {"repo_commit": commit, "runs": runs, "verdicts": found,
+                                  "setup": setup})
+    return 0
 
 
 def main() -> int:
@@ -171,8 +228,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--seq-length", type=int, default=8192)
-    parser.add_argument("--global-batch-size", type=int, default=8)
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help=f"default {SEQ_LENGTH}, {SWEEP_SEQ_LENGTH} with --sweep")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="default 8 (--sweep: each workload its own, _sweep.BATCHES)")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--min-slice-tokens", type=int, default=512,
@@ -188,7 +247,18 @@ def main() -> int:
                              "coefficients to the warm-up round's measured action times)")
     parser.add_argument("--save-profile", help="keep the measured profile here")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--sweep", action="store_true",
+                        help="every schedule on the short, long and github-like workloads at "
+                             "PP = 1 and PP = 2, with the verdicts (scripts/_sweep.py)")
     options = parser.parse_args()
+    if options.sweep and (options.global_batch_size or options.data_path):
+        parser.error("--sweep draws its own workloads (scripts/_workloads.py) with their own "
+                     "batch sizes: leave out --global-batch-size and --data-path")
+    if options.seq_length is None:
+        options.seq_length = SWEEP_SEQ_LENGTH if options.sweep else SEQ_LENGTH
+    if options.sweep:
+        return sweep(options)
+    options.global_batch_size = options.global_batch_size or 8
     with tempfile.TemporaryDirectory() as scratch:
         path = options.profile
         if path is None:
