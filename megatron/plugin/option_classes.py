@@ -10,7 +10,8 @@ at start-up when given until it is classified here):
   attention or schedule code reads it (paths, data sources, logging, timers, checkpoint
   formats, optimizer and learning-rate hyper-parameters, tokenizers, initial weights and
   seeds): Megatron-LM's loop (or the project's data loader) honours it the same way under
-  every schedule.
+  every schedule. Also Megatron's kernel fusions (:data:`FUSIONS`), which Megatron's layers
+  read the same way under every schedule and which compute what the unfused operations do.
 * honoured (:func:`proof`): read by the model or a schedule; accepted under a schedule only
   where a test proves it there with a value other than the default. Under any other schedule it
   is refused, naming what to use instead. :data:`HONOURED` holds the proofs under Megatron's
@@ -454,6 +455,19 @@ _FSDP = ("no test proves fully sharded data parallelism or custom data-parallel 
 _DATA = ("the document batches read --data-path with --split, whole documents, "
          "--global-batch-size of them per step; drop the flag")
 
+#: Megatron's fused kernels: on by default where CUDA (and for the weight-gradient accumulation
+#: apex's extension) is, off without it (:data:`megatron.plugin.arguments._CPU_DEFAULTS`); their
+#: flags (``--no-bias-dropout-fusion`` and the like) only turn a fusion off, and a fused kernel
+#: computes what the unfused operations do. Megatron's layers read them the same way under every
+#: schedule: helix's layer parts call Megatron's bias-dropout-add with
+#: ``config.bias_dropout_fusion`` as its ``TransformerLayer`` does (helix/program.py), and the
+#: model config turns the weight-gradient accumulation's fusion off where it cannot run
+#: (:func:`megatron.plugin.model.model_config`: it never turns one on, so it does not depend on
+#: the flag).
+FUSIONS = _names("""
+    bias_dropout_fusion bias_gelu_fusion bias_swiglu_fusion gradient_accumulation_fusion
+""")
+
 #: Read by none of the model, attention or schedule code: Megatron-LM's loop honours them the
 #: same way under every schedule (``--empty-unused-memory-level``, for instance: its
 #: ``train_step`` empties CUDA's allocator cache after the forward-backward, whichever schedule
@@ -464,7 +478,7 @@ INERT = _names("""
     app_tag_run_version apply_rope_fusion apply_wd_to_qk_layernorm async_ckpt_cpu_priority
     async_ckpt_io_priority
     async_ckpt_use_cpu_shm async_save async_strategy auto_detect_ckpt_format
-    barrier_with_L1_time bias_dropout_fusion bias_gelu_fusion bias_swiglu_fusion
+    barrier_with_L1_time
     calc_ft_timeouts chat_template check_for_large_grads check_for_nan_in_loss_and_grad
     check_for_spiky_loss check_weight_hash_across_dp_replicas_interval
     ckpt_assume_constant_structure ckpt_convert_format ckpt_convert_save
@@ -492,7 +506,7 @@ INERT = _names("""
     flight_recorder_dump_path flight_recorder_extra_dump_on_exec
     flight_recorder_include_only_active flight_recorder_include_stack_trace
     flight_recorder_trace_buffer_size freeze_all_layers ft_num_warmup_iters
-    gpu_sniff_test_interval gradient_accumulation_fusion help high_priority_stream_groups
+    gpu_sniff_test_interval help high_priority_stream_groups
     hysteresis inference_disable_triton_nvls_kernels inference_fuse_tp_communication
     inference_grouped_gemm_backend inference_moe_disable_fused_quant_kernels
     inference_moe_token_dispatcher_type inference_rng_tracker init_method_std
@@ -544,7 +558,7 @@ INERT = _names("""
     use_pytorch_profiler use_sharp use_tokenizer_model_from_checkpoint_args verify_integrity
     vocab_extra_ids vocab_file wandb_entity wandb_exp_name wandb_project wandb_save_dir
     warmup weight_decay weight_decay_incr_style
-""")
+""") | FUSIONS
 
 
 #: What Megatron's full recomputation takes, for the refusals that point to it.
