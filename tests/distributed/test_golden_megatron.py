@@ -1172,10 +1172,11 @@ def test_tensor_and_context_parallel_groups_are_the_sizes_asked(golden, variant,
     """Every rank of a layout with --tensor-model-parallel-size TP or --context-parallel-size
     CP is in a tensor-parallel group of TP ranks and a context-parallel group of CP ranks, and
     each of its attention modules holds 1 / TP of the heads (Megatron splits the heads and
-    their projections over the tensor-parallel ranks): the loss and gradients checked above
-    are those of a model split as asked, not of more data-parallel replicas of the whole
-    model, whose numbers are the same (what the mutation check's reset of either size
-    gives)."""
+    their projections over the tensor-parallel ranks) and runs sequence parallelism where the
+    layout asks it: the loss and gradients checked above are those of a model split as asked,
+    not of more data-parallel replicas of the whole model or of the activations whole on every
+    tensor-parallel rank, whose numbers are the same (what the mutation check's reset of
+    either size or of --sequence-parallel gives)."""
     need(tag)
     model_flags, layouts = VARIANTS[variant]
     nprocs, flags = layouts[tag]
@@ -1189,6 +1190,7 @@ def test_tensor_and_context_parallel_groups_are_the_sizes_asked(golden, variant,
         assert (len(record["tensor"]), len(record["context"])) == (tp, cp), (rank, record)
         assert rank in record["tensor"] and rank in record["context"], (rank, record)
         assert record["heads"] and set(record["heads"]) == {heads // tp}, (rank, record)
+        assert record["sequence_parallel"] == ["--sequence-parallel" in flags], (rank, record)
 
 
 @pytest.mark.parametrize("tag", sorted(VARIANTS["moe"][1]))
