@@ -30,7 +30,7 @@ _PLANNER = {
     "elastic_refit_interval": "tests/e2e/test_pretrain.py::"
                               "test_elastic_trains_like_1f1b_and_leaks_nothing",
     "hardware_profile": "tests/unit/test_schedule_options.py::"
-                        "test_flags_of_another_schedule_are_refused",
+                        "test_the_hardware_profile_prices_the_plan",
 }
 
 ELASTIC_PROOFS = {

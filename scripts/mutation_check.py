@@ -27,6 +27,7 @@ Usage::
     python scripts/mutation_check.py hidden_dropout:1f1b=golden:pp2_dropout_1f1b  # a new proof
     python scripts/mutation_check.py --dest swiglu                          # an option's cells
     python scripts/mutation_check.py --all                                  # the slow tier
+    python scripts/mutation_check.py --all --shard 2/7                      # its 2nd seventh
 
 Each cell's verdict is printed as it comes and merged into ``--out`` (JSON, one entry per
 cell; default ``benchmarks/results/mutation_check.json``).
@@ -94,6 +95,12 @@ def proof_value(dest: str, proof: str):
     return getattr(_parser().parse_args(argv), dest)
 
 
+def runs_at_no_effect(dest: str, proof: str) -> bool:
+    """Whether ``proof`` is a golden layout that runs ``dest`` at :func:`no_effect_value`
+    itself: a mutation could remove nothing, so it cannot fail (found without running it)."""
+    return proof.startswith("golden:") and proof_value(dest, proof) == no_effect_value(dest)
+
+
 def all_cells() -> list[tuple[str, str, str]]:
     from megatron.plugin import option_classes
 
@@ -117,6 +124,20 @@ def select(names: list[str], dests: list[str], every: bool) -> list[tuple[str, s
     if not chosen:
         raise SystemExit("name cells (DEST:SCHEDULE), --dest DEST or --all")
     return chosen
+
+
+def shard(cells: list, spec: str) -> list:
+    """The ``I``-th of ``N`` shares of ``cells`` (``spec`` ``I/N``, ``1 <= I <= N``): every
+    ``N``-th cell from the ``I``-th, so that the shares of one cell list cover it once and the
+    slow cells (each option's layouts come together) spread over them."""
+    index, sep, count = spec.partition("/")
+    try:
+        index, count = int(index), int(count)
+    except ValueError:
+        index = count = 0
+    if not sep or not 1 <= index <= count:
+        raise SystemExit(f"--shard {spec}: write I/N with 1 <= I <= N, for instance 2/7")
+    return cells[index - 1::count]
 
 
 def proof_command(proof: str) -> tuple[list[str], dict] | None:
@@ -173,7 +194,7 @@ def check(dest: str, schedule: str, proof: str, baseline: bool, timeout: float) 
              "date": datetime.date.today().isoformat()}
     if proof_command(proof) is None:
         return {**entry, "verdict": "not run", "why": "a GPU check's script"}
-    if proof.startswith("golden:") and proof_value(dest, proof) == value:
+    if runs_at_no_effect(dest, proof):
         return {**entry, "verdict": "NOT CAUGHT (no-effect value)",
                 "why": f"the proof runs {dest} at {value!r} itself"}
     if baseline:
@@ -211,6 +232,9 @@ def main(argv=None) -> int:
                              "a proof the cell does not name yet")
     parser.add_argument("--dest", action="append", default=[], help="every cell of DEST")
     parser.add_argument("--all", action="store_true", help="every honoured cell (slow tier)")
+    parser.add_argument("--shard", metavar="I/N",
+                        help="only the I-th of N shares of the cells selected (every N-th "
+                             "from the I-th): the slow tier over N runs, merged into --out")
     parser.add_argument("--baseline", action="store_true",
                         help="run each proof unmutated first")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per proof run")
@@ -218,7 +242,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     sys.path.insert(0, REPO)
     entries = []
-    for dest, schedule, proof in select(args.cells, args.dest, args.all):
+    chosen = select(args.cells, args.dest, args.all)
+    if args.shard:
+        chosen = shard(chosen, args.shard)
+    for dest, schedule, proof in chosen:
         entry = check(dest, schedule, proof, args.baseline, args.timeout)
         entries.append(entry)
         run = entry.get("run", {})

@@ -101,6 +101,18 @@ def check_args(args: argparse.Namespace) -> None:
                              f"helpers run another stage's layers on their own modules, so the "
                              f"stages must hold equal layers; drop {', '.join(uneven)} or "
                              f"--sppo-multiplex")
+        if args.transformer_impl == "transformer_engine":
+            raise ValueError(
+                "--sppo-multiplex with --transformer-impl transformer_engine: the multiplexing "
+                "helpers run another stage's layers on broadcast copies of its weights "
+                "(torch.func.functional_call), and Transformer Engine's modules have not run "
+                "that way on a GPU yet. Drop --sppo-multiplex (sppo builds TE layers without "
+                "it), or pass --transformer-impl local")
+        if args.attention_output_gate:
+            raise ValueError(
+                "--sppo-multiplex with --attention-output-gate: no test proves the multiplexing "
+                "helpers' attention shares with the gate yet. Drop --sppo-multiplex (sppo "
+                "applies the gate without it)")
     if args.sppo_host_memory_gb is not None and args.sppo_host_memory_gb <= 0:
         raise ValueError(f"--sppo-host-memory-gb must be > 0, got {args.sppo_host_memory_gb}")
     if args.sppo_memory_gb is not None and args.sppo_memory_gb <= 0:

@@ -31,7 +31,7 @@ PROOFS = {
            "golden:pp2_dp2_dplast_distopt_sppo"),
     **each((*HALF_PRECISION, "transformer_impl"), GPU_CHECK),
     "hardware_profile": "tests/unit/test_schedule_options.py::"
-                        "test_flags_of_another_schedule_are_refused",
+                        "test_the_hardware_profile_prices_the_plan",
     "sppo_offload": "golden:pp2_sppo_n6_offload",
     "sppo_multiplex": "golden:pp2_sppo_mux_n4",
     **each(("sppo_host_memory_gb", "sppo_memory_gb"),

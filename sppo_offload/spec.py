@@ -134,6 +134,7 @@ SUBSTITUTIONS = (
 SPEC = ScheduleSpec(NAME, run=run, input_type=SubsequenceBatch,
                     argument_groups=(job_costs.add_arguments, add_arguments),
                     check_args=check_args, plans_recomputation=True,
+                    borrows_weights=lambda args: args.sppo_multiplex,
                     prepare_input=prepare_input, build_ir=sppo_ir,
                     report=lambda batch: {
                         "planned_activation_bytes": batch.planned_activation_bytes,

@@ -10,8 +10,8 @@ selected schedule, or does not classify, and every rule of :data:`RULES` (checks
 a missing ``--calculate-per-token-loss``, ``--ddp-average-in-collective`` beside it, distributed
 optimizer instances that do not divide the replicas or that overlap their reduction under the
 project's schedules, Ulysses' head divisibility, the schedule's own ``check_args``, what needs
-CUDA, the flash attention backend in fp32, Transformer Engine without CUDA or its package or
-with ``--sppo-multiplex``, ``--tensorboard-dir`` without ``tensorboard``, the folders of
+CUDA, the flash attention backend in fp32, Transformer Engine without CUDA or its package,
+``--tensorboard-dir`` without ``tensorboard``, the folders of
 ``--metrics-jsonl`` and ``--trace-dir``, made here or refused when they cannot be written);
 :func:`check_args` runs the rules again on the validated arguments, and
 :func:`substitution_lines` says what runs where an accepted value names something else
@@ -31,8 +31,9 @@ Defaults that differ from Megatron-LM's, and why:
 * Without CUDA: ``--distributed-backend gloo``, ``--use-cpu-initialization``, and Megatron's
   fused CUDA kernels off (they change speed, not results).
 * Megatron's fused weight-gradient accumulation (``--gradient-accumulation-fusion``, on by
-  default) is off without apex's CUDA extension, and with ``--overlap-grad-reduce`` or
-  ``--sppo-multiplex`` (:func:`megatron.plugin.model.model_config` says why): the same
+  default) is off without apex's CUDA extension, with ``--overlap-grad-reduce``, and where the
+  schedule computes with borrowed copies of weights (``ScheduleSpec.borrows_weights``: sppo's
+  ``--sppo-multiplex``; :func:`megatron.plugin.model.model_config` says why): the same
   gradients, unfused.
 """
 from __future__ import annotations
@@ -476,22 +477,6 @@ def _moe_transformer_engine(args):
     return None
 
 
-def _sppo_multiplex_unproven(args):
-    if args.pipeline_schedule != "sppo" or not args.sppo_multiplex:
-        return None
-    if args.transformer_impl == "transformer_engine":
-        return ("--sppo-multiplex with --transformer-impl transformer_engine: the multiplexing "
-                "helpers run another stage's layers on broadcast copies of its weights "
-                "(torch.func.functional_call), and Transformer Engine's modules have not run "
-                "that way on a GPU yet. Drop --sppo-multiplex (sppo builds TE layers without "
-                "it), or pass --transformer-impl local")
-    if args.attention_output_gate:
-        return ("--sppo-multiplex with --attention-output-gate: no test proves the multiplexing "
-                "helpers' attention shares with the gate yet. Drop --sppo-multiplex (sppo "
-                "applies the gate without it)")
-    return None
-
-
 def _tensorboard(args):
     if args.tensorboard_dir:
         error = _tensorboard_import_error()
@@ -563,7 +548,7 @@ RULES = (_pipeline_timeout, _ulysses_heads, _schedule_checks,
          _average_with_per_token_loss, _distributed_optimizer_instances,
          _cpu_half_precision, _cpu_timeout_after_init,
          _cpu_profile, _cpu_memory_reports, _flash_precision, _transformer_engine,
-         _moe_transformer_engine, _sppo_multiplex_unproven, shared_gpu.refit_refusal,
+         _moe_transformer_engine, shared_gpu.refit_refusal,
          _tensorboard, _throughput, _metrics_folder, _trace_folder)
 
 

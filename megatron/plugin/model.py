@@ -51,11 +51,12 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
     backward adds into ``main_grad``, which Megatron's DDP zeroes at every step. The field's
     other effect, on FP8 weight caches, does not apply: FP8 is refused.
 
-    With ``--overlap-grad-reduce``, and under ``sppo --sppo-multiplex``, the weight-gradient
-    accumulation is not fused (Megatron's ``gradient_accumulation_fusion``, on where CUDA and
-    apex's kernel are; the same gradients). SPPO's multiplexing helpers run layers on broadcast
-    copies of another stage's weights, which have no ``main_grad`` for a fused linear to add
-    into. A fused linear tells Megatron's DDP that its gradient is in ``main_grad`` by setting
+    With ``--overlap-grad-reduce``, and where the schedule computes with borrowed copies of
+    weights (``ScheduleSpec.borrows_weights``: sppo's multiplexing helpers run layers on
+    broadcast copies of another stage's weights, which have no ``main_grad`` for a fused linear
+    to add into), the weight-gradient accumulation is not fused (Megatron's
+    ``gradient_accumulation_fusion``, on where CUDA and apex's kernel are; the same
+    gradients). A fused linear tells Megatron's DDP that its gradient is in ``main_grad`` by setting
     ``grad_added_to_main_grad`` on the weight autograd restores for its backward (Megatron's
     local linear, and Transformer Engine before 2.15). Every step runs under saved-tensor hooks
     (the activation meter, :mod:`~megatron.plugin.layers.memory`; sppo's offloading), and
@@ -71,9 +72,10 @@ def model_config(args: argparse.Namespace) -> TransformerConfig:
         config.moe_aux_loss_coeff = args.moe_per_document_aux_loss_coeff
     if args.transformer_impl == "transformer_engine":
         config.disable_parameter_transpose_cache = True
-    if args.overlap_grad_reduce or (args.pipeline_schedule == "sppo" and args.sppo_multiplex):
-        config.gradient_accumulation_fusion = False
     spec = registry.spec(args.pipeline_schedule)
+    if args.overlap_grad_reduce or (spec is not None and spec.borrows_weights is not None
+                                    and spec.borrows_weights(args)):
+        config.gradient_accumulation_fusion = False
     if spec is not None and spec.plans_recomputation:
         config.recompute_granularity = config.recompute_method = None
         config.recompute_num_layers = None

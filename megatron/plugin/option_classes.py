@@ -10,7 +10,8 @@ at start-up when given until it is classified here):
   attention or schedule code reads it (paths, data sources, logging, timers, checkpoint
   formats, optimizer and learning-rate hyper-parameters, tokenizers, initial weights and
   seeds): Megatron-LM's loop (or the project's data loader) honours it the same way under
-  every schedule.
+  every schedule. Also Megatron's kernel fusions (:data:`FUSIONS`), which Megatron's layers
+  read the same way under every schedule and which compute what the unfused operations do.
 * honoured (:func:`proof`): read by the model or a schedule; accepted under a schedule only
   where a test proves it there with a value other than the default. Under any other schedule it
   is refused, naming what to use instead. :data:`HONOURED` holds the proofs under Megatron's
@@ -87,14 +88,13 @@ TENSOR_PARALLEL = ("tensor_model_parallel_size", "sequence_parallel",
                    "expert_tensor_parallel_size", "no_persist_layer_norm")
 #: The rope / SwiGLU / RMSNorm model (Llama's), whose layouts take the model-shape flags of
 #: Megatron-LM's GPT configurations too: kv_channels other than hidden / heads, partial RoPE at
-#: another base, the MLP's width and the allocator's cache emptied around the step. Not
+#: another base and the MLP's width. Not
 #: Megatron's fused cross entropy: it returns the logits' gradient in bf16, and which of them
 #: round to another bf16 value differs with fp32's summation order, more than the golden
 #: comparison allows.
 ROPE_MODEL = ("position_embedding_type", "swiglu", "layernorm_zero_centered_gamma",
               "add_bias_linear", "untie_embeddings_and_output_weights", "normalization",
-              "ffn_hidden_size", "kv_channels", "rotary_base", "rotary_percent",
-              "empty_unused_memory_level")
+              "ffn_hidden_size", "kv_channels", "rotary_base", "rotary_percent")
 #: The Q and K norms (``--qk-layernorm``), ``--eod-mask-loss``, interleaved RoPE
 #: (``--rotary-interleaved``: rotating channel pairs 2i, 2i + 1 rather than i, i + dim / 2,
 #: applied by the document attention at each token's true position with Megatron's own
@@ -228,6 +228,10 @@ _DISTRIBUTED_OPTIMIZER = {"default": "golden:pp2_dp2_dplast_distopt_1f1b",
 #: two virtual stages: the losses of the run that gathers in the forwards, every iteration).
 PARAM_GATHER_IN_STEP = ("tests/e2e/test_pretrain.py::"
                         "test_parameter_gather_in_the_optimizer_step_trains_alike")
+#: Megatron's DDP summing a step's micro-batches and reducing them in bf16 buffers with
+#: ``--bf16 --grad-reduce-in-bf16`` (against the same gradients summed in bf16 and in fp32).
+GRAD_REDUCE_IN_BF16 = ("tests/unit/test_grad_reduce_in_bf16.py::"
+                       "test_grad_reduce_in_bf16_sums_the_micro_batches_in_bf16")
 #: Megatron's DDP averaging the gradients in its collectives (``--ddp-average-in-collective``:
 #: unscaled gradients, ``ReduceOp.AVG``; on gloo as NCCL computes it,
 #: :mod:`megatron.plugin.cpu_compat`), with Megatron's default loss (Megatron refuses it beside
@@ -366,8 +370,11 @@ HONOURED: dict[str, Honoured] = {
         "interleaved schedule (virtual pipeline stages), which this schedule does not run: "
         "drop the flag (--overlap-param-gather then gathers the parameters during the next "
         "step's forwards)"),
+    # Megatron's DDP builds the gradient buffers (bf16 with --bf16) and the schedules do not
+    # read it; without --bf16 it does nothing (start-up says so).
     "grad_reduce_in_bf16": Honoured(
-        _EXAMPLES, "no test proves it under this schedule yet: drop it"),
+        each(("default", "1f1b"), GRAD_REDUCE_IN_BF16),
+        "no test proves it under this schedule yet: drop it"),
     **{name: Honoured(each(("default", "1f1b"), GPU_CHECK), _NO_TEST) for name in HALF_PRECISION},
     # Megatron's local layers (the project's default) or its Transformer Engine layers, with
     # the document attention either way (megatron/plugin/layers/te_layers.py, which says what
@@ -448,14 +455,30 @@ _FSDP = ("no test proves fully sharded data parallelism or custom data-parallel 
 _DATA = ("the document batches read --data-path with --split, whole documents, "
          "--global-batch-size of them per step; drop the flag")
 
+#: Megatron's fused kernels: on by default where CUDA (and for the weight-gradient accumulation
+#: apex's extension) is, off without it (:data:`megatron.plugin.arguments._CPU_DEFAULTS`); their
+#: flags (``--no-bias-dropout-fusion`` and the like) only turn a fusion off, and a fused kernel
+#: computes what the unfused operations do. Megatron's layers read them the same way under every
+#: schedule: helix's layer parts call Megatron's bias-dropout-add with
+#: ``config.bias_dropout_fusion`` as its ``TransformerLayer`` does (helix/program.py), and the
+#: model config turns the weight-gradient accumulation's fusion off where it cannot run
+#: (:func:`megatron.plugin.model.model_config`: it never turns one on, so it does not depend on
+#: the flag).
+FUSIONS = _names("""
+    bias_dropout_fusion bias_gelu_fusion bias_swiglu_fusion gradient_accumulation_fusion
+""")
+
 #: Read by none of the model, attention or schedule code: Megatron-LM's loop honours them the
-#: same way under every schedule.
+#: same way under every schedule (``--empty-unused-memory-level``, for instance: its
+#: ``train_step`` empties CUDA's allocator cache after the forward-backward, whichever schedule
+#: ran it, and after the optimizer step; no number changes, and without CUDA nothing happens,
+#: which start-up says).
 INERT = _names("""
     adam_beta1 adam_beta2 adam_eps adlr_autoresume adlr_autoresume_interval app_tag_run_name
     app_tag_run_version apply_rope_fusion apply_wd_to_qk_layernorm async_ckpt_cpu_priority
     async_ckpt_io_priority
     async_ckpt_use_cpu_shm async_save async_strategy auto_detect_ckpt_format
-    barrier_with_L1_time bias_dropout_fusion bias_gelu_fusion bias_swiglu_fusion
+    barrier_with_L1_time
     calc_ft_timeouts chat_template check_for_large_grads check_for_nan_in_loss_and_grad
     check_for_spiky_loss check_weight_hash_across_dp_replicas_interval
     ckpt_assume_constant_structure ckpt_convert_format ckpt_convert_save
@@ -472,7 +495,7 @@ INERT = _names("""
     dist_ckpt_optim_fully_reshardable dist_ckpt_save_pre_mcore_014 dist_ckpt_strictness
     dist_ckpt_workers distrib_optim_fully_reshardable_mem_efficient distributed_backend
     distributed_timeout_minutes distributed_timeout_seconds_after_init
-    dump_param_to_param_group_map enable_ft_package enable_msc enable_one_logger
+    dump_param_to_param_group_map empty_unused_memory_level enable_ft_package enable_msc enable_one_logger
     end_weight_decay error_injection_rate error_injection_type eval_interval eval_iters
     exit_duration_in_mins exit_interval exit_on_missing_checkpoint exit_signal
     exit_signal_handler exit_signal_handler_for_dataloader exit_signal_handler_for_training
@@ -483,7 +506,7 @@ INERT = _names("""
     flight_recorder_dump_path flight_recorder_extra_dump_on_exec
     flight_recorder_include_only_active flight_recorder_include_stack_trace
     flight_recorder_trace_buffer_size freeze_all_layers ft_num_warmup_iters
-    gpu_sniff_test_interval gradient_accumulation_fusion help high_priority_stream_groups
+    gpu_sniff_test_interval help high_priority_stream_groups
     hysteresis inference_disable_triton_nvls_kernels inference_fuse_tp_communication
     inference_grouped_gemm_backend inference_moe_disable_fused_quant_kernels
     inference_moe_token_dispatcher_type inference_rng_tracker init_method_std
@@ -535,7 +558,7 @@ INERT = _names("""
     use_pytorch_profiler use_sharp use_tokenizer_model_from_checkpoint_args verify_integrity
     vocab_extra_ids vocab_file wandb_entity wandb_exp_name wandb_project wandb_save_dir
     warmup weight_decay weight_decay_incr_style
-""")
+""") | FUSIONS
 
 
 #: What Megatron's full recomputation takes, for the refusals that point to it.

@@ -19,7 +19,9 @@ the name and one way to run is optional):
    ``plans_recomputation``: the schedule runs Megatron's ``--recompute-granularity full`` as a
    checkpointing table of its own plan (elastic and seq1f1b): the model is built without
    Megatron's recomputation (its ``TransformerConfig`` has none), so that layers are not
-   checkpointed twice.
+   checkpointed twice. ``borrows_weights(args) -> bool``: the run computes with copies of
+   weights that are not the parameters (sppo's ``--sppo-multiplex`` helpers): they have no
+   ``main_grad``, so the model is built without Megatron's fused weight-gradient accumulation.
 4. ``prepare_input(documents, args, model) -> (input, units)``: its input for one global batch
    of documents, and the number of units (micro-batches, chunks) in it. Without it the
    schedule gets this data-parallel replica's documents packed into ``--seq-length``
@@ -109,6 +111,7 @@ class ScheduleSpec:
     check_args: Callable[[argparse.Namespace], None] | None = None
     build_model: Callable | None = None
     plans_recomputation: bool = False
+    borrows_weights: Callable[[argparse.Namespace], bool] | None = None
     prepare_input: Callable | None = None
     prefetch_input: Callable | None = None
     report: Callable[[Any], dict] | None = None

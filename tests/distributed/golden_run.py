@@ -340,20 +340,29 @@ def recording_param_gather(model, events: list):
 
 
 def placement(model) -> dict:
-    """The global ranks of this rank's pipeline, data-parallel, expert-parallel and experts'
-    tensor-parallel groups; the number of MoE layers it holds, the number of entries of their
-    experts' weights it holds, and how many of those Megatron marks ``allreduce=False``
-    (reduced over the expert data-parallel group, not the data-parallel one)."""
+    """The global ranks of this rank's pipeline, data-parallel, tensor-parallel,
+    context-parallel, expert-parallel and experts' tensor-parallel groups; the attention heads
+    each of its attention modules holds and whether they run sequence parallelism; the number of MoE layers it holds, the number of
+    entries of their experts' weights it holds, and how many of those Megatron marks
+    ``allreduce=False`` (reduced over the expert data-parallel group, not the data-parallel
+    one)."""
+    from megatron.core.transformer.attention import Attention
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     def ranks(group):
         return dist.get_process_group_ranks(group)
 
-    layers = [module for chunk in model for module in chunk.module.modules()
-              if isinstance(module, MoELayer)]
+    modules = [module for chunk in model for module in chunk.module.modules()]
+    layers = [module for module in modules if isinstance(module, MoELayer)]
     experts = [param for layer in layers for param in layer.experts.parameters()]
     return {"pipeline": ranks(parallel_state.get_pipeline_model_parallel_group()),
             "data": ranks(parallel_state.get_data_parallel_group()),
+            "tensor": ranks(parallel_state.get_tensor_model_parallel_group()),
+            "context": ranks(parallel_state.get_context_parallel_group()),
+            "heads": [module.num_attention_heads_per_partition for module in modules
+                      if isinstance(module, Attention)],
+            "sequence_parallel": sorted({module.config.sequence_parallel for module in modules
+                                         if isinstance(module, Attention)}),
             "expert_model": ranks(parallel_state.get_expert_model_parallel_group()),
             "expert_tensor": ranks(parallel_state.get_expert_tensor_parallel_group()),
             "moe_layers": len(layers),

@@ -1169,6 +1169,38 @@ def _count(flags: list, flag: str, default: int = 1) -> int:
     return int(flags[flags.index(flag) + 1]) if flag in flags else default
 
 
+#: ``(variant, tag)`` of the layouts with tensor or context parallelism.
+SPLIT_TAGS = [(variant, tag) for variant, (_, layouts) in VARIANTS.items()
+              for tag, (_, flags) in layouts.items()
+              if "--tensor-model-parallel-size" in flags or "--context-parallel-size" in flags]
+
+
+@pytest.mark.parametrize("variant,tag", SPLIT_TAGS)
+def test_tensor_and_context_parallel_groups_are_the_sizes_asked(golden, variant, tag):
+    """Every rank of a layout with --tensor-model-parallel-size TP or --context-parallel-size
+    CP is in a tensor-parallel group of TP ranks and a context-parallel group of CP ranks, and
+    each of its attention modules holds 1 / TP of the heads (Megatron splits the heads and
+    their projections over the tensor-parallel ranks) and runs sequence parallelism where the
+    layout asks it: the loss and gradients checked above are those of a model split as asked,
+    not of more data-parallel replicas of the whole model or of the activations whole on every
+    tensor-parallel rank, whose numbers are the same (what the mutation check's reset of
+    either size or of --sequence-parallel gives)."""
+    need(tag)
+    model_flags, layouts = VARIANTS[variant]
+    nprocs, flags = layouts[tag]
+    tp, cp = _count(flags, "--tensor-model-parallel-size"), _count(flags, "--context-parallel-size")
+    argv = [*TINY_MODEL, *model_flags, *flags]
+    heads = _count(argv[len(argv) - 1 - argv[::-1].index("--num-attention-heads"):],
+                   "--num-attention-heads")
+    for rank in range(nprocs):
+        with open(golden / variant / f"groups_{tag}_{rank}.json") as f:
+            record = json.load(f)
+        assert (len(record["tensor"]), len(record["context"])) == (tp, cp), (rank, record)
+        assert rank in record["tensor"] and rank in record["context"], (rank, record)
+        assert record["heads"] and set(record["heads"]) == {heads // tp}, (rank, record)
+        assert record["sequence_parallel"] == ["--sequence-parallel" in flags], (rank, record)
+
+
 @pytest.mark.parametrize("tag", sorted(VARIANTS["moe"][1]))
 def test_experts_are_spread_over_the_ranks_asked(golden, tag):
     """Each rank of the moe runs holds 1 / (EP x ETP) of the experts' weights of its MoE layers

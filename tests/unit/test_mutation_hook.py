@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from harness import REPO, TINY_MODEL, python_path
 
 HOOK = os.path.join(REPO, "tests", "mutation")
@@ -50,3 +52,16 @@ def test_a_proof_at_the_no_effect_value_is_not_caught_without_running():
                                  timeout=1)
     assert entry["verdict"] == "NOT CAUGHT (no-effect value)", entry
     assert mutation_check.no_effect_value("swiglu") is False
+
+
+def test_the_shares_of_the_cells_cover_each_once():
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import mutation_check
+
+    cells = list(range(17))
+    shares = [mutation_check.shard(cells, f"{index}/5") for index in range(1, 6)]
+    assert sorted(cell for share in shares for cell in share) == cells
+    assert shares[1] == [1, 6, 11, 16]
+    for spec in ("0/5", "6/5", "2", "a/b"):
+        with pytest.raises(SystemExit, match=f"--shard {spec}: write I/N"):
+            mutation_check.shard(cells, spec)

@@ -124,12 +124,16 @@ def _golden_parser():
     return parser
 
 
-def _no_effect_values() -> dict:
-    """The options whose no-effect value is not their default (``scripts/mutation_check.py``)."""
+def _mutation_check():
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     import mutation_check
 
-    return mutation_check.NO_EFFECT
+    return mutation_check
+
+
+def _no_effect_values() -> dict:
+    """The options whose no-effect value is not their default (``scripts/mutation_check.py``)."""
+    return _mutation_check().NO_EFFECT
 
 
 @pytest.mark.parametrize("dest,schedule,proof", CELLS)
@@ -154,6 +158,20 @@ def test_each_honoured_cell_names_a_test_that_passes_the_option(dest, schedule, 
         assert ran in ("1f1b", "interleaved"), tag
     elif schedule != "*":
         assert ran == schedule, (tag, ran)
+
+
+def test_no_golden_proof_runs_its_option_where_the_mutation_check_finds_no_effect():
+    """The mutation check's static verdict over every cell (``NOT CAUGHT (no-effect value)``,
+    found without running anything): a golden layout that runs its option at the value the
+    check would reset it to cannot fail without the option's meaning. The offenders are listed
+    together; :data:`PROVEN_OFF_ONLY` names the cells known to prove the option off only."""
+    check = _mutation_check()
+    offenders = sorted(f"{dest}:{schedule} {proof} (at {check.no_effect_value(dest)!r})"
+                       for dest, schedule, proof in CELLS
+                       if (dest, schedule) not in PROVEN_OFF_ONLY
+                       and check.runs_at_no_effect(dest, proof))
+    assert not offenders, "golden proofs run at their option's no-effect value: " \
+        + "; ".join(offenders)
 
 
 @pytest.mark.parametrize("schedule,proof",

@@ -435,6 +435,35 @@ def test_flags_of_another_schedule_are_refused(schedule, flags, refusal, monkeyp
         arguments.parse(argv)
 
 
+@pytest.mark.parametrize("schedule", ["elastic", "seq1f1b", "sppo"])
+def test_the_hardware_profile_prices_the_plan(schedule, monkeypatch):
+    """``--hardware-profile h100`` is the profile the schedule's planner prices with (the cost
+    model of :func:`~longctx.job_costs.cost_model_from_args`, which elastic and seq1f1b plan
+    each batch with and sppo sizes its subsequences with), not the CPU's default (a800): the
+    plan elastic and seq1f1b run predicts the times of H100's profile, other than A800's."""
+    from elastic_pipe.flags import scheduler_config
+    from elastic_pipe.planning import plan_schedule
+    from longctx.hardware import load_profile
+    from longctx.job_costs import cost_model_from_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    slices = [] if schedule == "sppo" else ["--elastic-slices", "2"]
+    args = arguments.parse([*BASE, "--pipeline-schedule", schedule, *slices,
+                            "--hardware-profile", "h100"])
+    cost = cost_model_from_args(args, 256)
+    assert cost.hardware == load_profile("h100") != load_profile("a800")
+    if schedule == "sppo":
+        return
+    lengths = (4000, 2100, 1000, 500, 300, 100, 50, 20)
+
+    def predicted(hardware):
+        return plan_schedule(lengths, schedule, cost.model, hardware, cost.parallel,
+                             scheduler_config(args)).predicted_time_s
+
+    assert predicted(cost.hardware) == predicted(load_profile("h100")) \
+        != predicted(load_profile("a800"))
+
+
 _FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1"]
 #: What each schedule's refusal of --recompute-activations names instead.
