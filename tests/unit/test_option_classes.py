@@ -164,12 +164,11 @@ def test_no_golden_proof_runs_its_option_where_the_mutation_check_finds_no_effec
     """The mutation check's static verdict over every cell (``NOT CAUGHT (no-effect value)``,
     found without running anything): a golden layout that runs its option at the value the
     check would reset it to cannot fail without the option's meaning. The offenders are listed
-    together; :data:`PROVEN_OFF_ONLY` names the cells known to prove the option off only."""
+    together."""
     check = _mutation_check()
     offenders = sorted(f"{dest}:{schedule} {proof} (at {check.no_effect_value(dest)!r})"
                        for dest, schedule, proof in CELLS
-                       if (dest, schedule) not in PROVEN_OFF_ONLY
-                       and check.runs_at_no_effect(dest, proof))
+                       if check.runs_at_no_effect(dest, proof))
     assert not offenders, "golden proofs run at their option's no-effect value: " \
         + "; ".join(offenders)
 
