@@ -47,7 +47,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron.plugin.pipeline.passes import add_communication
+from megatron.plugin.pipeline.passes import add_communication, add_recomputation
 from megatron.plugin.pipeline.schedule_1f1b import one_f_one_b
 from megatron.plugin.pipeline.simulator import simulate
 
@@ -98,7 +98,8 @@ class Priced:
     peak_memory_gb: float
     """The largest stage peak, model state included."""
     compute_s: float
-    """The slowest replica's busiest stage's compute seconds (bubbles excluded)."""
+    """The slowest replica's compute seconds a stage, the mean over its stages (the rest of
+    the iteration is idle: bubbles, imbalance)."""
 
     def describe(self) -> str:
         knobs = ", ".join(f"{key} {value}" for key, value in self.setting.items())
@@ -158,7 +159,10 @@ def _pipeline(units, checkpointed: int):
     and whether every stage's peak fits its memory."""
     first = units[0][0][0]
     costs = LockstepCosts(units, checkpointed)
-    schedule = add_communication(one_f_one_b(first.pp, len(units)), num_stages=first.pp)
+    schedule = one_f_one_b(first.pp, len(units))
+    if checkpointed:
+        schedule = add_recomputation(schedule, lambda action: True)
+    schedule = add_communication(schedule, num_stages=first.pp)
     result = simulate(schedule, costs, trace=False)
     fits = all(peak - first.static_bytes(rank) <= first.activation_budget(rank)
                for rank, peak in enumerate(result.peak_memory))
@@ -247,7 +251,7 @@ def _settle(config, layout, setting, replicas, cost) -> Priced | None:
     return Priced(config, layout, {**setting, "recompute_num_layers": count},
                   slowest.iteration_time, units,
                   max(max(result.peak_memory) for result, _ in results) / GB,
-                  max(slowest.busy))
+                  sum(slowest.busy) / len(slowest.busy))
 
 
 def chunked_pp(lengths, model, hardware, layout: Layout, memory_gb: float, seq_length: int,

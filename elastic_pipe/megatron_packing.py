@@ -161,12 +161,15 @@ def _micro_batch(order: list[int], lengths: Sequence[int], ranks: int, limit: in
 
 
 def _grow_smallest(sizes: list[int], ranks: int) -> bool:
-    """Double the first smallest group whose doubled ring still ends within the ranks."""
+    """Double the first smallest group whose doubled ring still ends within the ranks, and
+    whose growth leaves the groups after it within them too (where Megatron-LM's code would
+    index past the last rank, possible only when ``dp x cp`` is not a power of two, the
+    growth is taken as impossible: the fallback follows)."""
     smallest = min(sizes)
-    start = 0
+    start, used = 0, sum(sizes)
     for group, size in enumerate(sizes):
         grown = min(2 * size, ranks)
-        if size == smallest and start + grown <= ranks:
+        if size == smallest and start + grown <= ranks and used + grown - size <= ranks:
             sizes[group] = grown
             return True
         start += size
