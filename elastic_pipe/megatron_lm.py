@@ -44,6 +44,7 @@ are not priced (as for every schedule compared with them).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,7 @@ from elastic_pipe.evaluation import report
 from elastic_pipe.megatron_packing import dp_balanced, dynamic_cp
 from elastic_pipe.scheduler import pipeline_case
 from elastic_pipe.sequence_processor import ChunkingConfig, megatron_chunking
+from longctx import collectives
 from longctx.chunk_costs import ChunkCosts
 from longctx.chunks import Chunk, Piece
 from longctx.cost_model import GB, CostModel, ParallelConfig
@@ -204,7 +206,7 @@ def _whole(documents: Sequence[int], lengths: Sequence[int]) -> Chunk:
 
 
 def static_cp(lengths, model, hardware, layout: Layout, memory_gb: float,
-              seq_length: int) -> Priced | None:
+              seq_length: int, ceiling: float = math.inf) -> Priced | None:
     """``static-cp`` (module doc) at ``--seq-length seq_length``."""
     cost = _cost(model, hardware, layout, memory_gb)
     chunking = megatron_chunking(list(enumerate(lengths)), cost,
@@ -214,22 +216,23 @@ def static_cp(lengths, model, hardware, layout: Layout, memory_gb: float,
                          f"{seq_length}; truncate the lengths first")
     rows = list(chunking.chunks)
     replicas = [[[(cost, chunk)] for chunk in rows[d::layout.dp]] for d in range(layout.dp)]
-    return _settle("static-cp", layout, {}, replicas, cost)
+    return _settle("static-cp", layout, {}, replicas, cost, ceiling)
 
 
 def balanced_cp(lengths, model, hardware, layout: Layout, memory_gb: float,
-                max_seqlen_per_rank: int) -> Priced | None:
+                max_seqlen_per_rank: int, ceiling: float = math.inf) -> Priced | None:
     """``dp-balanced`` (module doc) at ``--max-seqlen-per-dp-cp-rank max_seqlen_per_rank``."""
     cost = _cost(model, hardware, layout, memory_gb)
     steps = dp_balanced(lengths, layout.cp, layout.dp, max_seqlen_per_rank)
     replicas = [[[(cost, _whole(step[d], lengths))] for step in steps]
                 for d in range(layout.dp)]
     return _settle("dp-balanced", layout, {"max_seqlen_per_dp_cp_rank": max_seqlen_per_rank},
-                   replicas, cost)
+                   replicas, cost, ceiling)
 
 
 def dynamic(lengths, model, hardware, layout: Layout, memory_gb: float,
-            max_seqlen_per_rank: int, min_cp: int = 1) -> Priced | None:
+            max_seqlen_per_rank: int, min_cp: int = 1,
+            ceiling: float = math.inf) -> Priced | None:
     """``dynamic-cp`` (module doc) at ``--max-seqlen-per-dp-cp-rank max_seqlen_per_rank`` and
     ``--min-dynamic-context-parallel-size min_cp``."""
     steps = dynamic_cp(lengths, layout.dp * layout.cp, max_seqlen_per_rank, min_cp)
@@ -238,10 +241,28 @@ def dynamic(lengths, model, hardware, layout: Layout, memory_gb: float,
     units = [[(costs[group.size], _whole(group.documents, lengths)) for group in step]
              for step in steps]
     return _settle("dynamic-cp", layout, {"max_seqlen_per_dp_cp_rank": max_seqlen_per_rank},
-                   [units], next(iter(costs.values())))
+                   [units], next(iter(costs.values())), ceiling)
 
 
-def _settle(config, layout, setting, replicas, cost) -> Priced | None:
+class Pruned(Exception):
+    """A configuration whose lower bound is no faster than the ceiling it was priced under."""
+
+
+def _bound(replicas, pp: int) -> float:
+    """A lower bound on the iteration: the slowest replica's busiest stage's forwards and
+    backwards, nothing recomputed, no bubble."""
+    return max(max(sum(max(cost.stage_forward(stage, chunk) + cost.stage_backward(stage, chunk)
+                           for cost, chunk in unit) for unit in units)
+                   for stage in range(pp)) for units in replicas if units)
+
+
+def _settle(config, layout, setting, replicas, cost, ceiling=math.inf) -> Priced | None:
+    """The fewest-recomputation pipelines of ``replicas``; ``Pruned`` when their
+    :func:`_bound` is at least ``ceiling`` (the search's best so far)."""
+    if any(cost.activation_budget(stage) <= 0 for stage in range(cost.pp)):
+        return None
+    if _bound(replicas, cost.pp) >= ceiling:
+        raise Pruned(config)
     found = _fewest_recomputed(replicas, max(cost.layers(s) for s in range(cost.pp)))
     if found is None:
         return None
@@ -312,15 +333,16 @@ def per_rank_settings(context: int, ranks: int) -> list[int]:
 
 
 def price(config: str, lengths, model, hardware, layout: Layout, memory_gb: float,
-          context: int, knob: int | None = None) -> Priced | None:
+          context: int, knob: int | None = None, ceiling: float = math.inf) -> Priced | None:
     """One configuration at one layout; ``knob`` the per-rank length (``dp-balanced``,
-    ``dynamic-cp``) or the splits (``chunked-pp``). ``None`` when it does not fit."""
+    ``dynamic-cp``) or the splits (``chunked-pp``). ``None`` when it does not fit;
+    :class:`Pruned` when it cannot beat ``ceiling`` (not for ``chunked-pp``)."""
     if config == "static-cp":
-        return static_cp(lengths, model, hardware, layout, memory_gb, context)
+        return static_cp(lengths, model, hardware, layout, memory_gb, context, ceiling)
     if config == "dp-balanced":
-        return balanced_cp(lengths, model, hardware, layout, memory_gb, knob)
+        return balanced_cp(lengths, model, hardware, layout, memory_gb, knob, ceiling)
     if config == "dynamic-cp":
-        return dynamic(lengths, model, hardware, layout, memory_gb, knob)
+        return dynamic(lengths, model, hardware, layout, memory_gb, knob, ceiling=ceiling)
     if config == "chunked-pp":
         return chunked_pp(lengths, model, hardware, layout, memory_gb, context, knob)
     raise ValueError(f"unknown configuration {config!r}; valid: {', '.join(CONFIGS)}")
@@ -342,7 +364,10 @@ class Search:
     """Every configuration, layout and setting tried, and the fastest."""
 
     tried: tuple[dict, ...]
-    """``{"config", "layout", "setting", "time_s"}`` (``time_s`` ``None``: out of memory)."""
+    """``{"config", "layout", "knob", "outcome", "setting", "time_s"}``: ``outcome``
+    ``priced``, ``out of memory`` or ``bound above the best`` (its lower bound, the busiest
+    stage's compute without bubbles, no faster than the best priced before it; not
+    simulated)."""
     best: Priced | None
 
     def best_of(self, config: str) -> dict | None:
@@ -358,16 +383,45 @@ def search(lengths, model, hardware, gpus: int, memory_gb: float, context: int,
     for layout in layouts(gpus, model, **layout_limits):
         for config in configs:
             for knob in knobs(config, layout, context):
+                ceiling = math.inf if best is None else best.iteration_time_s
+                entry = {"config": config, "layout": str(layout), "knob": knob}
                 try:
                     found = price(config, lengths, model, hardware, layout, memory_gb,
-                                  context, knob)
+                                  context, knob, ceiling)
                 except ValueError:
                     continue
-                tried.append({"config": config, "layout": str(layout),
-                              "setting": None if found is None else found.setting,
-                              "knob": knob,
-                              "time_s": None if found is None else found.iteration_time_s})
+                except Pruned:
+                    tried.append({**entry, "time_s": None, "outcome": "bound above the best"})
+                    continue
+                tried.append({**entry, "setting": None if found is None else found.setting,
+                              "time_s": None if found is None else found.iteration_time_s,
+                              "outcome": "out of memory" if found is None else "priced"})
                 if found is not None and (best is None or
                                           found.iteration_time_s < best.iteration_time_s):
                     best = found
     return Search(tuple(tried), best)
+
+
+def gradient_sync_s(cost: CostModel) -> float:
+    """Seconds of the distributed optimizer's gradient reduce-scatter and parameter all-gather
+    an iteration on the stage holding the most parameters, not overlapped with compute: a
+    ring all-reduce's bytes (:func:`longctx.collectives.all_reduce_per_byte`) of the stage's
+    ``params / tp`` in the model's dtype over its ``dp x cp x sp`` replicas, which Megatron's
+    rank order places ``tp`` GPUs apart. The simulator prices neither it nor its overlap
+    (``--overlap-grad-reduce``, ``--overlap-param-gather``) for any schedule; it is reported
+    beside the simulated times as the term that a layout of many replicas pays."""
+    parallel, model = cost.parallel, cost.model
+    replicas = parallel.dp * parallel.cp * parallel.sp
+    if replicas == 1:
+        return 0.0
+    most = 0.0
+    for stage in range(cost.pp):
+        params = cost.layers(stage) * model.params_per_layer()
+        if stage == 0:
+            params += model.vocab_size * model.hidden_size
+        if stage == cost.pp - 1:
+            params += model.vocab_size * model.hidden_size
+        most = max(most, params / parallel.tp)
+    per_byte = collectives.all_reduce_per_byte(cost.hardware, replicas, replicas * parallel.tp)
+    return 2 * (replicas - 1) * collectives.latency(cost.hardware, replicas * parallel.tp) + \
+        most * model.element_bytes * per_byte

@@ -24,7 +24,10 @@ not from a GPU.
   the best Megatron-LM configuration of :func:`elastic_pipe.megatron_lm.search` (every
   configuration, layout and setting tried is in the JSON), 80 GB a GPU. The table's ``term``
   column says what separates ``elastic`` from Megatron's best: the busiest GPU's compute
-  (all-to-alls and recomputation included) or its idle time (bubbles, imbalance).
+  (all-to-alls and recomputation included) or its idle time (bubbles, imbalance). Beside it,
+  the distributed optimizer's gradient reduce-scatter and parameter all-gather that neither
+  simulation prices (:func:`elastic_pipe.megatron_lm.gradient_sync_s`, not overlapped), and
+  the ratio with it added to both: a layout of many data-parallel replicas pays it.
   ``helix`` and ``sppo`` are not priced here: their planners price fixed-length sequences.
 """
 from __future__ import annotations
@@ -40,7 +43,8 @@ import time
 import paper_terms
 from elastic_pipe import baselines
 from elastic_pipe.evaluation import report
-from elastic_pipe.megatron_lm import CONFIGS, Layout, balanced_cp, dynamic, search
+from elastic_pipe.megatron_lm import CONFIGS, Layout, _cost, balanced_cp, dynamic, \
+    gradient_sync_s, search
 from elastic_pipe.megatron_packing import dp_balanced, dynamic_cp
 from elastic_pipe.scheduler import SchedulerConfig, plan_elastic
 from elastic_pipe.workloads import github_like, lognormal, lognormal_for, read_lengths, \
@@ -162,7 +166,7 @@ def ours(name: str, lengths, model, hardware, gpus: int) -> dict:
                       "recompute_s": simulated["recompute_time_s"] / cost.pp,
                       "mean_busy_s": busy})
     slowest = max(found, key=lambda f: f["time_s"])
-    return {**slowest, "layout": f"PP4 SP8 DP{dp}"}
+    return {**slowest, "layout": f"PP4 SP8 DP{dp}", "grad_sync_s": gradient_sync_s(cost)}
 
 
 def deciding_term(elastic: dict, best) -> str:
@@ -191,7 +195,9 @@ def compare_cell(model_name: str, context: int, gpus: int, name: str, seed: int 
             "truncated": cut, "megatron_search_s": searched, "tried": list(found.tried),
             "megatron": None if found.best is None else {
                 "time_s": found.best.iteration_time_s, "what": found.best.describe(),
-                "compute_s": found.best.compute_s, "peak_gb": found.best.peak_memory_gb},
+                "compute_s": found.best.compute_s, "peak_gb": found.best.peak_memory_gb,
+                "grad_sync_s": gradient_sync_s(_cost(model, hardware, found.best.layout,
+                                                     MEMORY_GB))},
             "megatron_by_config": {config: found.best_of(config) for config in CONFIGS}}
     for schedule in ("elastic", "seq1f1b"):
         cell[schedule] = ours(schedule, lengths, model, hardware, gpus)
@@ -201,6 +207,15 @@ def compare_cell(model_name: str, context: int, gpus: int, name: str, seed: int 
 
 def ratio(numerator, denominator) -> str:
     return "-" if numerator is None or denominator is None else f"{numerator / denominator:.2f}"
+
+
+def synced(cell: dict) -> str:
+    """The gradient sync of Megatron's best and of elastic, and the ratio with them added."""
+    m, e = cell["megatron"], cell["elastic"]
+    if m is None or e.get("time_s") is None:
+        return "- | -"
+    with_sync = (m["time_s"] + m["grad_sync_s"]) / (e["time_s"] + e["grad_sync_s"])
+    return f"{m['grad_sync_s']:.2f}, {e['grad_sync_s']:.2f} | {with_sync:.2f}x"
 
 
 def markdown(results: dict) -> str:
@@ -230,8 +245,9 @@ def markdown(results: dict) -> str:
                   f"PP 4 x SP 8 x DP):", "",
                   "| model | context | GPUs | workload | Megatron's best (layout) | "
                   "Megatron s | elastic s | seq1f1b s | elastic vs Megatron | "
-                  "elastic vs seq1f1b | term |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "elastic vs seq1f1b | term | gradient sync s (Megatron, elastic) | "
+                  "elastic vs Megatron, sync priced |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for c in cells:
             m = c["megatron"]
             mt = None if m is None else m["time_s"]
@@ -241,7 +257,7 @@ def markdown(results: dict) -> str:
                 f"{'OOM' if m is None else m['what']} | "
                 f"{'-' if mt is None else f'{mt:.2f}'} | {'OOM' if et is None else f'{et:.2f}'}"
                 f" | {'OOM' if st is None else f'{st:.2f}'} | {ratio(mt, et)}x | "
-                f"{ratio(st, et)}x | {c['term']} |")
+                f"{ratio(st, et)}x | {c['term']} | {synced(c)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -2,7 +2,7 @@
 (``elastic_pipe.megatron_lm``), against sums of the cost model's own stage times."""
 import pytest
 
-from elastic_pipe.megatron_lm import Layout, _pipeline, balanced_cp, chunked_pp, dynamic, layouts, search, \
+from elastic_pipe.megatron_lm import Layout, _pipeline, price, balanced_cp, chunked_pp, dynamic, layouts, search, \
     static_cp
 from elastic_pipe.megatron_packing import dp_balanced, dynamic_cp
 from longctx.chunks import Chunk, Piece
@@ -85,3 +85,11 @@ def test_search_keeps_the_fastest_and_shows_what_it_tried():
     assert found.best.iteration_time_s == min(times)
     assert {t["config"] for t in found.tried} == {"static-cp", "dp-balanced", "dynamic-cp",
                                                   "chunked-pp"}
+    # what the bound skipped would not have been faster
+    for entry in found.tried:
+        if entry["outcome"] == "bound above the best":
+            layout = next(lay for lay in layouts(4, MODEL, max_pp=2)
+                          if str(lay) == entry["layout"])
+            alone = price(entry["config"], LENGTHS, MODEL, HARDWARE, layout, 80.0, 8192,
+                          entry["knob"])
+            assert alone is None or alone.iteration_time_s >= found.best.iteration_time_s
