@@ -111,7 +111,8 @@ class Priced:
 class LockstepCosts:
     """The simulator's cost protocol for micro-batches whose groups run side by side: each
     action takes its slowest group's time and its largest group's bytes (module doc);
-    ``checkpointed`` layers recomputed per layer, as Megatron-LM does."""
+    ``checkpointed`` layers of each stage (at most its own) recomputed per layer, as
+    Megatron-LM does."""
 
     def __init__(self, units: Sequence[Sequence[tuple[CostModel, Chunk]]], checkpointed: int):
         by_cost: dict[int, tuple[CostModel, list[Chunk]]] = {}
@@ -123,8 +124,8 @@ class LockstepCosts:
                 members.append((id(cost), len(entry[1])))
                 entry[1].append(chunk)
             self.units.append(members)
-        self.costs = {key: ChunkCosts(cost, chunks, lambda stage, unit: checkpointed, True)
-                      for key, (cost, chunks) in by_cost.items()}
+        self.costs = {key: ChunkCosts(cost, chunks, lambda stage, unit, cost=cost: min(
+            checkpointed, cost.layers(stage)), True) for key, (cost, chunks) in by_cost.items()}
         self.first = next(iter(by_cost.values()))[0]
 
     def _most(self, name: str, action) -> float:

@@ -3,6 +3,7 @@
 
     PYTHONPATH=. python scripts/megatron_baselines.py [--only fidelity compare]
         [--cells 7b:65536:32 ...] [--workloads github-like wikipedia lognormal]
+        [--wikipedia ../shared/data/wikipedia_doc_lengths.txt.gz]
         [--json benchmarks/results/megatron_baselines.json] [--markdown docs/papers.md]
 
 Every number comes from the project's simulator with a named spec-derived profile (``h100``),
@@ -133,11 +134,12 @@ def fidelity() -> dict:
     return out
 
 
-def workload(name: str, count: int, seed: int, context: int) -> list[int]:
+def workload(name: str, count: int, seed: int, context: int,
+             wikipedia: str = WIKIPEDIA) -> list[int]:
     if name == "github-like":
         return github_like(count, seed)
     if name == "wikipedia":
-        return sample(read_lengths(WIKIPEDIA), count, seed)
+        return sample(read_lengths(wikipedia), count, seed)
     if name == "lognormal":
         return lognormal_for(context)(count, seed)
     raise ValueError(f"unknown workload {name!r}; valid: github-like, wikipedia, lognormal")
@@ -182,10 +184,11 @@ def deciding_term(elastic: dict, best) -> str:
     return f"idle {idle_e:.2f} vs {idle_m:.2f} s (bubbles, imbalance)"
 
 
-def compare_cell(model_name: str, context: int, gpus: int, name: str, seed: int = 0) -> dict:
+def compare_cell(model_name: str, context: int, gpus: int, name: str, seed: int = 0,
+                 wikipedia: str = WIKIPEDIA) -> dict:
     hardware = load_profile(PROFILE)
     model = get_model(model_name)
-    raw = workload(name, 16 * gpus, seed, context)
+    raw = workload(name, 16 * gpus, seed, context, wikipedia)
     lengths, cut = truncate(raw, context)
     started = time.perf_counter()
     found = search(lengths, model, hardware, gpus, MEMORY_GB, context)
@@ -291,6 +294,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cells", nargs="+", type=parse_cell, default=list(CELLS))
     parser.add_argument("--workloads", nargs="+", default=["github-like", "wikipedia",
                                                             "lognormal"])
+    parser.add_argument("--wikipedia", default=WIKIPEDIA,
+                        help="the Wikipedia document lengths, one a line (default: %(default)s)")
     parser.add_argument("--json")
     parser.add_argument("--markdown", help="a file whose generated section is replaced")
     options = parser.parse_args(argv)
@@ -301,7 +306,7 @@ def main(argv=None) -> int:
         results["compare"] = []
         for model, context, gpus in options.cells:
             for name in options.workloads:
-                cell = compare_cell(model, context, gpus, name)
+                cell = compare_cell(model, context, gpus, name, wikipedia=options.wikipedia)
                 results["compare"].append(cell)
                 print(f"{model} {context // 1024}K {gpus} GPUs {name}: Megatron "
                       f"{cell['megatron'] and cell['megatron']['what']} "
