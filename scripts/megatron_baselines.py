@@ -349,6 +349,8 @@ def main(argv=None) -> int:
                 cell = compare_cell(model, context, gpus, name, wikipedia=options.wikipedia,
                                     layouts=options.elastic_layouts)
                 results["compare"].append(cell)
+                if options.json:
+                    write_json(options.json, results)
                 print(f"{model} {context // 1024}K {gpus} GPUs {name}: Megatron "
                       f"{cell['megatron'] and cell['megatron']['what']} "
                       f"{cell['megatron'] and cell['megatron']['time_s']}, elastic "
@@ -357,11 +359,16 @@ def main(argv=None) -> int:
     text = markdown(results)
     print(text)
     if options.json:
-        with open(options.json, "w") as handle:
-            json.dump(results, handle, indent=1)
+        write_json(options.json, results)
     if options.markdown:
         write_markdown(options.markdown, text)
     return 0
+
+
+def write_json(path: str, results: dict) -> None:
+    """``results`` as JSON (after every cell, so that a long run keeps what it priced)."""
+    with open(path, "w") as handle:
+        json.dump(results, handle, indent=1)
 
 
 if __name__ == "__main__":
