@@ -269,10 +269,11 @@ def markdown(results: dict) -> str:
             m = c["megatron"]
             mt = None if m is None else m["time_s"]
             et, st = c["elastic"].get("time_s"), c["seq1f1b"].get("time_s")
+            elastic = "OOM" if et is None else f"{et:.2f} ({c['elastic']['layout']})"
             lines.append(
                 f"| {c['model']} | {c['context'] // 1024}K | {c['gpus']} | {c['workload']} | "
                 f"{'OOM' if m is None else m['what']} | "
-                f"{'-' if mt is None else f'{mt:.2f}'} | {'OOM' if et is None else f'{et:.2f}'}"
+                f"{'-' if mt is None else f'{mt:.2f}'} | {elastic}"
                 f" | {'OOM' if st is None else f'{st:.2f}'} | {ratio(mt, et)}x | "
                 f"{ratio(st, et)}x | {c['term']} | {synced(c)} |")
     return "\n".join(lines) + "\n"
