@@ -288,7 +288,7 @@ def chunked_pp(lengths, model, hardware, layout: Layout, memory_gb: float, seq_l
     tokens = sum(lengths)
     rows = [seq_length] * (tokens // seq_length) + ([tokens % seq_length]
                                                    if tokens % seq_length else [])
-    results, peaks, units = [], [], 0
+    results, units = [], 0
     for d in range(layout.dp):
         mine = rows[d::layout.dp]
         if not mine:
