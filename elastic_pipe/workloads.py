@@ -87,5 +87,33 @@ def github_like(count: int, seed: int) -> list[int]:
     return [max(1, int(v)) for v in values]
 
 
-WORKLOADS = {"github-like": github_like}
+NVIDIA_LOGNORMAL = (1024, 1.5, 128, 8192)
+"""(mean, log-space sigma, least, most) tokens of the lognormal lengths of NVIDIA's dynamic
+context parallelism example (Megatron-LM dev, ``examples/dynamic_context_parallel``: its
+``VARLEN_DATASET_JSON``)."""
+
+
+def lognormal(count: int, seed: int, mean: float = NVIDIA_LOGNORMAL[0],
+              sigma: float = NVIDIA_LOGNORMAL[1], least: int = NVIDIA_LOGNORMAL[2],
+              most: int = NVIDIA_LOGNORMAL[3]) -> list[int]:
+    """``count`` lengths drawn as Megatron-LM's mock variable-length dataset draws them
+    (``MockSFTLowLevelDataset``): log-normal with ``mu = log(mean) - sigma^2 / 2`` (so that
+    the unclipped mean is ``mean``), clipped to ``[least, most]`` and truncated to integers;
+    seeded. Defaults: :data:`NVIDIA_LOGNORMAL`."""
+    if not 1 <= least <= most:
+        raise ValueError(f"lognormal lengths need 1 <= least <= most, got {least}, {most}")
+    rng = np.random.default_rng(seed)
+    values = np.exp(np.log(mean) - sigma ** 2 / 2 + sigma * rng.standard_normal(count))
+    return [int(v) for v in np.clip(values, least, most)]
+
+
+def lognormal_for(context: int):
+    """NVIDIA's lognormal scaled to ``context``: the same shape (mean an eighth of the most,
+    sigma 1.5, least 128), the most ``context``: ``generate(count, seed)`` -> lengths."""
+    mean, sigma, least, most = NVIDIA_LOGNORMAL
+    return lambda count, seed: lognormal(count, seed, mean * context / most, sigma, least,
+                                         context)
+
+
+WORKLOADS = {"github-like": github_like, "lognormal": lognormal}
 """Generated workloads by name: ``generate(count, seed)`` -> lengths."""

@@ -3,7 +3,7 @@ and how far its tail reaches against an independent power-law oracle with the sa
 import numpy as np
 import pytest
 
-from elastic_pipe.workloads import github_like, sample, truncate
+from elastic_pipe.workloads import github_like, lognormal, lognormal_for, sample, truncate
 
 DRAWS = 400_000
 
@@ -40,3 +40,12 @@ def test_sampling_and_truncation():
     assert cut == [10, 65536, 65536] and count == 1
     with pytest.raises(ValueError, match="global batch size"):
         sample([1], 0, seed=0)
+
+
+def test_lognormal_draws_as_megatron_lms_mock_dataset():
+    lengths = lognormal(4000, 0)
+    assert min(lengths) == 128 and max(lengths) == 8192  # clipped to NVIDIA's 128-8192
+    wide = lognormal(200000, 1, mean=1000.0, sigma=0.5, least=1, most=10 ** 9)
+    assert abs(sum(wide) / len(wide) - 1000.0) < 10.0  # mu = log(mean) - sigma^2 / 2
+    assert lognormal(10, 2) == lognormal(10, 2)
+    assert max(lognormal_for(65536)(4000, 0)) == 65536
