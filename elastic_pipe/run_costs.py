@@ -6,11 +6,20 @@ device the job runs on, at the price of a few timed iterations at start-up: the 
 training iterations 2 and 3 are timed (iteration 1 warms the device up: CUDA's context, kernel
 selection, the allocator's first growth; its times would overprice every unit) and the cost
 model is refitted to them before iteration 4 is planned; a refit that the data cannot support
-(too few chunk shapes, :func:`~elastic_pipe.refit.refit`) is tried again on the next two
+(too few chunk shapes, or a fit that fails :mod:`~elastic_pipe.refit`'s acceptance criteria)
+is tried again on the next two
 iterations, at most :data:`AUTO_ATTEMPTS` times in all. After that nothing is timed: timing
 waits for the device around every action (CUDA launches are asynchronous), which a run that
 trains on would pay at every unit. ``K`` refits every ``K`` iterations from the first on,
 timing every action of the run; ``0`` never refits (the profile's prices).
+
+The iterations counted are the training steps this process runs under a document schedule
+(:class:`Measured`): one per Megatron-LM training iteration (``train_step`` calls the schedule
+once; evaluation is not counted), so ``K`` has the meaning of Megatron's other intervals.
+Megatron's rerun of an iteration under ``--rerun-mode validate_results`` (after a NaN or a
+spiky loss) is a step too and counts again, as are the steps of every schedule that a
+benchmark runs one after another within a round (``scripts/bench_schedules.py`` and
+``scripts/_sweep.py`` refit by hand after their warm-up round instead).
 
 Where ``auto`` times nothing (the choice made here): a refit makes the plans depend on measured
 times, so the chunks, and with them the order of the additions, vary from run to run and
@@ -130,19 +139,25 @@ MEASURED = Measured()
 
 
 def refit_cost_model(name: str, args, model) -> str:
-    """Pool every rank's observations, refit the job's cost model to them (every rank gets
-    the same figures, so the ranks keep planning alike) and start counting again; ``name``
-    labels the log line, which is also returned. Collective: every rank calls it at the same
-    point. The plan the background worker made with the old figures is not used: every rank
-    plans the next batch again in the foreground with the new ones."""
+    """Pool every rank's observations, refit the job's cost model to them and start counting
+    again; ``name`` labels the log line (one, from rank 0), which is also returned. The first
+    rank fits and sends every rank its result, the refitted profile or none (a fit that
+    :func:`~elastic_pipe.refit.refit` skips or rejects keeps the profile), so the ranks keep
+    planning alike even where their numerical libraries round differently. Collective: every
+    rank calls it at the same point. The plan the background worker made with the old figures
+    is not used: every rank plans the next batch again in the foreground with the new ones."""
     measured = MEASURED
     pooled = [None] * dist.get_world_size()
     dist.all_gather_object(pooled, measured.seen)
     cost = elastic_cost_model(args, model)
-    profile, summary = refit(cost, [o for seen in pooled for o in seen])
+    result = [refit(cost, [o for seen in pooled for o in seen]) if dist.get_rank() == 0
+              else None]
+    dist.broadcast_object_list(result, src=0)
+    profile, summary = result[0]
     measured.refitted(profile is not None)
     if dist.get_rank() == 0:
-        refit_log.info("%s: %s", name, summary)
+        refit_log.log(logging.INFO if profile is not None else logging.WARNING, "%s: %s",
+                      name, summary)
     if profile is not None:
         layers = tuple(cost.layers(stage) for stage in range(cost.pp))
         replace_job_cost_model(args, model, CostModel(cost.model, profile, cost.parallel, layers),

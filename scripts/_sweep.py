@@ -100,10 +100,7 @@ def worker(argv: list[str]) -> int:
     for i in range(iters + 1):
         if i == 1 and refit:
             some_args, some_job = next(iter(built.values()))
-            try:
-                summary = refit_cost_model("sweep", some_args, some_job.model)
-            except ValueError as error:  # a degenerate fit: the profile's figures stay
-                summary = f"no refit: {error}"
+            summary = refit_cost_model("sweep", some_args, some_job.model)
             for args, _ in built.values():
                 args.elastic_refit_interval = 0
         for workload, source in draws.items():

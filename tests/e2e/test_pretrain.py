@@ -312,10 +312,14 @@ def test_elastic_trains_like_1f1b_and_leaks_nothing(tmp_path):
     documents, another order of additions: rtol 1e-4), and after every iteration no saved
     activation is left alive (the executor also refuses to finish with K/V left in the store).
     The cost model is refitted to the measured times every 3 iterations on the way: whatever
-    plans the refitted figures lead to, the results stay 1F1B's. Megatron's mock data (skewed
+    plans an accepted refit's figures lead to, the results stay 1F1B's. Megatron's mock data (skewed
     lengths, ``MockSource``) gives the chunks the shapes a fit needs: the embedded corpus's
     long files are cut into pieces of --seq-length, whose chunks nearly all share one shape
-    (too few shapes keep the profile: tests/unit/test_elastic_refit.py)."""
+    (too few shapes keep the profile: tests/unit/test_elastic_refit.py). Each refit is
+    accepted or rejected by the fit's bounds: this tiny model's times on a shared CPU can fit
+    too loosely (one run's mean errors: 0.32, 0.50, 0.42, all rejected, the profile kept);
+    the unit tests prove both outcomes, this one that either keeps training and logs one
+    line."""
     common = [*TINY, "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "1",
               "--mock-data"]
     native, elastic = tmp_path / "native.jsonl", tmp_path / "elastic.jsonl"
@@ -334,9 +338,10 @@ def test_elastic_trains_like_1f1b_and_leaks_nothing(tmp_path):
     # One plan line a forward-backward call, from the last rank: 10 training steps, the
     # evaluations at iterations 5 and 10, and Megatron-LM's of the validation and test splits.
     assert result.stdout.count("elastic plan: ") == 10 + 2 + 2, result.stdout[-3000:]
-    # Three refits, each from the chunks of its interval.
+    # Three refits, each from the chunks of its interval, one line each: fitted or rejected.
     assert result.stdout.count("elastic: refit") == 3
-    assert result.stdout.count("elastic: refit from") == 3
+    assert result.stdout.count("elastic: refit from") \
+        + result.stdout.count("elastic: refit rejected, profile kept: ") == 3
 
 
 def test_sppo_trains_like_1f1b_on_one_long_document_and_leaks_nothing(tmp_path):

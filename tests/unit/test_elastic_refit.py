@@ -1,6 +1,7 @@
 """``elastic_pipe.refit``: eq. 1 recovered from measured stage times, collectives and the
-pipeline's ends subtracted, too little data refused, and the refitted profile usable by the
-cost model."""
+pipeline's ends subtracted, too little data refused, fits that fail the acceptance bounds
+rejected (the profile kept, the reason logged, no exception), and the refitted profile usable
+by the cost model."""
 import dataclasses
 import random
 
@@ -123,3 +124,103 @@ def test_executor_events_become_one_observation_per_chunk():
             for o in measured.seen] == [(1, *chunk_terms(chunks[0]), 1.0, 3.0),
                                         (1, *chunk_terms(chunks[1]), 2.0, 4.0)]
     assert measured.due(1) and not measured.due(2)
+
+
+def a_cost(pp=2):
+    return CostModel(MODEL, load_profile("a800"), ParallelConfig(pp=pp, sp=1, memory_gb=80))
+
+
+def every_time(seen, forward, backward):
+    return [dataclasses.replace(o, forward_s=forward(o), backward_s=backward(o)) for o in seen]
+
+
+def random_times(seed):
+    rng = random.Random(seed)
+    return lambda o: rng.uniform(1e-3, 1e-1)
+
+
+@pytest.mark.parametrize("times,reason", [
+    (lambda: (lambda o: 0.05, lambda o: 0.1), "the measured forwards do not grow with the chunks"),
+    (lambda: (random_times(0), random_times(1)), "mean relative error 0.860 above 0.3"),
+    (lambda: (lambda o: 0.0, lambda o: 0.0), "refit skipped: 0 distinct chunk shapes"),
+    (lambda: (lambda o: 1e-7, lambda o: 1e-7), "are no longer than the collectives"),
+], ids=["equal", "noise", "zero", "below-the-collectives"])
+def test_a_degenerate_fit_keeps_the_profile_and_says_why(times, reason):
+    """Times that cannot price a chunk (all equal, unrelated to the chunk, zero, or shorter
+    than what the cost model takes out of them) give no profile and a reason, no exception."""
+    cost = a_cost()
+    profile, summary = refit(cost, every_time(measured(cost, some_chunks() * 4), *times()))
+    assert profile is None
+    assert reason in summary
+    assert summary.startswith(("refit rejected, profile kept: ", "refit skipped: "))
+
+
+def test_a_wild_backward_factor_is_rejected():
+    cost = a_cost()
+    seen = measured(cost, some_chunks() * 4)
+    good, _ = refit(cost, seen)
+    assert good.backward_factor == pytest.approx(TRUE["backward"], rel=1e-6)
+    wild = every_time(seen, lambda o: o.forward_s, lambda o: 40 * o.backward_s)
+    profile, summary = refit(cost, wild)
+    assert profile is None
+    assert "backward factor 72 outside [0.5, 6.0]" in summary
+
+
+def test_a_shape_priced_far_off_is_rejected_and_one_stalled_action_is_not():
+    """Every measurement of one chunk shape three times the fit's price: rejected, though the
+    mean error passes; one action of a shape measured several times stalled ten times over:
+    accepted (the shape's median is priced well), the single error reported."""
+    cost = a_cost()
+    seen = measured(cost, some_chunks() * 4)
+    slow = chunk_terms(some_chunks()[3])
+    off = every_time(seen, lambda o: o.forward_s * (3 if (o.quadratic, o.tokens) == slow else 1),
+                     lambda o: o.backward_s)
+    profile, summary = refit(cost, off)
+    assert profile is None
+    assert "chunks of 4096 tokens priced at 0.46 times their measured forwards" in summary
+    assert "mean 0.187" in summary
+    stalled = list(seen)
+    stalled[0] = dataclasses.replace(stalled[0], forward_s=10 * stalled[0].forward_s)
+    profile, summary = refit(cost, stalled)
+    assert profile is not None, summary
+    assert "fit relative error max 0.900" in summary
+
+
+def test_a_noisy_fit_is_accepted_within_the_mean_error_bound_and_rejected_beyond():
+    cost = a_cost()
+    chunks = some_chunks() * 4
+    profile, summary = refit(cost, measured(cost, chunks, noise=0.5, seed=1))
+    assert profile is not None, summary
+    profile, summary = refit(cost, measured(cost, chunks, noise=0.8, seed=1))
+    assert profile is None
+    assert "mean relative error 0.534 above 0.3" in summary
+
+
+def test_the_refit_collective_keeps_the_profile_and_logs_once(tmp_path, monkeypatch, caplog):
+    """``refit_cost_model`` with observations that fit nothing: no exception, the job's cost
+    model not replaced, one warning with the reason, and the refit counted as tried (``auto``
+    tries again at the next window, tests/unit/test_unit_fixed_cost.py)."""
+    import torch.distributed as dist
+
+    from elastic_pipe import run_costs
+
+    cost = a_cost()
+    measured_now = run_costs.Measured()
+    measured_now.record_observations(every_time(measured(cost, some_chunks()),
+                                                lambda o: 0.05, lambda o: 0.1))
+    replaced = []
+    monkeypatch.setattr(run_costs, "MEASURED", measured_now)
+    monkeypatch.setattr(run_costs, "elastic_cost_model", lambda args, model: cost)
+    monkeypatch.setattr(run_costs, "replace_job_cost_model", lambda *a: replaced.append(a))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0,
+                            world_size=1)
+    try:
+        with caplog.at_level("INFO", logger="elastic_pipe.refit"):
+            summary = run_costs.refit_cost_model("elastic", None, None)
+    finally:
+        dist.destroy_process_group()
+    assert "do not grow with the chunks" in summary
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"elastic: {summary}")]
+    assert replaced == []
+    assert (measured_now.attempts, measured_now.fitted, measured_now.seen) == (1, False, [])
