@@ -34,8 +34,10 @@ PROOFS = {
                         "test_the_hardware_profile_prices_the_plan",
     "sppo_offload": "golden:pp2_sppo_n6_offload",
     "sppo_multiplex": "golden:pp2_sppo_mux_n4",
-    **each(("sppo_host_memory_gb", "sppo_memory_gb"),
-           "tests/e2e/test_pretrain.py::test_bad_input_fails_on_every_rank_without_a_checkpoint"),
+    "sppo_memory_gb": "tests/unit/test_sppo_budgets.py::"
+                      "test_the_device_budget_chooses_a_plan_that_fits_it",
+    "sppo_host_memory_gb": "tests/unit/test_sppo_budgets.py::"
+                           "test_the_host_budget_caps_what_is_offloaded",
 }
 
 REFUSALS = {

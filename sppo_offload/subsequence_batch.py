@@ -79,9 +79,7 @@ def prepare_input(documents, args, model):
     capacity = None if host_gb is None else int(host_gb * GB)
     tier = _tier(next(chunk.parameters()).device, capacity)
     host_gbps = math.inf if tier.synchronous else None
-    plan = _plan(mine, cost, args, checkpointed, host_gbps)
-    peaks = check_budget(mine, plan, cost, args.sppo_subsequences, args.sppo_offload,
-                         memory_budget_gb(args), host_gb, tp * cp, host_gbps)
+    plan, peaks = plan_batch(mine, cost, args, checkpointed, host_gbps)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     tier.start_step(replay(plan, cost, host_gbps)[1][stage])
     offloaded = lambda action: plan.alphas[action.stage][action.unit] > 0  # noqa: E731
@@ -107,6 +105,19 @@ def prepare_input(documents, args, model):
             "of each recomputed on stage %d", len(share), len(batch),
             sum(a > 0 for a in plan.alphas[stage]), plan.recomputes(stage), stage)
     return batch, len(batch)
+
+
+def plan_batch(lengths, cost: CostModel, args, checkpointed: tuple[int, ...],
+               host_gbps: float | None) -> tuple[SubsequencePlan, list[float]]:
+    """The plan of one replica's documents of ``lengths`` tokens and its simulated peak device
+    bytes per stage: planned within ``--sppo-memory-gb`` and ``--sppo-host-memory-gb``
+    (:func:`_plan`) and refused before any compute where it does not fit them
+    (:func:`~sppo_offload.batch_plan.check_budget`)."""
+    tp, cp = args.tensor_model_parallel_size, args.context_parallel_size
+    plan = _plan(lengths, cost, args, checkpointed, host_gbps)
+    return plan, check_budget(lengths, plan, cost, args.sppo_subsequences, args.sppo_offload,
+                              memory_budget_gb(args), args.sppo_host_memory_gb, tp * cp,
+                              host_gbps)
 
 
 def _plan(lengths, cost: CostModel, args, checkpointed: tuple[int, ...],
