@@ -34,6 +34,7 @@ cell; default ``benchmarks/results/mutation_check.json``).
 """
 import argparse
 import datetime
+import enum
 import functools
 import importlib.util
 import json
@@ -79,12 +80,14 @@ def _golden_layouts() -> dict:
 
 
 def no_effect_value(dest: str):
-    """The value the mutation sets ``dest`` to."""
+    """The value the mutation sets ``dest`` to (an enumeration's member by its name, which
+    the hook turns back into the member)."""
     from megatron.plugin import arguments
 
     if dest in NO_EFFECT:
         return NO_EFFECT[dest]
-    return arguments.DEFAULTS.get(dest, _parser().get_default(dest))
+    value = arguments.DEFAULTS.get(dest, _parser().get_default(dest))
+    return value.name if isinstance(value, enum.Enum) else value
 
 
 def proof_value(dest: str, proof: str):

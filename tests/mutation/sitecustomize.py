@@ -5,10 +5,12 @@ ranks included). Nothing happens unless ``LONGCTX_MUTATE`` is set.
 ``LONGCTX_MUTATE=DEST=JSON`` (for instance ``hidden_dropout=0.0`` or ``swiglu=false``): every
 time Megatron-LM's ``parse_args`` returns, before ``validate_args`` derives anything from it,
 ``args.DEST`` is set to the JSON value, so the process runs as if the option had been left at
-that value while every other flag is as given. A golden launch's ``init`` and ``reference``
+that value while every other flag is as given (a string names the member where the parsed
+value is an enumeration's, as ``--attention-backend``'s). A golden launch's ``init`` and ``reference``
 modes (``tests/distributed/golden_run.py``: the initial weights and the single-process
 reference) keep the option: only the process under test loses it. Each reset is logged.
 """
+import enum
 import importlib.abc
 import importlib.machinery
 import json
@@ -43,8 +45,10 @@ def _resetting(parse_args, dest, value):
             return parsed
         if not hasattr(parsed, dest):
             raise SystemExit(f"LONGCTX_MUTATE: the parser has no option {dest!r}")
-        log.warning("mutation: %s reset from %r to %r", dest, getattr(parsed, dest), value)
-        setattr(parsed, dest, value)
+        given = getattr(parsed, dest)
+        reset = type(given)[value] if isinstance(given, enum.Enum) else value
+        log.warning("mutation: %s reset from %r to %r", dest, given, reset)
+        setattr(parsed, dest, reset)
         return parsed
     return parse
 
