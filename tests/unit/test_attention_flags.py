@@ -10,7 +10,7 @@ import torch
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron.plugin import arguments
+from megatron.plugin import arguments, model
 from megatron.plugin.layers import attention, context_attention, packed_attention
 from megatron.plugin.layers.attention import DocumentAttention
 from megatron.plugin.layers.attention_kernels import (CpuFlash, CpuMath, CudaEfficient,
@@ -89,10 +89,16 @@ CUDA_KERNELS = {
 }
 
 
-def _config(backend=AttnBackend.auto, dropout=0.0, deterministic=False):
+def _config(backend=AttnBackend.auto):
     return TransformerConfig(num_layers=1, hidden_size=HEADS * DIM, num_attention_heads=HEADS,
-                             attention_dropout=dropout, hidden_dropout=0.0,
-                             attention_backend=backend, deterministic_mode=deterministic)
+                             attention_dropout=0.0, hidden_dropout=0.0, attention_backend=backend)
+
+
+def _parsed_config(monkeypatch, *flags):
+    """The model config training builds from ``flags`` (Megatron-LM's parser and
+    ``validate_args``, then :func:`megatron.plugin.model.model_config`)."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    return model.model_config(arguments.parse([*BASE, *flags]))
 
 
 def test_attention_backend_picks_the_kernel(monkeypatch):
@@ -125,8 +131,11 @@ def test_attention_backend_picks_the_kernel(monkeypatch):
         if backend is not AttnBackend.local:
             DocumentAttention(_config(backend), layer_number=1)(q, q, q, packed_seq_params=layout)
     assert chosen == ["fused", "unfused"] and len(varlen) == 2
+    chosen.clear()
+    parsed = _parsed_config(monkeypatch, "--attention-backend", "fused", "--attention-dropout", "0")
+    DocumentAttention(parsed, layer_number=1)(q, q, q, packed_seq_params=layout)
+    assert chosen == ["fused"] and len(varlen) == 2
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="--attention-backend local is not supported .* use "
                                          "--attention-backend unfused"):
         arguments.check_command_line([*BASE, "--attention-backend", "local"])
@@ -140,12 +149,13 @@ def _namespace(backend, bf16=False):
     return argparse.Namespace(attention_backend=backend, bf16=bf16, fp16=False)
 
 
-def _sliced_run(dropout, seed):
+def _sliced_run(config, seed):
     """``(loss, q/k/v gradients)`` of a 20-token document cut in three slices, each later slice
     attending to the earlier ones' K/V through the store, the backward in reverse slice order
-    (as the elastic schedules run it), with attention dropout ``dropout`` drawn from ``seed``."""
+    (as the elastic schedules run it), with ``config``'s attention dropout drawn from
+    ``seed``."""
     torch.manual_seed(seed)
-    attn = DocumentAttention(_config(dropout=dropout, deterministic=True), layer_number=1)
+    attn = DocumentAttention(config, layer_number=1)
     attn.dropout_rng = contextlib.nullcontext
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(20, 1, HEADS, DIM, generator=g) for _ in range(3))
@@ -168,33 +178,33 @@ def _sliced_run(dropout, seed):
 
 @pytest.mark.parametrize("dropout", [0.1, 0.0])
 def test_deterministic_mode_repeats_losses_and_grads_bitwise(dropout, monkeypatch):
-    """``--deterministic-mode``: with Megatron-LM's own switch applied
-    (``apply_determinism_to_args``: its environment and ``torch.use_deterministic_algorithms``;
-    on megatron-core 0.17 ``validate_args`` calls the latter itself)
-    a sliced document with K/V context, under Megatron's default attention dropout (0.1: the
-    matrix-product kernel) and without (the CPU flash kernel), gives bitwise the same loss and
-    gradients on two runs from one seed (and another loss from another seed, with dropout);
-    flash-attn rows are asked for flash-attn's deterministic backward."""
+    """``--deterministic-mode`` as training parses it (Megatron-LM's ``validate_args`` applies
+    its own switch, ``apply_determinism_to_args``: its environment and
+    ``torch.use_deterministic_algorithms``; on megatron-core 0.17 ``validate_args`` calls the
+    latter itself): torch's deterministic algorithms are on and the model config asks for
+    determinism; a sliced document with K/V context, under Megatron's default attention dropout
+    (0.1: the matrix-product kernel) and without (the CPU flash kernel), gives bitwise the same
+    loss and gradients on two runs from one seed (and another loss from another seed, with
+    dropout); flash-attn rows are asked for flash-attn's deterministic backward."""
     try:
         from megatron.training import determinism
-    except ImportError:  # megatron-core 0.17: validate_args switches torch's algorithms itself
+    except ImportError:  # megatron-core 0.17: no environment of its own
         determinism = None
     for name in getattr(determinism, "DETERMINISM_ENV_VAR_DEFAULTS", ()):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # restored (or removed again) after the test
+        monkeypatch.delenv(name)
     before = torch.are_deterministic_algorithms_enabled()
     try:
-        if determinism is None:
-            torch.use_deterministic_algorithms(True)
-        else:
-            determinism.apply_determinism_to_args(
-                argparse.Namespace(cross_entropy_loss_fusion=False, tp_comm_overlap=False))
-        assert torch.are_deterministic_algorithms_enabled()
-        loss, grads = _sliced_run(dropout, seed=5)
-        again, grads_again = _sliced_run(dropout, seed=5)
+        torch.use_deterministic_algorithms(False)
+        config = _parsed_config(monkeypatch, "--deterministic-mode",
+                                "--attention-dropout", str(dropout))
+        assert torch.are_deterministic_algorithms_enabled() and config.deterministic_mode
+        loss, grads = _sliced_run(config, seed=5)
+        again, grads_again = _sliced_run(config, seed=5)
         assert torch.equal(loss, again)
         assert all(torch.equal(a, b) for a, b in zip(grads, grads_again))
         if dropout:
-            assert not torch.equal(loss, _sliced_run(dropout, seed=6)[0])
+            assert not torch.equal(loss, _sliced_run(config, seed=6)[0])
 
         varlen = []
         monkeypatch.setattr(attention, "flash_usable", lambda x: True)
@@ -202,7 +212,9 @@ def test_deterministic_mode_repeats_losses_and_grads_bitwise(dropout, monkeypatc
                             lambda q, *args, **kwargs: varlen.append(kwargs)
                             or torch.zeros_like(q))
         q = torch.randn(6, 1, HEADS, DIM)
-        DocumentAttention(_config(deterministic=True), layer_number=1)(q, q, q)
+        flash = DocumentAttention(config, layer_number=1)
+        flash.dropout_rng = contextlib.nullcontext
+        flash(q, q, q)
         torch.use_deterministic_algorithms(False)
         DocumentAttention(_config(), layer_number=1)(q, q, q)
         assert [call["deterministic"] for call in varlen] == [True, False]
