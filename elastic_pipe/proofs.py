@@ -25,8 +25,8 @@ from megatron.plugin.option_classes import (
 #: are proved by each one's base layout).
 _PLANNER = {
     **each(("elastic_reserved_gb", "elastic_solver_time_limit"), PLANNER_KNOBS),
-    "elastic_min_slice_tokens": "tests/e2e/test_pretrain.py::"
-                                "test_elastic_plans_predict_the_measured_activation_peaks",
+    "elastic_min_slice_tokens": "tests/unit/test_schedule_options.py::"
+                                "test_the_smallest_slice_lets_the_planner_cut_finer",
     "elastic_refit_interval": "tests/e2e/test_pretrain.py::"
                               "test_elastic_trains_like_1f1b_and_leaks_nothing",
     "hardware_profile": "tests/unit/test_schedule_options.py::"

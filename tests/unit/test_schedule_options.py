@@ -464,6 +464,35 @@ def test_the_hardware_profile_prices_the_plan(schedule, monkeypatch):
         != predicted(load_profile("a800"))
 
 
+@pytest.mark.parametrize("schedule", ["elastic", "seq1f1b"])
+def test_the_smallest_slice_lets_the_planner_cut_finer(schedule, monkeypatch):
+    """``--elastic-min-slice-tokens 256``: the automatic slice count goes down to first slices
+    of 256 tokens, so the plan training runs cuts a 4000-token document into slices that fit
+    18 MB a GPU, no more of them than 256-token slices allow; at the default 4096 the document
+    cannot be cut and no plan fits that budget."""
+    from elastic_pipe.flags import scheduler_config
+    from elastic_pipe.planning import plan_schedule
+    from longctx.cost_model import GB
+    from longctx.job_costs import cost_model_from_args
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    lengths, budget = (4000, 100, 50), 0.018
+
+    def planned(*flags):
+        args = arguments.parse([*BASE, "--pipeline-schedule", schedule, "--elastic-memory-gb",
+                                str(budget), "--elastic-reserved-gb", "0", *flags])
+        cost = cost_model_from_args(args, 256, args.elastic_memory_gb, args.elastic_reserved_gb)
+        return plan_schedule(lengths, schedule, cost.model, cost.hardware, cost.parallel,
+                             scheduler_config(args))
+
+    plan = planned("--elastic-min-slice-tokens", "256")
+    slices = [piece for chunk in plan.chunks() for piece in chunk.pieces if piece.doc == 0]
+    assert 1 < len(slices) <= lengths[0] // 256
+    assert max(plan.peak_memory_bytes) <= budget * GB
+    with pytest.raises(ValueError, match=r"no (plan|fixed chunk size) fits 0\.018 GB"):
+        planned()
+
+
 _FULL_UNIFORM = ["--recompute-granularity", "full", "--recompute-method", "uniform",
                  "--recompute-num-layers", "1"]
 #: What each schedule's refusal of --recompute-activations names instead.
