@@ -210,21 +210,41 @@ def test_only_defaults_are_honoured_without_a_proof():
             assert honoured.values == (default,), dest
 
 
-def test_planner_flags_reach_the_planner(monkeypatch):
+@pytest.mark.parametrize("schedule", ["elastic", "seq1f1b"])
+def test_planner_flags_reach_the_planner(schedule, monkeypatch):
+    """``--elastic-solver-time-limit`` is the solver's limit per candidate pipeline, and
+    ``--elastic-reserved-gb`` the part of ``--elastic-memory-gb`` never planned for: with 8 of
+    26 MB reserved, the plan training runs (its cost model as ``elastic_pipe.run_costs`` builds
+    it) cuts a 4000-token document so that what it holds fits the other 18 MB, where the
+    whole budget keeps the document whole and holds more than 18 MB."""
     from elastic_pipe.flags import scheduler_config
+    from elastic_pipe.planning import plan_schedule
+    from longctx.cost_model import GB
     from longctx.job_costs import cost_model_from_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    args = arguments.parse([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
-                            "--pipeline-schedule", "elastic", "--elastic-solver-time-limit",
-                            "0.5", "--elastic-reserved-gb", "0.25", "--elastic-memory-gb", "8"])
+    lengths, budget, reserved = (4000, 100, 50), 0.026, 0.008
+
+    def planned(*flags):
+        args = arguments.parse([*TINY_MODEL, "--pipeline-model-parallel-size", "2",
+                                "--pipeline-schedule", schedule, "--elastic-min-slice-tokens",
+                                "256", "--elastic-memory-gb", str(budget), *flags])
+        cost = cost_model_from_args(args, 256, args.elastic_memory_gb, args.elastic_reserved_gb)
+        plan = plan_schedule(lengths, schedule, cost.model, cost.hardware, cost.parallel,
+                             scheduler_config(args))
+        held = max(plan.peak_memory_bytes) - cost.parallel.reserved_gb * GB
+        return args, plan, held
+
+    args, plan, held = planned("--elastic-solver-time-limit", "0.5",
+                               "--elastic-reserved-gb", str(reserved))
     assert scheduler_config(args).solver_time_limit == 0.5
     # Megatron's micro-batches, the planners' candidate for documents that fit (#26)
     chunking = scheduler_config(args).chunking
     assert (chunking.seq_length, chunking.micro_batch_size) == \
         (args.seq_length, args.micro_batch_size)
-    cost = cost_model_from_args(args, 256, args.elastic_memory_gb, args.elastic_reserved_gb)
-    assert cost.parallel.reserved_gb == 0.25
+    _, whole, whole_held = planned("--elastic-reserved-gb", "0")
+    assert whole_held > (budget - reserved) * GB >= held
+    assert max(p.num_slices for p in plan.pipelines) > max(p.num_slices for p in whole.pipelines)
 
 
 def test_log_throughput_needs_megatrons_lengths(monkeypatch):
