@@ -328,7 +328,9 @@ HONOURED: dict[str, Honoured] = {
               "dispatcher, runs then), or pass allgather or alltoall under 1f1b, "
               "interleaved or 1f1b-ir",
         values=("allgather", "alltoall")),
-    **{name: Honoured({"interleaved": "golden:pp2_vp2_gqa_interleaved", **_EXAMPLES}, _NO_TEST)
+    # 4 heads in 2 K/V groups: the rope variant's model shape under Megatron's 1F1B.
+    **{name: Honoured({"interleaved": "golden:pp2_vp2_gqa_interleaved",
+                       **each(("default", "1f1b"), "golden:pp2_dp2")}, _NO_TEST)
        for name in GROUPED_QUERIES},
     # Megatron's fused cross entropy (``--cross-entropy-loss-fusion``), proved by Llama-3's
     # example, which passes it: every schedule reaches it through Megatron's ``forward_step``
