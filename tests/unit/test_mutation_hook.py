@@ -24,24 +24,30 @@ def with_golden_mode(parser):
     return parser
 
 
-argv = json.loads(sys.argv[1])
+argv, dest = json.loads(sys.argv[1]), sys.argv[2]
 under_test = arguments.parse(argv)
 with arguments.command_line([*argv, "--golden-mode", "reference"]):
     reference = parse_args(with_golden_mode)
-print(json.dumps([under_test.hidden_dropout, reference.hidden_dropout]))
+print(json.dumps([repr(getattr(under_test, dest)), repr(getattr(reference, dest))]))
 """
 
 
-def test_the_option_is_reset_in_the_run_and_kept_in_the_reference():
+@pytest.mark.parametrize("flags,dest,mutation,reset", [
+    (["--hidden-dropout", "0.25"], "hidden_dropout", "0.0", ("0.0", "0.25")),
+    # An enumeration's member, named by the JSON string.
+    (["--attention-backend", "unfused"], "attention_backend", '"auto"',
+     ("<AttnBackend.auto: 5>", "<AttnBackend.unfused: 3>")),
+])
+def test_the_option_is_reset_in_the_run_and_kept_in_the_reference(flags, dest, mutation, reset):
     argv = [*TINY_MODEL, "--pipeline-model-parallel-size", "2", "--pipeline-schedule", "1f1b",
-            "--hidden-dropout", "0.25"]
+            *flags]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([HOOK, python_path()]), WORLD_SIZE="2",
-               LONGCTX_MUTATE="hidden_dropout=0.0")
-    result = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv)], cwd=REPO, env=env,
-                            capture_output=True, text=True, timeout=300)
+               LONGCTX_MUTATE=f"{dest}={mutation}")
+    result = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(argv), dest], cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert json.loads(result.stdout.strip().splitlines()[-1]) == [0.0, 0.25]
-    assert "mutation: hidden_dropout reset from 0.25 to 0.0" in result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == list(reset)
+    assert f"mutation: {dest} reset from {reset[1]} to {reset[0]}" in result.stderr
 
 
 def test_a_proof_at_the_no_effect_value_is_not_caught_without_running():
@@ -52,6 +58,7 @@ def test_a_proof_at_the_no_effect_value_is_not_caught_without_running():
                                  timeout=1)
     assert entry["verdict"] == "NOT CAUGHT (no-effect value)", entry
     assert mutation_check.no_effect_value("swiglu") is False
+    assert mutation_check.no_effect_value("attention_backend") == "auto"
 
 
 def test_the_shares_of_the_cells_cover_each_once():
