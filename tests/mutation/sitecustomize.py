@@ -44,7 +44,9 @@ def _resetting(parse_args, dest, value):
         if getattr(parsed, "golden_mode", None) in _KEPT:
             return parsed
         if not hasattr(parsed, dest):
-            raise SystemExit(f"LONGCTX_MUTATE: the parser has no option {dest!r}")
+            # A parse without the training script's groups (Megatron-LM's fault-tolerance setup
+            # parses its own flags only, ignoring the others): nothing to reset there.
+            return parsed
         given = getattr(parsed, dest)
         reset = type(given)[value] if isinstance(given, enum.Enum) else value
         log.warning("mutation: %s reset from %r to %r", dest, given, reset)

@@ -72,3 +72,18 @@ def test_the_shares_of_the_cells_cover_each_once():
     for spec in ("0/5", "6/5", "2", "a/b"):
         with pytest.raises(SystemExit, match=f"--shard {spec}: write I/N"):
             mutation_check.shard(cells, spec)
+
+
+def test_a_parse_without_the_option_is_left_alone():
+    """Megatron-LM's fault-tolerance setup parses its own flags only (``ft_integration.setup``,
+    before the training script's parse): the hook leaves that namespace as parsed, and the
+    run goes on to the parse that has the option."""
+    probe = ("from megatron.training.arguments import parse_args; "
+             "print(parse_args(ignore_unknown_args=True).num_layers)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HOOK, python_path()]),
+               LONGCTX_MUTATE="metrics_jsonl=null")
+    result = subprocess.run([sys.executable, "-c", probe, "--num-layers", "3", "--metrics-jsonl",
+                             "m.jsonl"], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == "3"
