@@ -6,9 +6,11 @@ ranks included). Nothing happens unless ``LONGCTX_MUTATE`` is set.
 time Megatron-LM's ``parse_args`` returns, before ``validate_args`` derives anything from it,
 ``args.DEST`` is set to the JSON value, so the process runs as if the option had been left at
 that value while every other flag is as given (a string names the member where the parsed
-value is an enumeration's, as ``--attention-backend``'s). A golden launch's ``init`` and ``reference``
-modes (``tests/distributed/golden_run.py``: the initial weights and the single-process
-reference) keep the option: only the process under test loses it. Each reset is logged.
+value is an enumeration's, as ``--attention-backend``'s). A golden launch's ``init`` and
+``reference`` modes (``tests/distributed/golden_run.py``: the initial weights and the
+single-process reference) keep the option: only the process under test loses it. A parse
+without the option (Megatron-LM's ``pretrain`` first parses its own flags for its
+fault-tolerance setup, ignoring the others) is left as parsed. Each reset is logged.
 """
 import enum
 import importlib.abc
