@@ -399,13 +399,10 @@ HONOURED: dict[str, Honoured] = {
                                         "plain_gpt"},
         _NO_TEST),
     # The document attention's kernels (megatron/plugin/layers/attention_kernels.py), the
-    # same under every schedule: their softmax is fp32 whatever the inputs (so Megatron's query-key
-    # layer scaling is the identity), --attention-backend picks the kernel (``local`` is
-    # refused: Megatron-LM takes it only with --spec local), and under --deterministic-mode
-    # (torch's deterministic algorithms) they run deterministic backwards.
-    **{name: Honoured({"*": ATTENTION_FLAGS + "test_softmax_is_fp32_for_half_precision_inputs"},
-                      "") for name in ("attention_softmax_in_fp32",
-                                       "apply_query_key_layer_scaling")},
+    # same under every schedule: --attention-backend picks the kernel (``local`` is refused:
+    # Megatron-LM takes it only with --spec local), and under --deterministic-mode (torch's
+    # deterministic algorithms) they run deterministic backwards. Their softmax is fp32
+    # whatever the inputs: :data:`SOFTMAX_IN_FP32`.
     "attention_backend": Honoured(
         {"*": ATTENTION_FLAGS + "test_attention_backend_picks_the_kernel"},
         "Megatron-LM takes --attention-backend local only with --spec local (its legacy layer "
@@ -468,6 +465,18 @@ _DATA = ("the document batches read --data-path with --split, whole documents, "
 #: the flag).
 FUSIONS = _names("""
     bias_dropout_fusion bias_gelu_fusion bias_swiglu_fusion gradient_accumulation_fusion
+""")
+
+#: Megatron's switches of where its unfused softmax is computed: the document attention's
+#: kernels compute the scores and their softmax in fp32 whatever the inputs, as Megatron's
+#: flash and fused kernels do, so ``--attention-softmax-in-fp32`` is what always runs and
+#: ``--apply-query-key-layer-scaling`` (a division by the layer number before a half-precision
+#: product, undone inside the fp32 softmax) is the identity. No number depends on them; where
+#: Megatron-LM would compute a half-precision softmax (``--attention-backend unfused`` under
+#: ``--bf16``/``--fp16`` without ``--attention-softmax-in-fp32``), start-up says that fp32 runs
+#: instead (:data:`megatron.plugin.substitutions.CORE`).
+SOFTMAX_IN_FP32 = _names("""
+    apply_query_key_layer_scaling attention_softmax_in_fp32
 """)
 
 #: Read by none of the model, attention or schedule code: Megatron-LM's loop honours them the
@@ -560,7 +569,7 @@ INERT = _names("""
     use_pytorch_profiler use_sharp use_tokenizer_model_from_checkpoint_args verify_integrity
     vocab_extra_ids vocab_file wandb_entity wandb_exp_name wandb_project wandb_save_dir
     warmup weight_decay weight_decay_incr_style
-""") | FUSIONS
+""") | FUSIONS | SOFTMAX_IN_FP32
 
 
 #: What Megatron's full recomputation takes, for the refusals that point to it.

@@ -131,6 +131,17 @@ def _layer_scaling(args) -> str:
             "by the layer number around a half-precision product is the identity: nothing runs")
 
 
+def _half_softmax_named(args) -> bool:
+    return (_backend(args) == "unfused" and bool(args.bf16 or args.fp16)
+            and not args.attention_softmax_in_fp32)
+
+
+def _fp32_softmax(args) -> str:
+    return (f"--attention-backend unfused under --{'bf16' if args.bf16 else 'fp16'} without "
+            f"--attention-softmax-in-fp32: the document attention computes the softmax in fp32 "
+            f"(Megatron-LM's unfused attention would compute it in half precision)")
+
+
 #: The records of what every schedule shares.
 CORE = (
     Substitution("--cp-comm-type", _ring_named, _ulysses),
@@ -147,4 +158,5 @@ CORE = (
                  _grad_reduce_in_bf16),
     Substitution("--apply-query-key-layer-scaling",
                  lambda args: bool(args.apply_query_key_layer_scaling), _layer_scaling),
+    Substitution("--attention-backend", _half_softmax_named, _fp32_softmax),
 )

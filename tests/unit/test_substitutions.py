@@ -40,8 +40,17 @@ def _without(model, flags) -> list:
     return kept
 
 
+def _args(world, flags):
+    """``flags`` parsed; ``--bf16`` (refused without CUDA at parsing) is set on the parsed
+    arguments instead, as a machine with CUDA would parse it."""
+    args = _parsed(world, tuple(flag for flag in flags if flag != "--bf16"))
+    if "--bf16" in flags:
+        args = argparse.Namespace(**{**vars(args), "bf16": True})  # _parsed's is cached
+    return args
+
+
 def _lines(world, flags, cuda):
-    args = _parsed(world, tuple(flags))
+    args = _args(world, flags)
     spec = registry.spec(args.pipeline_schedule)
     return substitutions.lines(args, spec.substitutions if spec else (), cuda=cuda)
 
@@ -80,6 +89,10 @@ SAID = {
     "layer_scaling": (2, ["--apply-query-key-layer-scaling"], True,
                       "--apply-query-key-layer-scaling: the document attention's kernels "
                       "compute the scores and their softmax in fp32"),
+    "half_softmax_unfused": (2, ["--attention-backend", "unfused", "--bf16"], True,
+                             "--attention-backend unfused under --bf16 without "
+                             "--attention-softmax-in-fp32: the document attention computes the "
+                             "softmax in fp32"),
     "recompute_as_plan_elastic": (2, ["--pipeline-schedule", "elastic", *FULL], False,
                                   "--recompute-granularity full --recompute-method block "
                                   "--recompute-num-layers 1 under --pipeline-schedule elastic: "
@@ -101,6 +114,8 @@ SILENT = {
     "cp_comm_without_cp": (2, ["--cp-comm-type", "p2p"], False),
     "flash_on_cuda": (2, ["--attention-backend", "flash"], True),
     "unfused_on_cpu": (2, ["--attention-backend", "unfused"], False),
+    "unfused_softmax_in_fp32": (2, ["--attention-backend", "unfused", "--bf16",
+                                    "--attention-softmax-in-fp32"], True),
     "empty_cache_on_cuda": (2, ["--empty-unused-memory-level", "1"], True),
     "memory_report_on_cuda": (2, ["--log-memory-interval", "2", "--log-interval", "1"], True),
     "aux_loss_per_micro_batch": (2, ["--pipeline-schedule", "1f1b", *MOE], False),
@@ -136,7 +151,7 @@ def test_every_record_has_a_case_that_says_it():
         records |= set(spec.substitutions)
     said = set()
     for world, flags, cuda, _ in SAID.values():
-        args = _parsed(world, tuple(flags))
+        args = _args(world, flags)
         spec = registry.spec(args.pipeline_schedule)
         said |= {record for record in (*substitutions.CORE, *(spec.substitutions if spec else ()))
                  if record.device in (None, "cuda" if cuda else "cpu") and record.applies(args)}
