@@ -188,8 +188,9 @@ def test_deterministic_mode_repeats_losses_and_grads_bitwise(dropout, monkeypatc
     dropout); flash-attn rows are asked for flash-attn's deterministic backward."""
     try:
         from megatron.training import determinism
-    except ImportError:  # megatron-core 0.17: no environment of its own
-        determinism = None
+    except ImportError:  # megatron-core 0.17: no environment of its own; its validate_args
+        determinism = None  # requires the user's NCCL_ALGO to be a deterministic choice
+        monkeypatch.setenv("NCCL_ALGO", "Ring")
     for name in getattr(determinism, "DETERMINISM_ENV_VAR_DEFAULTS", ()):
         monkeypatch.setenv(name, "")  # restored (or removed again) after the test
         monkeypatch.delenv(name)

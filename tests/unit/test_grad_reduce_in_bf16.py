@@ -25,15 +25,33 @@ def _parsed(monkeypatch, *flags):
                                 "--pipeline-schedule", "1f1b", "--bf16", *flags])
 
 
+def _ddp_config(args):
+    """Megatron-LM's DDP config from ``args``: ``get_megatron_ddp_config`` (megatron-core 0.18
+    on); megatron-core 0.17 builds it inside ``get_model`` the same way (the fields ``args``
+    has, ``grad_reduce_in_fp32`` from ``accumulate_allreduce_grads_in_fp32``)."""
+    try:
+        from megatron.training.training import get_megatron_ddp_config
+    except ImportError:
+        import dataclasses
+
+        from megatron.core.distributed import DistributedDataParallelConfig
+
+        fields = {f.name: getattr(args, f.name)
+                  for f in dataclasses.fields(DistributedDataParallelConfig)
+                  if hasattr(args, f.name)}
+        return DistributedDataParallelConfig(
+            **{**fields, "grad_reduce_in_fp32": args.accumulate_allreduce_grads_in_fp32})
+    return get_megatron_ddp_config(args)
+
+
 def _step(args, inputs):
     """``main_grad`` of a bf16 linear under Megatron's DDP from ``args`` after one step over
     ``inputs`` (gradient sync off but for the last), and each backward's gradient of it."""
     from megatron.core.distributed import DistributedDataParallel
-    from megatron.training.training import get_megatron_ddp_config
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(16, 8, bias=False).to(torch.bfloat16)
-    ddp = DistributedDataParallel(model.model_config(args), get_megatron_ddp_config(args),
+    ddp = DistributedDataParallel(model.model_config(args), _ddp_config(args),
                                   linear)
     each = []
     ddp.module.weight.register_hook(lambda grad: each.append(grad.clone()))
