@@ -174,6 +174,16 @@ def profile(path: str, options) -> None:
                    env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO))
 
 
+def measured_profile(options, scratch: str) -> str:
+    """``--profile``, or a profile of this machine measured now into ``scratch``."""
+    if options.profile is not None:
+        return options.profile
+    path = os.path.join(scratch, "profile.json")
+    print("measuring the layer on this machine (scripts/profile_costs.py) ...", flush=True)
+    profile(path, options)
+    return path
+
+
 def sweep(options) -> int:
     """``--sweep`` (scripts/_sweep.py): one launch per pipeline size, one profile for both."""
     import _sweep
@@ -182,12 +192,7 @@ def sweep(options) -> int:
     sizes = {"pp1": 1, "pp2": 2}
     runs = {}
     with tempfile.TemporaryDirectory() as scratch:
-        path = options.profile
-        if path is None:
-            path = os.path.join(scratch, "profile.json")
-            print("measuring the layer on this machine (scripts/profile_costs.py) ...",
-                  flush=True)
-            profile(path, options)
+        path = measured_profile(options, scratch)
         with open(path) as f:
             fit = json.load(f)
         if options.save_profile:
@@ -260,12 +265,7 @@ def main() -> int:
         return sweep(options)
     options.global_batch_size = options.global_batch_size or 8
     with tempfile.TemporaryDirectory() as scratch:
-        path = options.profile
-        if path is None:
-            path = os.path.join(scratch, "profile.json")
-            print("measuring the layer on this machine (scripts/profile_costs.py) ...",
-                  flush=True)
-            profile(path, options)
+        path = measured_profile(options, scratch)
         out = run_workers(__file__, model_flags(options, path), 29561,
                           BENCH_ITERS=str(options.iters), BENCH_REFIT=str(int(options.refit)))
         report = out["schedules"]
