@@ -316,8 +316,8 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", choices=("fidelity", "compare"),
                         default=("fidelity", "compare"))
     parser.add_argument("--cells", nargs="+", type=parse_cell, default=list(CELLS))
-    parser.add_argument("--workloads", nargs="+", default=["github-like", "wikipedia",
-                                                            "lognormal"])
+    parser.add_argument("--workloads", nargs="+", choices=("github-like", "wikipedia", "lognormal"),
+                        default=["github-like", "wikipedia", "lognormal"])
     parser.add_argument("--wikipedia", default=WIKIPEDIA,
                         help="the Wikipedia document lengths, one a line (default: %(default)s)")
     parser.add_argument("--elastic-layouts", nargs="+", type=parse_layout, default=[(4, 8)],
@@ -329,6 +329,10 @@ def main(argv=None) -> int:
                         help="render earlier runs' JSON (each its tables, in turn) instead of "
                              "running")
     options = parser.parse_args(argv)
+    if ("compare" in options.only and "wikipedia" in options.workloads and not options.from_json
+            and not os.path.isfile(options.wikipedia)):
+        parser.error(f"--wikipedia {options.wikipedia}: no such file; give the Wikipedia "
+                     f"document lengths (one a line) or leave wikipedia out of --workloads")
     if options.from_json:
         texts = []
         for path in options.from_json:
